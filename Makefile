@@ -1,0 +1,39 @@
+# k3serve — setup, serve, test. Each target installs whatever is missing first.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+APT_PKGS := libibverbs1 librdmacm1 libnuma1
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install sysdeps serve test bench clean
+
+sysdeps:
+	@missing=""; for p in $(APT_PKGS); do \
+	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  SUDO=""; [ "$$(id -u)" -ne 0 ] && SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[cpu,dev]'
+	@touch $@
+
+install: sysdeps $(VENV)/.installed
+
+serve: install
+	$(VENV)/bin/k3serve serve --host $(HOST) --port $(PORT)
+
+test: install
+	$(PY) -m pytest -q -ra tests
+
+bench: install
+	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info
