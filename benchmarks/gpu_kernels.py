@@ -1,0 +1,271 @@
+"""GPU kernel benchmark: our Triton KDA / MLA kernels vs fla-core vs the roofline.
+
+Rows:
+* prefill — chunked KDA forward, B=1, T ∈ {8k, 32k}, H ∈ {12, 16, 32}, K = V = 128, bf16, with an
+  initial state and the final state out. ``ours`` takes a precomputed g; ``ours-k3`` fuses K3's
+  bounded gate. fla: ``chunk_kda`` (g given) and its K3 mode (``use_gate_in_kernel``,
+  ``safe_gate``, ``lower_bound=-5``).
+* decode — one KDA step for N ∈ {64, 256} sequences over a state pool (H=32, K=V=128),
+  in place by slots; fla: ``fused_recurrent_kda_fwd`` with ``ssm_state_indices`` (in place).
+* mla — absorbed MLA decode, N ∈ {64, 256} × context ∈ {4k, 32k}, 16 heads, D = 512 + 64, pages of 64.
+
+Roofline: ``max(bytes / copy_bw, flops / mm_rate)`` with the copy bandwidth (read + write bytes
+of a 2 GiB device copy) and the bf16 matmul rate (8192³) measured here. Bytes are the minimum
+each op must move (inputs once, outputs once); decode counts state read + write; MLA counts
+latents once per head block. ``bw%`` = bytes / time / copy_bw.
+
+Usage: ``python benchmarks/gpu_kernels.py [--out DIR] [--quick]`` (prints one table last; on a
+machine without CUDA it says so and exits 0). Pass marks: prefill ≥ 0.5× fla ``chunk_kda``;
+decode ≥ 0.6 of copy bandwidth; MLA decode ≥ 0.5 of copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+T0 = time.time()
+BUDGET_S = float(os.environ.get("K3SERVE_BENCH_BUDGET_S", "240"))  # no new prefill rows after this
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def bench(fn, warmup=10, rep=50) -> float:
+    """Median milliseconds (triton.testing.do_bench, CUDA events)."""
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def ceilings() -> tuple[float, float]:
+    n = 1 << 30  # 1 GiB bf16 each way
+    x = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    ms = bench(lambda: y.copy_(x), rep=100)
+    bw = 2 * n / (ms * 1e-3)
+    del x, y
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = bench(lambda: a @ b, rep=100)
+    rate = 2 * 8192**3 / (ms * 1e-3)
+    return bw, rate
+
+
+def kda_prefill_inputs(T, H, K=128, V=128, seed=0):
+    g_ = torch.Generator(device="cuda").manual_seed(seed)
+    rn = lambda *s: torch.randn(*s, device="cuda", generator=g_)  # noqa: E731
+    from k3serve.kernels.kda import kda_gate
+
+    q = torch.nn.functional.normalize(rn(1, T, H, K), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(rn(1, T, H, K), dim=-1).bfloat16()
+    v = rn(1, T, H, V).bfloat16()
+    f = rn(1, T, H, K).bfloat16()
+    A_log = 0.3 * rn(H)
+    dt_bias = rn(H * K)
+    g = kda_gate(f, A_log, dt_bias, -5.0)  # fp32
+    beta = torch.rand(1, T, H, device="cuda", generator=g_).bfloat16()
+    h0 = rn(1, H, K, V)
+    return q, k, v, g, f, A_log, dt_bias, beta, h0
+
+
+def prefill_rows(rows, bw, rate, fla, quick):
+    from k3serve.kernels.kda.chunk_triton import chunk_kda_triton
+
+    Ts = [8192] if quick else [8192, 32768]
+    Hs = [16] if quick else [12, 16, 32]
+    for T in Ts:
+        for H in Hs:
+            if time.time() - T0 > BUDGET_S:
+                log(f"prefill T={T} H={H}: skipped (time budget)")
+                continue
+            K = V = 128
+            q, k, v, g, f, A_log, dt_bias, beta, h0 = kda_prefill_inputs(T, H)
+            C = 64
+            flops = T * H * (4 * C * K + 2 * C * (K + V) + 6 * K * V + 2 * C * V)
+            io = T * H * (2 * K * 2 + 2 * V * 2 + 2) + 2 * H * K * V * 4  # q,k,v,o bf16 + β + states
+            b_g = io + T * H * K * 4  # g in fp32
+            b_f = io + T * H * K * 2  # raw f in bf16 (gate fused)
+            roof_g = max(b_g / bw, flops / rate) * 1e3
+            roof_f = max(b_f / bw, flops / rate) * 1e3
+            with torch.inference_mode():
+                o, s = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                t_ours = bench(lambda: chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True))
+                t_k3 = bench(lambda: chunk_kda_triton(
+                    q, k, v, f, beta, initial_state=h0, output_final_state=True,
+                    A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0))  # fmt: skip
+                t_fla = t_fla_k3 = float("nan")
+                err = float("nan")
+                if fla is not None:
+                    try:
+                        fo, fs = fla.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                        err = ((o.float() - fo.float()).abs().max() / fo.float().abs().max()).item()
+                        t_fla = bench(lambda: fla.chunk_kda(q, k, v, g, beta, initial_state=h0,
+                                                            output_final_state=True))  # fmt: skip
+                        t_fla_k3 = bench(lambda: fla.chunk_kda(
+                            q, k, v, f, beta, initial_state=h0, output_final_state=True,
+                            use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0,
+                            A_log=A_log, dt_bias=dt_bias))  # fmt: skip
+                    except Exception as e:  # report, keep going
+                        log(f"fla prefill T={T} H={H} failed: {e!r}")
+            shape = f"T={T // 1024}k H={H}"
+            rows.append(("prefill", shape, "ours", t_ours, t_fla, roof_g, b_g / (t_ours * 1e-3) / bw,
+                         f"fla/ours={t_fla / t_ours:.2f} err_vs_fla={err:.1e}"))  # fmt: skip
+            rows.append(("prefill", shape, "ours-k3", t_k3, t_fla_k3, roof_f, b_f / (t_k3 * 1e-3) / bw,
+                         f"fla-k3/ours-k3={t_fla_k3 / t_k3:.2f}"))  # fmt: skip
+            log(rows[-2], rows[-1])
+            del q, k, v, g, f, beta, h0, o, s
+            torch.cuda.empty_cache()
+
+
+def decode_rows(rows, bw, fla, quick):
+    from k3serve.kernels.kda.recurrent_triton import causal_conv_step_triton, fused_recurrent_kda_step_triton
+
+    H, K, V = 32, 128, 128
+    for N in [64, 256]:
+        S = 2 * N + 7
+        gen = torch.Generator(device="cuda").manual_seed(N)
+        rn = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+        q = torch.nn.functional.normalize(rn(N, H, K), dim=-1).bfloat16()
+        k = torch.nn.functional.normalize(rn(N, H, K), dim=-1).bfloat16()
+        v = rn(N, H, V).bfloat16()
+        g = -torch.rand(N, H, K, device="cuda", generator=gen) * 0.1
+        beta = torch.rand(N, H, device="cuda", generator=gen).bfloat16()
+        pool = rn(S, H, K, V) * 0.1
+        slots = torch.randperm(S, device="cuda", generator=gen)[:N]
+        nbytes = 2 * N * H * K * V * 4
+        best = None
+        for bv, nw in [(16, 2), (32, 4), (64, 4), (64, 8), (128, 8)]:
+            t = bench(lambda: fused_recurrent_kda_step_triton(q, k, v, g, beta, pool, slots,
+                                                              block_v=bv, num_warps=nw))  # fmt: skip
+            log(f"decode N={N} BV={bv} warps={nw}: {t * 1e3:.1f} us")
+            if best is None or t < best[0]:
+                best = (t, bv, nw)
+        t_fla = float("nan")
+        if fla is not None:
+            try:
+                cu = torch.arange(N + 1, device="cuda", dtype=torch.long)
+                fla_fn = lambda: fla.fused_recurrent_kda_fwd(  # noqa: E731
+                    q[None], k[None], v[None], g[None], beta[None], initial_state=pool,
+                    inplace_final_state=True, cu_seqlens=cu, ssm_state_indices=slots)
+                fla_fn()
+                t_fla = bench(fla_fn)
+            except Exception as e:
+                log(f"fla decode failed: {e!r}")
+        t, bv, nw = best
+        rows.append(("decode", f"N={N} H={H}", "ours", t, t_fla, nbytes / bw * 1e3, nbytes / (t * 1e-3) / bw,
+                     f"BV={bv} warps={nw} fla/ours={t_fla / t:.2f}"))  # fmt: skip
+        log(rows[-1])
+        # adjacent conv step (channels q|k|v, kernel 4)
+        Cc, W = 3 * H * K, 4
+        x = rn(N, Cc).bfloat16()
+        cpool = rn(S, W - 1, Cc).bfloat16()
+        wgt = rn(Cc, W).bfloat16()
+        t_c = bench(lambda: causal_conv_step_triton(x, cpool, wgt, slots))
+        cb = N * Cc * 2 * (1 + 1 + 2 * (W - 1))
+        rows.append(("conv", f"N={N} C={Cc}", "ours", t_c, float("nan"), cb / bw * 1e3, cb / (t_c * 1e-3) / bw, ""))
+        log(rows[-1])
+
+
+def mla_rows(rows, bw, quick):
+    from k3serve.kernels.mla.decode_triton import mla_decode_absorbed_paged_triton
+
+    H, DC, DR, PAGE = 16, 512, 64, 64
+    D = DC + DR
+    for N in [64, 256]:
+        for L in [4096, 32768]:
+            if quick and L > 4096:
+                continue
+            nblk = L // PAGE
+            P = N * nblk
+            gen = torch.Generator(device="cuda").manual_seed(L + N)
+            pool = torch.randn(P, PAGE, D, device="cuda", generator=gen).bfloat16()
+            bt = torch.randperm(P, device="cuda", generator=gen).view(N, nblk)
+            lens = torch.full((N,), L, device="cuda", dtype=torch.int64)
+            q = torch.randn(N, H, D, device="cuda", generator=gen).bfloat16()
+            nbytes = N * L * D * 2
+            best = None
+            for bn, nw, ns in [(32, 4, 2), (64, 4, 2), (32, 8, 3), (64, 8, 2)]:
+                try:
+                    t = bench(lambda: mla_decode_absorbed_paged_triton(
+                        q, pool, bt, lens, DC, 192**-0.5, max_seq_len=L,
+                        block_n=bn, num_warps=nw, num_stages=ns))  # fmt: skip
+                except Exception as e:
+                    log(f"mla BN={bn} warps={nw} stages={ns} failed: {e!r}")
+                    continue
+                log(f"mla N={N} L={L} BN={bn} warps={nw} stages={ns}: {t * 1e3:.1f} us")
+                if best is None or t < best[0]:
+                    best = (t, bn, nw, ns)
+            t, bn, nw, ns = best
+            rows.append(("mla", f"N={N} L={L // 1024}k", "ours", t, float("nan"), nbytes / bw * 1e3,
+                         nbytes / (t * 1e-3) / bw, f"BN={bn} warps={nw} stages={ns}"))  # fmt: skip
+            log(rows[-1])
+            del pool
+            torch.cuda.empty_cache()
+
+
+def write_table(head: str, rows: list, out: str | None, final: bool) -> None:
+    lines = [head, "", "| op | shape | impl | ms | fla ms | roofline ms | bw frac | notes |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for op, shape, impl, t, tf, roof, frac, note in rows:
+        lines.append(f"| {op} | {shape} | {impl} | {t:.3f} | {tf:.3f} | {roof:.3f} | {frac:.2f} | {note} |")
+    table = "\n".join(lines)
+    if out:
+        with open(os.path.join(out, "table.md"), "w") as fh:
+            fh.write(table + "\n")
+    if final:
+        print("\n" + table, flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="prefill,decode,mla")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_kernels: no CUDA device here; nothing to measure (run it on the H200).")
+        return 0
+    try:
+        import fla.ops.kda as fla_kda
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+        fla_kda.fused_recurrent_kda_fwd = fused_recurrent_kda_fwd
+        fla = fla_kda
+    except Exception as e:
+        log(f"fla-core not importable: {e!r}")
+        fla = None
+    import triton
+
+    bw, rate = ceilings()
+    card = torch.cuda.get_device_name()
+    head = (f"card={card} torch={torch.__version__} triton={triton.__version__} "
+            f"copy_bw={bw / 1e12:.2f} TB/s bf16_mm={rate / 1e12:.0f} TFLOP/s")  # fmt: skip
+    log(head)
+    rows: list = []
+    parts = args.only.split(",")
+    try:
+        for name, fn in (("decode", lambda: decode_rows(rows, bw, fla, args.quick)),
+                         ("mla", lambda: mla_rows(rows, bw, args.quick)),
+                         ("prefill", lambda: prefill_rows(rows, bw, rate, fla, args.quick))):  # fmt: skip
+            if name in parts:
+                try:
+                    fn()
+                except Exception:
+                    log(traceback.format_exc())
+                write_table(head, rows, args.out, final=False)
+    finally:
+        write_table(head, rows, args.out, final=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,246 @@
+"""Incremental detokenization with stop-token, stop-string and length handling.
+
+Pure Python (no torch). One :class:`IncrementalDetokenizer` per choice of a request turns the
+stream of generated token ids into a stream of text pieces whose concatenation is the final
+output text, and says when the choice is finished and why.
+
+Two things must not leak into a streamed piece:
+
+* **Partial UTF-8.** A byte-level tokenizer can split one character over several tokens;
+  decoding a prefix of them gives U+FFFD. As in vLLM's ``detokenize_incrementally``, we decode
+  the window ``ids[prefix_offset:]`` and the already-emitted part ``ids[prefix_offset:
+  read_offset]`` and emit the difference only when it does not end in U+FFFD; otherwise the
+  tokens wait for the next one. At finish, whatever is left is flushed as decoded (an
+  unfinished character becomes U+FFFD), so the full text equals ``decode(output ids)``.
+* **The start of a stop string.** Text that could still grow into a stop string is held back
+  (only the longest suffix that is a proper prefix of some stop string — not a fixed
+  ``max_len - 1`` window). When a stop string completes, the text is cut before it (after it
+  with ``include_stop_str_in_output``) and the choice finishes with reason ``"stop"``.
+
+Token-level stops (EOS unless ``ignore_eos``, ``stop_token_ids``) finish with ``"stop"``; their
+text is left out unless ``include_stop_str_in_output`` (vLLM v1). Reaching ``max_tokens``
+finishes with ``"length"``. The stop token is still counted in :attr:`token_ids`.
+
+Text windows (``|`` = offsets into the decodable id list, ``^`` = offsets into the text)::
+
+    ids   : [ ........ | prefix_offset ... | read_offset ... new ids ]
+    text  : [ emitted ............ ^ emitted_len  held back ^ len(text) ]
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import NamedTuple, Protocol
+
+from k3serve.engine.sampling import SamplingParams
+
+_REPLACEMENT = "\ufffd"
+
+
+class TokenDecoder(Protocol):
+    """What the detokenizer needs from a tokenizer.
+
+    ``decode`` may also take a ``skip_special_tokens`` keyword (as ``k3serve.tokenizer``'s
+    tokenizers do); when it does, the detokenizer passes ``params.skip_special_tokens``.
+    """
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Decodes ``ids`` into text; invalid or incomplete UTF-8 becomes U+FFFD."""
+        ...
+
+
+def _bind_decode(tokenizer: TokenDecoder, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """``tokenizer.decode`` with ``skip_special_tokens`` bound when it takes that keyword."""
+    try:
+        takes_kw = "skip_special_tokens" in inspect.signature(tokenizer.decode).parameters
+    except (TypeError, ValueError):  # builtins / C extensions without a signature
+        takes_kw = False
+    if takes_kw:
+        return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    return tokenizer.decode
+
+
+class DetokOutput(NamedTuple):
+    """Result of feeding token(s) to the detokenizer.
+
+    Attributes:
+        new_text: Text to append to the output stream (may be empty).
+        finished: True once the choice is done; no more tokens may be fed.
+        finish_reason: ``"stop"`` or ``"length"`` when finished, else ``None``.
+    """
+
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+
+
+class IncrementalDetokenizer:
+    """Streams the text of one choice and detects its end.
+
+    Args:
+        tokenizer: Anything with ``decode(ids) -> str`` (:class:`TokenDecoder`).
+        params: The request's sampling parameters (stop, stop_token_ids, ignore_eos,
+            max_tokens, include_stop_str_in_output, skip_special_tokens are read).
+        eos_token_id: The model's EOS id, or ``None``.
+        special_token_ids: Ids dropped from the text when ``params.skip_special_tokens``
+            (needed only for a ``decode`` without a ``skip_special_tokens`` keyword).
+        max_tokens: Optional extra cap on generated tokens (e.g. what is left of the model's
+            length); the effective limit is the smaller of this and ``params.max_tokens``.
+
+    Mutates its own state on :meth:`step` / :meth:`update`; not thread-safe.
+    """
+
+    def __init__(
+        self,
+        tokenizer: TokenDecoder,
+        params: SamplingParams,
+        *,
+        eos_token_id: int | None = None,
+        special_token_ids: Collection[int] = (),
+        max_tokens: int | None = None,
+    ) -> None:
+        self._decode = _bind_decode(tokenizer, params.skip_special_tokens)
+        self._params = params
+        self._stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if eos_token_id is None or params.ignore_eos else {eos_token_id}
+        )
+        self._skip = frozenset(special_token_ids) if params.skip_special_tokens else frozenset()
+        limits = [m for m in (params.max_tokens, max_tokens) if m is not None]
+        self._max_tokens = min(limits) if limits else None
+        self._stops = params.stop
+        self._max_stop = max((len(s) for s in self._stops), default=0)
+        self._include_stop = params.include_stop_str_in_output
+
+        self._token_ids: list[int] = []  # every generated id, stop tokens included
+        self._ids: list[int] = []  # ids that reach decode()
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._text = ""  # decoded, clean text (emitted + held back)
+        self._emitted = 0  # len of the text already returned
+        self._checked = 0  # len of the text already searched for stop strings
+        self.finish_reason: str | None = None
+        #: The matched stop string, the stop token id, or ``None``.
+        self.stop_reason: str | int | None = None
+
+    # ------------------------------------------------------------------ state
+    @property
+    def finished(self) -> bool:
+        """True once a stop or the length limit was reached."""
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        """All text returned so far (the final output once finished)."""
+        return self._text[: self._emitted]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token fed so far (a copy), including a final stop token."""
+        return list(self._token_ids)
+
+    # ------------------------------------------------------------------ feeding
+    def step(self, token_id: int) -> DetokOutput:
+        """Feeds one generated token.
+
+        Args:
+            token_id: The token just sampled.
+
+        Returns:
+            The text that became safe to stream, and whether/why the choice finished.
+
+        Raises:
+            RuntimeError: If the choice already finished.
+        """
+        if self.finished:
+            raise RuntimeError("IncrementalDetokenizer.step: choice already finished")
+        self._token_ids.append(token_id)
+        stop_token = token_id in self._stop_ids
+        if token_id not in self._skip and (not stop_token or self._include_stop):
+            self._ids.append(token_id)
+            self._decode_new()
+        at_length = self._max_tokens is not None and len(self._token_ids) >= self._max_tokens
+        if stop_token or at_length:
+            self._flush_partial()
+
+        hit = self._find_stop()
+        if hit is not None:
+            start, end, s = hit
+            self._text = self._text[: end if self._include_stop else start]
+            self._finish("stop", s)
+        elif stop_token:
+            self._finish("stop", token_id)
+        elif at_length:
+            self._finish("length", None)
+        self._checked = len(self._text)
+
+        upto = len(self._text) if self.finished else len(self._text) - self._held_back()
+        new_text = self._text[self._emitted : upto] if upto > self._emitted else ""
+        self._emitted = max(self._emitted, upto)
+        return DetokOutput(new_text, self.finished, self.finish_reason)
+
+    def update(self, token_ids: Iterable[int]) -> DetokOutput:
+        """Feeds several tokens in order (e.g. token #1 plus the decode worker's first batch).
+
+        Tokens after the one that finishes the choice are ignored.
+
+        Returns:
+            The concatenated new text and the state after the last token consumed.
+
+        Raises:
+            RuntimeError: If the choice already finished before the first token.
+        """
+        if self.finished:
+            raise RuntimeError("IncrementalDetokenizer.update: choice already finished")
+        pieces: list[str] = []
+        for t in token_ids:
+            out = self.step(t)
+            pieces.append(out.new_text)
+            if out.finished:
+                break
+        return DetokOutput("".join(pieces), self.finished, self.finish_reason)
+
+    # ------------------------------------------------------------------ internals
+    def _finish(self, reason: str, stop_reason: str | int | None) -> None:
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def _decode_new(self) -> None:
+        """Appends the newly decodable text; holds ids back while it ends in U+FFFD."""
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
+            self._text += full[len(prefix) :]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+
+    def _flush_partial(self) -> None:
+        """At finish: appends whatever is still undecoded, U+FFFD included."""
+        if self._read_offset < len(self._ids):
+            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self._ids[self._prefix_offset :])
+            self._text += full[len(prefix) :]
+            self._prefix_offset = self._read_offset = len(self._ids)
+
+    def _find_stop(self) -> tuple[int, int, str] | None:
+        """The stop string that completes first in the unchecked text: (start, end, string)."""
+        if not self._stops or len(self._text) == self._checked:
+            return None
+        lo = max(0, self._checked - self._max_stop + 1)
+        best: tuple[int, int, str] | None = None
+        for s in self._stops:
+            i = self._text.find(s, lo)
+            if i >= 0 and (best is None or (i + len(s), i) < (best[1], best[0])):
+                best = (i, i + len(s), s)
+        return best
+
+    def _held_back(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        if self._include_stop or not self._stops:
+            return 0
+        pending = len(self._text) - self._emitted
+        for k in range(min(self._max_stop - 1, pending), 0, -1):
+            tail = self._text[-k:]
+            if any(len(s) > k and s.startswith(tail) for s in self._stops):
+                return k
+        return 0

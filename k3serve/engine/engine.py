@@ -1,0 +1,707 @@
+"""LLMEngine: the step loop (scheduler → runner → sampler → outputs) and the worker API.
+
+One :meth:`LLMEngine.step`::
+
+    plan = scheduler.schedule()              admit / allocate / preempt (ids only)
+    runner.prepare_slots(admissions)         zero a slot, or load the prefix hit's snapshot
+    for group in (prefill chunks, decodes):  two forwards at most
+        logits = runner.forward(group)
+        cm.commit(...) → runner.save_snapshots(...)   index full blocks, snapshot points
+    sample rows that computed their last known token (n > 1: fork the choices)
+    detokenize, stop checks; finished → cm.finish (end-of-request snapshot), outputs
+
+Worker API (lifecycle in :mod:`k3serve.protocol`): :meth:`add_prefill_request` /
+:meth:`release` on a prefill worker, :meth:`reserve` / :meth:`admit` on a decode worker,
+:meth:`abort_request` anywhere; :meth:`cache_events` / :meth:`cache_state` / :meth:`info`
+feed the router.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from k3serve.cache.allocator import CacheFullError
+from k3serve.cache.events import EventLog
+from k3serve.cache.manager import CacheManager, PrefixHit
+from k3serve.cache.pools import KVPools
+from k3serve.cache.specs import CacheConfig, CacheDtypes, layout_fingerprint
+from k3serve.config import ModelConfig
+from k3serve.engine.detok import IncrementalDetokenizer
+from k3serve.engine.runner import ModelRunner, Row
+from k3serve.engine.sampler import SampleResult, SamplingRow, sample
+from k3serve.engine.sampling import SamplingParams, draw_seed
+from k3serve.engine.scheduler import ScheduledSeq, Scheduler
+from k3serve.engine.sequence import Request, RequestMode, SeqStatus
+from k3serve.engine.sequence import Sequence as Seq
+from k3serve.protocol import CacheHandle, CompletionOutput, FirstToken, RequestOutput
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine capacities and policy.
+
+    Attributes:
+        block_size: tokens per latent page / hashed block ``B``.
+        num_pages: latent pages ``P`` (capacity ``P·B`` tokens).
+        num_slots: KDA state slots (running + held + reserved sequences).
+        num_snapshots: KDA snapshot budget.
+        max_num_batched_tokens: tokens per step (prefill chunks + decodes).
+        max_num_seqs: most running sequences (``None``: ``num_slots``).
+        enable_prefix_caching: reuse cached prefixes (blocks + snapshots).
+        snapshot_interval_tokens: also snapshot every this many prompt tokens (0: off).
+        max_model_len: cap on prompt + output tokens (``None``: the model's, and at most
+            ``P·B``).
+        record_logits: keep each sampled token's logits in the outputs (tests).
+        max_events: cache events kept for readers.
+    """
+
+    block_size: int = 64
+    num_pages: int = 1024
+    num_slots: int = 32
+    num_snapshots: int = 32
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int | None = None
+    enable_prefix_caching: bool = True
+    snapshot_interval_tokens: int = 0
+    max_model_len: int | None = None
+    record_logits: bool = False
+    max_events: int = 100_000
+
+
+@dataclass
+class EngineStats:
+    """Counters since start (tokens)."""
+
+    num_steps: int = 0
+    num_forwards: int = 0
+    num_mixed_steps: int = 0  # steps with prefill chunks and decodes together
+    prompt_tokens_computed: int = 0
+    generation_tokens: int = 0
+
+
+class _RenderAll:
+    """``decode`` that renders special ids too (the detokenizer skips them itself)."""
+
+    def __init__(self, tok: Any):
+        self.tok = tok
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
+class LLMEngine:
+    """The serving core of one worker: cache, scheduler, model runner, sampler.
+
+    Args:
+        model: ``K3ForCausalLM`` in eval mode.
+        model_config: its config.
+        tokenizer: ``k3serve.tokenizer.Tokenizer`` (detokenization; may be ``None``: no text).
+        config: :class:`EngineConfig`.
+        device: pools and inputs live here.
+        dtype: latent / conv pool dtype (CPU: float32).
+
+    Raises:
+        ValueError: inconsistent capacities.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: ModelConfig,
+        tokenizer: Any = None,
+        config: EngineConfig | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        c = config or EngineConfig()
+        self.config = c
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.pools = KVPools(
+            model_config, c.num_slots, c.num_pages, c.block_size, c.num_snapshots, dtype, device
+        )
+        dn = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+        self.fingerprint = layout_fingerprint(
+            model_config, c.block_size, CacheDtypes(dn, dn, "float32")
+        )
+        self.cm = CacheManager(
+            CacheConfig(
+                c.num_pages,
+                c.num_slots,
+                c.num_snapshots,
+                c.block_size,
+                c.enable_prefix_caching,
+                c.snapshot_interval_tokens,
+            ),
+            self.fingerprint,
+            EventLog(c.max_events),
+        )
+        self.scheduler = Scheduler(
+            self.cm, c.max_num_batched_tokens, min(c.max_num_seqs or c.num_slots, c.num_slots)
+        )
+        self.runner = ModelRunner(model, self.pools, device)
+        self.max_model_len = min(
+            model_config.max_position_embeddings,
+            c.max_model_len or 1 << 62,
+            c.num_pages * c.block_size,
+        )
+        self.stats = EngineStats()
+        self.requests: dict[str, Request] = {}
+        self._reserved: dict[str, tuple[int, list[int], int, str | None]] = {}
+        self._seq_ids = itertools.count()
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self._eos = model_config.eos_token_id if eos is None else eos
+        specials = getattr(tokenizer, "special_tokens", None) if tokenizer is not None else None
+        self._special_ids = (
+            frozenset(specials.values()) if isinstance(specials, dict) else frozenset()
+        )
+        self._decoder = _RenderAll(tokenizer) if tokenizer is not None else None
+
+    # ================================================================== validation
+    def _check_new(self, request_id: str, prompt_token_ids: Sequence[int]) -> list[int]:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: must be a non-empty str, got {request_id!r}")
+        if request_id in self.requests or request_id in self._reserved:
+            raise ValueError(f"request_id: {request_id!r} is already live")
+        ids = _as_ids(prompt_token_ids, self.model_config.vocab_size, "prompt_token_ids")
+        if not ids:
+            raise ValueError("prompt_token_ids: empty prompt")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids: {len(ids)} tokens leave no room to generate within the model "
+                f"length {self.max_model_len}"
+            )
+        return ids
+
+    def _check_params(self, params: SamplingParams | None) -> SamplingParams:
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: must be SamplingParams, got {type(params).__name__}")
+        v = self.model_config.vocab_size
+        if any(t >= v for t in params.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids: ids must be < vocab_size {v}")
+        if params.seed is None:
+            params = params.with_seed(draw_seed())
+        return params
+
+    def _new_seq(self, req: Request, choice: int, tokens: list[int]) -> Seq:
+        left = self.max_model_len - len(req.prompt_token_ids)
+        detok = IncrementalDetokenizer(
+            self._decoder or _NoText(),
+            req.params,
+            eos_token_id=self._eos,
+            special_token_ids=self._special_ids,
+            max_tokens=left,
+        )
+        seq = Seq(
+            next(self._seq_ids),
+            req,
+            choice,
+            tokens,
+            len(req.prompt_token_ids),
+            detok,
+            pinned=req.mode is RequestMode.PREFILL,
+        )
+        req.seqs.append(seq)
+        return seq
+
+    # ================================================================== requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        snapshot_at: Iterable[int] = (),
+    ) -> None:
+        """Queue a request to run here from prompt to finish.
+
+        Args:
+            request_id: unique among live requests.
+            prompt_token_ids: ``[L]`` ids in ``[0, vocab)``, ``L < max_model_len``.
+            params: sampling parameters (default ``SamplingParams()``); an unset seed is drawn.
+            cache_salt: tenant salt for prefix caching.
+            snapshot_at: extra snapshot positions (the router's branch points).
+
+        Raises:
+            ValueError: a duplicate id, an empty / out-of-vocabulary / too long prompt, bad
+                params (``SamplingParams`` names the field), bad ``cache_salt`` or
+                ``snapshot_at``.
+        """
+        self._add(
+            request_id, prompt_token_ids, params, RequestMode.GENERATE, cache_salt, snapshot_at
+        )
+
+    def add_prefill_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        snapshot_at: Iterable[int] = (),
+        on_admit: Callable[[CacheHandle], None] | None = None,
+        layer_hook: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Queue a prefill-only request: it stops after token #1 and holds its cache.
+
+        Args:
+            on_admit: called once with the :class:`CacheHandle` (slot, pages of the whole
+                prompt) before its first forward.
+            layer_hook: ``hook(layer_idx, upto_tokens)`` after each layer of each forward that
+                computed its tokens: that layer's cache holds tokens ``[0, upto_tokens)``; the
+                KDA state is final when ``upto_tokens == L`` (``KVSender.layer_ready``).
+            Others as :meth:`add_request`.
+
+        The step that samples token #1 returns a :class:`RequestOutput` with ``handle`` (with
+        :class:`FirstToken`); the slot and pages stay until :meth:`release`.
+
+        Raises:
+            ValueError: as :meth:`add_request`; ``params.n != 1``.
+        """
+        self._add(
+            request_id,
+            prompt_token_ids,
+            params,
+            RequestMode.PREFILL,
+            cache_salt,
+            snapshot_at,
+            on_admit=on_admit,
+            layer_hook=layer_hook,
+        )
+
+    def _add(
+        self, rid, prompt, params, mode, cache_salt, snapshot_at, on_admit=None, layer_hook=None
+    ) -> None:
+        ids = self._check_new(rid, prompt)
+        params = self._check_params(params)
+        if mode is not RequestMode.GENERATE and params.n != 1:
+            raise ValueError(
+                f"SamplingParams.n: must be 1 for a disaggregated request, got {params.n}"
+            )
+        req = Request(
+            rid,
+            ids,
+            params,
+            params.seed,
+            mode,
+            cache_salt,
+            tuple(snapshot_at),  # type: ignore[arg-type]
+            on_admit=on_admit,
+            layer_hook=layer_hook,
+        )
+        seq = self._new_seq(req, 0, list(ids))
+        self.cm.add(
+            seq.seq_id,
+            ids,
+            cache_salt,
+            req.snapshot_at,
+            snapshot_on_finish=mode is RequestMode.GENERATE,
+        )
+        self.requests[rid] = req
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request at any point (queued, prefilling, decoding, held, reserved).
+
+        Frees its slot, pages and snapshots; computed full blocks stay cached.
+
+        Returns:
+            True when the request was live.
+        """
+        if request_id in self._reserved:
+            sid = self._reserved.pop(request_id)[0]
+            self.cm.remove(sid)
+            return True
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self.scheduler.remove(seq)
+                if self.cm.has(seq.seq_id):
+                    self.cm.remove(seq.seq_id)
+                seq.status = SeqStatus.FINISHED
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Prefill side: the transfer is done; free the held slot and pages.
+
+        Raises:
+            ValueError: not a held prefill-only request.
+        """
+        req = self.requests.get(request_id)
+        if (
+            req is None
+            or req.mode is not RequestMode.PREFILL
+            or req.seqs[0].status is not SeqStatus.HELD
+        ):
+            raise ValueError(f"request_id: {request_id!r} is not a held prefill request")
+        del self.requests[request_id]
+        seq = req.seqs[0]
+        self.cm.remove(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+
+    # ================================================================== decode side
+    def can_reserve(self, num_tokens: int) -> bool:
+        """Whether a slot and pages for ``num_tokens`` tokens are free now."""
+        pages = -(-num_tokens // self.config.block_size)
+        return self.cm.slots.can_allocate() and self.cm.pages.can_allocate(pages)
+
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        num_tokens: int | None = None,
+        cache_salt: str | None = None,
+    ) -> CacheHandle:
+        """Decode side: take a slot and pages for a request whose cache will arrive.
+
+        Args:
+            request_id: the request.
+            prompt_token_ids: its prompt (indexed in this worker's cache once admitted).
+            num_tokens: tokens whose cache arrives (default ``L``).
+            cache_salt: the request's tenant salt.
+
+        Returns:
+            :class:`CacheHandle` (slot, pages covering ``[0, num_tokens)``).
+
+        Raises:
+            ValueError: as :meth:`add_request`; ``num_tokens`` outside ``[1, max_model_len)``.
+            CacheFullError: no slot or pages now (try later / elsewhere).
+        """
+        ids = self._check_new(request_id, prompt_token_ids)
+        n = len(ids) if num_tokens is None else num_tokens
+        if not isinstance(n, int) or not 1 <= n < self.max_model_len:
+            raise ValueError(f"num_tokens: must lie in [1, {self.max_model_len}), got {n!r}")
+        sid = next(self._seq_ids)
+        self.cm.add(sid, ids, cache_salt, plan_snapshots=False)
+        if not self.cm.can_admit(sid, PrefixHit(0), n):
+            self.cm.remove(sid)
+            raise CacheFullError(f"reserve {request_id!r}: no slot or pages for {n} tokens")
+        adm = self.cm.admit(sid, PrefixHit(0), n)
+        self.pools.zero_slot(adm.slot)
+        self._reserved[request_id] = (sid, ids, n, cache_salt)
+        pages = self.cm.block_table(sid)[: -(-n // self.config.block_size)]
+        return CacheHandle(request_id, adm.slot, pages, n, self.config.block_size)
+
+    def admit(
+        self,
+        request_id: str,
+        output_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        output_logprobs: Sequence[float] | None = None,
+    ) -> RequestOutput | None:
+        """Decode side: the cache arrived; continue the request after ``output_token_ids``.
+
+        Args:
+            request_id: a reserved request.
+            output_token_ids: tokens sampled elsewhere (token #1, …); the reservation covers
+                ``prompt + output_token_ids[:-1]`` (``num_tokens`` at :meth:`reserve`).
+            params: the request's params with its seed (the sampler continues at position
+                ``num_tokens + 1``).
+            output_logprobs: their logprobs (for the outputs; NaN when absent).
+
+        Returns:
+            The request's output if it is already finished (a stop in the given tokens or
+            ``max_tokens`` reached), else ``None`` (it streams from :meth:`step`).
+
+        Raises:
+            ValueError: not reserved, token count disagreeing with the reservation, bad ids or
+                params, ``params.n != 1``.
+        """
+        if request_id not in self._reserved:
+            raise ValueError(f"request_id: {request_id!r} is not reserved")
+        sid, prompt, n, salt = self._reserved[request_id]
+        outs = _as_ids(output_token_ids, self.model_config.vocab_size, "output_token_ids")
+        if not outs:
+            raise ValueError("output_token_ids: need ≥ 1 token")
+        if len(prompt) + len(outs) - 1 != n:
+            raise ValueError(f"output_token_ids: {len(outs)} tokens do not follow the {n} reserved")
+        params = self._check_params(params)
+        if params.n != 1:
+            raise ValueError(
+                f"SamplingParams.n: must be 1 for a disaggregated request, got {params.n}"
+            )
+        del self._reserved[request_id]
+        seed: int = params.seed  # type: ignore[assignment]
+        req = Request(request_id, prompt, params, seed, RequestMode.DECODE, salt)
+        req.num_cached_tokens = 0
+        seq = Seq(
+            sid,
+            req,
+            0,
+            prompt + outs,
+            len(prompt),
+            IncrementalDetokenizer(
+                self._decoder or _NoText(),
+                params,
+                eos_token_id=self._eos,
+                special_token_ids=self._special_ids,
+                max_tokens=self.max_model_len - len(prompt),
+            ),
+        )
+        req.seqs.append(seq)
+        self.requests[request_id] = req
+        seq.num_computed = seq.target = n
+        self.runner.save_snapshots(self.cm.commit(sid, seq.token_ids, n))
+        lps = list(output_logprobs) if output_logprobs is not None else [float("nan")] * len(outs)
+        done = False
+        for t, lp in zip(outs, lps + [float("nan")] * (len(outs) - len(lps))):
+            seq.logprobs.append(lp)
+            if params.logprobs is not None:
+                seq.top_logprobs.append(())
+            done = seq.detok.step(t).finished
+            if done:
+                break
+        if done:
+            self._finish_seq(seq)
+            del self.requests[request_id]
+            return self._output(req)
+        self.scheduler.add_running(seq)
+        return None
+
+    # ================================================================== step
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step.
+
+        Returns:
+            Outputs of the requests that changed (new tokens, finished, held); finished ones
+            are dropped from the engine afterwards (held prefill requests stay until
+            :meth:`release`).
+        """
+        plan = self.scheduler.schedule()
+        self.stats.num_steps += 1
+        self.stats.num_mixed_steps += bool(plan.prefills and plan.decodes)
+        admitted = [s for s in plan.prefills if s.admission is not None]
+        for s in admitted:
+            req = s.seq.request
+            if s.seq.choice == 0 and req.num_cached_tokens is None:
+                req.num_cached_tokens = s.admission.num_cached  # type: ignore[union-attr]
+        self.runner.prepare_slots(s.admission for s in admitted)  # type: ignore[misc]
+        for s in admitted:
+            req = s.seq.request
+            if req.on_admit is not None:
+                req.on_admit(self._handle(s.seq, None))
+        to_sample: list[tuple[Seq, torch.Tensor]] = []
+        for group in (plan.prefills, plan.decodes):
+            if not group:
+                continue
+            logits = self.runner.forward([self._row(s) for s in group], self._layer_hook(group))
+            self.stats.num_forwards += 1
+            for k, s in enumerate(group):
+                seq = s.seq
+                if seq.is_prefill:
+                    self.stats.prompt_tokens_computed += s.num_new
+                seq.num_computed += s.num_new
+                self.runner.save_snapshots(self.cm.commit(seq.seq_id, seq.token_ids, s.num_new))
+                if seq.num_computed == len(seq.token_ids):
+                    to_sample.append((seq, logits[k]))
+        if to_sample:
+            self._sample(to_sample)
+        return self._collect()
+
+    def _row(self, s: ScheduledSeq) -> Row:
+        """The new tokens ``[num_computed, num_computed + num_new)`` of one sequence."""
+        seq, start = s.seq, s.seq.num_computed
+        slot = self.cm.slot(seq.seq_id)
+        assert slot is not None  # scheduled sequences are admitted
+        table = self.cm.block_table(seq.seq_id)
+        return Row(seq.token_ids[start : start + s.num_new], start, slot, table)
+
+    def _layer_hook(self, group: list[ScheduledSeq]) -> Callable[[int], None] | None:
+        hooks = [
+            (s.seq.request.layer_hook, s.seq.num_computed + s.num_new)
+            for s in group
+            if s.seq.request.layer_hook is not None
+        ]
+        if not hooks:
+            return None
+
+        def hook(layer: int) -> None:
+            for h, upto in hooks:
+                h(layer, upto)
+
+        return hook
+
+    def _sample(self, items: list[tuple[Seq, torch.Tensor]]) -> None:
+        rows: list[SamplingRow] = []
+        meta: list[tuple[Seq, int, torch.Tensor]] = []
+        for seq, lg in items:
+            req = seq.request
+            forking = req.params.n > 1 and not req.forked and seq.choice == 0
+            prompt_ids = req.prompt_token_ids if req.params.repetition_penalty != 1.0 else ()
+            for c in range(req.params.n) if forking else (seq.choice,):
+                outs = seq.output_token_ids if c == seq.choice else []
+                rows.append(
+                    SamplingRow(req.params, req.seed, len(seq.token_ids), c, outs, prompt_ids)
+                )
+                meta.append((seq, c, lg))
+        results = sample(torch.stack([m[2] for m in meta]), rows)
+        # forks first: the children copy the parent's slot before anything can finish it
+        pending: list[tuple[Seq, SampleResult, torch.Tensor]] = []
+        for (seq, c, lg), res in zip(meta, results):
+            if c == seq.choice:
+                pending.append((seq, res, lg))
+                continue
+            req = seq.request
+            req.forked = True
+            child = self._new_seq(req, c, seq.token_ids[: len(seq.token_ids)])
+            if self.cm.can_fork(seq.seq_id):
+                self.runner.fork(self.cm.fork(seq.seq_id, child.seq_id))
+                child.num_computed = child.target = seq.num_computed
+                self.scheduler.add_running(child)
+            else:
+                child.status = SeqStatus.WAITING  # registered and queued after its token
+            pending.append((child, res, lg))
+        for seq, res, lg in pending:
+            self._append(seq, res, lg)
+
+    def _append(self, seq: Seq, res: SampleResult, lg: torch.Tensor) -> None:
+        req = seq.request
+        req.dirty = True
+        seq.token_ids.append(res.token_id)
+        seq.logprobs.append(res.logprob)
+        if req.params.logprobs is not None:
+            seq.top_logprobs.append(res.top_logprobs or ())
+        if self.config.record_logits:
+            seq.logits.append(lg.detach().clone())
+        self.stats.generation_tokens += 1
+        finished = seq.detok.step(res.token_id).finished
+        if req.mode is RequestMode.PREFILL:
+            self.scheduler.remove(seq)
+            seq.status = SeqStatus.HELD
+            req.handle = self._handle(seq, res)
+            return
+        if finished:
+            self._finish_seq(seq)
+        elif not self.cm.has(seq.seq_id):  # an unforked child: recompute from the cache
+            self.cm.add(seq.seq_id, seq.token_ids, req.cache_salt)
+            self.scheduler.add(seq)
+
+    def _finish_seq(self, seq: Seq) -> None:
+        self.scheduler.remove(seq)
+        if self.cm.has(seq.seq_id):
+            self.cm.finish(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+        seq.request.dirty = True
+
+    def _handle(self, seq: Seq, res: SampleResult | None) -> CacheHandle:
+        req = seq.request
+        L = len(req.prompt_token_ids)
+        first = None
+        if res is not None:
+            first = FirstToken(res.token_id, res.logprob, res.top_logprobs, L, req.seed)
+        pages = self.cm.block_table(seq.seq_id)[: -(-L // self.config.block_size)]
+        return CacheHandle(
+            req.request_id,
+            self.cm.slot(seq.seq_id),
+            pages,
+            L,  # type: ignore[arg-type]
+            self.config.block_size,
+            req.num_cached_tokens or 0,
+            first,
+        )
+
+    # ================================================================== outputs
+    def _output(self, req: Request) -> RequestOutput:
+        outs = []
+        for s in req.seqs:
+            reason = s.detok.finish_reason
+            if reason is None and s.status is SeqStatus.FINISHED:
+                reason = "abort"
+            outs.append(
+                CompletionOutput(
+                    s.choice,
+                    s.detok.text,
+                    s.output_token_ids,
+                    list(s.logprobs),
+                    [list(x) for x in s.top_logprobs] if req.params.logprobs is not None else None,
+                    reason,
+                    s.detok.stop_reason,
+                )
+            )
+        held = req.mode is RequestMode.PREFILL and req.seqs[0].status is SeqStatus.HELD
+        return RequestOutput(
+            req.request_id,
+            list(req.prompt_token_ids),
+            outs,
+            req.num_cached_tokens or 0,
+            finished=req.finished or held,
+            handle=req.handle,
+            logits=[list(s.logits) for s in req.seqs] if self.config.record_logits else None,
+        )
+
+    def _collect(self) -> list[RequestOutput]:
+        out = []
+        for rid, req in list(self.requests.items()):
+            if not req.dirty:
+                continue
+            req.dirty = False
+            out.append(self._output(req))
+            if req.finished:
+                del self.requests[rid]
+        return out
+
+    # ================================================================== router feeds
+    def cache_events(self, after: int = 0, limit: int | None = None) -> dict[str, Any]:
+        """``GET /internal/cache_events?after=SEQ`` body."""
+        return self.cm.events_since(after, limit)
+
+    def cache_state(self) -> dict[str, Any]:
+        """``GET /internal/cache_state`` body."""
+        return self.cm.cache_state()
+
+    def info(self) -> dict[str, Any]:
+        """``GET /internal/info`` fields owned by the engine (the worker adds its role)."""
+        return {
+            "model": self.model_config.name,
+            "layout_fingerprint": self.fingerprint,
+            "block_size": self.config.block_size,
+            "num_pages": self.config.num_pages,
+            "num_slots": self.config.num_slots,
+            "num_snapshots": self.config.num_snapshots,
+            "max_model_len": self.max_model_len,
+            "enable_prefix_caching": self.config.enable_prefix_caching,
+        }
+
+
+def _as_ids(ids: Sequence[int], vocab: int, field: str) -> list[int]:
+    """Ids as plain ints in ``[0, vocab)`` (numpy / torch integers accepted).
+
+    Raises:
+        ValueError: a non-integer or out-of-range id (names ``field``).
+    """
+    try:
+        out = [operator.index(t) for t in ids if not isinstance(t, bool) or _bad(field)]
+    except TypeError:
+        raise ValueError(f"{field}: every id must be an int in [0, {vocab})") from None
+    if any(not 0 <= t < vocab for t in out):
+        raise ValueError(f"{field}: every id must be an int in [0, {vocab})")
+    return out
+
+
+def _bad(field: str) -> bool:
+    raise ValueError(f"{field}: bool is not a token id")
+
+
+class _NoText:
+    def decode(self, ids: Sequence[int]) -> str:
+        return ""
+
+
+__all__ = ["EngineConfig", "EngineStats", "LLMEngine"]

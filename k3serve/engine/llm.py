@@ -1,0 +1,208 @@
+"""Offline API: ``from k3serve import LLM, SamplingParams``.
+
+::
+
+    llm = LLM(model="k3-tiny", enable_prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=32)
+    outs = llm.generate(["def fib(n):", [256, 100, 101]], params)
+    outs[0].text, outs[0].token_ids, outs[0].num_cached_tokens, outs[0].finish_reason
+
+Model resolution (``model=``):
+
+* a :class:`~k3serve.config.ModelConfig`: that shape, random init (seeded) — tests;
+* a folder with ``k3serve_config.json`` / ``config.json`` and safetensors (K3 or Kimi-Linear
+  names): loaded by ``k3serve.model.checkpoint.load_checkpoint``;
+* a preset name: ``k3-tiny`` loads the embedded checkpoint ``k3serve/assets/k3-tiny`` when it
+  is there (any preset with ``k3serve/assets/<name>/``), otherwise random init seeded by ``seed``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3serve.config import PRESETS, ModelConfig, load_config
+from k3serve.engine.engine import EngineConfig, LLMEngine
+from k3serve.engine.sampling import SamplingParams
+from k3serve.protocol import RequestOutput
+
+
+def load_model(
+    model: str | ModelConfig,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    load_weights: bool = True,
+) -> tuple[torch.nn.Module, ModelConfig, str | None]:
+    """Build the model for ``model=`` (module docstring); weights via
+    :func:`k3serve.model.checkpoint.load_checkpoint`.
+
+    Returns:
+        ``(model in eval mode, its config, the weights folder or None for random init)``.
+
+    Raises:
+        ValueError: unknown name, folder without config; ``CheckpointError`` (a ValueError)
+            listing missing / unexpected / mis-shaped tensors.
+        FileNotFoundError: a folder without safetensors.
+    """
+    from k3serve.model.checkpoint import ASSETS_DIR, CONFIG_FILE, load_checkpoint
+    from k3serve.model.model import K3ForCausalLM
+
+    folder: Path | None = None
+    if isinstance(model, ModelConfig):
+        cfg = model
+    elif str(model) in PRESETS:
+        cfg = PRESETS[str(model)]
+        embedded = ASSETS_DIR / str(model)
+        if load_weights and embedded.is_dir() and any(embedded.glob("*.safetensors")):
+            folder = embedded
+            if (embedded / CONFIG_FILE).exists():
+                cfg = load_config(str(embedded))
+        elif load_weights and model == "k3-tiny":
+            warnings.warn("k3-tiny: no embedded checkpoint found; random weights", stacklevel=3)
+    else:
+        cfg = load_config(str(model))  # ValueError: neither a preset nor a folder
+        folder = Path(model) if load_weights else None
+    rng_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        net = K3ForCausalLM(cfg, dtype=dtype)
+    finally:
+        torch.random.set_rng_state(rng_state)
+    if folder is not None:
+        load_checkpoint(net, folder, cfg)
+    return net.to(device).eval(), cfg, None if folder is None else str(folder)
+
+
+class LLM:
+    """Offline generation over an :class:`LLMEngine`.
+
+    Args:
+        model: preset name, checkpoint folder, or a ``ModelConfig`` (random init).
+        enable_prefix_caching: reuse cached prefixes.
+        tokenizer: a ``k3serve.tokenizer`` tokenizer (default: the model's).
+        seed: random-init seed (not the sampling seed).
+        dtype: compute / pool dtype (CPU: float32).
+        device: ``"cpu"`` or a CUDA device.
+        load_weights: False forces random init.
+        **engine_kwargs: :class:`EngineConfig` fields (``block_size``, ``num_pages``,
+            ``num_slots``, ``num_snapshots``, ``max_num_batched_tokens``, …).
+
+    Raises:
+        ValueError: unknown model or engine field.
+    """
+
+    def __init__(
+        self,
+        model: str | ModelConfig = "k3-tiny",
+        *,
+        enable_prefix_caching: bool = True,
+        tokenizer: Any = None,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        load_weights: bool = True,
+        **engine_kwargs: Any,
+    ):
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(engine_kwargs) - names)
+        if unknown:
+            raise ValueError(f"LLM: unknown engine option(s) {unknown}; known: {sorted(names)}")
+        net, cfg, folder = load_model(
+            model, seed=seed, dtype=dtype, device=device, load_weights=load_weights
+        )
+        if tokenizer is None:
+            from k3serve.tokenizer import get_tokenizer
+
+            tokenizer = get_tokenizer(
+                folder if folder else (cfg.name if cfg.name in PRESETS else "byte")
+            )
+        self.tokenizer = tokenizer
+        config = EngineConfig(enable_prefix_caching=enable_prefix_caching, **engine_kwargs)
+        self.engine = LLMEngine(net, cfg, tokenizer, config, device=device, dtype=dtype)
+        self._counter = 0
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            bos = getattr(self.tokenizer, "bos_token_id", None)
+            return self.tokenizer.encode(prompt, add_bos=bos is not None)
+        return list(prompt)
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
+        snapshot_at: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (run to completion, batched by the engine).
+
+        Args:
+            prompts: a string, a token-id list, or a list of either.
+            sampling_params: one for all or one per prompt (default ``SamplingParams()``).
+            cache_salt: tenant salt for all prompts.
+            snapshot_at: positions for all prompts, or one list per prompt.
+
+        Returns:
+            One :class:`RequestOutput` per prompt, in order (``.text``, ``.token_ids``,
+            ``.num_cached_tokens``, ``.finish_reason``; ``.outputs`` for ``n > 1``).
+
+        Raises:
+            ValueError: bad prompts or params (nothing is queued then).
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(prompts)  # type: ignore[arg-type]
+        if isinstance(sampling_params, Sequence):
+            params = list(sampling_params)
+            if len(params) != len(plist):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(plist)} prompts")
+        else:
+            params = [sampling_params or SamplingParams()] * len(plist)
+        if snapshot_at is None:
+            snaps: list[Sequence[int]] = [()] * len(plist)
+        elif snapshot_at and not isinstance(snapshot_at[0], int):
+            snaps = list(snapshot_at)  # type: ignore[arg-type]
+            if len(snaps) != len(plist):
+                raise ValueError(f"snapshot_at: {len(snaps)} lists for {len(plist)} prompts")
+        else:
+            snaps = [snapshot_at] * len(plist)  # type: ignore[list-item]
+        ids = [self._encode(p) for p in plist]
+        rids = []
+        try:
+            for i, p in enumerate(ids):
+                rid = f"llm-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(
+                    rid, p, params[i], cache_salt=cache_salt, snapshot_at=snaps[i]
+                )
+                rids.append(rid)
+        except ValueError:
+            for rid in rids:
+                self.engine.abort_request(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        idle = 0
+        while len(final) < len(rids):
+            before = self.engine.stats.num_forwards
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+            idle = 0 if self.engine.stats.num_forwards > before else idle + 1
+            if idle > 10_000:  # nothing scheduled for long: a capacity bug, not a slow model
+                raise RuntimeError(
+                    f"LLM.generate: engine stalled with {len(rids) - len(final)} requests left"
+                )
+        return [final[r] for r in rids]
+
+
+__all__ = ["LLM", "load_model"]

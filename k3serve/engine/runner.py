@@ -1,0 +1,109 @@
+"""ModelRunner: scheduled sequences → ``ForwardBatch`` → logits, plus the cache tensor copies.
+
+The only engine module that touches tensors. What the cache manager decides in ids, the
+runner carries out on :class:`~k3serve.cache.pools.KVPools`:
+
+* admission: zero the slot (fresh sequence) or load a snapshot into it (prefix hit);
+* after a forward: copy slots into snapshots (:class:`~k3serve.cache.manager.SnapshotSave`);
+* ``n > 1``: copy the parent's slot and its partial last page (:class:`ForkPlan`).
+
+Packing of one forward (``T`` new tokens of ``N`` sequences)::
+
+    input_ids   [ seq0: t_c0 … t_c0+n0-1 | seq1: … | … ]          [T]
+    cu_seqlens  [0, n0, n0+n1, …]                                   [N+1]
+    num_cached  [c0, c1, …]       block_table [N, max_pages]        slot_mapping [T]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from k3serve.cache.manager import Admission, ForkPlan, SnapshotSave
+from k3serve.cache.pools import KVPools
+from k3serve.model.batch import make_batch
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sequence in a forward.
+
+    Attributes:
+        token_ids: the new tokens, positions ``[num_cached, num_cached + len)``.
+        num_cached: tokens already in the cache.
+        slot: KDA/conv state slot.
+        block_table: pages covering ``[0, num_cached + len)``.
+    """
+
+    token_ids: Sequence[int]
+    num_cached: int
+    slot: int
+    block_table: Sequence[int]
+
+
+class ModelRunner:
+    """Runs a ``K3ForCausalLM`` against its pools.
+
+    Args:
+        model: the model (``forward(input_ids, batch, pools, layer_hook)``), in eval mode.
+        pools: the cache pools.
+        device: where input tensors go (the model's device).
+    """
+
+    def __init__(self, model: torch.nn.Module, pools: KVPools, device: torch.device | str = "cpu"):
+        self.model = model
+        self.pools = pools
+        self.block_size = pools.block_size
+        self.device = torch.device(device)
+
+    @torch.inference_mode()
+    def forward(
+        self, rows: Sequence[Row], layer_hook: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """One forward over ``rows`` (mutates their slots' states and writes latents).
+
+        Returns:
+            ``[N, V]`` float32 logits of each row's last new token.
+
+        Raises:
+            ValueError: an empty row list or a block table too short (from ``make_batch``).
+        """
+        batch = make_batch(
+            [len(r.token_ids) for r in rows],
+            [r.num_cached for r in rows],
+            [r.slot for r in rows],
+            [r.block_table for r in rows],
+            self.block_size,
+            device=self.device,
+        )
+        ids = torch.tensor(
+            [t for r in rows for t in r.token_ids], dtype=torch.int64, device=self.device
+        )
+        return self.model(ids, batch, self.pools, layer_hook=layer_hook)
+
+    @torch.inference_mode()
+    def prepare_slots(self, admissions: Iterable[Admission]) -> None:
+        """Zero each admitted slot, or load its prefix hit's snapshot into it."""
+        for a in admissions:
+            if a.load_snapshot is None:
+                self.pools.zero_slot(a.slot)
+            else:
+                self.pools.load_snapshot(a.load_snapshot, a.slot)
+
+    @torch.inference_mode()
+    def save_snapshots(self, saves: Iterable[SnapshotSave]) -> None:
+        """Copy slots into snapshots, in order (a later save may reuse an evicted id)."""
+        for s in saves:
+            self.pools.save_snapshot(s.slot, s.snapshot)
+
+    @torch.inference_mode()
+    def fork(self, plan: ForkPlan) -> None:
+        """Copy the parent's state slot and partial last page for a new choice."""
+        self.pools.copy_slot(plan.src_slot, plan.dst_slot)
+        for src, dst in plan.page_copies:
+            self.pools.mla_latent[:, dst].copy_(self.pools.mla_latent[:, src])
+
+
+__all__ = ["ModelRunner", "Row"]

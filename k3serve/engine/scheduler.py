@@ -1,0 +1,191 @@
+"""Continuous batching with chunked prefill, a per-step token budget and preemption.
+
+One :meth:`Scheduler.schedule` call plans one engine step::
+
+    budget = max_num_batched_tokens
+    1. running sequences, oldest admission first:
+         decode  → 1 token
+         prefill → min(budget, chunk_end - num_computed)   (chunks end on snapshot points)
+       no page for it → preempt the newest unpinned running sequence (recompute later), retry;
+       if the sequence itself is the newest, it is preempted.
+    2. waiting sequences, FCFS, while budget and slots last (none after a preemption):
+         hit = prefix match; first chunk = min(budget, chunk_end - hit); admit or stop.
+
+A preempted sequence releases its slot and pages (its computed full blocks stay cached) and
+goes back to the head of the queue with prompt := all its tokens; re-admission matches the
+prefix cache again, so recompute is cheap when its blocks and a snapshot survived.
+
+The scheduler sees only :class:`~k3serve.cache.manager.CacheManager` predicates, never pools.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from k3serve.cache.manager import Admission, CacheManager
+from k3serve.engine.sequence import RequestMode, SeqStatus, Sequence
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step.
+
+    Attributes:
+        seq: the sequence.
+        num_new: tokens computed this step, positions ``[num_computed, num_computed + num_new)``.
+        admission: set when admitted this step: the engine zeroes or loads its slot first.
+    """
+
+    seq: Sequence
+    num_new: int
+    admission: Admission | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    """A step's plan: multi-token chunks and single-token rows go to separate forwards."""
+
+    prefills: list[ScheduledSeq] = field(default_factory=list)
+    decodes: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.prefills) + len(self.decodes)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    """FCFS continuous batching over a cache manager.
+
+    Args:
+        cm: the cache manager (owns every page, slot and snapshot).
+        max_num_batched_tokens: token budget per step (≥ 1).
+        max_num_seqs: most running sequences (≤ the manager's slots).
+
+    Raises:
+        ValueError: a limit < 1.
+    """
+
+    def __init__(self, cm: CacheManager, max_num_batched_tokens: int, max_num_seqs: int):
+        if max_num_batched_tokens < 1 or max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens, max_num_seqs: must be ≥ 1")
+        self.cm = cm
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queues
+    def add(self, seq: Sequence) -> None:
+        """Queue a waiting sequence (registered with the cache manager by the caller)."""
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Join an already admitted sequence (a fork, or a decode-side admit)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence from whichever queue holds it (finish, abort, hold)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ------------------------------------------------------------------ planning
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.cm.release(seq.seq_id)
+        self.cm.set_tokens(seq.seq_id, seq.token_ids)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def _victim(self, first: int) -> Sequence | None:
+        """Newest unpinned running sequence at index ≥ ``first`` (not yet scheduled)."""
+        for s in reversed(self.running[first:]):
+            if not s.pinned:
+                return s
+        return None
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        if not seq.is_prefill:
+            return 1 if seq.num_remaining == 1 else 0
+        return min(budget, self.cm.chunk_end(seq.seq_id) - seq.num_computed)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step; allocates pages for it and admits sequences (mutates the manager).
+
+        Returns:
+            :class:`SchedulerOutput` (possibly empty: nothing fits and nothing runs).
+        """
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq, budget)
+            if n <= 0:
+                i += 1
+                continue
+            preempted_self = False
+            while not self.cm.can_allocate(seq.seq_id, n):
+                victim = self._victim(i)
+                if victim is None:  # only pinned sequences left: wait for them to finish
+                    break
+                self._preempt(victim, out)
+                if victim is seq:
+                    preempted_self = True
+                    break
+            if preempted_self:
+                continue
+            if not self.cm.can_allocate(seq.seq_id, n):
+                i += 1
+                continue
+            self.cm.allocate(seq.seq_id, n)
+            (out.decodes if n == 1 and not seq.is_prefill else out.prefills).append(
+                ScheduledSeq(seq, n)
+            )
+            budget -= n
+            i += 1
+
+        while (
+            self.waiting
+            and budget > 0
+            and not out.preempted
+            and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            sid = seq.seq_id
+            hit = self.cm.match(sid)
+            n = min(budget, hit.chunk_end - hit.num_tokens)
+            target = self.cm.num_prompt(sid)
+            # prefill-only: pages for the whole prompt now (the sender's source must not move)
+            reserve = target - hit.num_tokens if seq.request.mode is RequestMode.PREFILL else n
+            if not self.cm.can_admit(sid, hit, reserve):
+                break
+            adm = self.cm.admit(sid, hit, reserve)
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            seq.num_computed = adm.num_cached
+            seq.target = target
+            self.running.append(seq)
+            out.prefills.append(ScheduledSeq(seq, n, adm))
+            budget -= n
+        return out
+
+
+__all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]

@@ -1,0 +1,131 @@
+"""The one switch between the plain-torch kernels and the Triton kernels.
+
+``K3SERVE_KERNELS`` (read here and nowhere else):
+
+* unset or ``triton`` — Triton for CUDA tensors (when Triton imports), torch for everything else;
+* ``torch`` — torch everywhere (references; debugging a suspected kernel bug).
+
+CPU tensors go to Triton only under ``TRITON_INTERPRET=1`` with ``K3SERVE_KERNELS=triton`` set
+explicitly (how the CPU tests exercise the Triton code). The chunked KDA kernel is forward-only,
+so a call that needs gradients always takes the torch path.
+
+Triton modules are imported lazily: a CPU install without Triton never touches them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+_ENV = "K3SERVE_KERNELS"
+_CHOICES = ("torch", "triton")
+
+
+def kernel_backend() -> str:
+    """The configured backend name (``"triton"`` when unset).
+
+    Raises:
+        ValueError: ``K3SERVE_KERNELS`` set to something other than ``torch`` / ``triton``.
+    """
+    val = os.environ.get(_ENV, "").strip().lower() or "triton"
+    if val not in _CHOICES:
+        raise ValueError(f"{_ENV}={val!r}: expected one of {_CHOICES}")
+    return val
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def use_triton(device: Any = None) -> bool:
+    """Whether kernels should run in Triton for tensors on ``device`` (a device, string or None).
+
+    True for CUDA devices unless ``K3SERVE_KERNELS=torch``; for CPU only when
+    ``K3SERVE_KERNELS=triton`` and ``TRITON_INTERPRET=1`` are both set explicitly.
+    """
+    if kernel_backend() == "torch" or device is None or not _triton_importable():
+        return False
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return True
+    return (
+        os.environ.get(_ENV, "").strip().lower() == "triton"
+        and os.environ.get("TRITON_INTERPRET", "") == "1"
+    )
+
+
+def _needs_grad(*xs: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None, chunk_size=64):  # fmt: skip
+    """:func:`k3serve.kernels.kda.chunk_kda` contract; Triton when :func:`use_triton` allows,
+    the inputs are bf16/fp16/fp32, ``chunk_size == 64`` and no gradient is needed."""
+    if (
+        use_triton(q.device)
+        and chunk_size == 64
+        and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and not _needs_grad(q, k, v, g, beta, initial_state)
+    ):
+        from k3serve.kernels.kda.chunk_triton import chunk_kda_triton
+
+        return chunk_kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    from k3serve.kernels.kda.chunk import chunk_kda as ref
+
+    return ref(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
+
+
+def fused_recurrent_kda_step(q, k, v, g, beta, state_pool, slots, scale=None):
+    """:func:`k3serve.kernels.kda.fused_recurrent_kda_step` contract, in place on the pool."""
+    if use_triton(q.device) and state_pool.dtype == torch.float32:
+        from k3serve.kernels.kda.recurrent_triton import fused_recurrent_kda_step_triton
+
+        return fused_recurrent_kda_step_triton(q, k, v, g, beta, state_pool, slots, scale)
+    from k3serve.kernels.kda.recurrent import fused_recurrent_kda_step as ref
+
+    return ref(q, k, v, g, beta, state_pool, slots, scale)
+
+
+def causal_conv_step(x, conv_pool, weight, slots):
+    """Decode short-conv step: ``y [N, C]``, ``conv_pool[slots]`` shifted in place (see
+    :func:`k3serve.kernels.kda.recurrent_triton.causal_conv_step_triton`)."""
+    if use_triton(x.device):
+        from k3serve.kernels.kda.recurrent_triton import causal_conv_step_triton
+
+        return causal_conv_step_triton(x, conv_pool, weight, slots)
+    hist = conv_pool[slots]  # [N, W-1, C]
+    W = weight.shape[-1]
+    ext = torch.cat([hist.to(x.dtype), x[:, None]], 1).float()  # [N, W, C]
+    y = (ext * weight.float().t()[None]).sum(1)
+    conv_pool[slots] = ext[:, 1:W].to(conv_pool.dtype)
+    return torch.nn.functional.silu(y).to(x.dtype)
+
+
+def mla_decode_absorbed_paged(q_lat, latent_pool, block_table, seq_lens, kv_lora, scale):
+    """:func:`k3serve.kernels.mla.naive.mla_decode_absorbed_paged` contract."""
+    if use_triton(q_lat.device) and latent_pool.dtype != torch.float64:
+        from k3serve.kernels.mla.decode_triton import mla_decode_absorbed_paged_triton
+
+        return mla_decode_absorbed_paged_triton(q_lat, latent_pool, block_table, seq_lens, kv_lora, scale)
+    from k3serve.kernels.mla.naive import mla_decode_absorbed_paged as ref
+
+    return ref(q_lat, latent_pool, block_table, seq_lens, kv_lora, scale)
+
+
+__all__ = [
+    "kernel_backend",
+    "use_triton",
+    "chunk_kda",
+    "fused_recurrent_kda_step",
+    "causal_conv_step",
+    "mla_decode_absorbed_paged",
+]

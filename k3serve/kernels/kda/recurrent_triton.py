@@ -1,0 +1,192 @@
+"""KDA decode in Triton: the recurrent step over the state pool, and the short-conv step beside it.
+
+Both kernels read and write the persistent pools in place through the row indices
+``slots`` (INTERFACES.md §1): no gather / scatter copies, and the pools may be strided views
+(one layer's slice ``kda_state[j]`` / ``conv_state[j]``); strides are passed explicitly.
+
+* :func:`fused_recurrent_kda_step_triton` — the KDA recurrence (Kimi Linear arXiv 2510.26692
+  §3) for one token of ``N`` sequences. One program per (sequence, head, V-block) holds a
+  ``[K, BV]`` fp32 tile of the state in registers: read once, written once, so the step moves
+  ``2 · N · H · K · V · 4`` bytes of state — the traffic the roofline counts.
+* :func:`causal_conv_step_triton` — the depthwise causal conv (kernel W, no bias) + SiLU for one
+  token per sequence over the pre-conv ``q | k | v`` channels, shifting the conv state
+  ``[S, W-1, C]`` (oldest first) in place. It runs right before the KDA step in a decode layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kda_step_kernel(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    pool,
+    slots,
+    o,
+    scale,
+    s_slot,
+    s_h,
+    s_k,
+    s_v,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+):
+    i_n, i_h, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slots + i_n).to(tl.int64)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    p_qk = (i_n * H + i_h) * K + o_k
+    b_q = tl.load(q + p_qk).to(tl.float32) * scale
+    b_k = tl.load(k + p_qk).to(tl.float32)
+    b_g = tl.load(g + p_qk).to(tl.float32)
+    b_v = tl.load(v + (i_n * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b_b = tl.load(beta + i_n * H + i_h).to(tl.float32)
+    p_s = pool + slot * s_slot + i_h * s_h + o_k[:, None] * s_k + o_v[None, :] * s_v
+    S = tl.load(p_s, mask=m_v[None, :], other=0.0).to(tl.float32)
+    S = S * tl.exp(b_g)[:, None]
+    b_u = b_b * (b_v - tl.sum(b_k[:, None] * S, 0))
+    S = S + b_k[:, None] * b_u[None, :]
+    b_o = tl.sum(b_q[:, None] * S, 0)
+    tl.store(p_s, S.to(pool.dtype.element_ty), mask=m_v[None, :])
+    tl.store(o + (i_n * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+
+
+def fused_recurrent_kda_step_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float | None = None,
+    *,
+    block_v: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    r"""One KDA decode step in place on ``state_pool[slots]``; same contract as
+    :func:`k3serve.kernels.kda.fused_recurrent_kda_step`.
+
+    Args:
+        q, k, g (torch.Tensor): ``[N, H, K]`` (q, k L2-normalised; g ≤ 0 log-decay).
+        v (torch.Tensor): ``[N, H, V]``.
+        beta (torch.Tensor): ``[N, H]``.
+        state_pool (torch.Tensor): ``[S, H, K, V]`` fp32, any strides (a view is fine); mutated.
+        slots (torch.Tensor): ``[N]`` int, distinct rows of ``state_pool``.
+        scale (float, optional): default ``K ** -0.5``.
+        block_v (int, optional): V columns per program (default 32; a tuning knob).
+        num_warps (int): warps per program (tuning knob).
+
+    Returns:
+        ``o [N, H, V]`` in ``v.dtype``.
+
+    Raises:
+        ValueError: inconsistent shapes, or K not a power of two.
+    """
+    N, H, K = q.shape
+    V = v.shape[-1]
+    if k.shape != q.shape or g.shape != q.shape or v.shape != (N, H, V) or beta.shape != (N, H):
+        raise ValueError("decode step wants q, k, g [N, H, K], v [N, H, V], beta [N, H]")
+    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (H, K, V):
+        raise ValueError(f"state_pool must be [S, {H}, {K}, {V}], got {tuple(state_pool.shape)}")
+    if slots.shape != (N,):
+        raise ValueError(f"slots must be [N={N}], got {tuple(slots.shape)}")
+    if K & (K - 1):
+        raise ValueError(f"K={K} must be a power of two")
+    if scale is None:
+        scale = K**-0.5
+    BV = block_v or min(32, triton.next_power_of_2(V))
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    o = torch.empty(N, H, V, dtype=v.dtype, device=v.device)
+    if N == 0:
+        return o
+    _kda_step_kernel[(N, H, triton.cdiv(V, BV))](
+        q, k, v, g, beta, state_pool, slots, o, scale, *state_pool.stride(),
+        H=H, K=K, V=V, BV=BV, num_warps=num_warps,
+    )  # fmt: skip
+    return o
+
+
+@triton.jit
+def _conv_step_kernel(
+    x,
+    pool,
+    weight,
+    slots,
+    y,
+    C,
+    s_slot,
+    s_w,
+    s_c,
+    W: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i_n, i_b = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    slot = tl.load(slots + i_n).to(tl.int64)
+    o_c = i_b * BLOCK + tl.arange(0, BLOCK)
+    m = o_c < C
+    b_x = tl.load(x + i_n * C + o_c, mask=m, other=0.0)
+    acc = b_x.to(tl.float32) * tl.load(weight + o_c * W + (W - 1), mask=m, other=0.0).to(tl.float32)
+    base = pool + slot * s_slot + o_c * s_c
+    for j in tl.static_range(W - 1):
+        b_h = tl.load(base + j * s_w, mask=m, other=0.0)
+        acc += b_h.to(tl.float32) * tl.load(weight + o_c * W + j, mask=m, other=0.0).to(tl.float32)
+        if j >= 1:
+            tl.store(base + (j - 1) * s_w, b_h, mask=m)  # shift: oldest drops out
+    tl.store(base + (W - 2) * s_w, b_x.to(pool.dtype.element_ty), mask=m)
+    tl.store(y + i_n * C + o_c, (acc * tl.sigmoid(acc)).to(y.dtype.element_ty), mask=m)
+
+
+def causal_conv_step_triton(
+    x: torch.Tensor,
+    conv_pool: torch.Tensor,
+    weight: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    r"""Depthwise causal conv + SiLU for one new token per sequence, updating the conv state.
+
+    ``y = silu(Σ_{j<W-1} state[j] · w[:, j] + x · w[:, W-1])`` (fp32 accumulation), then the state
+    becomes ``[state[1:], x]`` (oldest first), in place. Matches the decode case of the model's
+    ``causal_conv_varlen`` (one token per sequence).
+
+    Args:
+        x (torch.Tensor): ``[N, C]`` pre-conv inputs (channels ``q | k | v``), model dtype.
+        conv_pool (torch.Tensor): ``[S, W-1, C]`` any strides; rows ``slots`` are mutated.
+        weight (torch.Tensor): ``[C, W]`` taps (``weight[:, W-1]`` hits the current token).
+        slots (torch.Tensor): ``[N]`` int, distinct rows.
+
+    Returns:
+        ``y [N, C]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: inconsistent shapes, or ``W < 2``.
+    """
+    N, C = x.shape
+    W = weight.shape[-1]
+    if W < 2 or weight.shape != (C, W) or conv_pool.dim() != 3 or tuple(conv_pool.shape[1:]) != (W - 1, C):
+        raise ValueError(
+            f"conv step wants x [N, C], weight [C, W>=2], conv_pool [S, W-1, C]; got x {tuple(x.shape)}, "
+            f"weight {tuple(weight.shape)}, conv_pool {tuple(conv_pool.shape)}"
+        )
+    x, weight = x.contiguous(), weight.contiguous()
+    y = torch.empty_like(x)
+    if N == 0:
+        return y
+    BLOCK = min(1024, triton.next_power_of_2(C))
+    _conv_step_kernel[(N, triton.cdiv(C, BLOCK))](
+        x, conv_pool, weight, slots, y, C, *conv_pool.stride(), W=W, BLOCK=BLOCK, num_warps=4
+    )
+    return y
+
+
+__all__ = ["fused_recurrent_kda_step_triton", "causal_conv_step_triton"]

@@ -1,0 +1,160 @@
+"""ForwardBatch: what one model forward needs to know about its sequences (INTERFACES.md §2).
+
+Token layout of one forward (N sequences, T new tokens flattened in ``input_ids [T]``)::
+
+    seq n:  |<-------- num_cached[n] -------->|<--- new: cu[n+1]-cu[n] --->|
+            positions 0 .. num_cached-1         num_cached .. seq_len-1
+            (latents already in pages;          (computed now; latents written at
+             KDA/conv state in state slot)       slot_mapping, final state → slot)
+
+    block_table[n] = pages covering [0, seq_len); flat latent slot = page * block_size + offset
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """Per-forward metadata (INTERFACES.md §2). All tensors int64 on the model's device.
+
+    Attributes:
+        cu_seqlens: ``[N+1]`` boundaries of each sequence's new tokens in ``input_ids [T]``.
+        num_cached: ``[N]`` tokens of each sequence already in the cache (positions).
+        state_slots: ``[N]`` KDA/conv state slot per sequence (initial state read, final written).
+        block_table: ``[N, max_blocks]`` latent pages covering ``[0, num_cached + new)``; pad −1.
+        slot_mapping: ``[T]`` flat latent slot ``page * block_size + offset`` of each new token.
+        is_decode: every sequence has exactly one new token (recurrent KDA, absorbed MLA).
+        logits_indices: rows of ``[T]`` that get logits; None = last new token of each sequence.
+    """
+
+    cu_seqlens: torch.Tensor
+    num_cached: torch.Tensor
+    state_slots: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    is_decode: bool = False
+    logits_indices: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        n = self.num_cached.shape[0]
+        if self.cu_seqlens.ndim != 1 or self.cu_seqlens.shape[0] != n + 1:
+            raise ValueError(
+                f"cu_seqlens: shape {tuple(self.cu_seqlens.shape)}, expected [{n + 1}]"
+            )
+        if self.state_slots.shape != (n,):
+            raise ValueError(f"state_slots: shape {tuple(self.state_slots.shape)}, expected [{n}]")
+        if self.block_table.ndim != 2 or self.block_table.shape[0] != n:
+            raise ValueError(
+                f"block_table: shape {tuple(self.block_table.shape)}, expected [{n}, max_blocks]"
+            )
+        if self.slot_mapping.shape != (self.num_tokens,):
+            raise ValueError(
+                f"slot_mapping: shape {tuple(self.slot_mapping.shape)}, expected [{self.num_tokens}]"
+            )
+        if self.is_decode and not bool((self.new_lens == 1).all()):
+            raise ValueError("is_decode: every sequence must have exactly 1 new token")
+
+    @property
+    def num_seqs(self) -> int:
+        """N, the number of sequences."""
+        return int(self.num_cached.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the number of new tokens."""
+        return int(self.cu_seqlens[-1])
+
+    @property
+    def new_lens(self) -> torch.Tensor:
+        """``[N]`` new tokens per sequence."""
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """``[N]`` total length after this forward: ``num_cached + new``."""
+        return self.num_cached + self.new_lens
+
+    def positions(self) -> torch.Tensor:
+        """``[T]`` absolute position of every new token."""
+        seq_idx = torch.repeat_interleave(
+            torch.arange(self.num_seqs, device=self.cu_seqlens.device), self.new_lens
+        )
+        local = (
+            torch.arange(self.num_tokens, device=self.cu_seqlens.device) - self.cu_seqlens[seq_idx]
+        )
+        return self.num_cached[seq_idx] + local
+
+    def rows_for_logits(self) -> torch.Tensor:
+        """``[R]`` rows of the new tokens that get logits (default: last new token per sequence)."""
+        if self.logits_indices is not None:
+            return self.logits_indices
+        return self.cu_seqlens[1:] - 1
+
+
+def make_batch(
+    new_lens: Sequence[int],
+    num_cached: Sequence[int],
+    state_slots: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    all_logits: bool = False,
+) -> ForwardBatch:
+    """Build a ForwardBatch from plain per-sequence lists (tests, simple engines).
+
+    Args:
+        new_lens: new tokens per sequence (each ≥ 1).
+        num_cached: tokens already cached per sequence.
+        state_slots: state slot per sequence.
+        block_tables: page ids per sequence; must cover ``num_cached + new`` tokens.
+        block_size: tokens per page B.
+        device: where the tensors go.
+        all_logits: logits for every new token instead of the last one per sequence.
+
+    Returns:
+        ForwardBatch with ``is_decode`` set when every ``new_lens`` is 1.
+
+    Raises:
+        ValueError: mismatched list lengths, a non-positive ``new_lens`` entry, or a block table
+            too short (the message names the field).
+    """
+    n = len(new_lens)
+    if not (len(num_cached) == len(state_slots) == len(block_tables) == n):
+        raise ValueError(
+            "make_batch: new_lens, num_cached, state_slots, block_tables differ in length"
+        )
+    if n == 0 or any(x < 1 for x in new_lens):
+        raise ValueError(f"new_lens: need ≥ 1 sequence with ≥ 1 new token, got {list(new_lens)}")
+    if block_size < 1:
+        raise ValueError(f"block_size: must be ≥ 1, got {block_size}")
+    slots: list[int] = []
+    for i in range(n):
+        need = -(-(num_cached[i] + new_lens[i]) // block_size)
+        if len(block_tables[i]) < need:
+            raise ValueError(f"block_tables[{i}]: {len(block_tables[i])} pages < {need} needed")
+        for p in range(num_cached[i], num_cached[i] + new_lens[i]):
+            slots.append(block_tables[i][p // block_size] * block_size + p % block_size)
+    width = max(1, max(len(b) for b in block_tables))
+    bt = torch.full((n, width), -1, dtype=torch.int64)
+    for i, b in enumerate(block_tables):
+        bt[i, : len(b)] = torch.tensor(list(b), dtype=torch.int64)
+    cu = torch.zeros(n + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(torch.tensor(list(new_lens), dtype=torch.int64), 0)
+    total = int(cu[-1])
+    return ForwardBatch(
+        cu_seqlens=cu.to(device),
+        num_cached=torch.tensor(list(num_cached), dtype=torch.int64, device=device),
+        state_slots=torch.tensor(list(state_slots), dtype=torch.int64, device=device),
+        block_table=bt.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        is_decode=all(x == 1 for x in new_lens),
+        logits_indices=torch.arange(total, device=device) if all_logits else None,
+    )
+
+
+__all__ = ["ForwardBatch", "make_batch"]

@@ -1,0 +1,563 @@
+"""Safetensors checkpoints with the published K3 / Kimi-Linear tensor names.
+
+Two on-disk layouts load into :class:`~k3serve.model.model.K3ForCausalLM`:
+
+* **K3** (``moonshotai/Kimi-K3``): every language-model tensor under ``language_model.``, MoE
+  layers under ``block_sparse_moe.``, routed experts in MXFP4 (``wN.weight_packed`` uint8
+  ``[out, in/2]`` + ``wN.weight_scale`` uint8 ``[out, in/32]``, OCP MX v1.0; packing in
+  ``k3serve/kernels/mxfp4.py``), ``A_log`` zero-padded to ``max(H, K)``, KDA conv / decay /
+  output norm and the router bias in float32. The vision tower (``vision_tower.``,
+  ``mm_projector.``) is skipped: k3serve serves text.
+* **Kimi Linear** as ``transformers`` writes it with ``save_pretrained``: the same layer names
+  without the prefix, experts as plain ``wN.weight``, ``A_log`` as ``[1, 1, H, 1]``.
+
+Our module names differ from the published ones only by ``mlp.`` for ``block_sparse_moe.`` on
+MoE layers (``k3serve/model/k3_names.py`` holds the rules). MXFP4 experts are dequantised into
+the float parameters at load (on the CPU or wherever the model lives), and the packed bytes are
+kept: attached to each expert weight's module as non-persistent buffers ``weight_packed`` /
+``weight_scale`` (and returned in :class:`LoadResult`) for the GPU path.
+
+Every load is checked before any tensor is copied: tensors the model needs but the files lack,
+tensors the files have but the model does not use, and tensors of the wrong shape or dtype are
+reported together in one :class:`CheckpointError`; on error the model is left untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from k3serve.config import PRESETS, ModelConfig, load_config
+from k3serve.kernels.mxfp4 import MXFP4_BLOCK, pack_mxfp4, unpack_mxfp4
+from k3serve.model import k3_names as names
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+CONFIG_FILE = "k3serve_config.json"
+IGNORED_PREFIXES = ("vision_tower.", "mm_projector.")
+"""K3 container tensors that are not part of the language model (skipped, not 'unexpected')."""
+
+ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
+"""Embedded checkpoints: ``k3serve/assets/<preset>/`` (safetensors + ``k3serve_config.json``)."""
+
+MAX_LISTED = 200
+"""Names listed per category in a :class:`CheckpointError` message (the attributes hold all)."""
+
+_SHARD_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+_TORCH_TO_ST = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
+    torch.int64: "I64", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model, with every problem listed.
+
+    Attributes:
+        source: the files or folder read.
+        missing: published names the model needs that no file holds.
+        unexpected: published names present in the files that the model does not use.
+        mismatched: ``"name: expected …, got …"`` for tensors of the wrong shape or dtype (and
+            tensors stored in two files).
+    """
+
+    def __init__(
+        self,
+        source: str,
+        missing: Iterable[str] = (),
+        unexpected: Iterable[str] = (),
+        mismatched: Iterable[str] = (),
+    ) -> None:
+        self.source = source
+        self.missing = sorted(missing)
+        self.unexpected = sorted(unexpected)
+        self.mismatched = sorted(mismatched)
+        parts = [
+            (
+                f"checkpoint {source} does not match the model: {len(self.missing)} missing, "
+                f"{len(self.unexpected)} unexpected, {len(self.mismatched)} mis-shaped tensor(s)"
+            )
+        ]
+        for title, items in (
+            ("missing", self.missing),
+            ("unexpected", self.unexpected),
+            ("mis-shaped", self.mismatched),
+        ):
+            if items:
+                parts.append(f"{title}:")
+                parts.extend(f"  {x}" for x in items[:MAX_LISTED])
+                if len(items) > MAX_LISTED:
+                    parts.append(f"  … and {len(items) - MAX_LISTED} more")
+        super().__init__("\n".join(parts))
+
+
+@dataclass
+class LoadResult:
+    """What :func:`load_checkpoint` read.
+
+    Attributes:
+        layout: ``"k3"`` (``language_model.`` prefix) or ``"kimi_linear"`` (no prefix).
+        files: the safetensors files read.
+        num_tensors: stored tensors consumed (an MXFP4 pair counts 2).
+        packed: our expert weight name (``model.layers.{i}.mlp.experts.{e}.wN.weight``) →
+            ``(weight_packed uint8 [out, in/2], weight_scale uint8 [out, in/32])`` on the CPU,
+            for every expert that was stored in MXFP4 (empty with ``keep_packed=False``).
+        ignored: tensors skipped on purpose (K3's vision tower / projector).
+    """
+
+    layout: str
+    files: list[Path]
+    num_tensors: int = 0
+    packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------- files and headers
+def checkpoint_files(
+    folder_or_files: str | os.PathLike | Sequence[str | os.PathLike],
+) -> list[Path]:
+    """Resolve the safetensors files of a checkpoint.
+
+    Args:
+        folder_or_files: a folder (its ``model.safetensors.index.json`` if present, else every
+            ``*.safetensors`` in it), an index file, one ``.safetensors`` file, or a list of
+            ``.safetensors`` files.
+
+    Returns:
+        The files, sorted, deduplicated.
+
+    Raises:
+        FileNotFoundError: the path does not exist, a folder has no safetensors, or a shard the
+            index names is absent (all absent shards are named).
+    """
+    if isinstance(folder_or_files, (str, os.PathLike)):
+        p = Path(folder_or_files)
+        if p.is_dir():
+            if (p / INDEX_FILE).exists():
+                return _index_files(p / INDEX_FILE)
+            files = sorted(p.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"checkpoint: no *.safetensors file in {p}")
+            return files
+        if p.is_file():
+            return _index_files(p) if p.name.endswith(".index.json") else [p]
+        raise FileNotFoundError(f"checkpoint: {p} does not exist")
+    files = sorted({Path(f) for f in folder_or_files})
+    absent = [str(f) for f in files if not f.is_file()]
+    if absent or not files:
+        raise FileNotFoundError(f"checkpoint: missing file(s) {absent or '(none given)'}")
+    return files
+
+
+def _index_files(index: Path) -> list[Path]:
+    with open(index) as f:
+        weight_map = json.load(f)["weight_map"]
+    files = sorted({index.parent / v for v in weight_map.values()})
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        raise FileNotFoundError(f"checkpoint: {index} names shard(s) that are absent: {absent}")
+    return files
+
+
+def read_headers(
+    files: Sequence[Path],
+) -> tuple[dict[str, tuple[Path, tuple[int, ...], str]], list[str]]:
+    """Names, shapes and dtypes of every tensor in ``files``, from the headers only.
+
+    Returns:
+        ``({name: (file, shape, safetensors dtype)}, [descriptions of names found twice])``.
+    """
+    headers: dict[str, tuple[Path, tuple[int, ...], str]] = {}
+    dups: list[str] = []
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                sl = f.get_slice(name)
+                if name in headers:
+                    dups.append(f"{name}: stored twice ({headers[name][0].name}, {path.name})")
+                    continue
+                headers[name] = (path, tuple(sl.get_shape()), sl.get_dtype())
+    return headers, dups
+
+
+# ---------------------------------------------------------------------- load
+@dataclass
+class _Plan:
+    """How one of our state-dict tensors is filled from the files."""
+
+    ours: str
+    kind: str  # "plain" | "a_log" | "dense_expert" | "mxfp4_expert"
+    sources: tuple[str, ...]
+
+
+def _shape_str(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def _plan_load(
+    sd: dict[str, torch.Tensor],
+    headers: dict[str, tuple[Path, tuple[int, ...], str]],
+    cfg: ModelConfig,
+    prefix: str,
+) -> tuple[list[_Plan], list[str], list[str], set[str]]:
+    """Match our tensors to stored ones; return (plans, missing, mismatched, consumed names)."""
+    plans: list[_Plan] = []
+    missing: list[str] = []
+    bad: list[str] = []
+    used: set[str] = set()
+    h = cfg.kda_num_heads
+
+    def check(
+        pub: str, want_shape: tuple[int, ...], floating: bool, want_dtype: str | None = None
+    ) -> bool:
+        _, shape, dtype = headers[pub]
+        used.add(pub)
+        ok_dtype = dtype in _FLOAT_DTYPES if floating else dtype == want_dtype
+        if shape != want_shape or not ok_dtype:
+            kind = "float" if floating else want_dtype
+            bad.append(
+                f"{pub}: expected {_shape_str(want_shape)} {kind}, got {_shape_str(shape)} {dtype}"
+            )
+            return False
+        return True
+
+    for ours, t in sd.items():
+        if cfg.tie_word_embeddings and ours == "lm_head.weight":
+            continue
+        pub = names.to_published(ours, cfg, prefix)
+        shape = tuple(t.shape)
+        if names.is_expert_weight(ours):
+            pk, sc = names.expert_weight_pair(pub)
+            has_dense = pub in headers
+            has_pair = pk in headers or sc in headers
+            want_pair = cfg.expert_quant == "mxfp4"
+            if has_pair and (want_pair or not has_dense):
+                if shape[-1] % MXFP4_BLOCK:
+                    bad.append(
+                        f"{pk}: the model's {_shape_str(shape)} cannot be MXFP4 (in % 32 != 0)"
+                    )
+                    used.update(x for x in (pk, sc) if x in headers)
+                    continue
+                ok = True
+                for name, want in (
+                    (pk, (shape[0], shape[1] // 2)),
+                    (sc, (shape[0], shape[1] // MXFP4_BLOCK)),
+                ):
+                    if name not in headers:
+                        missing.append(name)
+                        ok = False
+                    else:
+                        ok = check(name, want, floating=False, want_dtype="U8") and ok
+                if ok:
+                    plans.append(_Plan(ours, "mxfp4_expert", (pk, sc)))
+            elif has_dense:
+                if check(pub, shape, floating=True):
+                    plans.append(_Plan(ours, "dense_expert", (pub,)))
+            else:
+                missing.extend((pk, sc) if want_pair else (pub,))
+            continue
+        if pub not in headers:
+            alias = next((a for a in names.published_aliases(pub) if a in headers), None)
+            if alias is None:
+                missing.append(pub)
+                continue
+            pub = alias
+        if pub.endswith("self_attn.A_log"):
+            _, got, dtype = headers[pub]
+            used.add(pub)
+            allowed = {(h,), (1, 1, h, 1), (names.a_log_length(cfg),)}
+            if got not in allowed or dtype not in _FLOAT_DTYPES:
+                want = " or ".join(_shape_str(s) for s in sorted(allowed))
+                bad.append(f"{pub}: expected {want} float, got {_shape_str(got)} {dtype}")
+            else:
+                plans.append(_Plan(ours, "a_log", (pub,)))
+            continue
+        floating = t.is_floating_point()
+        if check(pub, shape, floating, None if floating else _TORCH_TO_ST.get(t.dtype)):
+            plans.append(_Plan(ours, "plain", (pub,)))
+    return plans, missing, bad, used
+
+
+def load_checkpoint(
+    model: nn.Module,
+    folder_or_files: str | os.PathLike | Sequence[str | os.PathLike],
+    cfg: ModelConfig,
+    *,
+    keep_packed: bool = True,
+) -> LoadResult:
+    """Fill every parameter and persistent buffer of ``model`` from a safetensors checkpoint.
+
+    The layout (K3 with the ``language_model.`` prefix, or Kimi Linear without) is detected
+    from the names. Stored floats are cast to each parameter's dtype; MXFP4 experts are
+    dequantised (:func:`~k3serve.kernels.mxfp4.unpack_mxfp4`) into the parameter's dtype and,
+    with ``keep_packed``, their bytes are attached to the expert's module as non-persistent
+    buffers ``weight_packed`` / ``weight_scale`` (moved by ``model.to``) and returned. An
+    expert stored both dense and packed is read in the form ``cfg.expert_quant`` prefers; the
+    other form is reported as unexpected.
+
+    Args:
+        model: a :class:`~k3serve.model.model.K3ForCausalLM` built from ``cfg`` (any device
+            except meta).
+        folder_or_files: see :func:`checkpoint_files` (sharded ``*.index.json`` folders too).
+        cfg: the model's config (MoE layers, A_log padding, tied embeddings, expert format).
+        keep_packed: keep the MXFP4 bytes of experts stored packed.
+
+    Returns:
+        :class:`LoadResult`.
+
+    Raises:
+        CheckpointError: missing, unexpected or mis-shaped tensors, all listed at once; nothing
+            has been copied into ``model`` then.
+        FileNotFoundError: see :func:`checkpoint_files`.
+    """
+    files = checkpoint_files(folder_or_files)
+    source = (
+        str(folder_or_files)
+        if isinstance(folder_or_files, (str, os.PathLike))
+        else str([str(f) for f in files])
+    )
+    headers, dups = read_headers(files)
+    k3 = any(n.startswith(names.LANGUAGE_MODEL_PREFIX) for n in headers)
+    prefix = names.LANGUAGE_MODEL_PREFIX if k3 else ""
+    ignored = sorted(n for n in headers if k3 and n.startswith(IGNORED_PREFIXES))
+
+    sd = model.state_dict()
+    plans, missing, bad, used = _plan_load(sd, headers, cfg, prefix)
+    if cfg.tie_word_embeddings:
+        used.add(prefix + "lm_head.weight")  # tied: a stored copy is redundant, not an error
+    skipped = set(ignored)
+    unexpected = [n for n in headers if n not in used and n not in skipped]
+    if missing or unexpected or bad or dups:
+        raise CheckpointError(source, missing, unexpected, bad + dups)
+
+    by_file: dict[Path, list[str]] = {}
+    for p in plans:
+        for s in p.sources:
+            by_file.setdefault(headers[s][0], []).append(s)
+    result = LoadResult(layout="k3" if k3 else "kimi_linear", files=files, ignored=ignored)
+    pending: dict[str, torch.Tensor] = {}
+    plan_of = {s: p for p in plans for s in p.sources}
+    with torch.no_grad():
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in by_file.get(path, []):
+                    pending[name] = f.get_tensor(name)
+                    result.num_tensors += 1
+                    plan = plan_of[name]
+                    if all(s in pending for s in plan.sources):
+                        _apply(
+                            model,
+                            sd[plan.ours],
+                            plan,
+                            [pending.pop(s) for s in plan.sources],
+                            cfg,
+                            result,
+                            keep_packed,
+                        )
+    return result
+
+
+def _apply(
+    model: nn.Module,
+    dst: torch.Tensor,
+    plan: _Plan,
+    srcs: list[torch.Tensor],
+    cfg: ModelConfig,
+    result: LoadResult,
+    keep_packed: bool,
+) -> None:
+    """Copy one planned tensor into the model (``dst`` shares the parameter's storage)."""
+    if plan.kind == "mxfp4_expert":
+        packed, scales = srcs
+        dst.copy_(unpack_mxfp4(packed, scales, dtype=dst.dtype))
+        if keep_packed:
+            owner = model.get_submodule(plan.ours.rsplit(".", 1)[0])
+            device = dst.device
+            owner.register_buffer("weight_packed", packed.to(device), persistent=False)
+            owner.register_buffer("weight_scale", scales.to(device), persistent=False)
+            result.packed[plan.ours] = (packed, scales)
+        return
+    src = srcs[0]
+    if plan.kind == "a_log":
+        src = src.reshape(-1)[: cfg.kda_num_heads]
+    dst.copy_(src.to(dst.dtype))
+
+
+# ---------------------------------------------------------------------- save
+def save_checkpoint(
+    model: nn.Module,
+    folder: str | os.PathLike,
+    cfg: ModelConfig,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
+) -> list[Path]:
+    """Write ``model`` as a K3-layout safetensors checkpoint plus ``k3serve_config.json``.
+
+    Names are the published K3 ones (``language_model.`` prefix, ``block_sparse_moe.``);
+    ``A_log`` is zero-padded to ``max(H, K)`` and, like the other K3 float32 tensors
+    (:data:`~k3serve.model.k3_names.F32_SUFFIXES`), stored in float32. With
+    ``cfg.expert_quant == "mxfp4"`` routed experts are stored packed: the bytes attached at load
+    when they still decode to the current weight, else :func:`pack_mxfp4` of the weight (lossy
+    unless the weight is on the MXFP4 grid). Earlier ``model*.safetensors`` files and the index
+    in ``folder`` are removed first, so the folder holds exactly one checkpoint.
+
+    Args:
+        model: the model to save (tied ``lm_head`` is not written).
+        folder: output folder (created).
+        cfg: the model's config (written as ``k3serve_config.json``).
+        dtype: store the other float tensors in this dtype (default: as they are, lossless).
+        max_shard_bytes: split into ``model-0000i-of-0000n.safetensors`` + index when the
+            total exceeds this; ``None`` writes one ``model.safetensors``.
+
+    Returns:
+        The files written (safetensors, index if sharded, config).
+    """
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.iterdir():
+        if _SHARD_RE.match(old.name) or old.name == INDEX_FILE:
+            old.unlink()
+
+    tensors: dict[str, torch.Tensor] = {}
+    for ours, t in model.state_dict().items():
+        if cfg.tie_word_embeddings and ours == "lm_head.weight":
+            continue
+        pub = names.to_published(ours, cfg)
+        t = t.detach().cpu()
+        if names.is_expert_weight(ours) and cfg.expert_quant == "mxfp4":
+            pk, sc = names.expert_weight_pair(pub)
+            tensors[pk], tensors[sc] = _packed_for(model, ours, t)
+            continue
+        if pub.endswith("self_attn.A_log"):
+            padded = torch.zeros(names.a_log_length(cfg), dtype=torch.float32)
+            padded[: t.numel()] = t.reshape(-1).float()
+            t = padded
+        if names.is_f32_tensor(pub):
+            t = t.float()
+        elif dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        tensors[pub] = t.contiguous()
+
+    written: list[Path] = []
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
+        written.append(out / SINGLE_FILE)
+    else:
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = t
+            size += nbytes
+        weight_map: dict[str, str] = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / fname), metadata={"format": "pt"})
+            weight_map.update({n: fname for n in shard})
+            written.append(out / fname)
+        with open(out / INDEX_FILE, "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+        written.append(out / INDEX_FILE)
+    with open(out / CONFIG_FILE, "w") as f:
+        json.dump(cfg.to_dict(), f, indent=2)
+        f.write("\n")
+    written.append(out / CONFIG_FILE)
+    return written
+
+
+def _packed_for(
+    model: nn.Module, ours: str, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 bytes of an expert weight: the attached ones if they still decode to it."""
+    owner = model.get_submodule(ours.rsplit(".", 1)[0])
+    packed = getattr(owner, "weight_packed", None)
+    scales = getattr(owner, "weight_scale", None)
+    if isinstance(packed, torch.Tensor) and isinstance(scales, torch.Tensor):
+        packed, scales = packed.cpu(), scales.cpu()
+        if torch.equal(unpack_mxfp4(packed, scales, weight.dtype), weight):
+            return packed.contiguous(), scales.contiguous()
+    return pack_mxfp4(weight)
+
+
+# ---------------------------------------------------------------------- model loading
+def load_model(
+    name_or_dir: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    random_init: bool = False,
+) -> tuple[nn.Module, ModelConfig]:
+    """Build a model and load its weights.
+
+    Args:
+        name_or_dir: a preset name (weights from ``k3serve/assets/<preset>/`` when present;
+            its ``k3serve_config.json`` wins over the preset if it has one) or a checkpoint
+            folder with ``k3serve_config.json`` (ours) or ``config.json`` (Hugging Face).
+        device: where the model goes.
+        dtype: parameter dtype (CPU computes in float32; KDA ``A_log``/``dt_bias`` and the
+            router bias stay float32).
+        random_init: for a preset without an embedded checkpoint, return randomly initialised
+            weights instead of raising.
+
+    Returns:
+        ``(model in eval mode on device, cfg)``.
+
+    Raises:
+        FileNotFoundError: a preset without embedded weights and ``random_init=False``.
+        ValueError: unknown preset / folder without a config (from ``load_config``).
+        CheckpointError: the weights do not match the model.
+    """
+    from k3serve.model.model import K3ForCausalLM
+
+    key = str(name_or_dir)
+    folder: Path | None
+    if key in PRESETS:
+        folder = ASSETS_DIR / key
+        has_weights = folder.is_dir() and any(folder.glob("*.safetensors"))
+        cfg = (
+            load_config(str(folder))
+            if has_weights and (folder / CONFIG_FILE).exists()
+            else PRESETS[key]
+        )
+        if not has_weights:
+            if not random_init:
+                raise FileNotFoundError(
+                    f"model {key!r}: no embedded checkpoint in {folder} (expected *.safetensors); "
+                    f"pass random_init=True for random weights, or a checkpoint folder"
+                )
+            folder = None
+    else:
+        folder = Path(name_or_dir)
+        cfg = load_config(str(folder))
+    model = K3ForCausalLM(cfg, dtype=dtype)
+    if folder is not None:
+        load_checkpoint(model, folder, cfg)
+    return model.to(device).eval(), cfg
+
+
+__all__ = [
+    "ASSETS_DIR",
+    "CheckpointError",
+    "LoadResult",
+    "checkpoint_files",
+    "load_checkpoint",
+    "load_model",
+    "read_headers",
+    "save_checkpoint",
+]

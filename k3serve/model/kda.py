@@ -1,0 +1,216 @@
+"""The KDA mixer (Kimi Delta Attention; Kimi Linear, arXiv 2510.26692 §3; DESIGN.md §2).
+
+Per token (x ∈ R^d, H heads of width K == V):
+
+    q, k, v = SiLU(causal_conv4(W_q x)), …   depthwise, no bias, over PRE-conv inputs
+    q, k    = l2norm(q), l2norm(k)           (the kernel scales q by K^-1/2: fla ``scale=None``)
+    g       = lb·σ(exp(A_log)·(f + dt_bias))            K3 bounded gate (cfg.kda_gate_lower_bound)
+            | −exp(A_log)·softplus(f + dt_bias)         Kimi Linear (lower bound None)
+              with f = f_b(f_a(x)) ∈ R^{H·K}
+    β       = σ(W_b x) ∈ R^H
+    o       = KDA(q, k, v, g, β)                        chunk form (prefill) | recurrent step (decode)
+    out     = o_proj(RMSNorm_head(o) · w · σ(gate(x)))  gate: g_proj (K3) | g_b(g_a(x)) (Kimi Linear)
+
+Cache (INTERFACES.md §1): per slot, ``state [H, K, V]`` fp32 and ``conv [W-1, 3·H·K]`` = the last
+W−1 pre-conv ``q | k | v`` inputs, oldest first, in the model dtype.
+
+Kernels come through ``k3serve.kernels.dispatch`` (torch references on CPU, Triton on CUDA;
+fla-core conventions); the gate is ``k3serve.kernels.kda.naive.kda_gate``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3serve.config import ModelConfig
+from k3serve.kernels import dispatch
+from k3serve.kernels.kda.naive import kda_gate
+from k3serve.model.layers import GatedRMSNorm
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's L2 norm over the last dim: ``x / sqrt(Σx² + eps)``, computed in float32."""
+    xf = x.float()
+    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    history: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv (no bias) + SiLU over packed sequences that continue a history.
+
+    Args:
+        x: ``[T, C]`` pre-conv inputs of the new tokens, sequences packed by ``cu_seqlens``.
+        weight: ``[C, W]`` taps; ``weight[:, W-1]`` multiplies the current token (F.conv1d order).
+        cu_seqlens: ``[N+1]`` int64 boundaries in ``x``.
+        history: ``[N, W-1, C]`` last W−1 pre-conv inputs of each sequence, oldest first, or None
+            (zeros: fresh sequences).
+
+    Returns:
+        ``(y [T, C] in x.dtype, new_history [N, W-1, C] in x.dtype)``.
+    """
+    t, c = x.shape
+    n = cu_seqlens.shape[0] - 1
+    w = weight.shape[-1]
+    if history is None:
+        history = x.new_zeros(n, w - 1, c)
+    dev = x.device
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq_idx = torch.repeat_interleave(torch.arange(n, device=dev), lens)
+    # ext = [hist_0 ; x_0 ; hist_1 ; x_1 ; ...]; a new token t sits at t + (seq+1)(W-1)
+    tok_pos = torch.arange(t, device=dev) + (seq_idx + 1) * (w - 1)
+    hist_pos = (cu_seqlens[:-1] + torch.arange(n, device=dev) * (w - 1)).view(n, 1) + torch.arange(
+        w - 1, device=dev
+    )
+    ext = x.new_empty(t + n * (w - 1), c)
+    ext[hist_pos.reshape(-1)] = history.to(x.dtype).reshape(-1, c)
+    ext[tok_pos] = x
+    wf = weight.float()
+    y = torch.zeros(t, c, dtype=torch.float32, device=dev)
+    for j in range(w):
+        y = y + ext[tok_pos - (w - 1) + j].float() * wf[:, j]
+    tail = (cu_seqlens[:-1] + torch.arange(n, device=dev) * (w - 1) + lens).view(
+        n, 1
+    ) + torch.arange(w - 1, device=dev)
+    return F.silu(y).to(x.dtype), ext[tail.reshape(-1)].view(n, w - 1, c)
+
+
+class KDAMixer(nn.Module):
+    """Kimi Delta Attention mixer. Parameter names follow the published K3 checkpoint.
+
+    Args:
+        cfg: model config (KDA fields, ``kda_gate_lower_bound``, ``kda_output_gate_rank``).
+        dtype: parameter dtype (``A_log``, ``dt_bias`` are always float32).
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, h, k = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+        hk, w = h * k, cfg.kda_conv_kernel
+        self.num_heads, self.head_dim = h, k
+
+        def lin(i: int, o: int) -> nn.Linear:
+            return nn.Linear(i, o, bias=False, dtype=dtype)
+
+        self.q_proj, self.k_proj, self.v_proj = lin(d, hk), lin(d, hk), lin(d, hk)
+        self.q_conv1d = nn.Conv1d(hk, hk, w, groups=hk, bias=False, dtype=dtype)
+        self.k_conv1d = nn.Conv1d(hk, hk, w, groups=hk, bias=False, dtype=dtype)
+        self.v_conv1d = nn.Conv1d(hk, hk, w, groups=hk, bias=False, dtype=dtype)
+        self.f_a_proj, self.f_b_proj = lin(d, cfg.kda_gate_rank), lin(cfg.kda_gate_rank, hk)
+        self.b_proj = lin(d, h)
+        if cfg.kda_output_gate_rank is None:
+            self.g_proj = lin(d, hk)
+        else:
+            self.g_a_proj = lin(d, cfg.kda_output_gate_rank)
+            self.g_b_proj = lin(cfg.kda_output_gate_rank, hk)
+        self.o_proj = lin(hk, d)
+        self.A_log = nn.Parameter(torch.empty(h, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(hk, dtype=torch.float32))
+        self.o_norm = GatedRMSNorm(k, cfg.rms_norm_eps, dtype=dtype)
+        self.reset_gate_parameters()
+
+    @torch.no_grad()
+    def reset_gate_parameters(self) -> None:
+        """fla-style decay init: ``A = U(1, 16)``, ``dt = exp(U(log 1e-3, log 1e-1))``,
+        ``dt_bias = softplus⁻¹(dt)`` (mamba / fla ``KimiDeltaAttention`` init). No-op on meta."""
+        if self.A_log.is_meta:
+            return
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+        dt = (
+            torch.empty_like(self.dt_bias)
+            .uniform_(math.log(1e-3), math.log(1e-1))
+            .exp()
+            .clamp_min(1e-4)
+        )
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def conv_weight(self) -> torch.Tensor:
+        """``[3·H·K, W]`` taps of the q | k | v convs, in the conv-state channel order."""
+        return torch.cat(
+            [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0
+        ).squeeze(1)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        state_slots: torch.Tensor | None = None,
+        state_pool: torch.Tensor | None = None,
+        conv_pool: torch.Tensor | None = None,
+        is_decode: bool = False,
+    ) -> torch.Tensor:
+        """Mix the new tokens of N packed sequences; read and write their cached state.
+
+        Args:
+            x: ``[T, d]`` normed hidden states of the new tokens.
+            cu_seqlens: ``[N+1]`` int64 boundaries of each sequence in ``x``.
+            state_slots: ``[N]`` int64 slots; None with no pools (training: zero states).
+            state_pool: ``[S, H, K, V]`` float32 this layer's KDA states; updated in place.
+            conv_pool: ``[S, W-1, 3·H·K]`` this layer's conv states; updated in place.
+            is_decode: every sequence has one new token → recurrent step kernel.
+
+        Returns:
+            ``[T, d]`` in ``x.dtype``.
+
+        Raises:
+            ValueError: pools given without ``state_slots`` (or only one pool).
+        """
+        cfg = self.cfg
+        h, k = self.num_heads, self.head_dim
+        t = x.shape[0]
+        if (state_pool is None) != (conv_pool is None) or (
+            state_pool is not None and state_slots is None
+        ):
+            raise ValueError("state_slots/state_pool/conv_pool: give all three or none")
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        decode = is_decode and state_pool is not None
+        if decode:  # shifts conv_pool[state_slots] in place
+            qkv = dispatch.causal_conv_step(qkv, conv_pool, self.conv_weight(), state_slots)
+        else:
+            hist = conv_pool[state_slots] if conv_pool is not None else None
+            qkv, new_hist = causal_conv_varlen(qkv, self.conv_weight(), cu_seqlens, hist)
+            if conv_pool is not None:
+                conv_pool[state_slots] = new_hist.to(conv_pool.dtype)
+        q, kk, v = qkv.view(t, 3, h, k).unbind(1)
+        q, kk = l2norm(q).to(x.dtype), l2norm(kk).to(x.dtype)
+        g = kda_gate(
+            self.f_b_proj(self.f_a_proj(x)).view(t, h, k),
+            self.A_log,
+            self.dt_bias,
+            cfg.kda_gate_lower_bound,
+        )
+        beta = torch.sigmoid(self.b_proj(x).float())
+        if decode:
+            o = dispatch.fused_recurrent_kda_step(q, kk, v, g, beta, state_pool, state_slots)
+        else:
+            init = state_pool[state_slots] if state_pool is not None else None
+            o, final = dispatch.chunk_kda(
+                q[None],
+                kk[None],
+                v[None],
+                g[None],
+                beta[None],
+                initial_state=init,
+                output_final_state=state_pool is not None,
+                cu_seqlens=cu_seqlens,
+            )
+            o = o[0]
+            if state_pool is not None:
+                state_pool[state_slots] = final.float()
+        if cfg.kda_output_gate_rank is None:
+            gate = self.g_proj(x)
+        else:
+            gate = self.g_b_proj(self.g_a_proj(x))
+        o = self.o_norm(o.to(x.dtype).view(t, h, k), gate.view(t, h, k))
+        return self.o_proj(o.reshape(t, h * k))
+
+
+__all__ = ["KDAMixer", "causal_conv_varlen", "l2norm"]

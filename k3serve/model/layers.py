@@ -1,0 +1,152 @@
+"""Small building blocks: RMSNorm, gated RMSNorm, SiTU-GLU / SwiGLU activations, dense MLP.
+
+Math sources: RMSNorm (Zhang & Sennrich 2019); SwiGLU (Shazeer 2020); SiTU-GLU, the bounded
+SwiGLU of K3 (DESIGN.md §2): ``[β·tanh(g/β)·σ(g)] · [β_l·tanh(u/β_l)]``; gated output norm of
+KDA (Kimi Linear, arXiv 2510.26692 §3, fla ``FusedRMSNormGated`` with sigmoid).
+
+Norms compute in float32 and return the input dtype, like the reference implementations.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3serve.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, computed in float32.
+
+    Args:
+        x: ``[..., D]`` any float dtype.
+        weight: ``[D]`` scale, or None for no scale.
+        eps: added to the mean square before the reciprocal square root.
+
+    Returns:
+        ``[..., D]`` in ``x.dtype``: ``x / sqrt(mean(x²) + eps) * weight``.
+    """
+    dt = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        xf = xf * weight.float()
+    return xf.to(dt)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a learned ``weight [D]`` (initialised to ones).
+
+    Args:
+        dim: normalised width D.
+        eps: numerical epsilon (``cfg.rms_norm_eps``).
+        dtype: parameter dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., D]`` → ``[..., D]`` in ``x.dtype``."""
+        return rms_norm(x, self.weight, self.eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm × weight × σ(gate): the KDA output norm (fla ``FusedRMSNormGated``).
+
+    Args:
+        head_dim: normalised width V (one head).
+        eps: numerical epsilon.
+        dtype: parameter dtype.
+    """
+
+    def __init__(self, head_dim: int, eps: float = 1e-5, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(head_dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Normalise each head and gate it.
+
+        Args:
+            x: ``[T, H, V]`` attention output.
+            gate: ``[T, H, V]`` pre-sigmoid gate (same shape as ``x``).
+
+        Returns:
+            ``[T, H, V]`` in ``x.dtype``; computed in float32.
+        """
+        if gate.shape != x.shape:
+            raise ValueError(f"gate: shape {tuple(gate.shape)} != x shape {tuple(x.shape)}")
+        y = rms_norm(x.float(), self.weight, self.eps) * torch.sigmoid(gate.float())
+        return y.to(x.dtype)
+
+
+def situ_glu(
+    gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, beta_l: float = 25.0
+) -> torch.Tensor:
+    """SiTU-GLU, K3's bounded SwiGLU (DESIGN.md §2).
+
+    ``[β·tanh(g/β)·σ(g)] · [β_l·tanh(u/β_l)]``; for small inputs it equals ``silu(g)·u``.
+
+    Args:
+        gate: ``[..., I]`` gate pre-activation g.
+        up: ``[..., I]`` up pre-activation u.
+        beta: gate bound β (4 in K3).
+        beta_l: linear-branch bound β_l (25 in K3).
+
+    Returns:
+        ``[..., I]`` same dtype as ``gate``.
+    """
+    return (beta * torch.tanh(gate / beta) * torch.sigmoid(gate)) * (
+        beta_l * torch.tanh(up / beta_l)
+    )
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: ``silu(g) · u`` (Shazeer 2020). Shapes ``[..., I]``."""
+    return F.silu(gate) * up
+
+
+def glu_act(cfg: ModelConfig, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The GLU chosen by ``cfg.hidden_act``: ``"situ"`` (K3) or ``"silu"`` (SwiGLU, Kimi Linear).
+
+    Raises:
+        ValueError: unknown ``cfg.hidden_act``.
+    """
+    if cfg.hidden_act == "situ":
+        return situ_glu(gate, up, cfg.situ_beta, cfg.situ_beta_linear)
+    if cfg.hidden_act == "silu":
+        return swiglu(gate, up)
+    raise ValueError(f"hidden_act: {cfg.hidden_act!r} is not 'situ' or 'silu'")
+
+
+class MLP(nn.Module):
+    """Dense gated MLP ``down(act(gate(x), up(x)))`` (layer 0, and the MoE shared experts).
+
+    Parameter names: ``gate_proj``, ``up_proj`` ``[I, D]``, ``down_proj`` ``[D, I]``.
+
+    Args:
+        cfg: model config (``hidden_act``, SiTU betas).
+        hidden: input / output width D.
+        intermediate: inner width I.
+        dtype: parameter dtype.
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, hidden: int, intermediate: int, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., D]`` → ``[..., D]``."""
+        return self.down_proj(glu_act(self.cfg, self.gate_proj(x), self.up_proj(x)))
+
+
+__all__ = ["MLP", "GatedRMSNorm", "RMSNorm", "glu_act", "rms_norm", "situ_glu", "swiglu"]

@@ -1,0 +1,171 @@
+"""Gated MLA without rotary embedding (DeepSeek-V2 §2.1 MLA; K3 / Kimi Linear NoPE variant).
+
+    q        = q_b(RMSNorm(q_a(x)))  (or q_proj(x))          [T, H, nope+rope]
+    [c ; kpe] = kv_a_proj_with_mqa(x);  c = kv_a_layernorm(c)   cached latent [kv_lora + rope]
+    k_h      = [W_uk,h c ; kpe],  v_h = W_uv,h c               (kv_b_proj; rope part NOT rotated)
+    attn     = softmax(q·k / sqrt(nope + rope)) v                causal
+    out      = o_proj(attn ⊙ σ(g_proj x))    (gate only when cfg.mla_output_gate; K3)
+
+Prefill: naive decompressed attention over [cached latents from pages ; new latents].
+Decode: weight-absorbed MQA over the paged latents (``k3serve.kernels.dispatch``: the torch
+reference ``k3serve.kernels.mla.naive`` on CPU, Triton on CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3serve.config import ModelConfig
+from k3serve.kernels import dispatch
+from k3serve.kernels.mla import naive as mla_ref
+from k3serve.model.layers import RMSNorm
+
+
+class MLAMixer(nn.Module):
+    """Gated Multi-head Latent Attention. Parameter names follow the published checkpoints.
+
+    Args:
+        cfg: model config (MLA fields, ``mla_output_gate``).
+        dtype: parameter dtype.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, h = cfg.hidden_size, cfg.mla_num_heads
+        self.num_heads = h
+        self.scale = cfg.qk_head_dim**-0.5
+
+        def lin(i: int, o: int) -> nn.Linear:
+            return nn.Linear(i, o, bias=False, dtype=dtype)
+
+        if cfg.q_lora_rank is None:
+            self.q_proj = lin(d, h * cfg.qk_head_dim)
+        else:
+            self.q_a_proj = lin(d, cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype)
+            self.q_b_proj = lin(cfg.q_lora_rank, h * cfg.qk_head_dim)
+        self.kv_a_proj_with_mqa = lin(d, cfg.mla_latent_dim)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype=dtype)
+        self.kv_b_proj = lin(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        if cfg.mla_output_gate:
+            self.g_proj = lin(d, h * cfg.v_head_dim)
+        self.o_proj = lin(h * cfg.v_head_dim, d)
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, d]`` → ``q [T, H, nope+rope]``."""
+        if self.cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], self.num_heads, self.cfg.qk_head_dim)
+
+    def latents(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, d]`` → cached latents ``[T, kv_lora + rope]`` = ``[kv_a_layernorm(c) ; k_pe]``."""
+        ckv = self.kv_a_proj_with_mqa(x)
+        c, kpe = ckv.split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], -1)
+        return torch.cat([self.kv_a_layernorm(c), kpe], -1)
+
+    def absorbed_query(self, q: torch.Tensor) -> torch.Tensor:
+        """``q [N, H, nope+rope]`` → ``[N, H, kv_lora+rope]`` = ``[W_ukᵀ q_nope ; q_pe]``."""
+        cfg = self.cfg
+        w = self.kv_b_proj.weight.view(
+            self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank
+        )
+        w_uk = w[:, : cfg.qk_nope_head_dim]
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
+        return torch.cat(
+            [torch.einsum("nhd,hdc->nhc", q_nope.float(), w_uk.float()), q_pe.float()], -1
+        )
+
+    def absorbed_output(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """``o_lat [N, H, kv_lora]`` → ``[N, H, v]`` = ``W_uv ô``."""
+        cfg = self.cfg
+        w = self.kv_b_proj.weight.view(
+            self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank
+        )
+        return torch.einsum("nhc,hvc->nhv", o_lat.float(), w[:, cfg.qk_nope_head_dim :].float())
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        num_cached: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
+        slot_mapping: torch.Tensor | None = None,
+        latent_pool: torch.Tensor | None = None,
+        is_decode: bool = False,
+    ) -> torch.Tensor:
+        """Attend the new tokens of N packed sequences; write their latents into the pages.
+
+        Args:
+            x: ``[T, d]`` normed hidden states of the new tokens.
+            cu_seqlens: ``[N+1]`` int64 boundaries in ``x``.
+            num_cached: ``[N]`` int64 cached tokens per sequence (None: 0, training).
+            block_table: ``[N, max_blocks]`` int64 pages.
+            slot_mapping: ``[T]`` int64 flat latent slot of each new token.
+            latent_pool: ``[P, B, D]`` this layer's pages, updated in place; None = no cache
+                (training: attention within the new tokens only).
+            is_decode: one new token per sequence → weight-absorbed attention.
+
+        Returns:
+            ``[T, d]`` in ``x.dtype``.
+
+        Raises:
+            ValueError: ``latent_pool`` without ``block_table``/``slot_mapping``/``num_cached``.
+        """
+        cfg = self.cfg
+        t = x.shape[0]
+        q = self.queries(x)
+        lat = self.latents(x)
+        if latent_pool is None:
+            attn = []
+            cu = cu_seqlens.tolist()
+            for i in range(len(cu) - 1):
+                attn.append(
+                    mla_ref.mla_attention_naive(
+                        q[cu[i] : cu[i + 1]],
+                        lat[cu[i] : cu[i + 1]],
+                        self.kv_b_proj.weight,
+                        cfg.qk_nope_head_dim,
+                        cfg.v_head_dim,
+                        self.scale,
+                        0,
+                    )
+                )
+            o = torch.cat(attn, 0)
+        else:
+            if block_table is None or slot_mapping is None or num_cached is None:
+                raise ValueError("block_table/slot_mapping/num_cached: required with latent_pool")
+            latent_pool.view(-1, latent_pool.shape[-1])[slot_mapping] = lat.to(latent_pool.dtype)
+            if is_decode:
+                seq_lens = num_cached + (cu_seqlens[1:] - cu_seqlens[:-1])
+                o_lat = dispatch.mla_decode_absorbed_paged(
+                    self.absorbed_query(q),
+                    latent_pool,
+                    block_table,
+                    seq_lens,
+                    cfg.kv_lora_rank,
+                    self.scale,
+                )
+                o = self.absorbed_output(o_lat)
+            else:
+                o = mla_ref.mla_prefill_naive_paged(
+                    q,
+                    latent_pool,
+                    block_table,
+                    cu_seqlens,
+                    num_cached,
+                    self.kv_b_proj.weight,
+                    cfg.qk_nope_head_dim,
+                    cfg.v_head_dim,
+                    self.scale,
+                )
+        o = o.to(x.dtype).reshape(t, self.num_heads * cfg.v_head_dim)
+        if cfg.mla_output_gate:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+
+__all__ = ["MLAMixer"]

@@ -1,0 +1,290 @@
+"""Request placement: a pure cost function over (request, worker states).
+
+The router turns one request into a ``PlacementRequest`` (prompt length, block size, a
+sequence number) and a snapshot of each worker's state (its usable cached depth for this
+prompt from the global index, the prefill work queued on it, its decode load and free
+memory), then calls ``place``. Nothing here performs I/O or keeps state between calls, so
+the simulator can replay traces through the very same policies.
+
+Prefill choice — policies in ``POLICIES`` (a registry; ``register_policy`` adds one):
+
+* ``cache_aware`` (default): estimated TTFT of worker *w* =
+  ``(queued_tokens_w + prompt_tokens - cached_tokens_w) / prefill_rate_w`` (seconds); the
+  KV transfer delays token #2, not TTFT, so it is not in the cost. A load guard first drops
+  workers whose queued work (seconds: queued tokens / rate) exceeds
+  ``guard_factor × least queued + guard_seconds``, so a hot prefix cannot pile every request
+  onto one worker. Ties → least queued, then a rotation by ``seq`` (idle workers share cold
+  requests evenly).
+* ``least_load``: least queued prefill work (queued tokens / rate), cache-blind.
+* ``round_robin``: ``seq mod n`` over the healthy workers (``seq`` comes with the request).
+* ``random``: uniform, seeded by ``(seed, seq)`` so a replay is reproducible.
+
+Decode choice (all policies): a worker with room for the request (free cache tokens for
+prompt + ``max_tokens`` per choice, a free state slot per choice) and the lightest batch;
+if none has room, the one with the most free tokens (the request waits there).
+
+``snapshot_at``: when the prompt shares MLA blocks with earlier prompts (any worker) up to a
+boundary deeper than what the chosen prefill worker can reuse, and the prompt diverges there,
+that boundary is a branch point: the chosen worker is asked to keep a KDA snapshot at it
+(DESIGN.md §3), so the next prompt diverging there hits. The prompt-end boundary
+``⌊(L−1)/B⌋·B`` is snapshotted by the worker anyway and is never requested.
+"""
+
+from __future__ import annotations
+
+import random as _random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+class NoWorkerAvailable(RuntimeError):
+    """No healthy prefill or decode worker to place a request on (the API answers 503)."""
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    """What placement needs to know about one request.
+
+    Attributes:
+        num_prompt_tokens: Prompt length L in tokens (≥ 1).
+        block_size: Cache block size B in tokens (the workers' ``/internal/info``).
+        seq: Router-wide request sequence number (drives ``round_robin`` and ``random``).
+        max_new_tokens: Upper bound of generated tokens per choice (decode memory).
+        n: Number of choices (decode state slots and memory).
+    """
+
+    num_prompt_tokens: int
+    block_size: int
+    seq: int = 0
+    max_new_tokens: int = 0
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 1:
+            raise ValueError(f"num_prompt_tokens must be >= 1, got {self.num_prompt_tokens}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+    @property
+    def max_cached_blocks(self) -> int:
+        """Deepest reusable boundary in blocks: ``⌊(L−1)/B⌋`` (one token is always computed)."""
+        return (self.num_prompt_tokens - 1) // self.block_size
+
+
+@dataclass(frozen=True)
+class PrefillWorkerState:
+    """One prefill worker as placement sees it.
+
+    Attributes:
+        worker_id: The worker's name (the router uses its base URL).
+        cached_blocks: Usable cached depth for this prompt in blocks (MLA blocks + a KDA
+            snapshot at the boundary; ``GlobalIndex.match(...).usable_blocks``).
+        mla_blocks: MLA-only prefix depth for this prompt in blocks (≥ ``cached_blocks``).
+        queued_tokens: Prefill tokens sent to the worker and not finished yet.
+        prefill_rate: Prefill throughput in tokens per second (only ratios matter).
+        healthy: Whether the worker may receive requests.
+    """
+
+    worker_id: str
+    cached_blocks: int = 0
+    mla_blocks: int = 0
+    queued_tokens: int = 0
+    prefill_rate: float = 10_000.0
+    healthy: bool = True
+
+
+@dataclass(frozen=True)
+class DecodeWorkerState:
+    """One decode worker as placement sees it.
+
+    Attributes:
+        worker_id: The worker's name.
+        free_tokens: Free MLA cache capacity in tokens (free + evictable pages × B).
+        free_slots: Free KDA state slots (one per running sequence).
+        running: Sequences in its decode batch plus those reserved and not yet admitted.
+        healthy: Whether the worker may receive requests.
+    """
+
+    worker_id: str
+    free_tokens: int = 1 << 62
+    free_slots: int = 1 << 30
+    running: int = 0
+    healthy: bool = True
+
+
+@dataclass(frozen=True)
+class PlacementParams:
+    """Knobs of the cache-aware policy.
+
+    Attributes:
+        guard_factor: A worker is eligible only if its queued work (queued tokens / prefill
+            rate, seconds) is at most ``guard_factor × least queued work + guard_seconds``.
+        guard_seconds: Absolute slack of the load guard, in seconds of queued prefill.
+        seed: Seed of the ``random`` policy.
+        snapshot_branch_points: Whether to request ``snapshot_at`` at branch points.
+    """
+
+    guard_factor: float = 1.5
+    guard_seconds: float = 0.5
+    seed: int = 0
+    snapshot_branch_points: bool = True
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The outcome of one placement decision.
+
+    Attributes:
+        prefill: Chosen prefill worker id.
+        decode: Chosen decode worker id (``None`` when no decode pool was given).
+        predicted_cached_tokens: Tokens the chosen prefill worker should reuse (a multiple of B).
+        snapshot_at: Token positions (multiples of B) where the prefill worker should keep a
+            KDA snapshot, ascending.
+        policy: Name of the prefill policy that decided.
+    """
+
+    prefill: str
+    decode: str | None
+    predicted_cached_tokens: int
+    snapshot_at: tuple[int, ...] = field(default=())
+    policy: str = "cache_aware"
+
+
+# A prefill policy picks an index into ``workers`` (all healthy, non-empty).
+PrefillPolicy = Callable[[PlacementRequest, Sequence[PrefillWorkerState], PlacementParams], int]
+
+
+def _uncached(req: PlacementRequest, w: PrefillWorkerState) -> int:
+    return req.num_prompt_tokens - min(w.cached_blocks, req.max_cached_blocks) * req.block_size
+
+
+def cache_aware(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
+                params: PlacementParams) -> int:
+    """Least estimated TTFT among the workers that pass the load guard.
+
+    TTFT_w = (queued_tokens_w + uncached_tokens_w) / prefill_rate_w, in seconds.
+    """
+    least = min(w.queued_tokens / w.prefill_rate for w in workers)
+    bound = params.guard_factor * least + params.guard_seconds
+    best, best_key = 0, None
+    for i, w in enumerate(workers):
+        queued_s = w.queued_tokens / w.prefill_rate
+        if queued_s > bound:
+            continue
+        ttft = queued_s + _uncached(req, w) / w.prefill_rate
+        key = (ttft, queued_s, (i - req.seq) % len(workers))
+        if best_key is None or key < best_key:
+            best, best_key = i, key
+    return best
+
+
+def least_load(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
+               params: PlacementParams) -> int:
+    """Least queued prefill time (queued tokens / rate), cache-blind; ties rotate by ``seq``."""
+    n = len(workers)
+    return min(range(n), key=lambda i: (workers[i].queued_tokens / workers[i].prefill_rate,
+                                        (i - req.seq) % n))
+
+
+def round_robin(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
+                params: PlacementParams) -> int:
+    """Worker ``seq mod n`` over the healthy workers."""
+    return req.seq % len(workers)
+
+
+def random_choice(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
+                  params: PlacementParams) -> int:
+    """Uniform choice, reproducible from ``(params.seed, req.seq)``."""
+    return _random.Random(params.seed * 1_000_003 + req.seq).randrange(len(workers))
+
+
+POLICIES: dict[str, PrefillPolicy] = {
+    "cache_aware": cache_aware,
+    "round_robin": round_robin,
+    "least_load": least_load,
+    "random": random_choice,
+}
+
+
+def register_policy(name: str, policy: PrefillPolicy) -> None:
+    """Add a prefill policy to the registry (overwrites a policy of the same name)."""
+    POLICIES[name] = policy
+
+
+def choose_decode(req: PlacementRequest, workers: Sequence[DecodeWorkerState]) -> str:
+    """Decode worker with room for the request and the lightest batch.
+
+    Room = ``free_tokens >= n × (L + max_new_tokens)`` (an upper bound: the choices share the
+    prompt's pages) and ``free_slots >= n``. Ties → most free tokens, then lowest index.
+
+    Raises:
+        NoWorkerAvailable: no healthy decode worker.
+    """
+    need_tokens = req.n * (req.num_prompt_tokens + req.max_new_tokens)
+    best, best_key = None, None
+    for i, w in enumerate(workers):
+        if not w.healthy:
+            continue
+        fits = w.free_tokens >= need_tokens and w.free_slots >= req.n
+        key = (not fits, w.running if fits else 0, -w.free_tokens, i)
+        if best_key is None or key < best_key:
+            best, best_key = w.worker_id, key
+    if best is None:
+        raise NoWorkerAvailable("no healthy decode worker")
+    return best
+
+
+def branch_snapshot(req: PlacementRequest, chosen: PrefillWorkerState,
+                    shared_blocks: int) -> tuple[int, ...]:
+    """Branch-point snapshot request for the chosen prefill worker.
+
+    Args:
+        req: The request.
+        chosen: The chosen prefill worker's state.
+        shared_blocks: Deepest MLA prefix (blocks) of this prompt held by any worker — the
+            prompt shares that many blocks with earlier prompts and diverges right after.
+
+    Returns:
+        ``(shared_blocks × B,)`` when that boundary is deeper than what ``chosen`` reuses,
+        leaves at least one token to compute, and is not the prompt-end boundary; else ``()``.
+    """
+    m = min(shared_blocks, req.max_cached_blocks)
+    if m <= 0 or m == req.max_cached_blocks or m <= chosen.cached_blocks:
+        return ()
+    return (m * req.block_size,)
+
+
+def place(req: PlacementRequest, prefill: Sequence[PrefillWorkerState],
+          decode: Sequence[DecodeWorkerState] = (), policy: str = "cache_aware",
+          params: PlacementParams = PlacementParams()) -> Placement:
+    """Choose the prefill and decode workers of one request. Pure: no I/O, no mutation.
+
+    Args:
+        req: The request.
+        prefill: Every prefill worker's state (unhealthy ones are skipped).
+        decode: Every decode worker's state; empty → ``Placement.decode`` is ``None``.
+        policy: A name in ``POLICIES``.
+        params: Cache-aware and random policy knobs.
+
+    Returns:
+        The placement, with the predicted cached tokens of the chosen prefill worker
+        (``min(cached_blocks, ⌊(L−1)/B⌋) × B``) and the ``snapshot_at`` request.
+
+    Raises:
+        KeyError: unknown policy.
+        NoWorkerAvailable: no healthy prefill worker, or decode workers given but none healthy.
+    """
+    choose = POLICIES[policy]
+    healthy = [w for w in prefill if w.healthy]
+    if not healthy:
+        raise NoWorkerAvailable("no healthy prefill worker")
+    chosen = healthy[choose(req, healthy, params)]
+    dec = choose_decode(req, decode) if decode else None
+    cached = min(chosen.cached_blocks, req.max_cached_blocks) * req.block_size
+    snaps: tuple[int, ...] = ()
+    if params.snapshot_branch_points:
+        shared = max(w.mla_blocks for w in prefill)
+        snaps = branch_snapshot(req, chosen, shared)
+    return Placement(chosen.worker_id, dec, cached, snaps, policy)

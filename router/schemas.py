@@ -1,0 +1,368 @@
+"""OpenAI-compatible request, response and stream-chunk models of the public API.
+
+Requests validate strictly enough that bad input is a 400 with an OpenAI-style body
+(``{"error": {"message", "type", "param", "code"}}``), never a 500: types, ranges
+(``max_tokens >= 1``, ``0 <= temperature <= 2``, ``0 < top_p <= 1``, penalties in [-2, 2]),
+and parameters we do not implement when set to a non-default value (``echo``, ``suffix``,
+``best_of != n``, ``logit_bias``, tools). Unknown fields are ignored, as most OpenAI-compatible
+servers do, so newer clients keep working. ``cache_salt`` is an extra field: requests with
+different salts never share cached prefixes (DESIGN.md §3, tenant isolation).
+
+Units: token counts in tokens, ``created`` in Unix seconds.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_N = 16
+MAX_STOP = 16
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+
+
+class _Request(BaseModel):
+    # strict: JSON types only ("5" is not an int, true is not 1); unknown fields ignored.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Request):
+    """``stream_options``: ``include_usage`` adds a final chunk with ``usage``."""
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: str = Field(min_length=1)
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> None:
+        if v:
+            raise ValueError("logit_bias is not supported")
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``.
+
+    ``prompt`` is a string, a list of token ids, or a batch of either; every prompt gets
+    ``n`` choices, indexed ``prompt_index × n + j``. ``logprobs`` (0–5) asks for that many
+    top alternatives per sampled token.
+    """
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            for p in v:
+                if isinstance(p, list) and not p:
+                    raise ValueError("prompt token lists must not be empty")
+                if isinstance(p, int) and p < 0:
+                    raise ValueError("token ids must be >= 0")
+                if isinstance(p, list) and any(t < 0 for t in p):
+                    raise ValueError("token ids must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list (one entry per prompt: text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(t, int) for t in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextContentPart(_Request):
+    """A text part of a chat message's content list."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    """One chat message. Content is a string or a list of text parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's content as one string."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``.
+
+    ``logprobs`` (bool) returns the sampled token's logprob, ``top_logprobs`` (0–20) that
+    many alternatives; ``max_completion_tokens`` is the newer name of ``max_tokens`` and wins
+    when both are set.
+    """
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _checks(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice is not supported")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ValueError("response_format other than text is not supported")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """``max_completion_tokens`` if set, else ``max_tokens`` (None: up to the context)."""
+        return self.max_completion_tokens or self.max_tokens
+
+
+# ----------------------------------------------------------------------------- responses
+def new_id(prefix: str) -> str:
+    """A fresh response id such as ``cmpl-3f2a…``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    """Unix time in whole seconds (the ``created`` field)."""
+    return int(time.time())
+
+
+class PromptTokensDetails(BaseModel):
+    """``usage.prompt_tokens_details``: ``cached_tokens`` = the prefix the prefill reused."""
+
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """Token usage of a request (all choices)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs: parallel lists per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(BaseModel):
+    """A streamed completions chunk (same object name as the full response, like OpenAI)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "k3serve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ----------------------------------------------------------------------------- errors
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI-style error body."""
+
+    error: ErrorInfo
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    """``{"error": {"message", "type", "param", "code"}}`` as a plain dict."""
+    return ErrorResponse(error=ErrorInfo(message=message, type=type, param=param,
+                                         code=code)).model_dump()
+
+
+def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI-style body for pydantic/FastAPI validation errors (first error named in full).
+
+    Args:
+        errors: ``RequestValidationError.errors()`` / ``ValidationError.errors()``.
+    """
+    if not errors:
+        return error_body("invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return error_body(f"request body is not valid JSON: {first.get('msg', '')}",
+                          code="invalid_json")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # loc = field path, then (for unions) member tags such as "str" or "list[int]"
+    param = loc[0] if loc else None
+    path = ".".join(p for p in loc if not _is_type_tag(p))
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    text = f"{path}: {msg}" if path else msg
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return error_body(text, param=param, code="invalid_value")
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in ("str", "int", "float", "bool", "dict", "list", "none") or "[" in part

@@ -1,0 +1,367 @@
+"""The router's view of its workers: registry, cache-event pollers, and the internal calls.
+
+Workers register with ``POST /internal/register`` (and again after a restart); the router
+reads ``GET /internal/info`` and then keeps one poller per worker that pulls
+``GET /internal/cache_events?after=SEQ`` into the ``GlobalIndex`` (``GET /internal/cache_state``
+on a new epoch or a gap) and doubles as the health check: ``unhealthy_after`` failed pulls in
+a row mark the worker unhealthy (placement skips it), one success marks it healthy again.
+
+Every internal call carries the cluster token in ``CLUSTER_TOKEN_HEADER``.
+
+Internal calls (draft protocol; ``k3serve/protocol.py`` pins it)::
+
+    decode  POST /internal/reserve  {request_id, prompt_token_ids, sampling, n}
+                                    → {ticket, bootstrap_addr}
+    prefill POST /internal/prefill  {request_id, prompt_token_ids, sampling, ticket,
+                                     bootstrap_addr, snapshot_at, cache_salt}
+                                    → {token_id, logprob, top_logprobs, num_cached_tokens,
+                                       cached_source, text}
+    decode  POST /internal/stream   {request_id} → SSE of {token_ids, text, logprobs,
+                                                          finish_reason}
+    both    POST /internal/abort    {request_id}
+    both    GET  /internal/info     → {role, model, fingerprint, block_size, capacity, ...}
+
+Load figures the placement needs are the router's own account of what it sent: a prefill
+worker's queued tokens (predicted uncached tokens of prefills not answered yet), a decode
+worker's running requests and reserved tokens (prompt + max new tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from router.index import GlobalIndex, PrefixMatch, ResyncNeeded
+
+log = logging.getLogger("k3serve.router")
+
+CLUSTER_TOKEN_HEADER = "X-K3serve-Cluster-Token"
+"""Header that carries the cluster token on every internal call (both directions)."""
+CLUSTER_TOKEN_ENV = "K3SERVE_CLUSTER_TOKEN"
+"""Environment variable the launcher passes the cluster token in."""
+
+
+class WorkerError(RuntimeError):
+    """An internal call failed (connection, timeout, non-2xx status, malformed answer).
+
+    Attributes:
+        worker: The worker's base URL.
+        retryable: True when nothing was computed for the request (connection refused, 503),
+            so placing it elsewhere is safe.
+    """
+
+    def __init__(self, worker: str, message: str, retryable: bool = False) -> None:
+        super().__init__(f"{worker}: {message}")
+        self.worker = worker
+        self.retryable = retryable
+
+
+class CapacityInfo(BaseModel):
+    """Cache capacity of a worker (``/internal/info`` ``capacity`` as an object)."""
+
+    model_config = ConfigDict(extra="ignore")
+    num_pages: int = Field(ge=0)
+    num_slots: int = Field(default=1 << 30, ge=0)
+    num_snapshots: int = Field(default=0, ge=0)
+
+
+class WorkerInfo(BaseModel):
+    """``GET /internal/info`` of a worker.
+
+    Attributes:
+        role: ``prefill`` or ``decode``.
+        model: Served model name (must equal the router's).
+        fingerprint: Layout fingerprint = the block-hash salt base.
+        block_size: Tokens per cache block.
+        capacity: MLA cache capacity, in tokens (int) or as pages/slots/snapshots.
+        max_model_len: Longest sequence (prompt + output) in tokens, when the worker says.
+        worker_id: The worker's own name (defaults to its URL).
+        prefill_rate: Prefill throughput in tokens/s, when the worker says (TTFT estimate).
+    """
+
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["prefill", "decode"]
+    model: str
+    fingerprint: str = Field(min_length=1)
+    block_size: int = Field(ge=1)
+    capacity: int | CapacityInfo = 0
+    max_model_len: int | None = Field(default=None, ge=1)
+    worker_id: str | None = None
+    prefill_rate: float | None = Field(default=None, gt=0)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """MLA cache capacity in tokens."""
+        c = self.capacity
+        return c if isinstance(c, int) else c.num_pages * self.block_size
+
+    @property
+    def num_slots(self) -> int:
+        """KDA state slots (concurrent sequences); unbounded when not reported."""
+        c = self.capacity
+        return c.num_slots if isinstance(c, CapacityInfo) else 1 << 30
+
+
+@dataclass
+class Worker:
+    """One registered worker and the router's running account of its load."""
+
+    url: str
+    info: WorkerInfo
+    healthy: bool = True
+    failures: int = 0
+    queued_tokens: int = 0  # prefill: predicted uncached tokens of unanswered prefills
+    running: int = 0  # decode: requests reserved and not finished
+    reserved_tokens: int = 0  # decode: Σ (prompt + max new tokens) of those
+    resyncs: int = 0
+    task: asyncio.Task | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        """Metric label: the worker's own id, else its URL."""
+        return self.info.worker_id or self.url
+
+    @property
+    def role(self) -> str:
+        return self.info.role
+
+
+class WorkerPool:
+    """Registered workers, their cache index, pollers, and the HTTP calls to them.
+
+    Args:
+        model: The served model name; workers of another model are refused.
+        cluster_token: Sent on every internal call; ``None`` sends none.
+        poll_interval_s: Seconds between cache-event pulls of one worker.
+        unhealthy_after: Failed pulls in a row that mark a worker unhealthy.
+        timeout_s: Timeout of a single internal call (streams: between events).
+        transport: httpx transport (tests route calls to in-process apps).
+        on_worker: Called with each worker once registered (metrics series).
+    """
+
+    def __init__(self, model: str, cluster_token: str | None, poll_interval_s: float = 0.1,
+                 unhealthy_after: int = 3, timeout_s: float = 600.0,
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 on_worker: Callable[[Worker], None] | None = None) -> None:
+        self.model = model
+        self.poll_interval_s = poll_interval_s
+        self.unhealthy_after = unhealthy_after
+        self.index = GlobalIndex()
+        self.workers: dict[str, Worker] = {}
+        self._on_worker = on_worker
+        headers = {CLUSTER_TOKEN_HEADER: cluster_token} if cluster_token else {}
+        self.client = httpx.AsyncClient(
+            headers=headers, transport=transport,
+            timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self._closed = False
+
+    async def close(self) -> None:
+        """Stop every poller and close the HTTP client."""
+        self._closed = True
+        tasks = [w.task for w in self.workers.values() if w.task]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await self.client.aclose()
+
+    # ------------------------------------------------------------------ registry
+    async def register(self, url: str) -> Worker:
+        """Register (or re-register) the worker at ``url`` after reading its info.
+
+        Raises:
+            WorkerError: its info cannot be read or is malformed.
+            ValueError: it serves another model, or changed role under the same URL.
+        """
+        url = url.rstrip("/")
+        info = parse_info(await self._get_json(url, "/internal/info"), url)
+        if info.model != self.model:
+            raise ValueError(f"worker {url} serves model {info.model!r}, router serves "
+                             f"{self.model!r}")
+        for o in self.workers.values():
+            if o.url != url and (o.info.fingerprint, o.info.block_size) != (info.fingerprint,
+                                                                            info.block_size):
+                raise ValueError(
+                    f"worker {url} has layout fingerprint {info.fingerprint!r} and block size "
+                    f"{info.block_size}; registered worker {o.url} has {o.info.fingerprint!r} "
+                    f"and {o.info.block_size} (one layout per cluster: their caches could not "
+                    f"be exchanged)")
+        w = self.workers.get(url)
+        if w is not None and w.info.role != info.role:
+            raise ValueError(f"worker {url} changed role {w.info.role} -> {info.role}")
+        if w is None:
+            w = Worker(url, info)
+            self.workers[url] = w
+            self.index.add_worker(url)
+            if self._on_worker:
+                self._on_worker(w)
+        else:  # a restart: new info, same load account; the new epoch forces a resync
+            w.info, w.healthy, w.failures = info, True, 0
+        await self.sync(w)
+        if w.task is None or w.task.done():
+            w.task = asyncio.create_task(self._poll_loop(w), name=f"poll {url}")
+        log.info("registered %s worker %s (%s)", info.role, w.name, url)
+        return w
+
+    @property
+    def layout(self) -> tuple[str, int] | None:
+        """``(fingerprint, block_size)`` shared by every worker; ``None`` before the first."""
+        for w in self.workers.values():
+            return w.info.fingerprint, w.info.block_size
+        return None
+
+    def live(self, role: str) -> list[Worker]:
+        """Healthy workers of a role, in registration order."""
+        return [w for w in self.workers.values() if w.role == role and w.healthy]
+
+    def match(self, hashes: list[str], max_blocks: int) -> dict[str, PrefixMatch]:
+        """``GlobalIndex.match`` keyed by worker URL."""
+        return self.index.match(hashes, max_blocks)
+
+    # ------------------------------------------------------------------ polling
+    async def sync(self, w: Worker) -> None:
+        """Pull a worker's cache events once (until caught up), resyncing when needed.
+
+        Raises:
+            WorkerError: the worker did not answer properly.
+        """
+        for _ in range(64):  # a long backlog arrives in pages; bounded per call
+            _epoch, after = self.index.cursor(w.url)
+            body = await self._get_json(w.url, "/internal/cache_events", {"after": after})
+            try:
+                self.index.apply_events(w.url, body)
+            except ResyncNeeded as e:
+                log.info("resync %s: %s", w.url, e)
+                state = await self._get_json(w.url, "/internal/cache_state")
+                try:
+                    self.index.load_state(w.url, state)
+                except ValueError as e2:
+                    raise WorkerError(w.url, str(e2)) from None
+                w.resyncs += 1
+                return
+            if self.index.cursor(w.url)[1] >= int(body.get("last_seq", -1)):
+                return
+
+    async def _poll_loop(self, w: Worker) -> None:
+        while not self._closed:
+            try:
+                await self.sync(w)
+                if not w.healthy:
+                    log.info("worker %s is healthy again", w.url)
+                w.failures, w.healthy = 0, True
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure counts against health
+                w.failures += 1
+                if w.healthy and w.failures >= self.unhealthy_after:
+                    w.healthy = False
+                    log.warning("worker %s unhealthy after %d failed polls: %s", w.url,
+                                w.failures, e)
+            await asyncio.sleep(self.poll_interval_s)
+
+    def mark_failed(self, w: Worker) -> None:
+        """A request-path call could not reach the worker: skip it until a poll succeeds."""
+        w.healthy = False
+        w.failures = max(w.failures, self.unhealthy_after)
+
+    # ------------------------------------------------------------------ calls
+    async def _get_json(self, url: str, path: str,
+                        params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        try:
+            r = await self.client.get(url + path, params=params)
+        except httpx.HTTPError as e:
+            raise WorkerError(url, f"GET {path}: {e!r}", retryable=True) from None
+        return _json_body(url, path, r)
+
+    async def post(self, w: Worker, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """POST a JSON body to a worker and return its JSON answer.
+
+        Raises:
+            WorkerError: connection failure or timeout, non-2xx status, non-object JSON.
+        """
+        try:
+            r = await self.client.post(w.url + path, json=body)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            raise WorkerError(w.url, f"POST {path}: {e!r}", retryable=True) from None
+        except httpx.HTTPError as e:
+            raise WorkerError(w.url, f"POST {path}: {e!r}") from None
+        return _json_body(w.url, path, r)
+
+    async def abort(self, w: Worker, request_id: str) -> None:
+        """Best-effort ``POST /internal/abort`` (errors are logged, never raised)."""
+        try:
+            await self.client.post(w.url + "/internal/abort", json={"request_id": request_id},
+                                   timeout=5.0)
+        except Exception as e:  # noqa: BLE001 - best effort
+            log.info("abort %s on %s failed: %r", request_id, w.url, e)
+
+    async def stream(self, w: Worker, request_id: str) -> AsyncIterator[dict[str, Any]]:
+        """``POST /internal/stream``: yield each SSE ``data:`` event as a dict.
+
+        Ends after an event with a ``finish_reason`` or a ``data: [DONE]`` line.
+
+        Raises:
+            WorkerError: connection failure, non-2xx status, malformed event, or the stream
+                ended without a finish.
+        """
+        try:
+            async with self.client.stream("POST", w.url + "/internal/stream",
+                                          json={"request_id": request_id}) as r:
+                if r.status_code // 100 != 2:
+                    await r.aread()
+                    raise WorkerError(w.url, f"stream: HTTP {r.status_code}: {r.text[:200]}",
+                                      retryable=r.status_code == 503)
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    try:
+                        ev = json.loads(data)
+                    except json.JSONDecodeError:
+                        raise WorkerError(w.url, f"stream: bad event {data[:200]!r}") from None
+                    if not isinstance(ev, dict):
+                        raise WorkerError(w.url, f"stream: bad event {data[:200]!r}")
+                    if "error" in ev and not ev.get("token_ids"):
+                        raise WorkerError(w.url, f"stream: {ev['error']}")
+                    yield ev
+                    if ev.get("finish_reason"):
+                        return
+        except httpx.HTTPError as e:
+            raise WorkerError(w.url, f"stream: {e!r}") from None
+        raise WorkerError(w.url, "stream ended without a finish_reason")
+
+
+def _json_body(url: str, path: str, r: httpx.Response) -> dict[str, Any]:
+    if r.status_code // 100 != 2:
+        raise WorkerError(url, f"{path}: HTTP {r.status_code}: {r.text[:300]}",
+                          retryable=r.status_code == 503)
+    try:
+        body = r.json()
+    except (json.JSONDecodeError, ValueError):
+        raise WorkerError(url, f"{path}: answer is not JSON") from None
+    if not isinstance(body, dict):
+        raise WorkerError(url, f"{path}: answer is not a JSON object")
+    return body
+
+
+def parse_info(body: Mapping[str, Any], url: str) -> WorkerInfo:
+    """Validate an ``/internal/info`` body.
+
+    Raises:
+        WorkerError: malformed info.
+    """
+    try:
+        return WorkerInfo.model_validate(body)
+    except ValidationError as e:
+        raise WorkerError(url, f"/internal/info: {e.errors()[0].get('msg')}") from None

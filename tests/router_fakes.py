@@ -1,0 +1,243 @@
+"""In-process fake prefill/decode workers speaking the router's internal protocol (draft).
+
+They run the real cache bookkeeping (``k3serve.cache.manager.CacheManager``: prefix hits,
+snapshots, cache events) but a toy "model" (``toy_next``) instead of the network, so router
+tests exercise every hop — register, info, cache events, reserve, prefill (+ a fake transfer
+to the decode worker), stream, abort — over real HTTP in milliseconds.
+
+Servers run with uvicorn in background threads (``ServerThread``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from k3serve.cache.manager import CacheManager
+from k3serve.cache.specs import CacheConfig
+from k3serve.engine.detok import IncrementalDetokenizer
+from k3serve.engine.sampling import SamplingParams
+from k3serve.tokenizer import get_tokenizer
+from router.workers import CLUSTER_TOKEN_HEADER
+
+MODEL = "k3-tiny"
+FINGERPRINT = "fake-layout"
+TOKENIZER = get_tokenizer(MODEL)
+
+
+def toy_next(context: list[int], seed: int | None, temperature: float) -> int:
+    """The toy model: a lowercase letter from the last tokens (greedy) or seeded noise."""
+    base = (sum(context[-4:]) * 7 + len(context)) % 26
+    if temperature > 0:
+        base = (base + random.Random((seed or 0) * 1_000_003 + len(context)).randrange(26)) % 26
+    return 97 + base
+
+
+def toy_logprobs(tok: int, k: int | None) -> tuple[float, list[list[float]]]:
+    top = [[tok, -0.25], [97 + (tok - 96) % 26, -1.5], [32, -3.0]]
+    return -0.25, top[: (k or 0)]
+
+
+def toy_generate(prompt: list[int], sp: SamplingParams) -> tuple[list[int], str, str]:
+    """Oracle of a whole choice: (token ids, text, finish reason) as the router should return."""
+    detok = IncrementalDetokenizer(TOKENIZER, sp, eos_token_id=TOKENIZER.eos_token_id)
+    ctx = list(prompt)
+    while not detok.finished:
+        t = toy_next(ctx, sp.seed, sp.temperature)
+        ctx.append(t)
+        detok.step(t)
+    return ctx[len(prompt):], detok.text, detok.finish_reason
+
+
+@dataclass
+class FakeState:
+    role: str
+    block_size: int = 16
+    cluster_token: str | None = None
+    cm: CacheManager = field(init=False)
+    url: str = ""
+    fail_prefill: int = 0  # answer this many prefills with 503
+    reservations: dict[str, dict[str, Any]] = field(default_factory=dict)
+    aborted: list[str] = field(default_factory=list)
+    prefills: list[dict[str, Any]] = field(default_factory=list)
+    unauthorized: int = 0
+    token_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
+        """A worker restart: empty cache, new event epoch."""
+        cfg = CacheConfig(num_pages=256, num_slots=8, num_snapshots=16,
+                          block_size=self.block_size)
+        self.cm = CacheManager(cfg, FINGERPRINT)
+
+
+def make_worker_app(state: FakeState) -> FastAPI:
+    app = FastAPI()
+    rid_counter = iter(range(1 << 30))
+
+    @app.middleware("http")
+    async def token_check(request: Request, call_next):
+        if state.cluster_token and request.url.path.startswith("/internal") \
+                and request.headers.get(CLUSTER_TOKEN_HEADER) != state.cluster_token:
+            state.unauthorized += 1
+            return JSONResponse({"error": "forbidden"}, status_code=403)
+        return await call_next(request)
+
+    @app.get("/internal/info")
+    async def info() -> dict[str, Any]:
+        return {"role": state.role, "model": MODEL, "fingerprint": FINGERPRINT,
+                "block_size": state.block_size, "max_model_len": 4096,
+                "worker_id": f"{state.role}@{state.url.rsplit(':', 1)[-1]}",
+                "capacity": {"num_pages": 256, "num_slots": 8, "num_snapshots": 16}}
+
+    @app.get("/internal/cache_events")
+    async def events(after: int = 0) -> dict[str, Any]:
+        return state.cm.events_since(after)
+
+    @app.get("/internal/cache_state")
+    async def cache_state() -> dict[str, Any]:
+        return state.cm.cache_state()
+
+    @app.post("/internal/abort")
+    async def abort(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        state.aborted.append(body["request_id"])
+        r = state.reservations.get(body["request_id"])
+        if r:
+            r["aborted"] = True
+            r["ready"].set()
+        return {"ok": True}
+
+    # ---------------- prefill
+    @app.post("/internal/prefill")
+    async def prefill(request: Request) -> JSONResponse:
+        if state.fail_prefill > 0:
+            state.fail_prefill -= 1
+            return JSONResponse({"error": "overloaded"}, status_code=503)
+        b = await request.json()
+        state.prefills.append(b)
+        sp = SamplingParams.from_dict(b["sampling"])
+        ids = [int(t) for t in b["prompt_token_ids"]]
+        seq = next(rid_counter)
+        cm = state.cm
+        cm.add(seq, ids, cache_salt=b.get("cache_salt"), snapshot_at=b.get("snapshot_at") or (),
+               snapshot_on_finish=False)
+        hit = cm.match(seq)
+        first = hit.chunk_end - hit.num_tokens
+        cm.admit(seq, hit, first)
+        cm.commit(seq, ids, first)
+        while cm.num_computed(seq) < len(ids):
+            n = cm.chunk_end(seq) - cm.num_computed(seq)
+            cm.allocate(seq, n)
+            cm.commit(seq, ids, n)
+        cm.finish(seq)
+        b["_cached"] = hit.num_tokens
+        tok = toy_next(ids, sp.seed, sp.temperature)
+        lp, top = toy_logprobs(tok, sp.logprobs)
+        async with httpx.AsyncClient() as c:  # the "transfer" to the decode worker
+            r = await c.post(b["bootstrap_addr"] + "/fake/transfer",
+                             json={"ticket": b["ticket"], "token_id": tok})
+            r.raise_for_status()
+        return JSONResponse({"token_id": tok, "logprob": lp, "top_logprobs": top,
+                             "num_cached_tokens": hit.num_tokens, "cached_source": "local",
+                             "text": TOKENIZER.decode([tok])})
+
+    # ---------------- decode
+    @app.post("/internal/reserve")
+    async def reserve(request: Request) -> dict[str, Any]:
+        b = await request.json()
+        ticket = uuid.uuid4().hex
+        state.reservations[b["request_id"]] = {
+            "prompt": b["prompt_token_ids"], "sampling": SamplingParams.from_dict(b["sampling"]),
+            "ticket": ticket, "ready": asyncio.Event(), "first": None, "aborted": False}
+        return {"ticket": ticket, "bootstrap_addr": state.url}
+
+    @app.post("/fake/transfer")
+    async def transfer(request: Request) -> dict[str, Any]:
+        b = await request.json()
+        for r in state.reservations.values():
+            if r["ticket"] == b["ticket"]:
+                r["first"] = b["token_id"]
+                r["ready"].set()
+                return {"ok": True}
+        return JSONResponse({"error": "unknown ticket"}, status_code=404)
+
+    @app.post("/internal/stream")
+    async def stream(request: Request) -> StreamingResponse:
+        b = await request.json()
+        r = state.reservations[b["request_id"]]
+        await asyncio.wait_for(r["ready"].wait(), 10)
+        sp: SamplingParams = r["sampling"]
+
+        async def gen():
+            detok = IncrementalDetokenizer(TOKENIZER, sp, eos_token_id=TOKENIZER.eos_token_id)
+            ctx = list(r["prompt"]) + [r["first"]]
+            detok.step(r["first"])
+            while not detok.finished and not r["aborted"]:
+                if state.token_delay_s:
+                    await asyncio.sleep(state.token_delay_s)
+                t = toy_next(ctx, sp.seed, sp.temperature)
+                ctx.append(t)
+                o = detok.step(t)
+                lp, top = toy_logprobs(t, sp.logprobs)
+                ev = {"token_ids": [t], "text": o.new_text,
+                      "logprobs": [{"logprob": lp, "top_logprobs": top}],
+                      "finish_reason": o.finish_reason}
+                yield f"data: {json.dumps(ev)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """Serve an ASGI app with uvicorn in a daemon thread on a free local port."""
+
+    def __init__(self, app: Any) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error",
+                             lifespan="on")
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def start_worker(role: str, cluster_token: str | None) -> tuple[FakeState, ServerThread]:
+    state = FakeState(role, cluster_token=cluster_token)
+    srv = ServerThread(make_worker_app(state))
+    state.url = srv.url
+    return state, srv.start()

@@ -1,0 +1,308 @@
+"""Triton kernels against the torch references.
+
+On CPU every kernel runs under ``TRITON_INTERPRET=1`` on tiny shapes (set below, before the
+kernels are defined). On a CUDA machine the same tiny tests run compiled, and the ``gpu`` tests
+add full sizes (K = V = 128, thousands of tokens, hundreds of sequences) and fla-core as a second
+oracle when it is importable.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the @triton.jit definitions
+
+triton = pytest.importorskip("triton")
+
+from k3serve.kernels import dispatch  # noqa: E402
+from k3serve.kernels.kda import chunk_kda, kda_gate, naive_recurrent_kda  # noqa: E402
+from k3serve.kernels.kda.chunk_triton import chunk_kda_triton  # noqa: E402
+from k3serve.kernels.kda.recurrent import fused_recurrent_kda_step  # noqa: E402
+from k3serve.kernels.kda.recurrent_triton import (  # noqa: E402
+    causal_conv_step_triton,
+    fused_recurrent_kda_step_triton,
+)
+from k3serve.kernels.mla.decode_triton import mla_decode_absorbed_paged_triton  # noqa: E402
+from k3serve.kernels.mla.naive import mla_decode_absorbed_paged  # noqa: E402
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-2) -> float:
+    """max |a − b| / max(max |b|, floor), in float64."""
+    a, b = a.double().cpu(), b.double().cpu()
+    assert torch.isfinite(a).all(), "non-finite output"
+    return ((a - b).abs().max() / b.abs().max().clamp_min(floor)).item()
+
+
+def kda_inputs(B, T, H, K, V, N=None, dtype=torch.float32, seed=0, gate=-5.0, a_log=0.0):
+    """q, k (L2-normalised), v, f (raw gate input), A_log, dt_bias, beta, h0 — on DEV."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rn(*s):
+        return torch.randn(*s, generator=gen)
+
+    q = F.normalize(rn(B, T, H, K), dim=-1)
+    k = F.normalize(rn(B, T, H, K), dim=-1)
+    v = rn(B, T, H, V)
+    f = rn(B, T, H, K)
+    A_log = torch.full((H,), a_log) + 0.3 * rn(H)
+    dt_bias = rn(H * K)
+    beta = torch.rand(B, T, H, generator=gen)
+    h0 = rn(N or B, H, K, V)
+    g = kda_gate(f, A_log, dt_bias, gate)
+    cast = [x.to(DEV, dtype) for x in (q, k, v)]
+    return (*cast, g.to(DEV), beta.to(DEV, dtype), h0.to(DEV), f.to(DEV), A_log.to(DEV), dt_bias.to(DEV))
+
+
+def ref_kda(q, k, v, g, beta, h0, cu=None):
+    """float64 recurrence on CPU."""
+    c = [x.double().cpu() for x in (q, k, v, g, beta)]
+    return naive_recurrent_kda(
+        *c, initial_state=h0.double().cpu(), output_final_state=True,
+        cu_seqlens=None if cu is None else cu.cpu(),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- chunked prefill (tiny)
+
+TINY = [(2, 100, 1, 16, 32), (1, 64, 1, 32, 16), (1, 20, 2, 16, 16)]
+
+
+@pytest.mark.parametrize("B,T,H,K,V", TINY, ids=[f"B{b}-T{t}-H{h}-K{k}-V{v}" for b, t, h, k, v in TINY])
+def test_chunk_triton_tiny(B, T, H, K, V):
+    q, k, v, g, beta, h0, *_ = kda_inputs(B, T, H, K, V, seed=T)
+    o_ref, s_ref = ref_kda(q, k, v, g, beta, h0)
+    o, s = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o.dtype == torch.float32 and s.dtype == torch.float32
+    assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
+    o2, s2 = chunk_kda_triton(q, k, v, g, beta)  # no states in or out
+    o2_ref, _ = naive_recurrent_kda(*(x.double().cpu() for x in (q, k, v, g, beta)))
+    assert s2 is None and rel_err(o2, o2_ref) < 1e-4
+
+
+@pytest.mark.parametrize("cu", [[0, 5, 70, 70, 140], [0, 64, 65, 129]], ids=["N4-T140-empty", "N3-T129"])
+def test_chunk_triton_varlen(cu):
+    N, T = len(cu) - 1, cu[-1]
+    q, k, v, g, beta, h0, *_ = kda_inputs(1, T, 2, 16, 16, N=N, seed=N)
+    cu_t = torch.tensor(cu, device=DEV)
+    o_ref, s_ref = ref_kda(q, k, v, g, beta, h0, cu_t)
+    o, s = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_t)
+    assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
+
+
+@pytest.mark.parametrize("lb,a_log", [(-5.0, 0.0), (None, -1.0)], ids=["k3-bounded", "kimi-softplus"])
+def test_chunk_triton_fused_gate(lb, a_log):
+    q, k, v, g, beta, h0, f, A_log, dt_bias = kda_inputs(1, 70, 1, 16, 16, seed=7, gate=lb, a_log=a_log)
+    o_ref, s_ref = ref_kda(q, k, v, g, beta, h0)
+    o, s = chunk_kda_triton(
+        q, k, v, f, beta, initial_state=h0, output_final_state=True,
+        A_log=A_log, dt_bias=dt_bias, lower_bound=lb,
+    )  # fmt: skip
+    assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
+
+
+@pytest.mark.skipif(
+    not HAS_CUDA, reason="triton's interpreter multiplies bf16 tl.dot operands as raw bits (3.9)"
+)
+def test_chunk_triton_bf16():
+    q, k, v, g, beta, h0, *_ = kda_inputs(1, 70, 2, 16, 16, dtype=torch.bfloat16, seed=3)
+    o_ref, s_ref = ref_kda(q, k, v, g, beta, h0)
+    o, s = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert rel_err(o, o_ref) < 3e-2 and rel_err(s, s_ref) < 3e-2
+
+
+def test_chunk_triton_rejects():
+    q, k, v, g, beta, *_ = kda_inputs(1, 8, 1, 16, 16)
+    with pytest.raises(ValueError, match="chunk_size"):
+        chunk_kda_triton(q, k, v, g, beta, chunk_size=32)
+    q2, k2, g2 = (torch.zeros(1, 8, 1, 24, device=DEV) for _ in range(3))
+    with pytest.raises(ValueError, match="power of two"):
+        chunk_kda_triton(q2, k2, v, g2, beta)
+
+
+# ---------------------------------------------------------------- decode step + conv step (tiny)
+
+
+def test_decode_step_triton_pool_view():
+    N, H, K, V, S = 5, 2, 16, 32, 11
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, g, beta, *_ = kda_inputs(N, 1, H, K, V, seed=5)
+    q, k, v, g, beta = (x[:, 0] for x in (q, k, v, g, beta))
+    big = torch.randn(3, S, H, K, V, generator=gen).to(DEV)  # [L_kda, S, H, K, V]
+    slots = torch.randperm(S, generator=gen)[:N].to(DEV)
+    pool_ref = big[1].clone()
+    o_ref = fused_recurrent_kda_step(q, k, v, g, beta, pool_ref, slots)
+    before = big.clone()
+    o = fused_recurrent_kda_step_triton(q, k, v, g, beta, big[1], slots, block_v=16)
+    assert rel_err(o, o_ref) < 1e-5
+    assert rel_err(big[1], pool_ref) < 1e-5
+    assert torch.equal(big[0], before[0]) and torch.equal(big[2], before[2])
+
+
+def conv_step_ref(x, hist, weight):
+    ext = torch.cat([hist, x[:, None]], 1).double()  # [N, W, C]
+    y = (ext * weight.double().t()[None]).sum(1)
+    return F.silu(y), ext[:, 1:]
+
+
+def test_conv_step_triton():
+    N, W, C, S = 3, 4, 48, 6
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(N, C, generator=gen).to(DEV)
+    weight = torch.randn(C, W, generator=gen).to(DEV)
+    big = torch.randn(2, S, W - 1, C, generator=gen).to(DEV)
+    slots = torch.tensor([4, 0, 2], device=DEV)
+    y_ref, hist_ref = conv_step_ref(x.cpu(), big[1, slots].cpu(), weight.cpu())
+    before = big.clone()
+    y = causal_conv_step_triton(x, big[1], weight, slots)
+    assert rel_err(y, y_ref) < 1e-5
+    assert torch.equal(big[1, slots].cpu().double(), hist_ref)
+    others = [i for i in range(S) if i not in (4, 0, 2)]
+    assert torch.equal(big[1, others], before[1, others]) and torch.equal(big[0], before[0])
+    # the dispatcher's torch path is the same function
+    big2 = before.clone()
+    os.environ["K3SERVE_KERNELS"] = "torch"
+    try:
+        y2 = dispatch.causal_conv_step(x, big2[1], weight, slots)
+    finally:
+        del os.environ["K3SERVE_KERNELS"]
+    assert rel_err(y2, y_ref) < 1e-5 and torch.equal(big2[1], big[1])
+
+
+# ---------------------------------------------------------------- MLA decode (tiny)
+
+
+def mla_inputs(N, H, kv_lora, rope, page, lens, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    D = kv_lora + rope
+    nblk = [-(-n // page) for n in lens]
+    P = sum(nblk) + 3
+    pool = torch.randn(P, page, D, generator=gen).to(DEV, dtype)
+    perm = torch.randperm(P, generator=gen)
+    bt = torch.full((N, max(nblk)), -1, dtype=torch.int64)
+    i = 0
+    for n, m in enumerate(nblk):
+        bt[n, :m] = perm[i : i + m]
+        i += m
+    q = torch.randn(N, H, D, generator=gen).to(DEV, dtype)
+    return q, pool, bt.to(DEV), torch.tensor(lens, device=DEV)
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=lambda s: f"S{s}")
+def test_mla_decode_triton_tiny(splits):
+    lens = [1, 37, 100]
+    q, pool, bt, sl = mla_inputs(3, 4, 64, 16, 16, lens)
+    scale = 48**-0.5
+    ref = mla_decode_absorbed_paged(q.cpu().double(), pool.cpu().double(), bt.cpu(), sl.cpu(), 64, scale)
+    out = mla_decode_absorbed_paged_triton(q, pool, bt, sl, 64, scale, num_splits=splits, block_n=16)
+    assert out.shape == (3, 4, 64) and out.dtype == torch.float32
+    assert rel_err(out, ref) < 1e-4
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def test_dispatch_switch(monkeypatch):
+    monkeypatch.setenv("K3SERVE_KERNELS", "torch")
+    assert not dispatch.use_triton("cuda") and not dispatch.use_triton("cpu")
+    monkeypatch.setenv("K3SERVE_KERNELS", "bogus")
+    with pytest.raises(ValueError, match="K3SERVE_KERNELS"):
+        dispatch.kernel_backend()
+    monkeypatch.delenv("K3SERVE_KERNELS")
+    assert dispatch.use_triton("cuda") and not dispatch.use_triton("cpu")
+    monkeypatch.setenv("K3SERVE_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dispatch.use_triton("cpu")
+
+
+def test_dispatch_chunk_grad_goes_to_torch(monkeypatch):
+    monkeypatch.setenv("K3SERVE_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v, g, beta, h0, *_ = kda_inputs(1, 20, 1, 16, 16, seed=1)
+    qg = q.clone().requires_grad_(True)
+    o, _ = dispatch.chunk_kda(qg, k, v, g, beta, initial_state=h0)
+    assert o.grad_fn is not None  # torch path (Triton has no backward)
+    with torch.no_grad():
+        o2, _ = dispatch.chunk_kda(q, k, v, g, beta, initial_state=h0)
+    assert rel_err(o2, o.detach()) < 1e-4
+
+
+# ---------------------------------------------------------------- full size on the GPU
+
+
+def _fla():
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk
+
+        return fla_chunk
+    except Exception:
+        return None
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H", [(8192, 16), (4096, 32)], ids=["T8k-H16", "T4k-H32"])
+def test_gpu_chunk_full(T, H):
+    K = V = 128
+    q, k, v, g, beta, h0, f, A_log, dt_bias = kda_inputs(1, T, H, K, V, dtype=torch.bfloat16, seed=T)
+    o_ref, s_ref = chunk_kda(q.float(), k.float(), v.float(), g, beta.float(), initial_state=h0,
+                             output_final_state=True)  # fmt: skip
+    o, s = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert rel_err(o, o_ref) < 3e-2 and rel_err(s, s_ref) < 3e-2
+    o2, s2 = chunk_kda_triton(q, k, v, f, beta, initial_state=h0, output_final_state=True,
+                              A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)  # fmt: skip
+    assert rel_err(o2, o_ref) < 3e-2 and rel_err(s2, s_ref) < 3e-2
+    fla_chunk = _fla()
+    if fla_chunk is not None:
+        o3, s3 = fla_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        assert rel_err(o, o3) < 3e-2 and rel_err(s, s3) < 3e-2
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_chunk_varlen_full():
+    cu = [0, 1, 700, 4096, 4160, 9000]
+    N, T, H = len(cu) - 1, cu[-1], 16
+    q, k, v, g, beta, h0, *_ = kda_inputs(1, T, H, 128, 128, N=N, dtype=torch.bfloat16, seed=2)
+    cu_t = torch.tensor(cu, device=DEV)
+    o_ref, s_ref = chunk_kda(q.float(), k.float(), v.float(), g, beta.float(), initial_state=h0,
+                             output_final_state=True, cu_seqlens=cu_t)  # fmt: skip
+    o, s = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_t)
+    assert rel_err(o, o_ref) < 3e-2 and rel_err(s, s_ref) < 3e-2
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [64, 256])
+def test_gpu_decode_full(N):
+    H, K, V = 32, 128, 128
+    q, k, v, g, beta, *_ = kda_inputs(N, 1, H, K, V, seed=N)
+    q, k, v, g, beta = (x[:, 0].bfloat16() if i < 3 else x[:, 0] for i, x in enumerate((q, k, v, g, beta)))
+    pool = torch.randn(N + 17, H, K, V, device=DEV)
+    slots = torch.randperm(N + 17, device=DEV)[:N]
+    ref_pool = pool.clone()
+    o_ref = fused_recurrent_kda_step(q, k, v, g, beta, ref_pool, slots)
+    o = fused_recurrent_kda_step_triton(q, k, v, g, beta, pool, slots)
+    assert rel_err(o, o_ref) < 1e-2 and rel_err(pool, ref_pool) < 1e-5
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_mla_decode_full():
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(1, 4096, (64,), generator=gen).tolist()
+    lens[0], lens[1] = 1, 4096
+    q, pool, bt, sl = mla_inputs(64, 16, 512, 64, 64, lens, dtype=torch.bfloat16)
+    scale = 192**-0.5
+    ref = mla_decode_absorbed_paged(q.float(), pool.float(), bt, sl, 512, scale)
+    out = mla_decode_absorbed_paged_triton(q, pool, bt, sl, 512, scale)
+    assert rel_err(out, ref) < 2e-2
