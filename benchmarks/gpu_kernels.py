@@ -176,10 +176,12 @@ def decode_rows(rows, bw, fla, quick):
 
 
 def mla_rows(rows, bw, quick):
-    from k3serve.kernels.mla.decode_triton import mla_decode_absorbed_paged_triton
+    from k3serve.kernels.mla.decode_triton import default_num_splits, mla_decode_absorbed_paged_triton
+    from k3serve.kernels.mla.naive import mla_decode_absorbed_paged
 
     H, DC, DR, PAGE = 16, 512, 64, 64
     D = DC + DR
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for N in [64, 256]:
         for L in [4096, 32768]:
             if quick and L > 4096:
@@ -190,23 +192,31 @@ def mla_rows(rows, bw, quick):
             pool = torch.randn(P, PAGE, D, device="cuda", generator=gen).bfloat16()
             bt = torch.randperm(P, device="cuda", generator=gen).view(N, nblk)
             lens = torch.full((N,), L, device="cuda", dtype=torch.int64)
+            lens[0] = L - 37  # a ragged tail
             q = torch.randn(N, H, D, device="cuda", generator=gen).bfloat16()
-            nbytes = N * L * D * 2
+            nbytes = int(lens.sum()) * D * 2
+            ref = mla_decode_absorbed_paged(q[:3].float(), pool, bt[:3], lens[:3], DC, 192**-0.5)
             best = None
-            for bn, nw, ns in [(32, 4, 2), (64, 4, 2), (32, 8, 3), (64, 8, 2)]:
-                try:
-                    t = bench(lambda: mla_decode_absorbed_paged_triton(
-                        q, pool, bt, lens, DC, 192**-0.5, max_seq_len=L,
-                        block_n=bn, num_warps=nw, num_stages=ns))  # fmt: skip
-                except Exception as e:
-                    log(f"mla BN={bn} warps={nw} stages={ns} failed: {e!r}")
-                    continue
-                log(f"mla N={N} L={L} BN={bn} warps={nw} stages={ns}: {t * 1e3:.1f} us")
-                if best is None or t < best[0]:
-                    best = (t, bn, nw, ns)
-            t, bn, nw, ns = best
+            for per_sm in (4, 8, 16):
+                ns = default_num_splits(N, 1, L, sms, per_sm)
+                for bn, nw, st in [(32, 4, 2), (64, 8, 2), (32, 4, 3), (64, 4, 3)]:
+                    fn = lambda: mla_decode_absorbed_paged_triton(  # noqa: E731
+                        q, pool, bt, lens, DC, 192**-0.5, num_splits=ns,
+                        block_n=bn, num_warps=nw, num_stages=st)  # fmt: skip
+                    try:
+                        out = fn()
+                        err = ((out[:3] - ref).abs().max() / ref.abs().max()).item()
+                        t = bench(fn)
+                    except Exception as e:
+                        log(f"mla BN={bn} warps={nw} stages={st} failed: {e!r}")
+                        continue
+                    log(f"mla N={N} L={L} splits={ns} BN={bn} warps={nw} stages={st}: {t * 1e3:.1f} us err={err:.1e}")
+                    if best is None or t < best[0]:
+                        best = (t, ns, per_sm, bn, nw, st, err)
+            t, ns, per_sm, bn, nw, st, err = best
             rows.append(("mla", f"N={N} L={L // 1024}k", "ours", t, float("nan"), nbytes / bw * 1e3,
-                         nbytes / (t * 1e-3) / bw, f"BN={bn} warps={nw} stages={ns}"))  # fmt: skip
+                         nbytes / (t * 1e-3) / bw,
+                         f"splits={ns} ({per_sm}/SM) BN={bn} warps={nw} stages={st} err={err:.1e}"))  # fmt: skip
             log(rows[-1])
             del pool
             torch.cuda.empty_cache()

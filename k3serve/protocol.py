@@ -52,6 +52,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+CLUSTER_TOKEN_HEADER = "X-K3serve-Cluster-Token"
+"""Header carrying the cluster token on every internal call (same value as ``router.workers``)."""
+CLUSTER_TOKEN_ENV = "K3SERVE_CLUSTER_TOKEN"
+"""Environment variable the launcher passes the cluster token in."""
+
 
 @dataclass(frozen=True)
 class FirstToken:
@@ -182,4 +187,11 @@ class RequestOutput:
         return self.outputs[0].finish_reason if self.outputs else None
 
 
-__all__ = ["CacheHandle", "CompletionOutput", "FirstToken", "RequestOutput"]
+__all__ = [
+    "CLUSTER_TOKEN_ENV",
+    "CLUSTER_TOKEN_HEADER",
+    "CacheHandle",
+    "CompletionOutput",
+    "FirstToken",
+    "RequestOutput",
+]

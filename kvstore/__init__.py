@@ -31,24 +31,33 @@ Public API
     :class:`KVEngine` (``EngineConfig``): ``register / register_layout``, ``write`` (sync
     batch), ``submit`` → :class:`TransferHandle` (``poll`` / ``wait``), ``notify``,
     ``notifications``, ``session_id``. Errors: :class:`TransferError` (op, peer, code),
-    :class:`MooncakeUnavailable`.
+    :class:`MooncakeUnavailable`. One engine per process.
 
-    :mod:`kvstore.descriptors` (pure): :class:`PoolLayout` (``from_pools(kda_state,
-    conv_state, mla_latent, kda_layers=, mla_layers=, model=)``, ``fingerprint()``),
-    :class:`CacheRef` (slot, pages, num_tokens), :func:`plan_runs` / :func:`layer_runs` →
-    merged :class:`Run` (src, dst, length, layer, region), :func:`expected_layer_bytes`.
+    :mod:`kvstore.descriptors` (pure): :class:`PoolLayout` (``from_kvpools(KVPools)`` or
+    ``from_pools(kda_state, conv_state, mla_latent, kda_layers=, mla_layers=, model=)``;
+    ``fingerprint()``), :class:`CacheRef` (slot, pages, num_tokens; ``CacheRef.of(handle)``
+    takes a ``k3serve.protocol.CacheHandle``), :func:`plan_runs` / :func:`layer_runs` → merged
+    :class:`Run` (src, dst, length, layer, region), :func:`expected_layer_bytes`.
 
-    :class:`KVBootstrapServer` (decode): ``start() / stop()``, ``address``,
-    ``register_ticket(ref, on_release=)``, ``pump()``. :class:`BootstrapClient` (prefill).
+    :class:`KVBootstrapServer` (decode; one per engine — it drains the engine's
+    notifications): ``start() / stop()``, ``address``, ``register_ticket(ref, on_release=)``,
+    ``pump()``. :class:`BootstrapClient` (prefill; one per process, shared by senders).
 
-    :class:`KVSender`: ``layer_ready(layer, upto_tokens=None)``, ``finish(metadata)``,
-    ``poll() -> KVPoll``, ``abort()``, ``error``, ``bytes_sent``, ``num_runs``, ``attempts``.
-    :class:`KVReceiver`: ``poll() -> KVPoll``, ``result`` (:class:`TransferResult`),
-    ``error``, ``layers_received``, ``abort()``, ``released``, ``close()``.
+    :class:`KVSender`: ``layer_ready(layer, upto_tokens=None)`` (= the engine's
+    ``layer_hook``), ``finish(metadata)``, ``poll() -> KVPoll``, ``abort()``, ``error``,
+    ``bytes_sent``, ``num_runs``, ``attempts``, ``stats``; ``on_release`` runs once no write
+    reads the source (prefill: ``LLMEngine.release``).
+    :class:`KVReceiver`: ``poll() -> KVPoll``, ``result`` (:class:`TransferResult`:
+    metadata, per-layer bytes, attempts), ``error``, ``layers_received``, ``abort()``,
+    ``released``, ``close()``; ``on_release`` runs once a FAILED reservation can be reused
+    (decode: ``abort_request`` the reservation there, not at FAILED — a paired sender may
+    still be writing until then).
     States: :class:`KVPoll` FAILED, BOOTSTRAPPING, WAITING_FOR_INPUT, TRANSFERRING, SUCCESS.
 
     :class:`KVConfig` (``from_env``: ``K3SERVE_KV_PROTOCOL=tcp|rdma``, ``..._NOTIFY=te|http``,
     ``..._FAIL_FIRST_N`` test hook, timeouts, retries).
+
+    ``python -m kvstore.loopback``: a stand-alone decode peer for tests and benchmarks.
 
 Guarantees: a ticket succeeds only when the sender's per-layer byte manifest equals the bytes
 the decode side expects for its reservation; a fingerprint mismatch (model, block size, dtypes,

@@ -320,6 +320,11 @@ def test_mxfp4_experts_load_like_the_dequantised_float_model(tmp_path):
     assert torch.equal(module.weight_scale, packed_ref[ours][1])
     assert "model.layers.4.mlp.experts.5.w1.weight_packed" not in dst.state_dict()  # not persistent
     assert torch.equal(_logits(dst), want)
+    # Loading float experts afterwards drops the (now stale) packed bytes.
+    dense = tmp_path / "dense"
+    save_checkpoint(_model(TINY, seed=9), dense, TINY)
+    load_checkpoint(dst, dense, cfg)
+    assert not hasattr(module, "weight_packed") and not hasattr(module, "weight_scale")
 
 
 def test_mxfp4_packed_bytes_are_the_checkpoint_bytes(tmp_path):
@@ -386,6 +391,18 @@ def test_kimi_linear_as_transformers_saves_it(tmp_path):
         got["model.layers.3.self_attn.kv_b_proj.weight"],
         stored["model.layers.3.self_attn.kv_b_proj.weight"],
     )
+    # transformers' in-memory names (fused conv / experts), e.g. save_file(hf.state_dict()):
+    # renamed through hf_import, then loaded to the same weights.
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    save_file(
+        {k: v.contiguous() for k, v in hf.state_dict().items()}, str(runtime / "m.safetensors")
+    )
+    assert "model.layers.1.mlp.experts.gate_up_proj" in load_file(str(runtime / "m.safetensors"))
+    again = K3ForCausalLM(model.cfg)
+    load_checkpoint(again, runtime, model.cfg)
+    for k, v in again.state_dict().items():
+        assert torch.equal(v, got[k]), k
 
 
 def test_load_model_presets(tiny_saved, tmp_path, monkeypatch):

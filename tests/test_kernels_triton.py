@@ -2,8 +2,8 @@
 
 On CPU every kernel runs under ``TRITON_INTERPRET=1`` on tiny shapes (set below, before the
 kernels are defined). On a CUDA machine the same tiny tests run compiled, and the ``gpu`` tests
-add full sizes (K = V = 128, thousands of tokens, hundreds of sequences) and fla-core as a second
-oracle when it is importable.
+add full sizes (K = V = 128, thousands of tokens, hundreds of sequences). fla-core is the
+second oracle in ``benchmarks/gpu_kernels.py`` (its autotuning is too slow for a test).
 """
 
 from __future__ import annotations
@@ -239,15 +239,6 @@ def test_dispatch_chunk_grad_goes_to_torch(monkeypatch):
 # ---------------------------------------------------------------- full size on the GPU
 
 
-def _fla():
-    try:
-        from fla.ops.kda import chunk_kda as fla_chunk
-
-        return fla_chunk
-    except Exception:
-        return None
-
-
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,H", [(8192, 16), (4096, 32)], ids=["T8k-H16", "T4k-H32"])
@@ -261,10 +252,6 @@ def test_gpu_chunk_full(T, H):
     o2, s2 = chunk_kda_triton(q, k, v, f, beta, initial_state=h0, output_final_state=True,
                               A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)  # fmt: skip
     assert rel_err(o2, o_ref) < 3e-2 and rel_err(s2, s_ref) < 3e-2
-    fla_chunk = _fla()
-    if fla_chunk is not None:
-        o3, s3 = fla_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-        assert rel_err(o, o3) < 3e-2 and rel_err(s, s3) < 3e-2
 
 
 @gpu

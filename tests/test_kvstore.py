@@ -465,9 +465,14 @@ def test_inprocess_retry_then_success(pair):
     n = 3 * B + 1
     rx = KVReceiver(pair["server"], CacheRef(1, (9, 20, 21, 4), n), timeout_s=10)
     tx = make_sender(pair, rx, CacheRef(2, (0, 1, 2, 3), n), fail_first_n=1, max_retries=2)
+    assert rx.state == KVPoll.BOOTSTRAPPING
     for l in range(TINY.num_layers):
         tx.layer_ready(l)
         tx.poll()
+    # progress: the receiver learns layer by layer what landed before the completion message
+    expected = expected_layer_bytes(pair["server"].layout, rx.ref)
+    run_until(lambda: rx.layers_received == expected, 10, tx, rx)
+    assert rx.state == KVPoll.TRANSFERRING and tx.state == KVPoll.TRANSFERRING
     tx.finish({"token": 7})
     run_until(lambda: tx.state.terminal and rx.state.terminal, 10, tx, rx)
     assert tx.state == KVPoll.SUCCESS and rx.state == KVPoll.SUCCESS, (tx.error, rx.error)
@@ -492,6 +497,19 @@ def test_inprocess_http_notify_large_metadata_and_chunks(pair):
         assert rx.result.layer_bytes == expected_layer_bytes(pair["server"].layout, rx.ref)
         assert request_digest(pair["dpools"], rx.ref) == request_digest(pair["spools"], tx.src)
         rx.close()
+
+
+def test_inprocess_decode_abort_refuses_http_completion(pair):
+    n = 2 * B
+    rx = KVReceiver(pair["server"], CacheRef(2, (44, 45), n), timeout_s=10)
+    tx = make_sender(pair, rx, CacheRef(0, (10, 11), n), notify="http")
+    run_until(lambda: tx.state == KVPoll.WAITING_FOR_INPUT, 10, tx)
+    rx.abort("client went away")
+    assert rx.poll() == KVPoll.FAILED and not rx.released  # the sender may still write
+    tx.finish({})
+    run_until(lambda: tx.state.terminal and rx.released, 10, tx, rx)
+    assert tx.state == KVPoll.FAILED and "refused" in str(tx.error) and tx.retries_used == 0
+    assert "client went away" in rx.error
 
 
 def test_inprocess_manifest_short_and_timeout(pair):

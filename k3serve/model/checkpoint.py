@@ -9,7 +9,10 @@ Two on-disk layouts load into :class:`~k3serve.model.model.K3ForCausalLM`:
   output norm and the router bias in float32. The vision tower (``vision_tower.``,
   ``mm_projector.``) is skipped: k3serve serves text.
 * **Kimi Linear** as ``transformers`` writes it with ``save_pretrained``: the same layer names
-  without the prefix, experts as plain ``wN.weight``, ``A_log`` as ``[1, 1, H, 1]``.
+  without the prefix, experts as plain ``wN.weight``, ``A_log`` as ``[1, 1, H, 1]`` (and the
+  dense layer 0 spelled ``block_sparse_moe.``: ``k3_names.published_aliases``). A file holding
+  transformers' *in-memory* names (fused ``conv1d``, ``experts.gate_up_proj``, ``forget_gate.``)
+  is renamed by ``k3serve.model.hf_import.convert_kimi_linear_state_dict`` first.
 
 Our module names differ from the published ones only by ``mlp.`` for ``block_sparse_moe.`` on
 MoE layers (``k3serve/model/k3_names.py`` holds the rules). MXFP4 experts are dequantised into
@@ -207,7 +210,7 @@ def _shape_str(shape: Sequence[int]) -> str:
 
 def _plan_load(
     sd: dict[str, torch.Tensor],
-    headers: dict[str, tuple[Path, tuple[int, ...], str]],
+    headers: dict[str, tuple[Path | None, tuple[int, ...], str]],
     cfg: ModelConfig,
     prefix: str,
 ) -> tuple[list[_Plan], list[str], list[str], set[str]]:
@@ -331,6 +334,10 @@ def load_checkpoint(
     k3 = any(n.startswith(names.LANGUAGE_MODEL_PREFIX) for n in headers)
     prefix = names.LANGUAGE_MODEL_PREFIX if k3 else ""
     ignored = sorted(n for n in headers if k3 and n.startswith(IGNORED_PREFIXES))
+    in_memory: dict[str, torch.Tensor] | None = None
+    if not k3 and any(_TRANSFORMERS_RUNTIME.search(n) for n in headers):
+        in_memory = _convert_transformers_runtime(files, cfg, source)
+        headers = {n: (None, tuple(t.shape), _st_dtype(t)) for n, t in in_memory.items()}
 
     sd = model.state_dict()
     plans, missing, bad, used = _plan_load(sd, headers, cfg, prefix)
@@ -341,11 +348,19 @@ def load_checkpoint(
     if missing or unexpected or bad or dups:
         raise CheckpointError(source, missing, unexpected, bad + dups)
 
+    result = LoadResult(layout="k3" if k3 else "kimi_linear", files=files, ignored=ignored)
+    if in_memory is not None:
+        with torch.no_grad():
+            for plan in plans:
+                srcs = [in_memory[s] for s in plan.sources]
+                result.num_tensors += len(srcs)
+                _apply(model, sd[plan.ours], plan, srcs, cfg, result, keep_packed)
+        return result
+
     by_file: dict[Path, list[str]] = {}
     for p in plans:
         for s in p.sources:
             by_file.setdefault(headers[s][0], []).append(s)
-    result = LoadResult(layout="k3" if k3 else "kimi_linear", files=files, ignored=ignored)
     pending: dict[str, torch.Tensor] = {}
     plan_of = {s: p for p in plans for s in p.sources}
     with torch.no_grad():
@@ -366,6 +381,42 @@ def load_checkpoint(
                             keep_packed,
                         )
     return result
+
+
+_TRANSFORMERS_RUNTIME = re.compile(
+    r"\.self_attn\.forget_gate\.|\.self_attn\.conv1d\.weight$|\.experts\.(gate_up_proj|down_proj)$"
+)
+"""Names only found in transformers' in-memory KimiLinear state dict (fused conv / experts)."""
+
+
+def _st_dtype(t: torch.Tensor) -> str:
+    return _TORCH_TO_ST.get(t.dtype, str(t.dtype))
+
+
+def _convert_transformers_runtime(
+    files: Sequence[Path], cfg: ModelConfig, source: str
+) -> dict[str, torch.Tensor]:
+    """Read a file holding transformers' *in-memory* KimiLinear names and rename it, via
+    :func:`k3serve.model.hf_import.convert_kimi_linear_state_dict`, to published names.
+
+    ``save_pretrained`` never writes these names; a ``safetensors.save_file`` of
+    ``KimiLinearForCausalLM.state_dict()`` does. The whole checkpoint is read into memory.
+
+    Raises:
+        CheckpointError: a fused tensor the converter rejects (its message is listed).
+    """
+    from safetensors.torch import load_file
+
+    from k3serve.model.hf_import import convert_kimi_linear_state_dict
+
+    raw: dict[str, torch.Tensor] = {}
+    for path in files:
+        raw.update(load_file(str(path)))
+    try:
+        ours = convert_kimi_linear_state_dict(raw, cfg)
+    except ValueError as e:
+        raise CheckpointError(source, mismatched=[str(e)]) from e
+    return {names.to_published(n, cfg, ""): t for n, t in ours.items()}
 
 
 def _apply(
@@ -389,6 +440,10 @@ def _apply(
             result.packed[plan.ours] = (packed, scales)
         return
     src = srcs[0]
+    if plan.kind == "dense_expert":  # drop packed bytes of an earlier load: they'd be stale
+        owner = model.get_submodule(plan.ours.rsplit(".", 1)[0])
+        for buf in ("weight_packed", "weight_scale"):
+            owner._buffers.pop(buf, None)
     if plan.kind == "a_log":
         src = src.reshape(-1)[: cfg.kda_num_heads]
     dst.copy_(src.to(dst.dtype))

@@ -40,12 +40,13 @@ def _mla_split_kernel(
     s_p,
     s_b,
     s_btn,
+    NS,
     PAGE: tl.constexpr,
     DC: tl.constexpr,
     DR: tl.constexpr,
     BH: tl.constexpr,
     BN: tl.constexpr,
-    NS: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     i_n, i_hb, i_s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     L = tl.load(lens + i_n).to(tl.int64)
@@ -73,13 +74,14 @@ def _mla_split_kernel(
         p_tok = pool + page * s_p + (pos % PAGE) * s_b
         b_c = tl.load(p_tok[:, None] + o_c[None, :], mask=m_t[:, None], other=0.0)
         b_r = tl.load(p_tok[:, None] + DC + o_r[None, :], mask=m_t[:, None], other=0.0)
-        b_s = tl.dot(b_qc, tl.trans(b_c)) + tl.dot(b_qr, tl.trans(b_r))
+        b_s = tl.dot(b_qc, tl.trans(b_c), input_precision=PREC)
+        b_s += tl.dot(b_qr, tl.trans(b_r), input_precision=PREC)
         b_s = tl.where(m_t[None, :], b_s * scale, float("-inf"))
         m_new = tl.maximum(b_m, tl.max(b_s, 1))
         b_p = tl.exp(b_s - m_new[:, None])
         alpha = tl.exp(b_m - m_new)
         b_l = b_l * alpha + tl.sum(b_p, 1)
-        b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(DT), b_c)
+        b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(DT), b_c, input_precision=PREC)
         b_m = m_new
     base = (i_n * H + o_h) * NS + i_s  # [BH]
     tl.store(acc_out + base[:, None] * DC + o_c[None, :], b_acc, mask=m_h[:, None])
@@ -88,7 +90,7 @@ def _mla_split_kernel(
 
 
 @triton.jit
-def _mla_merge_kernel(acc, ml, o, DC: tl.constexpr, NS: tl.constexpr, BS: tl.constexpr):
+def _mla_merge_kernel(acc, ml, o, NS, DC: tl.constexpr, BS: tl.constexpr):
     i_nh = tl.program_id(0).to(tl.int64)
     o_s = tl.arange(0, BS)
     m_s = o_s < NS
@@ -102,9 +104,12 @@ def _mla_merge_kernel(acc, ml, o, DC: tl.constexpr, NS: tl.constexpr, BS: tl.con
     tl.store(o + i_nh * DC + o_c, out)
 
 
-def default_num_splits(num_seqs: int, head_blocks: int, max_len: int, num_sms: int = 132) -> int:
-    """Splits so that ``num_seqs · head_blocks · splits`` ≈ 4 programs per SM, each ≥ 256 tokens."""
-    want = triton.cdiv(4 * num_sms, max(1, num_seqs * head_blocks))
+def default_num_splits(
+    num_seqs: int, head_blocks: int, max_len: int, num_sms: int = 132, per_sm: int = 4
+) -> int:
+    """Splits so that ``num_seqs · head_blocks · splits`` ≈ ``per_sm`` programs per SM, each
+    split ≥ 256 tokens (at most 64 splits)."""
+    want = triton.cdiv(per_sm * num_sms, max(1, num_seqs * head_blocks))
     return int(max(1, min(want, triton.cdiv(max_len, 256), 64)))
 
 
@@ -171,12 +176,13 @@ def mla_decode_absorbed_paged_triton(
     _mla_split_kernel[(N, hb, num_splits)](
         q_lat, latent_pool, block_table, seq_lens, acc, ml, scale, H,
         q_lat.stride(0), q_lat.stride(1), latent_pool.stride(0), latent_pool.stride(1),
-        block_table.stride(0),
-        PAGE=page, DC=kv_lora, DR=DR, BH=BH, BN=block_n, NS=num_splits,
+        block_table.stride(0), num_splits,
+        PAGE=page, DC=kv_lora, DR=DR, BH=BH, BN=block_n,
+        PREC="ieee" if latent_pool.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     _mla_merge_kernel[(N * H,)](
-        acc, ml, out, DC=kv_lora, NS=num_splits, BS=max(2, triton.next_power_of_2(num_splits)), num_warps=4
+        acc, ml, out, num_splits, DC=kv_lora, BS=max(2, triton.next_power_of_2(num_splits)), num_warps=4
     )
     return out
 
