@@ -39,30 +39,31 @@ def log(*a):
     print(*a, flush=True)
 
 
-def bench(fn, warmup=10, rep=50) -> float:
-    """Median milliseconds (triton.testing.do_bench, CUDA events)."""
+def bench(fn, *args, **kwargs) -> float:
+    """Median milliseconds of ``fn(*args, **kwargs)`` (triton.testing.do_bench, CUDA events)."""
     import triton
 
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    return triton.testing.do_bench(lambda: fn(*args, **kwargs), warmup=10, rep=50, return_mode="median")
 
 
 def ceilings() -> tuple[float, float]:
     n = 1 << 30  # 1 GiB bf16 each way
     x = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
-    ms = bench(lambda: y.copy_(x), rep=100)
+    ms = bench(y.copy_, x)
     bw = 2 * n / (ms * 1e-3)
     del x, y
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = bench(lambda: a @ b, rep=100)
+    ms = bench(torch.matmul, a, b)
     rate = 2 * 8192**3 / (ms * 1e-3)
     return bw, rate
 
 
 def kda_prefill_inputs(T, H, K=128, V=128, seed=0):
     g_ = torch.Generator(device="cuda").manual_seed(seed)
-    rn = lambda *s: torch.randn(*s, device="cuda", generator=g_)  # noqa: E731
+    def rn(*s):
+        return torch.randn(*s, device="cuda", generator=g_)
     from k3serve.kernels.kda import kda_gate
 
     q = torch.nn.functional.normalize(rn(1, T, H, K), dim=-1).bfloat16()
@@ -97,24 +98,22 @@ def prefill_rows(rows, bw, rate, fla, quick):
             roof_g = max(b_g / bw, flops / rate) * 1e3
             roof_f = max(b_f / bw, flops / rate) * 1e3
             with torch.inference_mode():
-                o, s = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-                t_ours = bench(lambda: chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True))
-                t_k3 = bench(lambda: chunk_kda_triton(
-                    q, k, v, f, beta, initial_state=h0, output_final_state=True,
-                    A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0))  # fmt: skip
+                o, _ = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                t_ours = bench(chunk_kda_triton, q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                t_k3 = bench(chunk_kda_triton, q, k, v, f, beta, initial_state=h0, output_final_state=True,
+                             A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)  # fmt: skip
                 t_fla = t_fla_k3 = float("nan")
                 err = float("nan")
                 if fla is not None:
                     try:
-                        fo, fs = fla.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                        fo, _ = fla.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
                         err = ((o.float() - fo.float()).abs().max() / fo.float().abs().max()).item()
-                        t_fla = bench(lambda: fla.chunk_kda(q, k, v, g, beta, initial_state=h0,
-                                                            output_final_state=True))  # fmt: skip
-                        t_fla_k3 = bench(lambda: fla.chunk_kda(
-                            q, k, v, f, beta, initial_state=h0, output_final_state=True,
+                        t_fla = bench(fla.chunk_kda, q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                        t_fla_k3 = bench(
+                            fla.chunk_kda, q, k, v, f, beta, initial_state=h0, output_final_state=True,
                             use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0,
-                            A_log=A_log, dt_bias=dt_bias))  # fmt: skip
-                    except Exception as e:  # report, keep going
+                            A_log=A_log, dt_bias=dt_bias)  # fmt: skip
+                    except Exception as e:  # noqa: BLE001  (report, keep going)
                         log(f"fla prefill T={T} H={H} failed: {e!r}")
             shape = f"T={T // 1024}k H={H}"
             rows.append(("prefill", shape, "ours", t_ours, t_fla, roof_g, b_g / (t_ours * 1e-3) / bw,
@@ -122,18 +121,21 @@ def prefill_rows(rows, bw, rate, fla, quick):
             rows.append(("prefill", shape, "ours-k3", t_k3, t_fla_k3, roof_f, b_f / (t_k3 * 1e-3) / bw,
                          f"fla-k3/ours-k3={t_fla_k3 / t_k3:.2f}"))  # fmt: skip
             log(rows[-2], rows[-1])
-            del q, k, v, g, f, beta, h0, o, s
             torch.cuda.empty_cache()
 
 
 def decode_rows(rows, bw, fla, quick):
-    from k3serve.kernels.kda.recurrent_triton import causal_conv_step_triton, fused_recurrent_kda_step_triton
+    from k3serve.kernels.kda.recurrent_triton import (
+        causal_conv_step_triton,
+        fused_recurrent_kda_step_triton,
+    )
 
     H, K, V = 32, 128, 128
     for N in [64, 256]:
         S = 2 * N + 7
         gen = torch.Generator(device="cuda").manual_seed(N)
-        rn = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+        def rn(*s, _g=gen):
+            return torch.randn(*s, device="cuda", generator=_g)
         q = torch.nn.functional.normalize(rn(N, H, K), dim=-1).bfloat16()
         k = torch.nn.functional.normalize(rn(N, H, K), dim=-1).bfloat16()
         v = rn(N, H, V).bfloat16()
@@ -144,8 +146,7 @@ def decode_rows(rows, bw, fla, quick):
         nbytes = 2 * N * H * K * V * 4
         best = None
         for bv, nw in [(16, 2), (32, 4), (64, 4), (64, 8), (128, 8)]:
-            t = bench(lambda: fused_recurrent_kda_step_triton(q, k, v, g, beta, pool, slots,
-                                                              block_v=bv, num_warps=nw))  # fmt: skip
+            t = bench(fused_recurrent_kda_step_triton, q, k, v, g, beta, pool, slots, block_v=bv, num_warps=nw)
             log(f"decode N={N} BV={bv} warps={nw}: {t * 1e3:.1f} us")
             if best is None or t < best[0]:
                 best = (t, bv, nw)
@@ -153,12 +154,10 @@ def decode_rows(rows, bw, fla, quick):
         if fla is not None:
             try:
                 cu = torch.arange(N + 1, device="cuda", dtype=torch.long)
-                fla_fn = lambda: fla.fused_recurrent_kda_fwd(  # noqa: E731
-                    q[None], k[None], v[None], g[None], beta[None], initial_state=pool,
-                    inplace_final_state=True, cu_seqlens=cu, ssm_state_indices=slots)
-                fla_fn()
-                t_fla = bench(fla_fn)
-            except Exception as e:
+                t_fla = bench(
+                    fla.fused_recurrent_kda_fwd, q[None], k[None], v[None], g[None], beta[None],
+                    initial_state=pool, inplace_final_state=True, cu_seqlens=cu, ssm_state_indices=slots)  # fmt: skip
+            except Exception as e:  # noqa: BLE001
                 log(f"fla decode failed: {e!r}")
         t, bv, nw = best
         rows.append(("decode", f"N={N} H={H}", "ours", t, t_fla, nbytes / bw * 1e3, nbytes / (t * 1e-3) / bw,
@@ -169,14 +168,19 @@ def decode_rows(rows, bw, fla, quick):
         x = rn(N, Cc).bfloat16()
         cpool = rn(S, W - 1, Cc).bfloat16()
         wgt = rn(Cc, W).bfloat16()
-        t_c = bench(lambda: causal_conv_step_triton(x, cpool, wgt, slots))
+        t_c = bench(causal_conv_step_triton, x, cpool, wgt, slots)
         cb = N * Cc * 2 * (1 + 1 + 2 * (W - 1))
         rows.append(("conv", f"N={N} C={Cc}", "ours", t_c, float("nan"), cb / bw * 1e3, cb / (t_c * 1e-3) / bw, ""))
         log(rows[-1])
 
 
 def mla_rows(rows, bw, quick):
-    from k3serve.kernels.mla.decode_triton import default_num_splits, mla_decode_absorbed_paged_triton
+    import triton
+
+    from k3serve.kernels.mla.decode_triton import (
+        default_num_splits,
+        mla_decode_absorbed_paged_triton,
+    )
     from k3serve.kernels.mla.naive import mla_decode_absorbed_paged
 
     H, DC, DR, PAGE = 16, 512, 64, 64
@@ -197,28 +201,26 @@ def mla_rows(rows, bw, quick):
             nbytes = int(lens.sum()) * D * 2
             ref = mla_decode_absorbed_paged(q[:3].float(), pool, bt[:3], lens[:3], DC, 192**-0.5)
             best = None
-            for per_sm in (4, 8, 16):
-                ns = default_num_splits(N, 1, L, sms, per_sm)
-                for bn, nw, st in [(32, 4, 2), (64, 8, 2), (32, 4, 3), (64, 4, 3)]:
-                    fn = lambda: mla_decode_absorbed_paged_triton(  # noqa: E731
-                        q, pool, bt, lens, DC, 192**-0.5, num_splits=ns,
-                        block_n=bn, num_warps=nw, num_stages=st)  # fmt: skip
+            auto = default_num_splits(N, 1, L, sms)
+            for ns in sorted({auto, triton.cdiv(4 * sms, N), triton.cdiv(16 * sms, N)}):
+                for bn, nw, st in [(32, 4, 2), (64, 8, 2), (64, 4, 3)]:
+                    args = (q, pool, bt, lens, DC, 192**-0.5)
+                    kw = {"num_splits": ns, "block_n": bn, "num_warps": nw, "num_stages": st}
                     try:
-                        out = fn()
+                        out = mla_decode_absorbed_paged_triton(*args, **kw)
                         err = ((out[:3] - ref).abs().max() / ref.abs().max()).item()
-                        t = bench(fn)
-                    except Exception as e:
+                        t = bench(mla_decode_absorbed_paged_triton, *args, **kw)
+                    except Exception as e:  # noqa: BLE001
                         log(f"mla BN={bn} warps={nw} stages={st} failed: {e!r}")
                         continue
                     log(f"mla N={N} L={L} splits={ns} BN={bn} warps={nw} stages={st}: {t * 1e3:.1f} us err={err:.1e}")
                     if best is None or t < best[0]:
-                        best = (t, ns, per_sm, bn, nw, st, err)
-            t, ns, per_sm, bn, nw, st, err = best
+                        best = (t, ns, bn, nw, st, err)
+            t, ns, bn, nw, st, err = best
             rows.append(("mla", f"N={N} L={L // 1024}k", "ours", t, float("nan"), nbytes / bw * 1e3,
                          nbytes / (t * 1e-3) / bw,
-                         f"splits={ns} ({per_sm}/SM) BN={bn} warps={nw} stages={st} err={err:.1e}"))  # fmt: skip
+                         f"splits={ns} (auto {auto}) BN={bn} warps={nw} stages={st} err={err:.1e}"))  # fmt: skip
             log(rows[-1])
-            del pool
             torch.cuda.empty_cache()
 
 
@@ -250,7 +252,7 @@ def main() -> int:
 
         fla_kda.fused_recurrent_kda_fwd = fused_recurrent_kda_fwd
         fla = fla_kda
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001
         log(f"fla-core not importable: {e!r}")
         fla = None
     import triton
@@ -269,7 +271,7 @@ def main() -> int:
             if name in parts:
                 try:
                     fn()
-                except Exception:
+                except Exception:  # noqa: BLE001
                     log(traceback.format_exc())
                 write_table(head, rows, args.out, final=False)
     finally:

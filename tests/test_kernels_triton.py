@@ -20,16 +20,16 @@ if not HAS_CUDA:
 
 triton = pytest.importorskip("triton")
 
-from k3serve.kernels import dispatch  # noqa: E402
-from k3serve.kernels.kda import chunk_kda, kda_gate, naive_recurrent_kda  # noqa: E402
-from k3serve.kernels.kda.chunk_triton import chunk_kda_triton  # noqa: E402
-from k3serve.kernels.kda.recurrent import fused_recurrent_kda_step  # noqa: E402
-from k3serve.kernels.kda.recurrent_triton import (  # noqa: E402
+from k3serve.kernels import dispatch
+from k3serve.kernels.kda import chunk_kda, kda_gate, naive_recurrent_kda
+from k3serve.kernels.kda.chunk_triton import chunk_kda_triton
+from k3serve.kernels.kda.recurrent import fused_recurrent_kda_step
+from k3serve.kernels.kda.recurrent_triton import (
     causal_conv_step_triton,
     fused_recurrent_kda_step_triton,
 )
-from k3serve.kernels.mla.decode_triton import mla_decode_absorbed_paged_triton  # noqa: E402
-from k3serve.kernels.mla.naive import mla_decode_absorbed_paged  # noqa: E402
+from k3serve.kernels.mla.decode_triton import mla_decode_absorbed_paged_triton
+from k3serve.kernels.mla.naive import mla_decode_absorbed_paged
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")

@@ -40,7 +40,7 @@ def kernel_backend() -> str:
 def _triton_importable() -> bool:
     try:
         import triton  # noqa: F401
-    except Exception:
+    except (ImportError, RuntimeError):
         return False
     return True
 
@@ -122,10 +122,10 @@ def mla_decode_absorbed_paged(q_lat, latent_pool, block_table, seq_lens, kv_lora
 
 
 __all__ = [
-    "kernel_backend",
-    "use_triton",
+    "causal_conv_step",
     "chunk_kda",
     "fused_recurrent_kda_step",
-    "causal_conv_step",
+    "kernel_backend",
     "mla_decode_absorbed_paged",
+    "use_triton",
 ]

@@ -310,7 +310,7 @@ def _state_kernel(
     else:
         S = tl.zeros([K, BV], dtype=tl.float32)
     DT = W.dtype.element_ty
-    for j in range(0, NT):
+    for j in range(NT):
         t0 = bos + j * BT
         L = tl.minimum(eos - t0, BT)
         m_t = o_t < L
@@ -493,4 +493,4 @@ def chunk_kda_triton(
     return o, ht
 
 
-__all__ = ["chunk_kda_triton", "G_MIN"]
+__all__ = ["G_MIN", "chunk_kda_triton"]

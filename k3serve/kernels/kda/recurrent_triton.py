@@ -84,7 +84,8 @@ def fused_recurrent_kda_step_triton(
         state_pool (torch.Tensor): ``[S, H, K, V]`` fp32, any strides (a view is fine); mutated.
         slots (torch.Tensor): ``[N]`` int, distinct rows of ``state_pool``.
         scale (float, optional): default ``K ** -0.5``.
-        block_v (int, optional): V columns per program (default 32; a tuning knob).
+        block_v (int, optional): V columns per program (default 64: best of the H200 sweep in
+            ``benchmarks/RESULTS_gpu_kernels.md``).
         num_warps (int): warps per program (tuning knob).
 
     Returns:
@@ -105,7 +106,7 @@ def fused_recurrent_kda_step_triton(
         raise ValueError(f"K={K} must be a power of two")
     if scale is None:
         scale = K**-0.5
-    BV = block_v or min(32, triton.next_power_of_2(V))
+    BV = block_v or min(64, triton.next_power_of_2(V))
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     o = torch.empty(N, H, V, dtype=v.dtype, device=v.device)
     if N == 0:
@@ -189,4 +190,4 @@ def causal_conv_step_triton(
     return y
 
 
-__all__ = ["fused_recurrent_kda_step_triton", "causal_conv_step_triton"]
+__all__ = ["causal_conv_step_triton", "fused_recurrent_kda_step_triton"]

@@ -104,13 +104,17 @@ def _mla_merge_kernel(acc, ml, o, NS, DC: tl.constexpr, BS: tl.constexpr):
     tl.store(o + i_nh * DC + o_c, out)
 
 
-def default_num_splits(
-    num_seqs: int, head_blocks: int, max_len: int, num_sms: int = 132, per_sm: int = 4
-) -> int:
-    """Splits so that ``num_seqs · head_blocks · splits`` ≈ ``per_sm`` programs per SM, each
-    split ≥ 256 tokens (at most 64 splits)."""
-    want = triton.cdiv(per_sm * num_sms, max(1, num_seqs * head_blocks))
-    return int(max(1, min(want, triton.cdiv(max_len, 256), 64)))
+def default_num_splits(num_seqs: int, head_blocks: int, max_len: int, num_sms: int = 132) -> int:
+    """Context splits per sequence (flash-decoding).
+
+    At least 4 programs per SM; more (up to 16 per SM) while a split would exceed 1024 tokens.
+    From the H200 sweep (``benchmarks/RESULTS_gpu_kernels.md``): 64 seqs × 32k latents run 1.22×
+    faster at 33 splits than at 9; 256 seqs are best at 3–5 splits.
+    """
+    progs = max(1, num_seqs * head_blocks)
+    want = triton.cdiv(4 * num_sms, progs)
+    cap = triton.cdiv(16 * num_sms, progs)
+    return int(max(1, min(max(want, triton.cdiv(max_len, 1024)), cap, 64, triton.cdiv(max_len, 64))))
 
 
 def mla_decode_absorbed_paged_triton(
@@ -187,4 +191,4 @@ def mla_decode_absorbed_paged_triton(
     return out
 
 
-__all__ = ["mla_decode_absorbed_paged_triton", "default_num_splits"]
+__all__ = ["default_num_splits", "mla_decode_absorbed_paged_triton"]
