@@ -45,6 +45,85 @@ Request lifecycle (DESIGN.md §1), in the order the code runs:
 
 Offline (one process, both roles): ``k3serve.LLM(...).generate(prompts, params)`` runs
 steps 4–9 without the hand-off (``LLMEngine.add_request``).
+
+Internal HTTP API (router ↔ workers; prefill/worker.py, decode/worker.py, router/workers.py)
+──────────────────────────────────────────────────────────────────────────────────────────────
+JSON over HTTP. Every ``/internal/*`` call carries ``X-K3serve-Cluster-Token:
+$K3SERVE_CLUSTER_TOKEN`` when the cluster has a token (403 otherwise); ``/health`` and
+``/metrics`` are open. Worker errors answer ``{"error": CODE, "message": TEXT}`` with 400 (bad
+body or ids: ``invalid_request``, ``invalid_sampling``), 403, 404 ``unknown_request``, 409
+(``fingerprint_mismatch``, ``ticket_refused``, ``aborted``, ``stream_taken``), 502
+(``transfer_pairing_failed``, ``transfer_setup_failed``), 503 ``busy`` (no cache for a
+reservation now: retry elsewhere), 504 ``timeout``, 500 ``internal_error`` (a bug). ``sampling`` is
+``SamplingParams.to_dict()`` with ``n == 1`` (the router splits ``n > 1`` into sub-requests
+with derived seeds; set ``seed``: a decode-side fallback then samples exactly as the prefill
+worker did). Logprobs that are not finite travel as ``null``.
+
+Both roles::
+
+    GET  /internal/info → {role: "prefill"|"decode", model, fingerprint (hash salt base),
+            block_size, capacity: {num_pages, num_slots, num_snapshots}, max_model_len,
+            worker_id, enable_prefix_caching, kv_layout_hash,
+            usage: {pages_used, pages_cached, slots_used, snapshots_used, snapshots_cached,
+                    num_running, num_waiting, num_engine_requests, num_reserved, ...}}
+            (decode adds bootstrap_addr and usage.{open_tickets, unreleased_tickets,
+            num_transfers_pending, num_requests_tracked}; prefill adds
+            num_transfers_pending)
+    GET  /internal/cache_events?after=SEQ[&limit=N] → {epoch, last_seq, events: [{seq, type:
+            "stored"|"removed", block_hashes, snapshot}]}   (LLMEngine.cache_events)
+    GET  /internal/cache_state → {epoch, last_seq, blocks, snapshots}   (on a gap / new epoch)
+    GET  /internal/requests[?request_id=ID] → {requests: {ID: {...state...}}}   (debugging)
+    POST /internal/abort {request_id} → {ok: true, found: bool}   (idempotent)
+    GET  /health → 200 {status: "ok", role, worker_id} | 503 when the engine thread died
+    GET  /metrics → Prometheus text (DESIGN.md §6 worker names, labels worker + role)
+
+Decode worker::
+
+    POST /internal/reserve {request_id, prompt_token_ids: [L ints], sampling, n: 1,
+            cache_salt: str|null}
+        → 200 {request_id, ticket, bootstrap_addr: "host:port"}      503 busy · 400
+        Takes a slot + pages for L tokens and registers them behind the ticket with the
+        kvstore bootstrap server (the prefill worker's kvstore pairs there; only kvstore sees
+        addresses). The ticket times out after K3SERVE_KV_RECEIVER_TIMEOUT_S (default 60 s).
+    POST /internal/stream {request_id}
+        → text/event-stream, one ``data: {json}`` per engine step from token #2 on:
+            {"token_ids": [int], "text": str, "logprobs": [{"logprob": float|null,
+             "top_logprobs": [[id, logprob], ...]|null}] (aligned with token_ids),
+             "finish_reason": null|"stop"|"length"|"abort"}
+          a failure is {"error": str, "token_ids": [], "finish_reason": "abort"}; the stream
+          ends after the event with a finish_reason with ``data: [DONE]``. One stream per
+          request (409 for a second one); 404 for an unknown request. Closing the stream
+          early aborts the request.
+        Token #1 is never streamed (the router has it from the prefill worker). The decode
+        worker's own stop checks use the same params, so it stops no later than the router.
+    Transfer failure (after the sender's retries, or the ticket's timeout): the decode worker
+    recomputes the prefill itself (``add_request`` with the reserved prompt and params;
+    counted in ``k3serve:kv_transfer_fallbacks_total``) and streams from token #2 as usual;
+    the reservation is freed once no sender can still write into it.
+
+Prefill worker::
+
+    POST /internal/prefill {request_id, prompt_token_ids, sampling, ticket, bootstrap_addr,
+            snapshot_at: [int], cache_salt: str|null}
+        → 200 {request_id, token_id, logprob, top_logprobs: [[id, logprob]]|null,
+               num_cached_tokens, cached_source: "local", text, position (= L), seed}
+          answered as soon as token #1 is sampled and the sender has paired (at most 2 s
+          more while pairing is slow); the cache keeps flowing to the decode worker after the
+          answer, then the metadata {request_id, prompt_token_ids, token_id, logprob,
+          top_logprobs, sampling (seed resolved), position, num_cached_tokens} (kvstore
+          ``KVSender.finish``); the slot and pages are released when the send ended.
+        → 409 fingerprint_mismatch (message names every differing field: block_size, dtypes,
+          shapes, layers, model) · 409 ticket_refused (unknown / closed ticket: the decode side
+          aborted) · 502 transfer_pairing_failed (decode bootstrap unreachable): nothing was
+          kept. A transfer that fails after pairing still answers token #1 (the decode worker
+          falls back).
+        Test hook (only with K3SERVE_TEST_HOOKS=1): ``debug_fail_transfer_n: int`` makes the
+        first n write submissions of this request's sender fail (kvstore ``fail_first_n``);
+        K3SERVE_KV_FAIL_FIRST_N does the same for every request.
+
+Registration: a worker started with ``--router-url`` POSTs ``{router}/internal/register
+{"url": "http://host:port"}`` (with the cluster token) and, every 2 s, re-registers when the
+router's ``GET /health?detail=1`` no longer lists its URL (router restart).
 """
 
 from __future__ import annotations

@@ -71,6 +71,9 @@ def parse_args(role: str, argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="compute / cache dtype (auto: float32 on CPU, bfloat16 on CUDA); "
+                         "prefill and decode workers must agree")
     ap.add_argument("--seed", type=int, default=0, help="random-init seed (no checkpoint)")
     ap.add_argument("--threads", type=int, default=int(os.environ.get(THREADS_ENV, "1")),
                     help=f"torch threads (default ${THREADS_ENV} or 1)")
@@ -96,9 +99,12 @@ def build_engine(args: argparse.Namespace):
 
     if args.device == "cpu":
         torch.set_num_threads(max(1, args.threads))
+    dtype = args.dtype if args.dtype != "auto" else (
+        "float32" if args.device == "cpu" else "bfloat16")
     llm = LLM(
         args.model, enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-        device=args.device, block_size=args.block_size, num_pages=args.num_pages,
+        device=args.device, dtype=getattr(torch, dtype), block_size=args.block_size,
+        num_pages=args.num_pages,
         num_slots=args.num_slots, num_snapshots=args.num_snapshots,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
@@ -207,12 +213,12 @@ class EngineLoop:
                     outs = self.engine.step()
                     self._on_outputs(outs)
                     active = self._tick() or active
-            except Exception as e:  # noqa: BLE001 - never let the thread die silently
+            except Exception as e:
                 self.num_step_errors += 1
                 log.exception("engine loop error")
                 try:
                     self._on_error(e)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     log.exception("on_error failed")
                     self.error = e
                     return
@@ -416,7 +422,6 @@ class BaseWorker:
             "worker_id": self.worker_id,
             "enable_prefix_caching": e["enable_prefix_caching"],
             "kv_layout_hash": self.layout.fingerprint_hash(),
-            "kv_session": self.kv.session_id,
             "usage": self.usage(),
         }
 
@@ -526,15 +531,21 @@ class BaseWorker:
                                     for w in r.json().get("workers") or ())
                     if not known:
                         r = await c.post(f"{router}/internal/register", json={"url": self.url})
-                        if r.status_code != 200:
-                            raise RuntimeError(f"register: HTTP {r.status_code}: {r.text[:300]}")
+                        if 400 <= r.status_code < 500:  # e.g. another model or layout
+                            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+                        if r.status_code != 200:  # e.g. 503: it could not reach us yet
+                            raise ConnectionError(f"HTTP {r.status_code}: {r.text[:300]}")
                         log.info("registered with %s as %s", router, self.worker_id)
                     backoff = 0.2
                     await asyncio.sleep(check_every_s)
                 except asyncio.CancelledError:
                     raise
+                except RuntimeError as e:  # the router answered but refused us
+                    log.warning("registration with %s refused: %s", router, e)
+                    await asyncio.sleep(check_every_s)
+                    continue
                 except Exception as e:  # noqa: BLE001 - the router may be down; keep trying
-                    log.info("registration with %s: %s", router, e)
+                    log.info("registration with %s: %r", router, e)
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, check_every_s)
 

@@ -180,8 +180,8 @@ class PrefillWorker(BaseWorker):
                 code = (409, "ticket_refused")
             else:
                 code = (502, "transfer_pairing_failed")
-            self._abort(r, (*code, f"prefill {self.worker_id} could not pair with the decode "
-                                   f"worker at {r.addr}: {e}"))
+            self._abort(r, (*code, (f"prefill {self.worker_id} could not pair with the decode "
+                                   f"worker at {r.addr}: {e}")))
             self._answer(r, error=r.abort_reason)
             return
         if r.first is None:
@@ -265,6 +265,17 @@ class PrefillWorker(BaseWorker):
                                          and not r.sender_released)
         return d
 
+    def describe(self, rid: str | None) -> dict[str, Any]:
+        """``GET /internal/requests`` body: tracked requests and their transfer state."""
+        out = {}
+        for r in self.reqs.values():
+            if rid is None or r.rid == rid:
+                s = r.sender
+                out[r.rid] = {"sender_state": s.state.name if s is not None else None,
+                              "held": r.held, "answered": r.answered, "aborting": r.aborting,
+                              "num_cached_tokens": r.num_cached}
+        return {"requests": out}
+
     # ------------------------------------------------------------------ HTTP
     def routes(self, app) -> None:
         worker = self
@@ -297,6 +308,10 @@ class PrefillWorker(BaseWorker):
             if kind == "error":
                 return error(*res)
             return res
+
+        @app.get("/internal/requests")
+        async def requests(request_id: str | None = None) -> dict[str, Any]:
+            return await worker.loop.call(worker.describe, request_id)
 
         @app.post("/internal/abort")
         async def abort(body: AbortBody) -> dict[str, Any]:

@@ -366,7 +366,7 @@ class Router:
             try:
                 res = await self.pool.post(D, "/internal/reserve", {
                     "request_id": sub, "prompt_token_ids": job.token_ids,
-                    "sampling": sampling.to_dict(), "n": 1})
+                    "sampling": sampling.to_dict(), "n": 1, "cache_salt": cache_salt})
                 ticket, addr = res.get("ticket"), res.get("bootstrap_addr")
                 if ticket is None or addr is None:
                     raise WorkerError(D.url, "reserve: answer lacks ticket or bootstrap_addr")

@@ -10,7 +10,7 @@ Every internal call carries the cluster token in ``CLUSTER_TOKEN_HEADER``.
 
 Internal calls (draft protocol; ``k3serve/protocol.py`` pins it)::
 
-    decode  POST /internal/reserve  {request_id, prompt_token_ids, sampling, n}
+    decode  POST /internal/reserve  {request_id, prompt_token_ids, sampling, n, cache_salt}
                                     → {ticket, bootstrap_addr}
     prefill POST /internal/prefill  {request_id, prompt_token_ids, sampling, ticket,
                                      bootstrap_addr, snapshot_at, cache_salt}

@@ -35,6 +35,7 @@ Usage::
     python scripts/stdlib_data.py                      # summary of this machine's split
     python scripts/stdlib_data.py --make-heldout --other-stdlib /path/to/python3.12
     python scripts/stdlib_data.py --make-sample
+    python scripts/stdlib_data.py --export-heldout .heldout/stdlib   # for scripts/device_train.sh
 """
 
 from __future__ import annotations
@@ -164,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="another stdlib folder the held-out files must be identical in")
     ap.add_argument("-n", type=int, default=40, help="held-out files (with --make-heldout)")
     ap.add_argument("--make-sample", action="store_true", help="(re)write tests/data/heldout_sample/")
+    ap.add_argument("--export-heldout", type=Path, default=None, metavar="DIR",
+                    help="copy the held-out files to DIR/<relative path> (to score exactly these "
+                         "bytes on a machine whose stdlib differs, e.g. with eval_bpb --stdlib DIR)")
     args = ap.parse_args(argv)
     root = args.stdlib or stdlib_root()
 
@@ -189,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
             (HELDOUT_SAMPLE / sample_name(rel)).write_bytes((root / rel).read_bytes())
         total = sum(f.stat().st_size for f in HELDOUT_SAMPLE.iterdir())
         print(f"wrote {len(sample)} files ({total} bytes) to {HELDOUT_SAMPLE}")
+
+    if args.export_heldout:
+        for rel in load_heldout_list():
+            dst = args.export_heldout / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(root / rel, dst)
+        print(f"copied the held-out files to {args.export_heldout}")
 
     files = list_stdlib_files(root)
     held = set(load_heldout_list()) if HELDOUT_LIST.exists() else set()

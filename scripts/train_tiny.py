@@ -55,12 +55,12 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import eval_bpb  # noqa: E402
-import stdlib_data  # noqa: E402
+import eval_bpb
+import stdlib_data
 
-from k3serve.config import PRESETS, ModelConfig  # noqa: E402
-from k3serve.model.model import K3ForCausalLM  # noqa: E402
-from k3serve.model.moe import Router  # noqa: E402
+from k3serve.config import PRESETS, ModelConfig
+from k3serve.model.model import K3ForCausalLM
+from k3serve.model.moe import Router
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "k3serve_config.json"
@@ -390,21 +390,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / "k3serve" / "assets" / "k3-tiny")
     ap.add_argument("--preset", default="k3-tiny", choices=sorted(PRESETS))
     ap.add_argument("--stdlib", type=Path, default=None, help="stdlib folder (default: this Python's)")
-    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=64,
+                    help="sequences per step (halved into micro-batches on CUDA out-of-memory)")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--min-lr-frac", type=float, default=0.05)
-    ap.add_argument("--warmup-steps", type=int, default=100)
+    ap.add_argument("--warmup-steps", type=int, default=30)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--grad-clip", type=float, default=1.0)
-    ap.add_argument("--bias-update-rate", type=float, default=1e-3)
+    ap.add_argument("--bias-update-rate", type=float, default=2e-3)
     ap.add_argument("--file-start-frac", type=float, default=0.2)
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--val-files", type=int, default=24, help="validation files (0: none)")
-    ap.add_argument("--val-every", type=float, default=45.0, help="seconds between validations")
+    ap.add_argument("--val-every", type=float, default=60.0, help="seconds between validations")
     ap.add_argument("--max-skipped", type=int, default=20, help="non-finite steps tolerated")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    # Training and validation run the plain-torch kernels (the reference path, the one the CPU
+    # runs): the chunked-KDA Triton kernel is forward-only, and under bf16 autocast the
+    # no-grad validation would hand it q/k in float32 with v in bf16, which it rejects.
+    os.environ.setdefault("K3SERVE_KERNELS", "torch")
     if args.device == "cpu":
         torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     train(args)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import stdlib_data  # noqa: E402
+import stdlib_data
 
 XZ_PRESET = 9 | lzma.PRESET_EXTREME
 

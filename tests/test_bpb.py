@@ -18,11 +18,11 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
-import eval_bpb  # noqa: E402
-import stdlib_data  # noqa: E402
-import xz_baseline  # noqa: E402
+import eval_bpb
+import stdlib_data
+import xz_baseline
 
-from k3serve.config import PRESETS  # noqa: E402
+from k3serve.config import PRESETS
 
 ASSET = REPO / "k3serve" / "assets" / "k3-tiny"
 SAMPLE = REPO / "tests" / "data" / "heldout_sample"

@@ -4,11 +4,13 @@ One :meth:`LLMEngine.step`::
 
     plan = scheduler.schedule()              admit / allocate / preempt (ids only)
     runner.prepare_slots(admissions)         zero a slot, or load the prefix hit's snapshot
+    on_admit(handle) hooks                   (they may abort requests: those are skipped)
     for group in (prefill chunks, decodes):  two forwards at most
-        logits = runner.forward(group)
+        logits = runner.forward(group)       raises part-way → the group is recomputed later
         cm.commit(...) → runner.save_snapshots(...)   index full blocks, snapshot points
-    sample rows that computed their last known token (n > 1: fork the choices)
-    detokenize, stop checks; finished → cm.finish (end-of-request snapshot), outputs
+        sample rows that computed their last known token (n > 1: fork the choices)
+        detokenize, stop checks; finished → cm.finish (end-of-request snapshot)
+    outputs
 
 Worker API (lifecycle in :mod:`k3serve.protocol`): :meth:`add_prefill_request` /
 :meth:`release` on a prefill worker, :meth:`reserve` / :meth:`admit` on a decode worker,
@@ -74,6 +76,22 @@ class EngineConfig:
     max_model_len: int | None = None
     record_logits: bool = False
     max_events: int = 100_000
+
+    def __post_init__(self) -> None:
+        def check(fld: str, lo: int, optional: bool = False) -> None:
+            v = getattr(self, fld)
+            if optional and v is None:
+                return
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                none = " or None" if optional else ""
+                raise ValueError(f"EngineConfig.{fld}: must be an int ≥ {lo}{none}, got {v!r}")
+
+        for fld in ("block_size", "num_pages", "num_slots", "max_num_batched_tokens", "max_events"):
+            check(fld, 1)
+        check("num_snapshots", 0)
+        check("snapshot_interval_tokens", 0)
+        check("max_num_seqs", 1, optional=True)
+        check("max_model_len", 2, optional=True)  # a prompt token and a generated one
 
 
 @dataclass
@@ -313,7 +331,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Stop a request at any point (queued, prefilling, decoding, held, reserved).
 
-        Frees its slot, pages and snapshots; computed full blocks stay cached.
+        Frees its slot, pages and snapshots; computed full blocks stay cached. Callable from
+        ``on_admit`` and ``layer_hook`` (the step skips the rest of the aborted request's work).
 
         Returns:
             True when the request was live.
@@ -377,13 +396,17 @@ class LLMEngine:
             :class:`CacheHandle` (slot, pages covering ``[0, num_tokens)``).
 
         Raises:
-            ValueError: as :meth:`add_request`; ``num_tokens`` outside ``[1, max_model_len)``.
+            ValueError: as :meth:`add_request`; ``num_tokens`` outside ``[L, max_model_len)``.
             CacheFullError: no slot or pages now (try later / elsewhere).
         """
         ids = self._check_new(request_id, prompt_token_ids)
         n = len(ids) if num_tokens is None else num_tokens
-        if not isinstance(n, int) or not 1 <= n < self.max_model_len:
-            raise ValueError(f"num_tokens: must lie in [1, {self.max_model_len}), got {n!r}")
+        # admit() continues after ≥ 1 output token: the cache covers at least the prompt
+        if not isinstance(n, int) or not len(ids) <= n < self.max_model_len:
+            raise ValueError(
+                f"num_tokens: must lie in [len(prompt_token_ids) = {len(ids)}, "
+                f"{self.max_model_len}), got {n!r}"
+            )
         sid = next(self._seq_ids)
         self.cm.add(sid, ids, cache_salt, plan_snapshots=False)
         if not self.cm.can_admit(sid, PrefixHit(0), n):
@@ -495,25 +518,51 @@ class LLMEngine:
         self.runner.prepare_slots(s.admission for s in admitted)  # type: ignore[misc]
         for s in admitted:
             req = s.seq.request
-            if req.on_admit is not None:
+            if req.on_admit is not None and s.seq.status is SeqStatus.RUNNING:
                 req.on_admit(self._handle(s.seq, None))
-        to_sample: list[tuple[Seq, torch.Tensor]] = []
+        # an on_admit callback may abort requests (its transfer could not start): skip them
+        plan.prefills = [s for s in plan.prefills if s.seq.status is SeqStatus.RUNNING]
+        plan.decodes = [s for s in plan.decodes if s.seq.status is SeqStatus.RUNNING]
         for group in (plan.prefills, plan.decodes):
             if not group:
                 continue
-            logits = self.runner.forward([self._row(s) for s in group], self._layer_hook(group))
+            try:
+                logits = self.runner.forward([self._row(s) for s in group], self._layer_hook(group))
+            except BaseException:
+                self._drop_failed_forward(group)
+                raise
             self.stats.num_forwards += 1
+            to_sample: list[tuple[Seq, torch.Tensor]] = []
             for k, s in enumerate(group):
                 seq = s.seq
+                if seq.status is not SeqStatus.RUNNING:  # aborted by a layer hook: skip
+                    continue
                 if seq.is_prefill:
                     self.stats.prompt_tokens_computed += s.num_new
                 seq.num_computed += s.num_new
                 self.runner.save_snapshots(self.cm.commit(seq.seq_id, seq.token_ids, s.num_new))
                 if seq.num_computed == len(seq.token_ids):
                     to_sample.append((seq, logits[k]))
-        if to_sample:
-            self._sample(to_sample)
+            # sample each group right after its forward: if the next forward raises, these
+            # rows are done (left unsampled they would never be scheduled again)
+            if to_sample:
+                self._sample(to_sample)
         return self._collect()
+
+    def _drop_failed_forward(self, group: list[ScheduledSeq]) -> None:
+        """A forward over ``group`` raised part-way (a hook, an interrupt): the KDA/conv states
+        of its slots are advanced in some layers and not in others, and nothing was committed.
+        Re-running the chunk from there would compute (and index) wrong latents and snapshots,
+        so every such sequence is recomputed from the cache instead (preempted); a prefill-only
+        request, whose pages a sender already holds, is aborted."""
+        for s in group:
+            seq = s.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            if seq.pinned:
+                self.abort_request(seq.request.request_id)
+            else:
+                self.scheduler.preempt(seq)
 
     def _row(self, s: ScheduledSeq) -> Row:
         """The new tokens ``[num_computed, num_computed + num_new)`` of one sequence."""

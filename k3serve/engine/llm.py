@@ -128,11 +128,20 @@ class LLM:
         self.engine = LLMEngine(net, cfg, tokenizer, config, device=device, dtype=dtype)
         self._counter = 0
 
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def _encode(self, prompt: str | Sequence[int], i: int) -> list[int]:
         if isinstance(prompt, str):
             bos = getattr(self.tokenizer, "bos_token_id", None)
-            return self.tokenizer.encode(prompt, add_bos=bos is not None)
-        return list(prompt)
+            try:
+                return self.tokenizer.encode(prompt, add_bos=bos is not None)
+            except UnicodeError as e:  # e.g. a lone surrogate: no UTF-8 for it
+                raise ValueError(f"prompts[{i}]: cannot encode the text: {e}") from None
+        if hasattr(prompt, "tolist") and not isinstance(prompt, list):  # numpy / torch
+            prompt = prompt.tolist()
+        if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
+            raise ValueError(
+                f"prompts[{i}]: must be a str or a list of token ids, got {type(prompt).__name__}"
+            )
+        return list(prompt)  # ids are checked by the engine (``prompt_token_ids``)
 
     def generate(
         self,
@@ -157,11 +166,7 @@ class LLM:
         Raises:
             ValueError: bad prompts or params (nothing is queued then).
         """
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        plist = list(prompts)  # type: ignore[arg-type]
+        plist = _prompt_list(prompts)
         if isinstance(sampling_params, Sequence):
             params = list(sampling_params)
             if len(params) != len(plist):
@@ -176,7 +181,7 @@ class LLM:
                 raise ValueError(f"snapshot_at: {len(snaps)} lists for {len(plist)} prompts")
         else:
             snaps = [snapshot_at] * len(plist)  # type: ignore[list-item]
-        ids = [self._encode(p) for p in plist]
+        ids = [self._encode(p, i) for i, p in enumerate(plist)]
         rids = []
         try:
             for i, p in enumerate(ids):
@@ -192,17 +197,48 @@ class LLM:
             raise
         final: dict[str, RequestOutput] = {}
         idle = 0
-        while len(final) < len(rids):
-            before = self.engine.stats.num_forwards
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-            idle = 0 if self.engine.stats.num_forwards > before else idle + 1
-            if idle > 10_000:  # nothing scheduled for long: a capacity bug, not a slow model
-                raise RuntimeError(
-                    f"LLM.generate: engine stalled with {len(rids) - len(final)} requests left"
-                )
+        try:
+            while len(final) < len(rids):
+                before = self.engine.stats.num_forwards
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                idle = 0 if self.engine.stats.num_forwards > before else idle + 1
+                if idle > 10_000:  # nothing scheduled for long: a capacity bug, not a slow model
+                    raise RuntimeError(
+                        f"LLM.generate: engine stalled with {len(rids) - len(final)} requests left"
+                    )
+        except BaseException:  # an error or an interrupt: leave no orphans running
+            for rid in rids:
+                if rid not in final:
+                    self.engine.abort_request(rid)
+            raise
         return [final[r] for r in rids]
+
+
+def _is_id(x: Any) -> bool:
+    """An int-like token id (int, numpy / torch integer scalar), not a prompt."""
+    return not isinstance(x, (str, bytes)) and hasattr(type(x), "__index__")
+
+
+def _prompt_list(prompts: Any) -> list[Any]:
+    """``generate``'s ``prompts`` as a list of prompts (each a str or a sequence of ids).
+
+    Raises:
+        ValueError: ``prompts`` is neither a str, a sequence of ids, nor a sequence of those.
+    """
+    if isinstance(prompts, str):
+        return [prompts]
+    if hasattr(prompts, "tolist") and not isinstance(prompts, list):  # numpy / torch arrays
+        prompts = prompts.tolist()
+    if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
+        raise ValueError(
+            "prompts: must be a str, a list of token ids, or a list of those, "
+            f"got {type(prompts).__name__}"
+        )
+    if len(prompts) and _is_id(prompts[0]):
+        return [prompts]  # one prompt of ids (the engine checks every id)
+    return list(prompts)
 
 
 __all__ = ["LLM", "load_model"]

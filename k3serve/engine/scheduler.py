@@ -104,15 +104,21 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # ------------------------------------------------------------------ planning
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Send a running sequence back to the head of the queue (recompute): its slot and
+        pages are released (computed full blocks stay cached), its prompt becomes all its
+        tokens. Also the engine's way out of a forward that failed part-way."""
         self.running.remove(seq)
         self.cm.release(seq.seq_id)
         self.cm.set_tokens(seq.seq_id, seq.token_ids)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
         self.num_preemptions += 1
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.preempt(seq)
+        out.preempted.append(seq)
 
     def _victim(self, first: int) -> Sequence | None:
         """Newest unpinned running sequence at index ≥ ``first`` (not yet scheduled)."""

@@ -112,16 +112,16 @@ def get_tokenizer(name_or_dir: str | os.PathLike[str] | None = None) -> Tokenize
 
 
 __all__ = [
-    "Tokenizer",
-    "ByteTokenizer",
-    "get_tokenizer",
-    "SPECIAL_TOKENS",
-    "VOCAB_SIZE",
     "BOS_ID",
     "EOS_ID",
-    "PAD_ID",
-    "IM_START_ID",
     "IM_END_ID",
+    "IM_START_ID",
+    "PAD_ID",
+    "SPECIAL_TOKENS",
+    "VOCAB_SIZE",
+    "ByteTokenizer",
+    "Tokenizer",
+    "get_tokenizer",
 ]
 
 

@@ -1,0 +1,220 @@
+"""Regressions found by review of issues 2–3 (engine, cache, offline API).
+
+Each test names the bug it pins; the micro model and helpers come from ``test_engine``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_engine import GREEDY, MICRO, _llm, alone
+
+from k3serve.engine.engine import EngineConfig, LLMEngine
+from k3serve.engine.llm import load_model
+from k3serve.engine.sampling import SamplingParams
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(MICRO)[0]
+
+
+class _Boom(Exception):
+    pass
+
+
+def _fail_once_mid_forward(eng: LLMEngine, which, at_layer: int = 2) -> None:
+    """Make one forward of the engine raise after ``at_layer`` wrote its cache: the slots of its
+    sequences are then part-way updated (a transfer hook failing, a KeyboardInterrupt).
+
+    ``which``: the forward's 1-based number, or a predicate on its rows."""
+    orig = eng.runner.forward
+    calls = {"n": 0, "failed": False}
+
+    def forward(rows, layer_hook=None):
+        calls["n"] += 1
+        hit = which(rows) if callable(which) else calls["n"] == which
+        if calls["failed"] or not hit:
+            return orig(rows, layer_hook)
+        calls["failed"] = True
+
+        def hook(layer: int) -> None:
+            if layer_hook is not None:
+                layer_hook(layer)
+            if layer == at_layer:
+                raise _Boom("simulated failure mid-forward")
+
+        return orig(rows, hook)
+
+    eng.runner.forward = forward
+
+
+def test_failed_forward_neither_corrupts_the_request_nor_poisons_the_prefix_cache(model):
+    """A forward that raised part-way left the KDA states of its sequences half-advanced; the
+    next step re-ran the chunk from that state, so the request gave wrong tokens and the blocks
+    and snapshot it indexed (under the right hashes) served wrong latents to later hits."""
+    prompt = list(range(60, 79))  # 19 tokens; chunks of 8: [0,8) [8,16) (snapshot at 16) [16,19)
+    expect = alone(model, prompt, 4)
+    llm = _llm(max_num_batched_tokens=8)
+    eng = llm.engine
+    _fail_once_mid_forward(eng, which=2)  # the chunk [8, 16): two full blocks + the snapshot
+    sp = SamplingParams(max_tokens=4, **GREEDY)
+    eng.add_request("a", prompt, sp)
+    with pytest.raises(_Boom):
+        while True:
+            eng.step()
+    eng.cm.check()
+    done = None
+    while done is None:
+        done = next((o for o in eng.step() if o.finished), None)
+    assert done.token_ids == expect
+    again = llm.generate([prompt], sp)[0]
+    assert again.num_cached_tokens == 16  # the snapshot at ⌊18/4⌋·4 is used …
+    assert again.token_ids == expect  # … and it is the right one
+    eng.cm.check()
+    assert eng.cm.usage().pages_used == 0 and eng.cm.usage().slots_used == 0
+
+
+def test_failed_decode_forward_keeps_the_prefills_of_the_same_step(model):
+    """The prefill group's rows were sampled only after the decode group's forward: when that
+    one raised, a finished prefill was never sampled and the sequence stalled forever."""
+    p1, p2 = list(range(10, 17)), [30, 31, 32]  # b: one chunk, sampled this step
+    llm = _llm(max_num_batched_tokens=16)
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=3, **GREEDY)
+    eng.add_request("a", p1, sp)
+    while not eng.requests["a"].seqs[0].output_token_ids:
+        eng.step()  # a: prefill + token #1
+    eng.add_request("b", p2, sp)
+    # next step: b's prefill chunk runs fine, then a's decode forward fails
+    _fail_once_mid_forward(eng, lambda rows: len(rows[0].token_ids) == 1, at_layer=0)
+    with pytest.raises(_Boom):
+        eng.step()
+    assert eng.requests["b"].seqs[0].num_computed == 3  # b computed its prompt, unsampled
+    outs = {}
+    for _ in range(50):
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+        if not eng.has_unfinished_requests():
+            break
+    assert outs == {"a": alone(model, p1, 3), "b": alone(model, p2, 3)}
+    eng.cm.check()
+
+
+def test_interrupted_generate_leaves_no_orphan_requests():
+    """LLM.generate interrupted mid-way left its requests queued in the engine: later calls
+    kept computing them (and their half-done state) for nobody."""
+    llm = _llm(max_num_batched_tokens=8)
+    eng = llm.engine
+    _fail_once_mid_forward(eng, which=2)
+    with pytest.raises(_Boom):
+        llm.generate([list(range(60, 79)), [5, 6, 7]], SamplingParams(max_tokens=4, **GREEDY))
+    assert eng.requests == {} and eng.cm.seq_ids() == []
+    assert not eng.scheduler.waiting and not eng.scheduler.running
+    u = eng.cm.usage()
+    assert (u.pages_used, u.slots_used, u.snapshots_used) == (0, 0, 0)
+    eng.cm.check()
+
+
+def test_generate_rejects_malformed_prompts_with_value_error_naming_prompts():
+    llm = _llm()
+    for bad in (None, 5, [None], [3.5], ["ok", 7], "a\ud800b", [["x"]]):
+        with pytest.raises(ValueError, match="prompt"):
+            llm.generate(bad, SamplingParams(max_tokens=1))
+    assert llm.engine.requests == {} and llm.engine.cm.seq_ids() == []
+    # array-likes of ids are prompts too (one prompt, or one per row)
+    sp = SamplingParams(max_tokens=2, **GREEDY)
+    ref = llm.generate([[1, 2, 3]], sp)[0].token_ids
+    assert llm.generate(np.array([1, 2, 3]), sp)[0].token_ids == ref
+    assert llm.generate((np.int64(1), np.int64(2), np.int64(3)), sp)[0].token_ids == ref
+    assert [o.token_ids for o in llm.generate(torch.tensor([[1, 2, 3]] * 2), sp)] == [ref, ref]
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_model_len", 0),
+        ("max_model_len", -5),
+        ("max_num_seqs", 0),
+        ("max_num_batched_tokens", 0),
+        ("num_pages", 0),
+        ("num_slots", 0),
+        ("num_snapshots", -1),
+        ("block_size", 0),
+        ("max_events", 0),
+        ("snapshot_interval_tokens", -4),
+    ],
+)
+def test_engine_config_rejects_bad_values_naming_the_field(field, value):
+    """max_model_len=0 and max_num_seqs=0 were silently read as "unset"; a negative
+    max_model_len rejected every prompt with a message about the prompt."""
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
+
+
+def test_reserve_for_fewer_tokens_than_the_prompt_is_refused(model):
+    """A reservation of num_tokens < L could never be admitted (admit needs L + outputs - 1
+    tokens): it held a slot and pages until someone aborted it."""
+    eng = LLMEngine(model, MICRO, None, EngineConfig(block_size=4, num_pages=16, num_slots=2))
+    with pytest.raises(ValueError, match="num_tokens"):
+        eng.reserve("r", [1, 2, 3, 4, 5], num_tokens=3)
+    assert eng.cm.usage().slots_used == 0 and eng.cm.seq_ids() == []
+    h = eng.reserve("r", [1, 2, 3, 4, 5], num_tokens=6)  # prompt + token #1 + token #2
+    assert h.num_tokens == 6
+    assert eng.abort_request("r") and eng.cm.usage().pages_used == 0
+
+
+def test_on_admit_may_abort_requests(model):
+    """A sender that cannot start its transfer aborts the request from ``on_admit``: the step
+    then crashed on the aborted sequence (``seq_id … is not registered``) and took the other
+    requests of the step down with it."""
+    eng = LLMEngine(
+        model,
+        MICRO,
+        None,
+        EngineConfig(block_size=4, num_pages=32, num_slots=4, num_snapshots=4),
+    )
+    sp = SamplingParams(max_tokens=3, **GREEDY)
+    eng.add_request("g", [1, 2, 3, 4, 5], sp)
+    eng.add_prefill_request("p", list(range(20, 31)), sp, on_admit=lambda h: eng.abort_request("p"))
+    eng.add_prefill_request("q", list(range(40, 46)), sp, on_admit=lambda h: eng.abort_request("g"))
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert {o.request_id for o in outs} == {"q"} and outs[-1].handle.first_token is not None
+    assert outs[-1].handle.first_token.token_id == alone(model, list(range(40, 46)), 1)[0]
+    eng.release("q")
+    eng.cm.check()
+    u = eng.cm.usage()
+    assert (u.pages_used, u.slots_used, u.snapshots_used) == (0, 0, 0) and eng.requests == {}
+
+
+def test_layer_hook_may_abort_requests(model):
+    """Aborting from a layer hook (the transfer failed) made the commit after the forward crash
+    on the aborted sequence (``seq_id … is not registered``), taking the step down."""
+    eng = LLMEngine(
+        model,
+        MICRO,
+        None,
+        EngineConfig(block_size=4, num_pages=32, num_slots=4, num_snapshots=4),
+    )
+    sp = SamplingParams(max_tokens=3, **GREEDY)
+    eng.add_request("g", [1, 2, 3], sp)
+
+    def hook(layer: int, upto: int) -> None:
+        if layer == 1:
+            assert eng.abort_request("p")
+
+    eng.add_prefill_request("p", list(range(20, 23)), sp, layer_hook=hook)
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert set(outs) == {"g"} and outs["g"].token_ids == alone(model, [1, 2, 3], 3)
+    eng.cm.check()
+    u = eng.cm.usage()
+    assert (u.pages_used, u.slots_used, u.snapshots_used) == (0, 0, 0) and eng.requests == {}
