@@ -1,4 +1,4 @@
-"""``k3serve`` command line: ``info``, ``generate``, ``serve``.
+"""k3serve command line: info, generate, serve.
 
 Heavy modules (torch, the model, the engine, the servers) are imported inside the commands, so
 ``k3serve info`` answers without loading torch.
@@ -78,15 +78,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="k3serve", description=__doc__.splitlines()[0])
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(prog="k3serve", description=__doc__.splitlines()[0],
+                                formatter_class=fmt)
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    pi = sub.add_parser("info", help="parameter counts and cache sizes of a model")
+    pi = sub.add_parser("info", formatter_class=fmt, help="parameter counts and cache sizes of a model")
     pi.add_argument("--model", default=DEFAULT_MODEL, help="preset name or checkpoint folder")
     pi.add_argument("--json", action="store_true", help="print JSON")
     pi.set_defaults(fn=cmd_info)
 
-    pg = sub.add_parser("generate", help="generate a continuation offline (no server)")
+    pg = sub.add_parser("generate", formatter_class=fmt, help="generate a continuation offline (no server)")
     pg.add_argument("--model", default=DEFAULT_MODEL, help="preset name or checkpoint folder")
     pg.add_argument("--prompt", required=True)
     pg.add_argument("--max-tokens", type=int, default=64)
@@ -95,13 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument("--seed", type=int, default=None)
     pg.set_defaults(fn=cmd_generate)
 
-    ps = sub.add_parser("serve", help="start router + prefill and decode workers on this machine")
+    ps = sub.add_parser("serve", formatter_class=fmt, help="start router + prefill and decode workers on this machine")
     ps.add_argument("--model", default=DEFAULT_MODEL, help="preset name or checkpoint folder")
     ps.add_argument("--host", default="127.0.0.1", help="router bind address")
     ps.add_argument("--port", type=int, default=8000, help="router port")
     ps.add_argument("--prefill", type=int, default=2, help="number of prefill workers")
     ps.add_argument("--decode", type=int, default=1, help="number of decode workers")
-    ps.add_argument("--api-key", default=None, help="bearer token required on the public API")
+    ps.add_argument("--api-key", default=None,
+                    help="bearer token required on the public API (or set K3SERVE_API_KEY)")
     ps.add_argument("--policy", default="cache_aware",
                     help="placement policy: cache_aware | round_robin | least_load | random")
     ps.add_argument("--block-size", type=int, default=64, help="tokens per cache block")

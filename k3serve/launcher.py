@@ -8,6 +8,7 @@ child on Ctrl-C / SIGTERM (or when any child dies).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import signal
@@ -18,6 +19,15 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: ask the kernel to SIGTERM this child when the launcher dies (even by SIGKILL)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -102,15 +112,19 @@ def start_stack(
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
             out = open(os.path.join(log_dir, f"{name}.log"), "w")  # noqa: SIM115
-        p = subprocess.Popen([sys.executable, *args], env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
+        p = subprocess.Popen(
+            [sys.executable, *args], env=env, stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
         stack.procs.append(p)
         return p
 
     try:
         rargs = ["-m", "router.app", "--host", host, "--port", str(port), "--policy", policy,
                  "--model", model]
-        if api_key:
-            rargs += ["--api-key", api_key]
+        if api_key:  # through the environment, so it does not show in `ps`
+            env["K3SERVE_API_KEY"] = api_key
         spawn(rargs + list(extra_router_args or []), "router")
         workers = [("prefill", i) for i in range(num_prefill)] + [("decode", i) for i in range(num_decode)]
         for role, i in workers:

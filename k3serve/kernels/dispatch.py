@@ -78,7 +78,13 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     ):
         from k3serve.kernels.kda.chunk_triton import chunk_kda_triton
 
-        return chunk_kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+        # Under autocast q/k (l2-normed in fp32) and v (a bf16 matmul) can differ in dtype;
+        # the kernel wants one operand dtype. The output keeps v's dtype as the torch path does.
+        out_dtype = v.dtype
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        o, final = chunk_kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                    cu_seqlens)
+        return o.to(out_dtype), final
     from k3serve.kernels.kda.chunk import chunk_kda as ref
 
     return ref(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)

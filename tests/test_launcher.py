@@ -1,0 +1,73 @@
+"""``k3serve serve``'s children die with it, even when the launcher itself is SIGKILLed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from k3serve.launcher import free_port
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            out.append(int(d.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_children_exit_when_the_launcher_is_killed(tmp_path):
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
+    env = dict(os.environ, K3SERVE_API_KEY="secret-key-not-on-the-command-line")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "k3serve.cli", "serve", "--prefill", "1", "--decode", "1",
+         "--port", str(port), "--block-size", "16"],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )
+    kids: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while "serving" not in (tmp_path / "serve.log").read_text():
+            assert p.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "stack did not start"
+            time.sleep(0.5)
+        kids = _children(p.pid)
+        assert len(kids) == 3  # router + 1 prefill + 1 decode
+        for k in kids:  # the API key travels in the environment, not on the command line
+            assert b"secret-key" not in Path(f"/proc/{k}/cmdline").read_bytes()
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        deadline = time.monotonic() + 30
+        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert not [k for k in kids if _alive(k)], "children outlived a SIGKILLed launcher"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for k in kids:
+            if _alive(k):
+                os.kill(k, signal.SIGKILL)
+        log.close()
