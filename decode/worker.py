@@ -9,13 +9,16 @@ One request (lifecycle steps 3, 7–9 of :mod:`k3serve.protocol`)::
     (the prefill worker pairs with our bootstrap server and writes the cache, layer by layer)
     tick: receiver SUCCESS ─▶ engine.admit(rid, [token #1], params from the metadata)
                               the request joins the decode batch at token #2
-          receiver FAILED  ─▶ fallback: engine.add_request(rid#fallback, prompt, params) —
-                              the prefill recomputed here (same seed, same positions: the
-                              same token #1), token #1 is not streamed again; counted in
+          receiver FAILED  ─▶ fallback: engine.add_request(rid#fallback, prompt, params,
+                              output_token_ids=[token #1]) — the prefill of prompt + token #1
+                              recomputed here, continuing from the prefill worker's token #1
+                              (the one the client has; never re-sampled here), as soon as the
+                              router has passed it (``/internal/stream``); counted in
                               k3serve:kv_transfer_fallbacks_total. The reservation is freed
                               once no sender can still write into it (on_release).
-    POST /internal/stream  ─▶ SSE: {"token_ids", "text", "logprobs", "finish_reason"} per step
-                              from token #2 on, then ``data: [DONE]``
+    POST /internal/stream  ─▶ {request_id, token_id, logprob}: token #1 as the prefill worker
+                              answered it; SSE: {"token_ids", "text", "logprobs",
+                              "finish_reason"} per step from token #2 on, then ``data: [DONE]``
     POST /internal/abort   ─▶ at any point: the ticket fails (the sender stops), the engine
                               request ends, every slot and page comes back.
 """
@@ -37,6 +40,10 @@ from k3serve.worker_common import BaseWorker, error, finite, log, serve, top_lis
 FALLBACK_SUFFIX = "#fallback"
 #: Keep a finished request's events this long for a stream that has not been opened (s).
 STREAM_TTL_S = 60.0
+#: After a failed transfer, wait this long for the router to open the stream with token #1
+#: (s): longer than a prefill may take (``prefill.worker.PREFILL_TIMEOUT_S``, 600 s). Nothing
+#: is held meanwhile (the reservation is freed).
+FIRST_TOKEN_TTL_S = 700.0
 
 
 class ReserveBody(BaseModel):
@@ -51,10 +58,18 @@ class ReserveBody(BaseModel):
 
 
 class RequestBody(BaseModel):
-    """``POST /internal/stream`` and ``/internal/abort`` body."""
+    """``POST /internal/abort`` body."""
 
     model_config = ConfigDict(extra="ignore")
     request_id: str = Field(min_length=1)
+
+
+class StreamBody(RequestBody):
+    """``POST /internal/stream`` body: token #1 as the prefill worker answered it (a failed
+    transfer's fallback continues from it)."""
+
+    token_id: StrictInt = Field(ge=0)
+    logprob: float | None = None
 
 
 @dataclass(eq=False)
@@ -62,7 +77,9 @@ class _Decode:
     """One request's state on the engine thread.
 
     ``phase``: ``transfer`` (reserved, cache arriving) → ``running`` (admitted, or recomputing
-    after a failed transfer) → ``done`` (finished or aborted; events may still be unread).
+    after a failed transfer) → ``done`` (finished or aborted; events may still be unread). A
+    transfer that fails before the stream brought token #1 goes through ``await_first``
+    (nothing held) until it does.
     """
 
     rid: str
@@ -76,6 +93,8 @@ class _Decode:
     reservation_open: bool = True  # the reserved engine request still holds slot + pages
     fallback: bool = False
     fb_counted: bool = False
+    first: tuple[int, float] | None = None  # token #1 + logprob, from the stream request
+    failed_at: float = 0.0
     sent: int = 1  # output tokens delivered (token #1 came from the prefill worker)
     text_len: int = 0
     finished_at: float | None = None
@@ -119,6 +138,7 @@ class DecodeWorker(BaseWorker):
         try:
             r.receiver = KVReceiver(self.server, CacheRef(h.slot, h.pages, h.num_tokens),
                                     timeout_s=self.kv_config.receiver_timeout_s,
+                                    pair_timeout_s=self.kv_config.pair_timeout_s,
                                     on_release=lambda: self._free_reservation(r))
         except Exception:
             self.engine.abort_request(rid)
@@ -148,6 +168,9 @@ class DecodeWorker(BaseWorker):
                     self._admit(r)
                 elif st == KVPoll.FAILED:
                     self._fallback(r)
+            elif r.phase == "await_first" and now - r.failed_at > FIRST_TOKEN_TTL_S:
+                self._end(r, {"error": "no stream opened after the transfer failed",
+                              "token_ids": [], "finish_reason": "abort"})
             if rx is not None and rx.state.terminal and (rx.state == KVPoll.SUCCESS
                                                           or rx.released):
                 rx.close()
@@ -170,7 +193,11 @@ class DecodeWorker(BaseWorker):
                                  f"{len(r.prompt)}")
             params = SamplingParams.from_dict(dict(meta["sampling"]))
             lp = meta.get("logprob")
-            out = self.engine.admit(r.rid, [int(meta["token_id"])], params,
+            tok = int(meta["token_id"])
+            if r.first is not None and r.first[0] != tok:
+                log.warning("decode %s: token #1 %d from the router differs from the "
+                            "transferred %d", r.rid, r.first[0], tok)
+            out = self.engine.admit(r.rid, [tok], params,
                                     output_logprobs=[math.nan if lp is None else float(lp)])
         except (KeyError, TypeError, ValueError) as e:
             # the sender is done writing (SUCCESS), so the reservation can go right away
@@ -180,32 +207,48 @@ class DecodeWorker(BaseWorker):
             self._fallback(r)
             return
         r.reservation_open = False  # slot and pages now belong to the running request
-        r.phase, r.engine_rid = "running", r.rid
-        self.by_engine[r.rid] = r
-        req = self.engine.requests.get(r.rid)
-        try:  # text of token #1, so the stream's text starts after it
-            r.text_len = len(req.seqs[0].detok.text) if req is not None else 0
-        except (AttributeError, IndexError):
-            r.text_len = 0
+        self._run(r, r.rid, out)
+
+    def _run(self, r: _Decode, engine_rid: str, out: Any) -> None:
+        """The engine request ``engine_rid`` (token #1 fed) produces ``r``'s tokens from now on;
+        ``out``: its output when token #1 already finished it."""
+        r.phase, r.engine_rid = "running", engine_rid
+        self.by_engine[engine_rid] = r
+        # text of token #1 (the router has it), so the stream's text starts after it
         if out is not None:
+            r.text_len = len(out.outputs[0].text)
             self._emit(r, out)
+        else:
+            r.text_len = len(self.engine.requests[engine_rid].seqs[0].detok.text)
 
     def _fallback(self, r: _Decode) -> None:
+        """The transfer failed: recompute here, from token #1 once the stream brought it."""
         if r.phase != "transfer":
             return
         err = r.receiver.error if r.receiver is not None else "admit failed"
+        r.fallback, r.failed_at, r.phase = True, time.monotonic(), "await_first"
+        if r.first is None:
+            log.warning("decode %s: transfer failed (%s); recomputing once the stream brings "
+                        "token #1", r.rid, err)
+            return
         log.warning("decode %s: transfer failed (%s); recomputing the prefill here", r.rid, err)
+        self._start_fallback(r)
+
+    def _start_fallback(self, r: _Decode) -> None:
+        """Prefill ``prompt + token #1`` here and continue from token #2 (token #1 is the
+        prefill worker's, already sent to the client: it is not sampled again)."""
+        assert r.first is not None
         self.metrics.fallback()
-        r.fallback = True
         fb = r.rid + FALLBACK_SUFFIX
+        tok, lp = r.first
         try:
-            self.engine.add_request(fb, r.prompt, r.params, cache_salt=r.cache_salt)
+            out = self.engine.add_request(fb, r.prompt, r.params, cache_salt=r.cache_salt,
+                                          output_token_ids=[tok], output_logprobs=[lp])
         except ValueError as e:
             self._end(r, {"error": f"fallback prefill failed: {e}", "token_ids": [],
                           "finish_reason": "abort"})
             return
-        r.phase, r.engine_rid = "running", fb
-        self.by_engine[fb] = r
+        self._run(r, fb, out)
 
     def on_outputs(self, outs: list) -> None:
         for out in outs:
@@ -218,8 +261,6 @@ class DecodeWorker(BaseWorker):
         if r.fallback and not r.fb_counted:
             r.fb_counted = True
             self.metrics.prefix_query(len(r.prompt), out.num_cached_tokens)
-        if r.fallback and r.sent == 1 and len(c.token_ids) == 1:
-            r.text_len = len(c.text)  # token #1 (recomputed here): already sent by the prefill
         toks = list(c.token_ids[r.sent:])
         lps = list(c.logprobs[r.sent:])
         tops = list(c.top_logprobs[r.sent:]) if c.top_logprobs is not None else None
@@ -265,13 +306,16 @@ class DecodeWorker(BaseWorker):
             self._end(r, {"error": f"engine error: {err!r}", "token_ids": [],
                           "finish_reason": "abort"})
 
-    def _open_stream(self, rid: str) -> asyncio.Queue | str:
+    def _open_stream(self, rid: str, token_id: int, logprob: float | None) -> asyncio.Queue | str:
         r = self.reqs.get(rid)
         if r is None:
             return "unknown"
         if r.stream_opened:
             return "taken"
         r.stream_opened = True
+        r.first = (token_id, math.nan if logprob is None else float(logprob))
+        if r.phase == "await_first":
+            self._start_fallback(r)
         return r.events
 
     def _close_stream(self, rid: str) -> None:
@@ -331,9 +375,9 @@ class DecodeWorker(BaseWorker):
                 return error(400, "invalid_request", str(e))
 
         @app.post("/internal/stream")
-        async def stream(body: RequestBody):
+        async def stream(body: StreamBody):
             rid = body.request_id
-            q = await worker.loop.call(worker._open_stream, rid)
+            q = await worker.loop.call(worker._open_stream, rid, body.token_id, body.logprob)
             if q == "unknown":
                 return error(404, "unknown_request", f"no request {rid!r} here")
             if q == "taken":

@@ -289,6 +289,8 @@ class ModelConfig:
             "kda_head_dim": self.kda_head_dim,
             "kda_conv_kernel": self.kda_conv_kernel,
             "mla_latent_dim": self.mla_latent_dim,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
             "vocab_size": self.vocab_size,
         }
 

@@ -34,14 +34,22 @@ Request lifecycle (DESIGN.md §1), in the order the code runs:
 8. **decode D** ``LLMEngine.admit(request_id, output_token_ids=[token #1], params=...)``: the
    prompt's full blocks are indexed in D's cache, the request joins the decode batch at
    token #2; ``step()`` streams tokens #2… back. On a failed transfer D aborts the
-   reservation (``abort_request``) and runs the whole request itself
-   (``add_request``): no request is lost.
+   reservation (``abort_request``) and runs the request itself from P's token #1 (which the
+   router passes when it opens D's stream): ``add_request(request_id, prompt, params,
+   output_token_ids=[token #1])`` prefills prompt + token #1 and samples from position
+   ``L + 1`` on, token #1 counted as output #1 and never re-sampled — the client's token #1
+   and D's continuation always agree, and no request is lost.
 9. Finish (stop token, stop string, ``max_tokens``, model length) or ``abort_request`` at any
    point frees the slot and pages; a finished request's end-of-request KDA snapshot (prompt +
    answer, minus the last sampled token, rounded down to a block) is indexed so the
-   conversation's next turn hits on this worker; every index change becomes a cache event.
+   conversation's next turn hits on this worker (not when the request found the rolling
+   snapshot cap, ``EngineConfig.rolling_snapshot_fraction`` of the snapshot budget, taken at
+   its last block boundary); every index change becomes a cache event.
 10. **router/app** streams token #1 then D's tokens (SSE); ``usage.prompt_tokens_details.
-    cached_tokens`` is P's :attr:`RequestOutput.num_cached_tokens`.
+    cached_tokens`` is P's :attr:`RequestOutput.num_cached_tokens`. When D's stream ends
+    before the router's detokenizer finished, its held-back text is released
+    (``IncrementalDetokenizer.finish``) and the choice ends with D's reason, else ``length``
+    at D's model length, else ``abort`` (``router.app.Router.run_choice``).
 
 Offline (one process, both roles): ``k3serve.LLM(...).generate(prompts, params)`` runs
 steps 4–9 without the hand-off (``LLMEngine.add_request``).
@@ -56,14 +64,16 @@ body or ids: ``invalid_request``, ``invalid_sampling``), 403, 404 ``unknown_requ
 (``transfer_pairing_failed``, ``transfer_setup_failed``), 503 ``busy`` (no cache for a
 reservation now: retry elsewhere), 504 ``timeout``, 500 ``internal_error`` (a bug). ``sampling`` is
 ``SamplingParams.to_dict()`` with ``n == 1`` (the router splits ``n > 1`` into sub-requests
-with derived seeds; set ``seed``: a decode-side fallback then samples exactly as the prefill
-worker did). Logprobs that are not finite travel as ``null``.
+with derived seeds; set ``seed``: a decode-side fallback then samples tokens #2… exactly as
+after a successful transfer). Logprobs that are not finite travel as ``null``.
 
 Both roles::
 
-    GET  /internal/info → {role: "prefill"|"decode", model, fingerprint (hash salt base),
-            block_size, capacity: {num_pages, num_slots, num_snapshots}, max_model_len,
-            worker_id, enable_prefix_caching, kv_layout_hash,
+    GET  /internal/info → {role: "prefill"|"decode", model, fingerprint (hash salt base:
+            model layout, block size, pool dtypes and weights identity; equal fingerprints =
+            interchangeable caches), weights_id, block_size, capacity: {num_pages,
+            num_slots, num_snapshots}, max_model_len, worker_id, enable_prefix_caching,
+            kv_layout_hash,
             usage: {pages_used, pages_cached, slots_used, snapshots_used, snapshots_cached,
                     num_running, num_waiting, num_engine_requests, num_reserved, ...}}
             (decode adds bootstrap_addr and usage.{open_tickets, unreleased_tickets,
@@ -84,8 +94,15 @@ Decode worker::
         → 200 {request_id, ticket, bootstrap_addr: "host:port"}      503 busy · 400
         Takes a slot + pages for L tokens and registers them behind the ticket with the
         kvstore bootstrap server (the prefill worker's kvstore pairs there; only kvstore sees
-        addresses). The ticket times out after K3SERVE_KV_RECEIVER_TIMEOUT_S (default 60 s).
-    POST /internal/stream {request_id}
+        addresses). The ticket waits up to K3SERVE_KV_PAIR_TIMEOUT_S (default 600 s) for
+        the prefill worker to pair (it pairs when it admits the request, which may queue
+        there first), then times out K3SERVE_KV_RECEIVER_TIMEOUT_S (default 60 s) after
+        pairing. The router aborts the reservation when its prefill call fails.
+    POST /internal/stream {request_id, token_id: int, logprob: float|null}
+        token_id / logprob: token #1 as the prefill worker answered it (the router has it
+        before it opens the stream). After a failed transfer the decode worker continues
+        from exactly this token (never from one it samples itself); with a successful
+        transfer the transferred metadata's token #1 is used (they agree).
         → text/event-stream, one ``data: {json}`` per engine step from token #2 on:
             {"token_ids": [int], "text": str, "logprobs": [{"logprob": float|null,
              "top_logprobs": [[id, logprob], ...]|null}] (aligned with token_ids),
@@ -97,9 +114,12 @@ Decode worker::
         Token #1 is never streamed (the router has it from the prefill worker). The decode
         worker's own stop checks use the same params, so it stops no later than the router.
     Transfer failure (after the sender's retries, or the ticket's timeout): the decode worker
-    recomputes the prefill itself (``add_request`` with the reserved prompt and params;
-    counted in ``k3serve:kv_transfer_fallbacks_total``) and streams from token #2 as usual;
-    the reservation is freed once no sender can still write into it.
+    recomputes the prefill itself — ``add_request`` with the reserved prompt and params and
+    ``output_token_ids=[token_id]`` from the stream request, so it continues from the
+    prefill worker's token #1; counted in ``k3serve:kv_transfer_fallbacks_total`` — and
+    streams from token #2 as usual. A failure before the stream is opened waits for it
+    (holding nothing; given up after ``decode.worker.FIRST_TOKEN_TTL_S``). The reservation
+    is freed once no sender can still write into it.
 
 Prefill worker::
 
@@ -113,10 +133,10 @@ Prefill worker::
           top_logprobs, sampling (seed resolved), position, num_cached_tokens} (kvstore
           ``KVSender.finish``); the slot and pages are released when the send ended.
         → 409 fingerprint_mismatch (message names every differing field: block_size, dtypes,
-          shapes, layers, model) · 409 ticket_refused (unknown / closed ticket: the decode side
-          aborted) · 502 transfer_pairing_failed (decode bootstrap unreachable): nothing was
-          kept. A transfer that fails after pairing still answers token #1 (the decode worker
-          falls back).
+          shapes, layers, model, ``extra.*``: the model's cache-layout fields and weights) ·
+          409 ticket_refused (unknown / closed ticket: the decode side aborted) · 502
+          transfer_pairing_failed (decode bootstrap unreachable): nothing was kept. A transfer
+          that fails after pairing still answers token #1 (the decode worker falls back).
         Test hook (only with K3SERVE_TEST_HOOKS=1): ``debug_fail_transfer_n: int`` makes the
         first n write submissions of this request's sender fail (kvstore ``fail_first_n``);
         K3SERVE_KV_FAIL_FIRST_N does the same for every request.

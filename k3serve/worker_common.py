@@ -311,10 +311,25 @@ class WorkerMetrics:
         self._waiting.labels(**self.labels).set(g["num_requests_waiting"])
 
     def render(self) -> tuple[bytes, str]:
+        """``(body, content type)``: the families above, without prometheus-client's
+        ``*_created`` timestamp series (DESIGN.md §6 names only, as the router does)."""
         from prometheus_client import generate_latest
         from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        return generate_latest(_WithoutCreated(self.registry)), CONTENT_TYPE_LATEST
+
+
+class _WithoutCreated:
+    """A registry view that drops the ``*_created`` samples (each collect builds fresh
+    families, so the registry itself is untouched)."""
+
+    def __init__(self, registry: Any) -> None:
+        self._registry = registry
+
+    def collect(self):
+        for fam in self._registry.collect():
+            fam.samples = [s for s in fam.samples if not s.name.endswith("_created")]
+            yield fam
 
 
 # ============================================================================ the worker
@@ -341,7 +356,9 @@ class BaseWorker:
         self.metrics = WorkerMetrics(self.worker_id, self.role)
         self.kv_config = KVConfig.from_env()
         self.kv = KVEngine(self.kv_config.engine_config())
-        self.layout = PoolLayout.from_kvpools(self.engine.pools)
+        # the pairing check compares the same model + weights fields as the hash salt
+        self.layout = PoolLayout.from_kvpools(self.engine.pools,
+                                              extra=self.engine.fingerprint_fields)
         self.kv.register_layout(self.layout)
         self.loop = EngineLoop(self.engine, self.tick, self.on_outputs, self.fail_all)
         self.aloop: asyncio.AbstractEventLoop | None = None
@@ -406,7 +423,7 @@ class BaseWorker:
             "num_running": len(self.engine.scheduler.running),
             "num_waiting": self.num_waiting(),
             "num_engine_requests": len(self.engine.requests),
-            "num_reserved": len(self.engine._reserved),
+            "num_reserved": self.engine.num_reserved,
         }
 
     def info(self) -> dict[str, Any]:  # engine thread
@@ -415,6 +432,7 @@ class BaseWorker:
             "role": self.role,
             "model": e["model"],
             "fingerprint": e["layout_fingerprint"],
+            "weights_id": e["weights_id"],
             "block_size": e["block_size"],
             "capacity": {"num_pages": e["num_pages"], "num_slots": e["num_slots"],
                          "num_snapshots": e["num_snapshots"]},
@@ -467,7 +485,9 @@ class BaseWorker:
             tok = worker.args.cluster_token
             if tok and request.url.path.startswith("/internal"):
                 got = request.headers.get(CLUSTER_TOKEN_HEADER, "")
-                if not secrets.compare_digest(got, tok):
+                # as bytes: a non-ASCII header value must be a 403, not a TypeError (500)
+                if not secrets.compare_digest(got.encode("utf-8", "surrogateescape"),
+                                              tok.encode("utf-8", "surrogateescape")):
                     return error(403, "forbidden", "missing or wrong cluster token")
             return await call_next(request)
 

@@ -78,6 +78,7 @@ class TicketRecord:
     error: str | None = None
     released: bool = False
     finished_at: float | None = None
+    transfer_timeout_s: float | None = None  # set: the deadline restarts at pairing
 
 
 class KVBootstrapServer:
@@ -168,6 +169,7 @@ class KVBootstrapServer:
         ticket: str | None = None,
         *,
         timeout_s: float = 60.0,
+        pair_timeout_s: float | None = None,
         on_release: Callable[[], None] | None = None,
     ) -> TicketRecord:
         """Register a reservation that a sender may fill.
@@ -175,7 +177,12 @@ class KVBootstrapServer:
         Args:
             ref: the reserved slot, pages and prompt length.
             ticket: an id (default: a fresh UUID hex).
-            timeout_s: the ticket fails if not completed within this (seconds).
+            timeout_s: the ticket fails if not completed within this (seconds): counted from
+                registration, or from pairing when ``pair_timeout_s`` is given.
+            pair_timeout_s: how long the ticket waits for its sender to pair (seconds; the
+                prefill worker pairs when it admits the request, which may first queue
+                there); after pairing, ``timeout_s`` applies. ``None``: one deadline,
+                ``timeout_s`` from registration.
             on_release: called once, from :meth:`pump`, when a *failed* reservation can be
                 reused (never after success: the request then owns slot and pages).
 
@@ -186,7 +193,13 @@ class KVBootstrapServer:
         ticket = ticket or uuid.uuid4().hex
         now = time.monotonic()
         rec = TicketRecord(
-            ticket, ref, expected_layer_bytes(self.layout, ref), now, now + timeout_s, on_release
+            ticket,
+            ref,
+            expected_layer_bytes(self.layout, ref),
+            now,
+            now + (timeout_s if pair_timeout_s is None else pair_timeout_s),
+            on_release,
+            transfer_timeout_s=None if pair_timeout_s is None else timeout_s,
         )
         with self._lock:
             if ticket in self._tickets:
@@ -315,6 +328,8 @@ class KVBootstrapServer:
             if rec.sender is None:
                 rec.sender, rec.paired_at = sender, now
                 rec.state = KVPoll.WAITING_FOR_INPUT
+                if rec.transfer_timeout_s is not None:
+                    rec.deadline = now + rec.transfer_timeout_s
             rec.sender_quiesce_at = now + float(body.get("quiesce_by_s", 60.0))
             return 200, {
                 "session_id": self.engine.session_id,

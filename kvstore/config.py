@@ -23,7 +23,11 @@ class KVConfig:
         device_name: RDMA devices (comma separated), ``""`` = auto.
         bootstrap_host, bootstrap_port: decode side's bootstrap HTTP server (port 0 = any).
         notify: completion channel, ``te`` (TE notification) or ``http``.
-        sender_timeout_s, receiver_timeout_s: give-up times (seconds).
+        sender_timeout_s, receiver_timeout_s: give-up times (seconds); the receiver's counts
+            from pairing.
+        pair_timeout_s: how long a decode reservation waits for the prefill worker to pair
+            (seconds): the request may queue at the prefill worker first (its admission
+            pairs), and that wait must not fail the transfer.
         max_retries: sender retries in total.
         fail_first_n: test hook: the first n write submissions of each sender fail.
     """
@@ -37,6 +41,7 @@ class KVConfig:
     notify: str = "te"
     sender_timeout_s: float = 30.0
     receiver_timeout_s: float = 60.0
+    pair_timeout_s: float = 600.0
     max_retries: int = 2
     fail_first_n: int = 0
 

@@ -39,7 +39,10 @@ class KVReceiver:
         ref: the reserved slot, pages and prompt length (tokens): a :class:`CacheRef` or
             anything with ``slot``, ``pages``, ``num_tokens`` (``k3serve.protocol.CacheHandle``).
         ticket: the transfer ticket (default: a fresh id; read :attr:`ticket`).
-        timeout_s: FAILED if not SUCCESS within this many seconds.
+        timeout_s: FAILED if not SUCCESS within this many seconds (of pairing, when
+            ``pair_timeout_s`` is given; else of registration).
+        pair_timeout_s: FAILED if no sender paired within this many seconds (``None``: the
+            one ``timeout_s`` deadline); see :meth:`KVBootstrapServer.register_ticket`.
         on_release: called once when a *failed* reservation may be reused.
 
     Raises:
@@ -53,12 +56,17 @@ class KVReceiver:
         *,
         ticket: str | None = None,
         timeout_s: float = 60.0,
+        pair_timeout_s: float | None = None,
         on_release: Callable[[], None] | None = None,
     ) -> None:
         self.server = server
         self.ref = CacheRef.of(ref)
         self._rec = server.register_ticket(
-            self.ref, ticket, timeout_s=timeout_s, on_release=on_release
+            self.ref,
+            ticket,
+            timeout_s=timeout_s,
+            pair_timeout_s=pair_timeout_s,
+            on_release=on_release,
         )
         self.ticket = self._rec.ticket
 

@@ -10,8 +10,11 @@ One request, in the order the code runs it (DESIGN.md §1)::
     3. D /internal/reserve → ticket + bootstrap address; P /internal/prefill with the token
        ids, ticket, address, snapshot_at → token #1 (+ logprobs, actual cached tokens):
        streamed to the client at once (TTFT), counted in the metrics.
-    4. D /internal/stream → tokens #2.. as SSE, turned into text by the engine's incremental
+    4. D /internal/stream (with token #1, which D continues from should the transfer have
+       failed) → tokens #2.. as SSE, turned into text by the engine's incremental
        detokenizer (stop strings, stop tokens, max_tokens decided here exactly as offline).
+       A stream that ends without the detokenizer finishing releases its held-back text
+       (``IncrementalDetokenizer.finish``); see ``Router.run_choice`` for the finish reason.
     5. Choices 2..n of a prompt start when choice 1's prefill has answered (and P's cache
        events are pulled), so their prefills reuse the prompt's cache.
 
@@ -32,6 +35,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -103,11 +107,15 @@ class RouterConfig:
         add_bos: Prepend BOS to text prompts of ``/v1/completions`` (token-id prompts and
             chat templates are used as given).
         poll_interval_s: Seconds between cache-event pulls of each worker.
+        poll_timeout_s: Timeout of one cache-event pull, seconds: ``unhealthy_after`` slow
+            pulls in a row take a stuck (alive but unresponsive) worker out of placement.
         unhealthy_after: Failed pulls in a row that take a worker out of placement.
         timeout_s: Timeout of one internal call, seconds (a stream: between two events).
         max_model_len: Longest prompt + output in tokens; ``None`` = the workers' (or the
             model config's) value.
         prefill_rate: Prefill tokens/s assumed for workers that do not report one.
+        busy_wait_s: How long a request waits for room while every decode worker answers
+            ``busy`` (no free slot or pages) before it fails with 503, seconds.
         placement: Cache-aware policy knobs.
     """
 
@@ -118,10 +126,12 @@ class RouterConfig:
     tokenizer: str | None = None
     add_bos: bool = True
     poll_interval_s: float = 0.1
+    poll_timeout_s: float = 10.0
     unhealthy_after: int = 3
     timeout_s: float = 600.0
     max_model_len: int | None = None
     prefill_rate: float = 10_000.0
+    busy_wait_s: float = 60.0
     placement: PlacementParams = field(default_factory=PlacementParams)
 
     def __post_init__(self) -> None:
@@ -129,6 +139,8 @@ class RouterConfig:
             raise ValueError(f"policy: {self.policy!r} is not one of {sorted(POLICIES)}")
         if self.poll_interval_s <= 0:
             raise ValueError("poll_interval_s: must be > 0")
+        if self.poll_timeout_s <= 0:
+            raise ValueError("poll_timeout_s: must be > 0")
 
 
 class APIError(Exception):
@@ -143,6 +155,11 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(self.message, self.type, self.param, self.code),
                             status_code=self.status)
+
+
+#: Pause before a choice that found every decode worker busy retries its reservation; waiting
+#: choices take turns, so at most 1 / BUSY_RETRY_S such retries per second leave the router.
+BUSY_RETRY_S = 0.005
 
 
 def _unavailable(message: str) -> APIError:
@@ -201,11 +218,15 @@ class Router:
         self.metrics = RouterMetrics()
         self.pool = WorkerPool(config.model, config.cluster_token, config.poll_interval_s,
                                config.unhealthy_after, config.timeout_s, transport,
-                               on_worker=lambda w: self.metrics.add_worker(w.name, w.role))
+                               on_worker=lambda w: self.metrics.add_worker(w.name, w.role),
+                               poll_timeout_s=config.poll_timeout_s)
         self.tokenizer = get_tokenizer(config.tokenizer or config.model)
         self._seq = itertools.count()
         self._background: set[asyncio.Task] = set()
         self._model_len: int | None = None
+        # Choices waiting for decode room retry one at a time, in turn (FIFO): a crowd of them
+        # must not flood the decode workers with reservation attempts.
+        self._busy_gate = asyncio.Lock()
 
     async def close(self) -> None:
         for t in list(self._background):
@@ -337,14 +358,37 @@ class Router:
         return p, self.pool.workers[p.prefill], self.pool.workers[p.decode]
 
     # ------------------------------------------------------------------ one choice
+    async def _busy_turn(self) -> None:
+        """Wait for this choice's turn to retry a reservation that found no decode room."""
+        async with self._busy_gate:
+            await asyncio.sleep(BUSY_RETRY_S)
+
     async def run_choice(self, job: PromptJob, index: int, choice: int, sampling,
                          cache_salt: str | None, rid: str, arrival: float,
                          out: asyncio.Queue) -> Worker:
         """Run one choice through reserve → prefill → stream, pushing ``Delta``s to ``out``.
 
         A worker that cannot be reached before anything was computed is marked unhealthy and
-        the choice is placed once more elsewhere. Cancelling the task aborts the request on
+        the choice is placed once more elsewhere. A decode worker that answers ``busy`` (no
+        free slot or pages) stays healthy: the choice is placed again after a short backoff,
+        for up to ``RouterConfig.busy_wait_s``. Cancelling the task aborts the request on
         both workers.
+
+        The router's detokenizer decides stops and ``max_tokens``; when D's stream ends
+        before it did, the held-back text (a partial character, the possible start of a stop
+        string) is released by ``IncrementalDetokenizer.finish`` and the choice ends with:
+
+        * D's ``finish_reason`` when D sent one: ``"length"`` (D's own model length, below
+          what the router allowed: only with ``--max-model-len`` above a worker's),
+          ``"stop"``, or ``"abort"`` for anything else (D aborted the request: an error
+          finish, the output is truncated);
+        * with no ``finish_reason`` at all (``[DONE]`` or the body ended early):
+          ``"length"`` when the prompt plus the tokens received reach D's model length (D
+          cannot go on), else ``"abort"``; D is told to abort.
+
+        A broken connection, a non-2xx status or an error event is a worker failure
+        (``WorkerError``: 503, or an error event mid-stream); the released text is delivered
+        before it.
 
         Returns:
             The prefill worker that ran it.
@@ -358,7 +402,8 @@ class Router:
         tried: set[str] = set()
         L = len(job.token_ids)
         need = L + job.max_new
-        for attempt in range(2):
+        attempt, busy_since = 0, None
+        while True:
             p, P, D = self.place(job.token_ids, cache_salt, job.max_new, frozenset(tried))
             sub = f"{rid}-{index}" + (f"-r{attempt}" if attempt else "")
             D.running += 1
@@ -375,9 +420,22 @@ class Router:
                 D.reserved_tokens -= need
                 if isinstance(e, asyncio.CancelledError):
                     self._spawn(self.pool.abort(D, sub))
+                if isinstance(e, WorkerError) and e.busy:
+                    # D is alive but has no free slot or pages now: wait for room (bounded)
+                    # instead of taking it out of placement.
+                    busy_since = busy_since if busy_since is not None else time.monotonic()
+                    left = self.config.busy_wait_s - (time.monotonic() - busy_since)
+                    if left > 0:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._busy_turn(), left)
+                        continue
+                    raise NoWorkerAvailable(
+                        f"no decode worker had room for the request within "
+                        f"{self.config.busy_wait_s:g} s") from None
                 if isinstance(e, WorkerError) and e.retryable and attempt == 0:
                     self.pool.mark_failed(D)
                     tried.add(D.url)
+                    attempt += 1
                     continue
                 raise
             uncached = L - p.predicted_cached_tokens
@@ -393,7 +451,9 @@ class Router:
                 source = pre.get("cached_source") or "local"
                 if source not in ("local", "store") or not 0 <= cached <= L:
                     raise ValueError(f"cached_source {source!r}, num_cached_tokens {cached}")
-                first_lp = TokenLogprob(token, _opt_float(pre.get("logprob")),
+                raw_lp = pre.get("logprob")
+                raw_lp = None if raw_lp is None else float(raw_lp)
+                first_lp = TokenLogprob(token, _opt_float(raw_lp),
                                         _parse_top(pre.get("top_logprobs")))
             except BaseException as e:
                 D.running -= 1
@@ -407,14 +467,13 @@ class Router:
                 if isinstance(e, WorkerError) and e.retryable and attempt == 0:
                     self.pool.mark_failed(P)
                     tried.add(P.url)
+                    attempt += 1
                     continue
                 raise
             finally:
                 P.queued_tokens -= uncached
                 self.metrics.waiting.labels(P.name).dec()
             break
-        else:  # pragma: no cover - the loop either breaks or raises
-            raise NoWorkerAvailable("no worker answered")
 
         # ---- token #1: counted and streamed at once
         self.metrics.observe_prefill(P.name, L, {source: cached}, p.predicted_cached_tokens)
@@ -436,9 +495,9 @@ class Router:
         self.metrics.running.labels(D.name).inc()
         itl = self.metrics.itl.labels(D.name)
         last = time.monotonic()
-        finished = False
+        n_out = 1
         try:
-            async for ev in self.pool.stream(D, sub):
+            async for ev in self.pool.stream(D, sub, token, raw_lp):
                 ids = [int(t) for t in ev.get("token_ids") or ()]
                 lps = _parse_logprobs(ev.get("logprobs"), ids)
                 t = time.monotonic()
@@ -453,18 +512,29 @@ class Router:
                     d.text += o.new_text
                     if o.finished:
                         break
-                d.finish_reason = detok.finish_reason or _finish(ev.get("finish_reason"))
+                n_out += len(d.token_ids)
+                if not detok.finished and ev.get("finish_reason"):  # D ended it first
+                    d.text += detok.finish(_finish(ev["finish_reason"])).new_text
+                d.finish_reason = detok.finish_reason
                 if d.token_ids or d.text or d.finish_reason:
                     await out.put(d)
                 if d.finish_reason:
-                    finished = True
                     if not ev.get("finish_reason"):  # the router saw the stop first
                         self._spawn(self.pool.abort(D, sub))
                     break
-            if not finished:
-                raise WorkerError(D.url, "stream ended without a finish")
-        except BaseException:
+            if not detok.finished:  # the stream ended without a finish_reason
+                cap = D.info.max_model_len
+                reason = "length" if cap and L + n_out >= cap else "abort"
+                log.warning("request %s: the decode stream of %s ended without a finish after "
+                            "%d tokens; finishing with %r", sub, D.name, n_out, reason)
+                self._spawn(self.pool.abort(D, sub))
+                await out.put(Delta(index, detok.finish(reason).new_text, finish_reason=reason))
+        except BaseException as e:
             self._spawn(self.pool.abort(D, sub))
+            if isinstance(e, WorkerError) and not detok.finished:
+                rest = detok.finish("abort").new_text  # deliver the held-back text first
+                if rest:
+                    await out.put(Delta(index, rest))
             raise
         finally:
             self.metrics.running.labels(D.name).dec()
@@ -760,26 +830,31 @@ def create_app(config: RouterConfig,
             return
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(),
-                                                                    config.api_key):
+        if scheme.lower() != "bearer" or not _same_secret(token.strip(), config.api_key):
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     def check_cluster_token(request: Request) -> None:
         if not config.cluster_token:
             return
         got = request.headers.get(CLUSTER_TOKEN_HEADER, "")
-        if not secrets.compare_digest(got, config.cluster_token):
+        if not _same_secret(got, config.cluster_token):
             raise APIError(403, "missing or wrong cluster token", code="forbidden")
 
     async def parse(request: Request, model: type):
         raw = await request.body()
         try:
             data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:
+            # ValueError: JSONDecodeError, bad UTF-8, an int past Python's digit limit;
+            # RecursionError: nesting deeper than the parser's recursion limit
             raise APIError(400, f"request body is not valid JSON: {e}",
                            code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        bad = _lone_surrogate_field(data)
+        if bad is not None:  # "\ud800": valid JSON, but no tokenizer or body can encode it
+            raise APIError(400, f"{bad}: a string holds an unpaired UTF-16 surrogate escape",
+                           param=bad, code="invalid_value")
         try:
             req = model.model_validate(data)
         except ValidationError as e:
@@ -799,9 +874,29 @@ def create_app(config: RouterConfig,
         out, tasks, num_choices = await router.execute(req, jobs, rid, arrival)
         accs: dict[int, _ChoiceAcc] = {}
         first_seen: set[int] = set()
+        # Until the response starts, nothing else notices a client that goes away (a
+        # streaming response watches for it itself once it runs): watch here, so that the
+        # request is aborted on the workers instead of running to max_tokens.
+        watch: list[asyncio.Task | None] = [asyncio.ensure_future(_client_gone(request))]
+
+        def stop_watch() -> None:
+            if watch[0] is not None:
+                watch[0].cancel()
+                watch[0] = None
 
         async def next_item():
-            return await out.get()
+            gone = watch[0]
+            if gone is None:
+                return await out.get()
+            get = asyncio.ensure_future(out.get())
+            try:
+                await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not get.done():
+                    get.cancel()
+            if get.done() and not get.cancelled():
+                return get.result()
+            raise APIError(499, "the client closed the request", code="client_closed_request")
 
         def absorb(d: Delta) -> None:
             accs.setdefault(d.index, _ChoiceAcc()).absorb(d)
@@ -826,9 +921,11 @@ def create_app(config: RouterConfig,
         try:
             first = await next_item()
         except BaseException:
+            stop_watch()
             await _cancel(tasks)
             raise
         if isinstance(first, BaseException):
+            stop_watch()
             await _cancel(tasks)
             raise fail(first)
 
@@ -846,9 +943,12 @@ def create_app(config: RouterConfig,
                         absorb(item)
                     item = await next_item()
             finally:
+                stop_watch()
                 await _cancel(tasks)
             observe_e2e()
             return JSONResponse(render.full(jobs, accs))
+
+        stop_watch()  # the streaming response watches for a disconnect from here on
 
         async def sse() -> AsyncIterator[bytes]:
             nonlocal ended
@@ -948,6 +1048,43 @@ def create_app(config: RouterConfig,
     return app
 
 
+def _same_secret(got: str, want: str) -> bool:
+    """Constant-time comparison of a header value with a secret; any text (a header decoded
+    as latin-1, a non-ASCII key) compares as UTF-8 bytes instead of raising."""
+    return secrets.compare_digest(got.encode("utf-8", "surrogateescape"),
+                                  want.encode("utf-8", "surrogateescape"))
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _lone_surrogate_field(data: dict[str, Any]) -> str | None:
+    """The top-level field of a parsed JSON body holding a string with an unpaired
+    surrogate (``json.loads`` decodes ``"\\ud800"`` to one), else ``None``. Iterative:
+    the body may nest as deep as the parser allowed."""
+    for key, value in data.items():
+        if isinstance(key, str) and _SURROGATE.search(key):
+            return "body"
+        stack = [value]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, str):
+                if _SURROGATE.search(v):
+                    return key
+            elif isinstance(v, dict):
+                stack.extend(v.keys())
+                stack.extend(v.values())
+            elif isinstance(v, list):
+                stack.extend(v)
+    return None
+
+
+async def _client_gone(request: Request) -> None:
+    """Return once the client has disconnected (the ASGI messages after the body)."""
+    while (await request.receive()).get("type") != "http.disconnect":
+        pass
+
+
 def _split(body: dict[str, Any]) -> dict[str, Any]:
     e = body["error"]
     return {"message": e["message"], "type": e["type"], "param": e["param"], "code": e["code"]}
@@ -972,6 +1109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--no-bos", action="store_true", help="do not prepend BOS to text prompts")
     ap.add_argument("--poll-interval", type=float, default=0.1, help="seconds")
+    ap.add_argument("--poll-timeout", type=float, default=10.0,
+                    help="seconds one cache-event pull may take before it counts as failed")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--prefill-rate", type=float, default=10_000.0, help="tokens/s")
     ap.add_argument("--log-level", default="warning")
@@ -983,6 +1122,7 @@ def main(argv: list[str] | None = None) -> int:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         cluster_token=os.environ.get(CLUSTER_TOKEN_ENV) or None, tokenizer=args.tokenizer,
         add_bos=not args.no_bos, poll_interval_s=args.poll_interval,
+        poll_timeout_s=args.poll_timeout,
         max_model_len=args.max_model_len, prefill_rate=args.prefill_rate)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -137,16 +137,19 @@ class TextContentPart(_Request):
 
 
 class ChatMessage(_Request):
-    """One chat message. Content is a string or a list of text parts."""
+    """One chat message. Content is a string or a list of text parts.
+
+    ``content`` is required for every role, as OpenAI requires it (an assistant message may
+    omit it only with ``tool_calls``, which this server does not take): a message without
+    it, or with ``"content": null``, is a 400.
+    """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart]
     name: str | None = None
 
     def text(self) -> str:
         """The message's content as one string."""
-        if self.content is None:
-            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)

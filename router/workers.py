@@ -16,8 +16,9 @@ Internal calls (draft protocol; ``k3serve/protocol.py`` pins it)::
                                      bootstrap_addr, snapshot_at, cache_salt}
                                     → {token_id, logprob, top_logprobs, num_cached_tokens,
                                        cached_source, text}
-    decode  POST /internal/stream   {request_id} → SSE of {token_ids, text, logprobs,
-                                                          finish_reason}
+    decode  POST /internal/stream   {request_id, token_id, logprob} (token #1 from the
+                                    prefill: a failed transfer's fallback continues from it)
+                                    → SSE of {token_ids, text, logprobs, finish_reason}
     both    POST /internal/abort    {request_id}
     both    GET  /internal/info     → {role, model, fingerprint, block_size, capacity, ...}
 
@@ -56,12 +57,16 @@ class WorkerError(RuntimeError):
         worker: The worker's base URL.
         retryable: True when nothing was computed for the request (connection refused, 503),
             so placing it elsewhere is safe.
+        busy: The worker answered 503 ``busy``: it is alive but has no cache for the request
+            now (a decode reservation); wait for room rather than mark it unhealthy.
     """
 
-    def __init__(self, worker: str, message: str, retryable: bool = False) -> None:
+    def __init__(self, worker: str, message: str, retryable: bool = False,
+                 busy: bool = False) -> None:
         super().__init__(f"{worker}: {message}")
         self.worker = worker
-        self.retryable = retryable
+        self.retryable = retryable or busy
+        self.busy = busy
 
 
 class CapacityInfo(BaseModel):
@@ -145,14 +150,19 @@ class WorkerPool:
         timeout_s: Timeout of a single internal call (streams: between events).
         transport: httpx transport (tests route calls to in-process apps).
         on_worker: Called with each worker once registered (metrics series).
+        poll_timeout_s: Timeout of one cache-event pull (the health check): a worker that is
+            alive but stuck (stopped, wedged) fails its polls and leaves placement instead of
+            taking requests that would wait ``timeout_s`` for it.
     """
 
     def __init__(self, model: str, cluster_token: str | None, poll_interval_s: float = 0.1,
                  unhealthy_after: int = 3, timeout_s: float = 600.0,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 on_worker: Callable[[Worker], None] | None = None) -> None:
+                 on_worker: Callable[[Worker], None] | None = None,
+                 poll_timeout_s: float = 10.0) -> None:
         self.model = model
         self.poll_interval_s = poll_interval_s
+        self.poll_timeout_s = poll_timeout_s
         self.unhealthy_after = unhealthy_after
         self.index = GlobalIndex()
         self.workers: dict[str, Worker] = {}
@@ -236,7 +246,8 @@ class WorkerPool:
         """
         for _ in range(64):  # a long backlog arrives in pages; bounded per call
             _epoch, after = self.index.cursor(w.url)
-            body = await self._get_json(w.url, "/internal/cache_events", {"after": after})
+            body = await self._get_json(w.url, "/internal/cache_events", {"after": after},
+                                        timeout=self.poll_timeout_s)
             try:
                 self.index.apply_events(w.url, body)
             except ResyncNeeded as e:
@@ -274,10 +285,12 @@ class WorkerPool:
         w.failures = max(w.failures, self.unhealthy_after)
 
     # ------------------------------------------------------------------ calls
-    async def _get_json(self, url: str, path: str,
-                        params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    async def _get_json(self, url: str, path: str, params: Mapping[str, Any] | None = None,
+                        timeout: float | None = None) -> dict[str, Any]:
         try:
-            r = await self.client.get(url + path, params=params)
+            r = await self.client.get(url + path, params=params,
+                                      timeout=httpx.USE_CLIENT_DEFAULT if timeout is None
+                                      else httpx.Timeout(timeout, connect=5.0))
         except httpx.HTTPError as e:
             raise WorkerError(url, f"GET {path}: {e!r}", retryable=True) from None
         return _json_body(url, path, r)
@@ -304,18 +317,26 @@ class WorkerPool:
         except Exception as e:  # noqa: BLE001 - best effort
             log.info("abort %s on %s failed: %r", request_id, w.url, e)
 
-    async def stream(self, w: Worker, request_id: str) -> AsyncIterator[dict[str, Any]]:
+    async def stream(self, w: Worker, request_id: str, token_id: int,
+                     logprob: float | None) -> AsyncIterator[dict[str, Any]]:
         """``POST /internal/stream``: yield each SSE ``data:`` event as a dict.
 
-        Ends after an event with a ``finish_reason`` or a ``data: [DONE]`` line.
+        Args:
+            w: The decode worker.
+            request_id: The request it reserved.
+            token_id: Token #1 as the prefill worker answered it (the decode worker continues
+                from it when the transfer failed).
+            logprob: Its logprob (``None``: unknown or not finite).
+
+        Ends after an event with a ``finish_reason``, a ``data: [DONE]`` line, or the end of
+        the body; the caller tells from the events whether the stream finished.
 
         Raises:
-            WorkerError: connection failure, non-2xx status, malformed event, or the stream
-                ended without a finish.
+            WorkerError: connection failure, non-2xx status, malformed or error event.
         """
+        body = {"request_id": request_id, "token_id": token_id, "logprob": logprob}
         try:
-            async with self.client.stream("POST", w.url + "/internal/stream",
-                                          json={"request_id": request_id}) as r:
+            async with self.client.stream("POST", w.url + "/internal/stream", json=body) as r:
                 if r.status_code // 100 != 2:
                     await r.aread()
                     raise WorkerError(w.url, f"stream: HTTP {r.status_code}: {r.text[:200]}",
@@ -339,13 +360,17 @@ class WorkerPool:
                         return
         except httpx.HTTPError as e:
             raise WorkerError(w.url, f"stream: {e!r}") from None
-        raise WorkerError(w.url, "stream ended without a finish_reason")
 
 
 def _json_body(url: str, path: str, r: httpx.Response) -> dict[str, Any]:
     if r.status_code // 100 != 2:
+        busy = False
+        if r.status_code == 503:
+            with contextlib.suppress(ValueError):
+                err = r.json()
+                busy = isinstance(err, dict) and err.get("error") == "busy"
         raise WorkerError(url, f"{path}: HTTP {r.status_code}: {r.text[:300]}",
-                          retryable=r.status_code == 503)
+                          retryable=r.status_code == 503, busy=busy)
     try:
         body = r.json()
     except (json.JSONDecodeError, ValueError):

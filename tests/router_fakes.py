@@ -74,6 +74,10 @@ class FakeState:
     prefills: list[dict[str, Any]] = field(default_factory=list)
     unauthorized: int = 0
     token_delay_s: float = 0.0
+    streams: list[dict[str, Any]] = field(default_factory=list)  # /internal/stream bodies
+    # end each decode stream after this many tokens with this finish_reason (None: no finish
+    # event at all, only ``[DONE]``): a decode worker that aborts, or stops at its own limit
+    cut_stream: tuple[int, str | None] | None = None
 
     def __post_init__(self) -> None:
         self.restart()
@@ -179,6 +183,7 @@ def make_worker_app(state: FakeState) -> FastAPI:
     @app.post("/internal/stream")
     async def stream(request: Request) -> StreamingResponse:
         b = await request.json()
+        state.streams.append(b)
         r = state.reservations[b["request_id"]]
         await asyncio.wait_for(r["ready"].wait(), 10)
         sp: SamplingParams = r["sampling"]
@@ -187,6 +192,7 @@ def make_worker_app(state: FakeState) -> FastAPI:
             detok = IncrementalDetokenizer(TOKENIZER, sp, eos_token_id=TOKENIZER.eos_token_id)
             ctx = list(r["prompt"]) + [r["first"]]
             detok.step(r["first"])
+            sent = 0
             while not detok.finished and not r["aborted"]:
                 if state.token_delay_s:
                     await asyncio.sleep(state.token_delay_s)
@@ -194,10 +200,14 @@ def make_worker_app(state: FakeState) -> FastAPI:
                 ctx.append(t)
                 o = detok.step(t)
                 lp, top = toy_logprobs(t, sp.logprobs)
+                sent += 1
+                cut = state.cut_stream is not None and sent == state.cut_stream[0]
                 ev = {"token_ids": [t], "text": o.new_text,
                       "logprobs": [{"logprob": lp, "top_logprobs": top}],
-                      "finish_reason": o.finish_reason}
+                      "finish_reason": state.cut_stream[1] if cut else o.finish_reason}
                 yield f"data: {json.dumps(ev)}\n\n"
+                if cut:
+                    break
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(gen(), media_type="text/event-stream")

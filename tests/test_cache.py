@@ -162,6 +162,15 @@ def test_layout_fingerprint():
     assert fp != layout_fingerprint(tiny, 32, d)
     assert fp != layout_fingerprint(tiny, 64, CacheDtypes("bfloat16", "float32"))
     assert fp != layout_fingerprint(tiny.replace(kda_num_heads=2), 64, d)
+    # the same latent width split differently between the two MLA parts
+    r, rope = tiny.kv_lora_rank, tiny.qk_rope_head_dim
+    moved = tiny.replace(kv_lora_rank=r + 8, qk_rope_head_dim=rope - 8)
+    assert moved.mla_latent_dim == tiny.mla_latent_dim
+    assert fp != layout_fingerprint(moved, 64, d)
+    # the weights: two checkpoints (or seeds) of the same shape never share hashes
+    assert layout_fingerprint(tiny, 64, d, "ckpt:a") != layout_fingerprint(tiny, 64, d, "ckpt:b")
+    assert layout_fingerprint(tiny, 64, d, "ckpt:a") == layout_fingerprint(tiny, 64, d, "ckpt:a")
+    assert fp != layout_fingerprint(tiny, 64, d, "ckpt:a")
     with pytest.raises(ValueError, match="dtype"):
         CacheDtypes("float8", "float32")
     with pytest.raises(ValueError, match="num_pages"):
@@ -470,7 +479,7 @@ def test_random_alloc_free_abort_leave_everything_free():
     cm = _mgr(pages=40, slots=6, snaps=6, interval=8)
     running: dict[int, list[int]] = {}
     waiting: dict[int, list[int]] = {}
-    nid = 0
+    nid = reused = 0
     for step in range(3000):
         if nid < 1000 and rng.random() < 0.5:
             toks = [rng.randrange(5) for _ in range(rng.randrange(1, 40))]
@@ -483,7 +492,7 @@ def test_random_alloc_free_abort_leave_everything_free():
             n = rng.randrange(1, 10)
             n = min(n, hit.chunk_end - hit.num_tokens)
             if cm.can_admit(sid, hit, n):
-                cm.admit(sid, hit, n)
+                reused += cm.admit(sid, hit, n).num_cached
                 cm.commit(sid, waiting[sid], n)
                 running[sid] = waiting.pop(sid)
         for sid in list(running):  # advance: a chunk or a decode token
@@ -526,7 +535,58 @@ def test_random_alloc_free_abort_leave_everything_free():
     assert all(cm.pages.ref_count(i) == 0 for i in range(cm.pages.num_ids))
     assert all(cm.snapshots.ref_count(i) == 0 for i in range(cm.snapshots.num_ids))
     assert cm.seq_ids() == []
-    assert cm.stats.hit_tokens > 0 and cm.pages.num_evictions > 0
+    # (re-admissions after preemption reuse blocks too; stats count first admissions only)
+    assert reused > cm.stats.hit_tokens >= 0 and cm.pages.num_evictions > 0
     assert cm.stats.snapshots_missed == 0
     assert cm.reset_prefix_cache() > 0
     assert cm.cache_state()["blocks"] == [] and cm.usage().pages_cached == 0
+
+
+def test_rolling_snapshots_leave_room_for_prompt_snapshots():
+    """Every decoding sequence pinned a rolling (end-of-request) snapshot until it finished:
+    ``num_snapshots`` concurrent decodes took the whole budget and new prompts' snapshots were
+    skipped. Rolling snapshots are capped at ``⌊num_snapshots × rolling_snapshot_fraction⌋``;
+    a sequence over the cap publishes no end-of-request snapshot."""
+    cm = _mgr(snaps=4)  # cap 2 (default fraction 0.5)
+    assert cm.config.max_rolling_snapshots == 2
+    for k in range(4):  # L = 5: prompt snapshot at 4, then decoding reaches the boundary 8
+        toks = [1000 * (k + 1) + i for i in range(5)]
+        _prefill(cm, k, toks)
+        _decode(cm, k, toks, [7, 7, 7, 7])
+        assert cm.num_computed(k) == 8
+    assert cm.snapshots.num_used == 2 and cm.stats.rolling_skipped == 2
+    skipped = cm.stats.snapshots_skipped
+    p = list(range(500, 509))  # L = 9: its prompt snapshot at 8 is taken, not skipped
+    _prefill(cm, "new", p)
+    assert cm.stats.snapshots_skipped == skipped
+    cm.finish("new")
+    assert cm.lookup(p) == 8
+    ends = [cm.finish(k) for k in range(4)]
+    assert ends == [8, 8, None, None] and cm.stats.end_snapshots == 2
+    cm.check()
+    # no cap (fraction 1) restores the old behaviour; 0 turns end-of-request snapshots off
+    assert CacheConfig(4, 1, 4, rolling_snapshot_fraction=1).max_rolling_snapshots == 4
+    assert CacheConfig(4, 1, 4, rolling_snapshot_fraction=0).max_rolling_snapshots == 0
+    with pytest.raises(ValueError, match="rolling_snapshot_fraction"):
+        CacheConfig(4, 1, 4, rolling_snapshot_fraction=2)
+
+
+def test_query_stats_count_real_lookups_only():
+    """A decode-side reservation and a re-admission after preemption were counted as prefix
+    cache queries (the prompt's tokens again each time)."""
+    cm = _mgr()
+    toks = list(range(1, 10))
+    _prefill(cm, "a", toks)
+    cm.finish("a")
+    assert (cm.stats.num_queries, cm.stats.query_tokens, cm.stats.hit_tokens) == (1, 9, 0)
+    cm.add("r", toks, plan_snapshots=False, lookup=False)  # a reservation
+    cm.admit("r", PrefixHit(0), len(toks))
+    assert cm.stats.num_queries == 1
+    cm.remove("r")
+    _prefill(cm, "b", toks)  # a real lookup: hits 8
+    cm.release("b")  # preempted
+    cm.set_tokens("b", toks + [50])
+    _prefill(cm, "b", toks + [50])  # re-admitted: not a new query
+    assert (cm.stats.num_queries, cm.stats.query_tokens, cm.stats.hit_tokens) == (2, 18, 8)
+    cm.finish("b")
+    cm.check()

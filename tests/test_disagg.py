@@ -7,7 +7,8 @@ with the real Mooncake Transfer Engine over tcp loopback, driven through the int
 * 20 prompts of mixed lengths (shorter than a block, exact blocks, shared prefixes, repeats):
   greedy tokens equal the monolithic offline engine's (``k3serve.LLM``) for every prompt;
 * injected transfer failure (per-request hook) → the decode worker recomputes → same tokens,
-  counted in ``k3serve:kv_transfer_fallbacks_total``;
+  counted in ``k3serve:kv_transfer_fallbacks_total``; the recompute continues from the prefill
+  worker's token #1 even where the decode worker would have sampled another one;
 * a decode worker with another block size → the pairing is refused with a message naming it;
 * 200 aborts at every stage → no page, slot, reservation or ticket left on either side.
 """
@@ -108,14 +109,22 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def oracle():
-    """Greedy tokens of the monolithic offline engine for every prompt (same model, block)."""
+def offline():
+    """The monolithic offline engine (same model, block size)."""
     import torch
 
-    from k3serve import LLM, SamplingParams
+    from k3serve import LLM
 
     torch.set_num_threads(1)
-    llm = LLM("k3-tiny", block_size=B, num_pages=512)
+    return LLM("k3-tiny", block_size=B, num_pages=512)
+
+
+@pytest.fixture(scope="module")
+def oracle(offline):
+    """Greedy tokens of the monolithic offline engine for every prompt."""
+    from k3serve import SamplingParams
+
+    llm = offline
     prompts = _prompts()
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     return {tuple(p): o.token_ids for p, o in zip(prompts, outs)}
@@ -126,9 +135,12 @@ def _sampling(seed: int = 7) -> dict:
     return {"temperature": 0.0, "max_tokens": MAX_TOKENS, "seed": seed}
 
 
-async def _stream(c: httpx.AsyncClient, d_url: str, rid: str) -> tuple[list[int], str | None]:
+async def _stream(c: httpx.AsyncClient, d_url: str, rid: str,
+                  first: dict) -> tuple[list[int], str | None]:
+    """Tokens #2.. from the decode worker; ``first``: the prefill worker's answer (token #1)."""
     toks, finish = [], None
-    async with c.stream("POST", d_url + "/internal/stream", json={"request_id": rid}) as r:
+    body = {"request_id": rid, "token_id": first["token_id"], "logprob": first["logprob"]}
+    async with c.stream("POST", d_url + "/internal/stream", json=body) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
             if not line.startswith("data:") or line[5:].strip() == "[DONE]":
@@ -141,20 +153,26 @@ async def _stream(c: httpx.AsyncClient, d_url: str, rid: str) -> tuple[list[int]
 
 
 async def _request(c: httpx.AsyncClient, P: Proc, D: Proc, rid: str, ids: list[int],
+                   sampling: dict | None = None, prefill_sampling: dict | None = None,
                    **extra) -> tuple[list[int], dict]:
-    """reserve → prefill → stream, as the router does; returns (all tokens, prefill answer)."""
+    """reserve → prefill → stream, as the router does; returns (all tokens, prefill answer).
+
+    ``sampling`` goes to both workers (default :func:`_sampling`); ``prefill_sampling``, when
+    given, to the prefill worker instead (a test device: the router sends the same to both).
+    """
+    sampling = sampling or _sampling()
     r = await c.post(D.url + "/internal/reserve",
-                     json={"request_id": rid, "prompt_token_ids": ids, "sampling": _sampling(),
+                     json={"request_id": rid, "prompt_token_ids": ids, "sampling": sampling,
                            "n": 1})
     assert r.status_code == 200, r.text
     res = r.json()
     p = await c.post(P.url + "/internal/prefill", json={
-        "request_id": rid, "prompt_token_ids": ids, "sampling": _sampling(),
+        "request_id": rid, "prompt_token_ids": ids, "sampling": prefill_sampling or sampling,
         "ticket": res["ticket"], "bootstrap_addr": res["bootstrap_addr"], "snapshot_at": [],
         "cache_salt": None, **extra})
     assert p.status_code == 200, p.text
     first = p.json()
-    rest, finish = await _stream(c, D.url, rid)
+    rest, finish = await _stream(c, D.url, rid, first)
     assert finish in ("stop", "length")
     return [first["token_id"], *rest], first
 
@@ -226,6 +244,41 @@ def test_injected_transfer_failure_falls_back_to_the_same_tokens(cluster, oracle
     assert _metric(P.url, 'k3serve:kv_transfers_total{outcome="failed"') >= 0  # family exists
     text = httpx.get(P.url + "/metrics", timeout=10).text
     assert 'outcome="failed"' in text
+
+
+def test_fallback_continues_from_the_prefill_workers_token(cluster, offline):
+    """After a failed transfer the decode worker recomputed the prompt and sampled its own
+    token #1, trusting (seed, position) sampling to reproduce the prefill worker's — which the
+    client already has; a near-tie or a missing seed made them differ. It now continues from
+    the prefill worker's token #1 (passed when the stream is opened). Forced here: the decode
+    worker's params carry another seed, so its own token #1 differs from the prefill's."""
+    from k3serve import SamplingParams
+
+    P, D = cluster["P"], cluster["D"]
+    rng = random.Random(99)
+    ids = [rng.randrange(32, 256) for _ in range(37)]  # cached nowhere yet
+    d_sp = {"temperature": 1.0, "max_tokens": MAX_TOKENS, "seed": 21, "ignore_eos": True}
+    own = offline.generate([ids], SamplingParams(**d_sp))[0].token_ids  # D's own choice
+    p_seed = next(s for s in range(22, 200) if offline.generate(
+        [ids], SamplingParams(**{**d_sp, "seed": s, "max_tokens": 1}))[0].token_ids[0] != own[0])
+    p_sp = {**d_sp, "seed": p_seed}
+    before = _metric(D.url, "k3serve:kv_transfer_fallbacks_total")
+
+    async def run():
+        async with httpx.AsyncClient(headers=HEADERS, timeout=120) as c:
+            return await _request(c, P, D, "fb-exact", ids, sampling=d_sp, prefill_sampling=p_sp,
+                                  debug_fail_transfer_n=10)
+
+    toks, first = asyncio.run(run())
+    t1 = first["token_id"]
+    assert t1 != own[0] and toks[0] == t1
+    eng = offline.engine
+    eng.add_request("fb-oracle", ids, SamplingParams(**d_sp), output_token_ids=[t1])
+    expect = None
+    while expect is None:
+        expect = next((o.token_ids for o in eng.step() if o.finished), None)
+    assert toks == expect  # t1, then D's continuation of t1 (positions L+1..)
+    assert _metric(D.url, "k3serve:kv_transfer_fallbacks_total") == before + 1
 
 
 def test_mismatched_fingerprint_is_refused_at_pairing(cluster):

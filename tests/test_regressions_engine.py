@@ -5,13 +5,15 @@ Each test names the bug it pins; the micro model and helpers come from ``test_en
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
 from test_engine import GREEDY, MICRO, _llm, alone
 
 from k3serve.engine.engine import EngineConfig, LLMEngine
-from k3serve.engine.llm import load_model
+from k3serve.engine.llm import LLM, load_model
 from k3serve.engine.sampling import SamplingParams
 
 torch.set_num_threads(1)
@@ -147,6 +149,8 @@ def test_generate_rejects_malformed_prompts_with_value_error_naming_prompts():
         ("block_size", 0),
         ("max_events", 0),
         ("snapshot_interval_tokens", -4),
+        ("rolling_snapshot_fraction", 1.5),
+        ("rolling_snapshot_fraction", -0.1),
     ],
 )
 def test_engine_config_rejects_bad_values_naming_the_field(field, value):
@@ -218,3 +222,103 @@ def test_layer_hook_may_abort_requests(model):
     eng.cm.check()
     u = eng.cm.usage()
     assert (u.pages_used, u.slots_used, u.snapshots_used) == (0, 0, 0) and eng.requests == {}
+
+
+def _drain(eng: LLMEngine) -> dict:
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return outs
+
+
+def test_add_request_continues_after_given_output_tokens(model):
+    """The decode worker's fallback after a failed transfer recomputed the prompt and sampled
+    its own token #1, trusting (seed, position) sampling to reproduce the prefill worker's —
+    which the client already had. ``add_request(output_token_ids=[t1])`` continues from the
+    given token instead: prefill over prompt + t1, sampling from position L + 1, t1 counted as
+    output #1 and never re-sampled."""
+    eng = LLMEngine(
+        model, MICRO, None, EngineConfig(block_size=4, num_pages=64, num_slots=4, num_snapshots=8)
+    )
+    prompt = list(range(60, 73))  # 13 tokens
+    natural = alone(model, prompt, 1)[0]
+    forced = (natural + 7) % MICRO.vocab_size  # a token the model would not pick
+    sp = SamplingParams(max_tokens=4, temperature=0.8, seed=5, ignore_eos=True)
+    given = eng.add_request("f", prompt, sp, output_token_ids=[forced], output_logprobs=[-1.5])
+    assert given is None  # it runs
+    assert eng.requests["f"].seqs[0].output_token_ids == [forced]
+    out = _drain(eng)["f"]
+    # the same as running prompt + forced by hand with the same seed: positions L+1, L+2, …
+    assert out.token_ids == [forced] + alone(model, prompt + [forced], 3, sp, seed=5)
+    assert out.outputs[0].logprobs[0] == -1.5 and len(out.outputs[0].logprobs) == 4
+    assert out.finish_reason == "length"  # max_tokens counted the given token
+    # given the token the engine itself samples, it is the plain request, penalties included
+    sp2 = SamplingParams(
+        max_tokens=5, temperature=0.9, seed=11, presence_penalty=2.0, frequency_penalty=1.5
+    )
+    eng.add_request("plain", prompt, sp2)
+    plain = _drain(eng)["plain"]
+    eng.add_request("given", prompt, sp2, output_token_ids=plain.token_ids[:1])
+    assert _drain(eng)["given"].token_ids == plain.token_ids
+    # a given token that ends the request: finished at once, nothing kept
+    done = eng.add_request(
+        "stop", prompt, SamplingParams(stop_token_ids=[forced]), output_token_ids=[forced]
+    )
+    assert done.finished and done.finish_reason == "stop" and done.token_ids == [forced]
+    done = eng.add_request("len", prompt, SamplingParams(max_tokens=1), output_token_ids=[5])
+    assert done.finish_reason == "length"
+    for bad, kw in (
+        ("SamplingParams.n", {"params": SamplingParams(n=2), "output_token_ids": [5]}),
+        ("output_token_ids", {"output_token_ids": [MICRO.vocab_size]}),
+        ("output_token_ids", {"params": SamplingParams(max_tokens=1), "output_token_ids": [5, 6]}),
+    ):
+        with pytest.raises(ValueError, match=bad):
+            eng.add_request("bad", prompt, **kw)
+    assert eng.requests == {} and eng.cm.seq_ids() == []
+    eng.cm.check()
+
+
+def test_prefix_queries_count_lookups_only(model):
+    """``CacheManager.admit`` counted a decode reservation and every re-admission after a
+    preemption as a prefix-cache query (its prompt tokens again)."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(20, 30))] for _ in range(6)]
+    llm = _llm(num_pages=12, num_slots=4, num_snapshots=2, max_num_batched_tokens=16)
+    eng = llm.engine
+    llm.generate(prompts, SamplingParams(max_tokens=10, **GREEDY))
+    assert eng.scheduler.num_preemptions > 0
+    st = eng.cm.stats
+    assert st.num_queries == 6 and st.query_tokens == sum(map(len, prompts))
+    eng.reserve("r", prompts[0])
+    assert eng.num_reserved == 1 and st.num_queries == 6
+    assert eng.abort_request("r") and eng.num_reserved == 0
+
+
+def test_fingerprint_tells_checkpoints_of_the_same_shape_apart(tmp_path):
+    """The layout fingerprint (the block-hash salt and the kvstore pairing check) covered only
+    the shape: two different checkpoints of one shape shared block hashes, so a router could
+    send a prompt to a worker whose cache holds another model's latents for it."""
+    import shutil
+
+    from k3serve.model.checkpoint import checkpoint_identity, save_checkpoint
+    from kvstore.descriptors import PoolLayout, fingerprint_diff
+
+    for seed in (3, 4):
+        net, cfg, _ = load_model(MICRO, seed=seed)
+        save_checkpoint(net, str(tmp_path / f"s{seed}"), cfg)
+    shutil.copytree(tmp_path / "s3", tmp_path / "copy")
+    kw = {"block_size": 4, "num_pages": 16}
+    e3, e4, copy = (LLM(str(tmp_path / n), **kw).engine for n in ("s3", "s4", "copy"))
+    assert e3.weights_id == checkpoint_identity(tmp_path / "s3") == copy.weights_id
+    assert e3.fingerprint == copy.fingerprint  # deterministic, path-independent
+    assert e3.fingerprint != e4.fingerprint
+    r3, r4 = (LLM(MICRO, seed=s, **kw).engine for s in (3, 4))  # random init: the seed
+    assert len({r3.fingerprint, r4.fingerprint, e3.fingerprint}) == 3
+    assert r3.fingerprint == LLM(MICRO, seed=3, **kw).engine.fingerprint
+    # the pairing check compares the same fields (the workers build their PoolLayout so)
+    l3, l4 = (PoolLayout.from_kvpools(e.pools, extra=e.fingerprint_fields) for e in (e3, e4))
+    diffs = fingerprint_diff(l3.fingerprint(), l4.fingerprint())
+    assert len(diffs) == 1 and diffs[0].startswith("extra.weights: ")
+    assert e3.info()["weights_id"] == e3.weights_id

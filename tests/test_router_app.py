@@ -9,6 +9,7 @@ restart, retry on a failing prefill worker, and aborts when the client goes away
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -251,6 +252,12 @@ BAD = [
      400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 3}]},
      400, "messages"),
+    # content is required (OpenAI rejects a message without it, or with null)
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": ""}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None}]},
+     400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "top_logprobs": 2}, 400, None),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
@@ -302,6 +309,58 @@ def test_auth_routes_and_openai_errors(stack):
     assert r.status_code == 503
     # workers saw the token on every call the router made
     assert all(st.unauthorized == 0 for st, _ in stack.prefill + stack.decode)
+
+
+def test_token_1_is_passed_when_the_decode_stream_opens(stack):
+    """The decode worker's fallback after a failed transfer continues from the prefill
+    worker's token #1: the router passes it (and its logprob) when it opens the stream."""
+    dec = stack.decode[0][0]
+    n = len(dec.streams)
+    r = stack.post("/v1/completions", {"model": MODEL, "prompt": "token one", "max_tokens": 3,
+                                       "temperature": 0, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    body = dec.streams[n]
+    first = dec.reservations[body["request_id"]]["first"]
+    assert body["token_id"] == first and body["logprob"] == -0.25  # toy_logprobs
+
+
+def test_decode_stream_ending_without_a_finish_releases_the_held_back_text(stack):
+    """The router's detokenizer holds back text that may start a stop string; when the decode
+    stream ended before the router's detokenizer finished, that text was lost (and a stream
+    without any finish_reason was a 503). Now: D's reason, or "abort" (an error finish) with
+    no reason at all, or "length" when the tokens reach D's model length."""
+    dec = stack.decode[0][0]
+    ids = TOKENIZER.encode("held back at the end", add_bos=True)
+    toks, _, _ = _oracle(ids, 10)
+    got = TOKENIZER.decode(toks[:4])  # token #1 + 3 from the decode worker
+    stop = [got[-1] + "#"]  # the last character may start a stop string: held back
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 10, "temperature": 0, "stop": stop}
+    try:
+        for cut, want in (((3, None), "abort"), ((3, "length"), "length"),
+                          ((3, "abort"), "abort")):
+            dec.cut_stream = cut
+            r = stack.post("/v1/completions", body)
+            assert r.status_code == 200, r.text
+            c = r.json()["choices"][0]
+            assert (c["text"], c["finish_reason"]) == (got, want), cut
+            assert r.json()["usage"]["completion_tokens"] == 4
+            chunks = list(stack.client.completions.create(**body, stream=True))
+            assert "".join(x.choices[0].text for x in chunks) == got
+            assert chunks[-1].choices[0].finish_reason == want
+        # no finish, but the tokens reach the decode worker's model length (4096, below the
+        # router's configured one): that is a length end
+        old = stack.router.config
+        stack.router.config = dataclasses.replace(old, max_model_len=8192)
+        try:
+            long_ids = [97 + i % 26 for i in range(4096 - 4)]
+            dec.cut_stream = (3, None)
+            r = stack.post("/v1/completions", {**body, "prompt": long_ids, "stop": None})
+        finally:
+            stack.router.config = old
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+    finally:
+        dec.cut_stream = None
 
 
 # ----------------------------------------------------------------------------- failures

@@ -423,6 +423,29 @@ def test_detok_holdback_released_on_false_start():
     assert not d.finished
 
 
+def test_detok_finish_releases_held_back_text():
+    """A stream that ends abnormally (the producer aborted, hit its own limit) used to lose
+    the held-back text: a suffix that might start a stop string, and a partial character."""
+    pieces, d = _run(SamplingParams(stop=["STOP"], max_tokens=100), list(b"a ST"))
+    assert "".join(pieces) == "a " and d.text == "a " and not d.finished
+    out = d.finish("abort")
+    assert out == ("ST", True, "abort")
+    assert d.text == "a ST" and d.finish_reason == "abort" and d.stop_reason is None
+    assert d.finish("length") == ("", True, "abort")  # idempotent: the first reason stays
+    # a partial character is flushed as decoded; the reason is the caller's
+    pieces, d = _run(SamplingParams(max_tokens=100), [ord("o"), ord("k"), 302])
+    assert "".join(pieces) == "ok"
+    assert d.finish("length") == ("\ufffd", True, "length") and d.text == "ok\ufffd"
+    # nothing held back: no text, the reason recorded
+    _, d = _run(SamplingParams(max_tokens=100), list(b"abc"))
+    assert d.finish() == ("", True, "abort") and d.text == "abc"
+    with pytest.raises(RuntimeError):
+        d.step(ord("x"))
+    # a finished choice keeps its reason and text
+    _, d = _run(SamplingParams(max_tokens=2), list(b"abc"))
+    assert d.finish("abort") == ("", True, "length") and d.text == "ab"
+
+
 def test_detok_earliest_completed_stop_wins():
     _, d = _run(SamplingParams(stop=["abcd", "bc"]), list(b"xabcd"))
     assert d.text == "xa" and d.stop_reason == "bc"

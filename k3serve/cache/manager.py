@@ -21,7 +21,12 @@ Snapshots (DESIGN.md §3) are taken
 * at the end of a finished request: while decoding, every boundary the sequence reaches past
   ``⌊(L-1)/B⌋·B`` overwrites the sequence's own *rolling* snapshot; :meth:`finish` indexes it
   if it sits at ``⌊num_computed/B⌋·B`` (prompt + answer minus the last sampled token, rounded
-  down to a block), so the conversation's next turn hits there.
+  down to a block), so the conversation's next turn hits there. Rolling snapshots are pinned
+  until the sequence ends, so at most ``CacheConfig.max_rolling_snapshots`` of them exist at
+  once (a fraction of the budget; the rest stays for prompt snapshots): a sequence that
+  reaches a boundary while the cap is taken takes none there (it tries again at its next
+  boundary), and one that holds none at its end publishes no end-of-request snapshot
+  (counted in ``CacheStats.rolling_skipped``).
 
 Life of a sequence: ``add`` → (``match`` → ``can_admit`` → ``admit``) → repeat
 (``chunk_end``, ``can_allocate`` → ``allocate`` → forward → ``commit``) → ``finish`` |
@@ -128,13 +133,17 @@ class CacheStats:
     """Counters (monotonic) for metrics.
 
     Attributes:
-        num_queries: admissions that looked up the prefix cache.
-        query_tokens: prompt tokens of those admissions.
-        hit_tokens: tokens reused (``k3serve:prefix_cache_hits_total``).
+        num_queries: prefix-cache lookups: a sequence's first admission (not a decode-side
+            reservation, whose cache arrives by transfer, nor a re-admission after preemption,
+            which recomputes a prompt already counted).
+        query_tokens: prompt tokens of those lookups.
+        hit_tokens: tokens they reused (``k3serve:prefix_cache_hits_total``).
         snapshots_saved: snapshots taken at planned points.
         snapshots_skipped: planned snapshots not taken (no evictable snapshot).
         snapshots_missed: planned points a chunk jumped over (scheduler bug indicator).
         end_snapshots: end-of-request snapshots indexed by :meth:`CacheManager.finish`.
+        rolling_skipped: boundaries where a decoding sequence took no rolling snapshot because
+            ``max_rolling_snapshots`` were pinned already.
     """
 
     num_queries: int = 0
@@ -144,6 +153,7 @@ class CacheStats:
     snapshots_skipped: int = 0
     snapshots_missed: int = 0
     end_snapshots: int = 0
+    rolling_skipped: int = 0
 
 
 @dataclass
@@ -153,6 +163,7 @@ class _Seq:
     snapshot_at: tuple[int, ...]
     snapshot_on_finish: bool
     plan_snapshots: bool = True
+    lookup: bool = True  # its first admission counts as a prefix-cache query
     hashes: list[str] = field(default_factory=list)  # full blocks known so far
     block_table: list[int] = field(default_factory=list)
     slot: int | None = None
@@ -191,6 +202,7 @@ class CacheManager:
         self.index = PrefixIndex(self.pages, self.snapshots, self.log)
         self.stats = CacheStats()
         self._seqs: dict[Hashable, _Seq] = {}
+        self._num_rolling = 0  # sequences holding a rolling snapshot
 
     # ================================================================== registry
     def add(
@@ -201,6 +213,7 @@ class CacheManager:
         snapshot_at: Iterable[int] = (),
         snapshot_on_finish: bool = True,
         plan_snapshots: bool = True,
+        lookup: bool = True,
     ) -> None:
         """Register a waiting sequence (no memory taken yet).
 
@@ -214,6 +227,8 @@ class CacheManager:
                 :meth:`finish` (the next turn's hit). Off for prefill-only requests.
             plan_snapshots: take the prompt's snapshots (⌊(L-1)/B⌋·B, ``snapshot_at``,
                 intervals). Off for a decode-side reservation, whose state arrives at ``L``.
+            lookup: the first admission is a prefix-cache lookup, counted in :attr:`stats`.
+                Off for a decode-side reservation (admitted with ``PrefixHit(0)``).
 
         Raises:
             ValueError: duplicate ``seq_id``, empty ``token_ids``, bad ``cache_salt``, a
@@ -232,6 +247,7 @@ class CacheManager:
             pts,
             snapshot_on_finish,
             plan_snapshots,
+            lookup,
         )
         self._extend_hashes(s, token_ids, len(token_ids) // self.block_size)
         self._seqs[seq_id] = s
@@ -369,7 +385,8 @@ class CacheManager:
         s.load_snapshot = hit.snapshot
         s.plan = self._plan(s, hit.num_tokens)
         self._grow(s, hit.num_tokens + num_new)
-        if self.caching:
+        if self.caching and s.lookup:
+            s.lookup = False  # a re-admission (after preemption) is not a new query
             self.stats.num_queries += 1
             self.stats.query_tokens += s.num_prompt
             self.stats.hit_tokens += hit.num_tokens
@@ -464,8 +481,12 @@ class CacheManager:
             and nc > p0
             and not self.index.has_snapshot(s.hashes[full - 1])
         ):
-            if s.rolling is None and self.snapshots.can_allocate():
-                s.rolling = self.snapshots.allocate()
+            if s.rolling is None:
+                if self._num_rolling >= self.config.max_rolling_snapshots:
+                    self.stats.rolling_skipped += 1  # leave the rest to prompt snapshots
+                elif self.snapshots.can_allocate():
+                    s.rolling = self.snapshots.allocate()
+                    self._num_rolling += 1
             if s.rolling is not None:
                 s.rolling_pos = nc
                 saves.append(SnapshotSave(s.slot, s.rolling, nc))
@@ -513,7 +534,9 @@ class CacheManager:
             raise CacheFullError(f"seq {parent_id!r}: no slot/page to fork")
         B, nc = self.block_size, s.num_computed
         full = nc // B
-        c = _Seq(s.salt, s.num_prompt, (), s.snapshot_on_finish, False, hashes=list(s.hashes))
+        c = _Seq(
+            s.salt, s.num_prompt, (), s.snapshot_on_finish, False, False, hashes=list(s.hashes)
+        )
         c.block_table = s.block_table[:full]
         for p in c.block_table:
             self.pages.incref(p)
@@ -564,6 +587,7 @@ class CacheManager:
             self.snapshots.decref(s.load_snapshot)
         if s.rolling is not None:
             self.snapshots.decref(s.rolling)
+            self._num_rolling -= 1
         s.block_table, s.slot, s.load_snapshot, s.rolling = [], None, None, None
         s.num_computed = s.num_cached = s.num_registered = s.rolling_pos = 0
         s.plan = []
@@ -642,6 +666,12 @@ class CacheManager:
         self.pages.check()
         self.snapshots.check()
         self.index.check()
+        rolling = sum(1 for s in self._seqs.values() if s.rolling is not None)
+        if rolling != self._num_rolling or rolling > self.config.max_rolling_snapshots:
+            raise AssertionError(
+                f"rolling snapshots: {rolling} held, {self._num_rolling} counted, "
+                f"cap {self.config.max_rolling_snapshots}"
+            )
         page_refs = [0] * self.pages.num_ids
         snap_refs = [0] * self.snapshots.num_ids
         slots = set()

@@ -187,17 +187,26 @@ class KDAStateSpec:
 
 
 def layout_fingerprint(
-    cfg: ModelConfig, block_size: int, dtypes: CacheDtypes | Mapping[str, str]
+    cfg: ModelConfig,
+    block_size: int,
+    dtypes: CacheDtypes | Mapping[str, str],
+    weights_id: str | None = None,
 ) -> str:
     """Fingerprint of everything that fixes the cache's bytes: the hash salt's base.
 
     Two workers may exchange cache (and hit each other's hashes) only when their fingerprints
-    are equal: same model layout (``cfg.fingerprint_fields()``), block size and pool dtypes.
+    are equal: same model layout (``cfg.fingerprint_fields()``: layers, KDA shapes,
+    ``kv_lora_rank`` and ``qk_rope_head_dim`` each, …), block size, pool dtypes and weights
+    (two checkpoints of the same shape compute different caches for the same tokens).
 
     Args:
         cfg: the model config.
         block_size: tokens per page ``B``.
         dtypes: :class:`CacheDtypes` or a mapping with keys ``latent``, ``conv``, ``state``.
+        weights_id: identity of the weights (``checkpoint_identity`` of a checkpoint,
+            ``random_init_identity(seed)`` for random init; both in
+            ``k3serve.model.checkpoint``); ``None`` when unknown (an engine built around a
+            model object without one).
 
     Returns:
         32 lowercase hex characters (BLAKE2b-128 of canonical JSON).
@@ -215,10 +224,11 @@ def layout_fingerprint(
         except KeyError as e:
             raise ValueError(f"dtypes: missing key {e}") from None
     doc = {
-        "v": "k3serve-layout-1",
+        "v": "k3serve-layout-2",
         "model": cfg.fingerprint_fields(),
         "block_size": block_size,
         "dtypes": [dtypes.latent, dtypes.conv, dtypes.state],
+        "weights": weights_id,
     }
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.blake2b(raw, digest_size=16).hexdigest()
@@ -236,6 +246,11 @@ class CacheConfig:
         enable_prefix_caching: index full blocks and snapshots and reuse them.
         snapshot_interval_tokens: also snapshot every this many prompt tokens (rounded down
             to a block multiple, at least one block); 0 = off.
+        rolling_snapshot_fraction: the most snapshots that decoding sequences may pin at once
+            for their end-of-request snapshot (the *rolling* snapshot), as a fraction of
+            ``num_snapshots`` (rounded down; in ``[0, 1]``). The rest stays for prompt
+            snapshots: without a cap, ``num_snapshots`` concurrent decodes would pin the whole
+            budget and every new prompt's snapshots would be skipped.
 
     Raises:
         ValueError: a field out of range (named).
@@ -247,8 +262,14 @@ class CacheConfig:
     block_size: int = 64
     enable_prefix_caching: bool = True
     snapshot_interval_tokens: int = 0
+    rolling_snapshot_fraction: float = 0.5
 
     def __post_init__(self) -> None:
+        frac = self.rolling_snapshot_fraction
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac <= 1:
+            raise ValueError(
+                f"CacheConfig.rolling_snapshot_fraction: must be a number in [0, 1], got {frac!r}"
+            )
         for f, lo in (
             ("num_pages", 1),
             ("num_slots", 1),
@@ -259,6 +280,11 @@ class CacheConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or v < lo:
                 raise ValueError(f"CacheConfig.{f}: must be an int ≥ {lo}, got {v!r}")
+
+    @property
+    def max_rolling_snapshots(self) -> int:
+        """Snapshots decoding sequences may pin at once: ``⌊num_snapshots × fraction⌋``."""
+        return int(self.num_snapshots * self.rolling_snapshot_fraction)
 
     @property
     def snapshot_interval_blocks(self) -> int:
@@ -285,7 +311,8 @@ class CacheConfig:
             latent_bytes: bytes for MLA pages.
             num_slots: state slots (their memory ``num_slots × kda.slot_size_bytes`` is on top).
             snapshot_bytes: bytes for snapshots.
-            **policy: ``enable_prefix_caching``, ``snapshot_interval_tokens``.
+            **policy: ``enable_prefix_caching``, ``snapshot_interval_tokens``,
+                ``rolling_snapshot_fraction``.
 
         Raises:
             ValueError: a budget too small for one page.

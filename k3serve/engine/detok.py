@@ -21,6 +21,10 @@ Token-level stops (EOS unless ``ignore_eos``, ``stop_token_ids``) finish with ``
 text is left out unless ``include_stop_str_in_output`` (vLLM v1). Reaching ``max_tokens``
 finishes with ``"length"``. The stop token is still counted in :attr:`token_ids`.
 
+A token stream that ends without any of these (the producer aborted, hit a limit this
+detokenizer does not know, or went away) is closed with :meth:`IncrementalDetokenizer.finish`,
+which releases the held-back text.
+
 Text windows (``|`` = offsets into the decodable id list, ``^`` = offsets into the text)::
 
     ids   : [ ........ | prefix_offset ... | read_offset ... new ids ]
@@ -200,6 +204,38 @@ class IncrementalDetokenizer:
             if out.finished:
                 break
         return DetokOutput("".join(pieces), self.finished, self.finish_reason)
+
+    def finish(self, reason: str = "abort") -> DetokOutput:
+        """Ends the choice where the token stream stopped, releasing the held-back text.
+
+        For a stream that ended without a stop or the length limit seen here (an aborted
+        request, a producer's own limit). The held-back text is flushed: undecoded ids as
+        decoded (an unfinished character becomes U+FFFD), and a suffix that was held back as
+        the possible start of a stop string (it never completed one). Should the flushed text
+        complete a stop string after all, the text is cut there and the reason is ``"stop"``.
+        Idempotent: a finished choice returns no text and keeps its reason.
+
+        Args:
+            reason: The finish reason to record (e.g. ``"abort"`` for an error end,
+                ``"length"`` for a producer's length limit).
+
+        Returns:
+            The released text, ``finished=True`` and the recorded reason.
+        """
+        if self.finished:
+            return DetokOutput("", True, self.finish_reason)
+        self._flush_partial()
+        hit = self._find_stop()
+        if hit is not None:
+            start, end, s = hit
+            self._text = self._text[: end if self._include_stop else start]
+            self._finish("stop", s)
+        else:
+            self._finish(reason, None)
+        self._checked = len(self._text)
+        new_text = self._text[self._emitted :]
+        self._emitted = len(self._text)
+        return DetokOutput(new_text, True, self.finish_reason)
 
     # ------------------------------------------------------------------ internals
     def _finish(self, reason: str, stop_reason: str | int | None) -> None:

@@ -59,6 +59,8 @@ class EngineConfig:
         max_num_seqs: most running sequences (``None``: ``num_slots``).
         enable_prefix_caching: reuse cached prefixes (blocks + snapshots).
         snapshot_interval_tokens: also snapshot every this many prompt tokens (0: off).
+        rolling_snapshot_fraction: share of ``num_snapshots`` that decoding sequences may pin
+            for their end-of-request snapshots (``CacheConfig.rolling_snapshot_fraction``).
         max_model_len: cap on prompt + output tokens (``None``: the model's, and at most
             ``P·B``).
         record_logits: keep each sampled token's logits in the outputs (tests).
@@ -73,6 +75,7 @@ class EngineConfig:
     max_num_seqs: int | None = None
     enable_prefix_caching: bool = True
     snapshot_interval_tokens: int = 0
+    rolling_snapshot_fraction: float = 0.5
     max_model_len: int | None = None
     record_logits: bool = False
     max_events: int = 100_000
@@ -92,6 +95,11 @@ class EngineConfig:
         check("snapshot_interval_tokens", 0)
         check("max_num_seqs", 1, optional=True)
         check("max_model_len", 2, optional=True)  # a prompt token and a generated one
+        frac = self.rolling_snapshot_fraction
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac <= 1:
+            raise ValueError(
+                f"EngineConfig.rolling_snapshot_fraction: must be a number in [0, 1], got {frac!r}"
+            )
 
 
 @dataclass
@@ -125,6 +133,15 @@ class LLMEngine:
         config: :class:`EngineConfig`.
         device: pools and inputs live here.
         dtype: latent / conv pool dtype (CPU: float32).
+        weights_id: identity of the model's weights
+            (``k3serve.model.checkpoint.checkpoint_identity`` / ``random_init_identity``;
+            :class:`~k3serve.engine.llm.LLM` sets it), part of the layout fingerprint: engines
+            serving different weights never share block hashes. ``None``: unknown.
+
+    Attributes:
+        fingerprint: the layout fingerprint (hash salt base, ``GET /internal/info``).
+        fingerprint_fields: what the kvstore pairing compares besides the pool shapes (the
+            ``PoolLayout`` extra): the model's ``fingerprint_fields()`` plus ``weights``.
 
     Raises:
         ValueError: inconsistent capacities.
@@ -138,6 +155,7 @@ class LLMEngine:
         config: EngineConfig | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        weights_id: str | None = None,
     ):
         c = config or EngineConfig()
         self.config = c
@@ -147,9 +165,14 @@ class LLMEngine:
             model_config, c.num_slots, c.num_pages, c.block_size, c.num_snapshots, dtype, device
         )
         dn = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+        self.weights_id = weights_id
         self.fingerprint = layout_fingerprint(
-            model_config, c.block_size, CacheDtypes(dn, dn, "float32")
+            model_config, c.block_size, CacheDtypes(dn, dn, "float32"), weights_id
         )
+        self.fingerprint_fields: dict[str, Any] = {
+            **model_config.fingerprint_fields(),
+            "weights": weights_id,
+        }
         self.cm = CacheManager(
             CacheConfig(
                 c.num_pages,
@@ -158,6 +181,7 @@ class LLMEngine:
                 c.block_size,
                 c.enable_prefix_caching,
                 c.snapshot_interval_tokens,
+                c.rolling_snapshot_fraction,
             ),
             self.fingerprint,
             EventLog(c.max_events),
@@ -240,8 +264,17 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         snapshot_at: Iterable[int] = (),
-    ) -> None:
+        output_token_ids: Sequence[int] = (),
+        output_logprobs: Sequence[float] | None = None,
+    ) -> RequestOutput | None:
         """Queue a request to run here from prompt to finish.
+
+        With ``output_token_ids`` the request continues after tokens sampled elsewhere (the
+        decode worker's fallback after a failed transfer continues from the prefill worker's
+        token #1, which the client already has): the prefill covers ``prompt + outputs`` and
+        sampling continues at position ``L + len(outputs)``, exactly as after
+        :meth:`admit`. The given tokens are outputs #1…: they count for ``max_tokens``, stop
+        tokens / strings and the penalties, and are not sampled again.
 
         Args:
             request_id: unique among live requests.
@@ -249,14 +282,28 @@ class LLMEngine:
             params: sampling parameters (default ``SamplingParams()``); an unset seed is drawn.
             cache_salt: tenant salt for prefix caching.
             snapshot_at: extra snapshot positions (the router's branch points).
+            output_token_ids: tokens already generated for this request (``params.n == 1``).
+            output_logprobs: their logprobs (for the outputs; NaN where absent).
+
+        Returns:
+            ``None`` (the request streams from :meth:`step`), or its final output when the
+            given output tokens already finish it (a stop, ``max_tokens``); it is then not
+            kept.
 
         Raises:
             ValueError: a duplicate id, an empty / out-of-vocabulary / too long prompt, bad
                 params (``SamplingParams`` names the field), bad ``cache_salt`` or
-                ``snapshot_at``.
+                ``snapshot_at``; bad ``output_token_ids`` (out of vocabulary, with ``n > 1``,
+                or going on after a token that finishes the request).
         """
-        self._add(
-            request_id, prompt_token_ids, params, RequestMode.GENERATE, cache_salt, snapshot_at
+        return self._add(
+            request_id,
+            prompt_token_ids,
+            params,
+            RequestMode.GENERATE,
+            cache_salt,
+            snapshot_at,
+            outputs=(output_token_ids, output_logprobs),
         )
 
     def add_prefill_request(
@@ -298,14 +345,26 @@ class LLMEngine:
         )
 
     def _add(
-        self, rid, prompt, params, mode, cache_salt, snapshot_at, on_admit=None, layer_hook=None
-    ) -> None:
+        self,
+        rid,
+        prompt,
+        params,
+        mode,
+        cache_salt,
+        snapshot_at,
+        on_admit=None,
+        layer_hook=None,
+        outputs=((), None),
+    ) -> RequestOutput | None:
         ids = self._check_new(rid, prompt)
         params = self._check_params(params)
         if mode is not RequestMode.GENERATE and params.n != 1:
             raise ValueError(
                 f"SamplingParams.n: must be 1 for a disaggregated request, got {params.n}"
             )
+        outs = _as_ids(outputs[0], self.model_config.vocab_size, "output_token_ids")
+        if outs and params.n != 1:
+            raise ValueError(f"SamplingParams.n: must be 1 with output_token_ids, got {params.n}")
         req = Request(
             rid,
             ids,
@@ -317,16 +376,43 @@ class LLMEngine:
             on_admit=on_admit,
             layer_hook=layer_hook,
         )
-        seq = self._new_seq(req, 0, list(ids))
+        seq = self._new_seq(req, 0, ids + outs)
+        if outs:
+            fed = self._feed_outputs(seq, outs, outputs[1])
+            if fed < len(outs):
+                raise ValueError(
+                    f"output_token_ids: the request finishes at token {fed}; "
+                    f"{len(outs) - fed} more given"
+                )
+            if seq.detok.finished:  # nothing left to generate: done before any compute
+                seq.status = SeqStatus.FINISHED
+                return self._output(req)
         self.cm.add(
             seq.seq_id,
-            ids,
+            seq.token_ids,
             cache_salt,
             req.snapshot_at,
             snapshot_on_finish=mode is RequestMode.GENERATE,
         )
         self.requests[rid] = req
         self.scheduler.add(seq)
+        return None
+
+    def _feed_outputs(self, seq: Seq, outs: Sequence[int], logprobs: Sequence[float] | None) -> int:
+        """Record output tokens sampled elsewhere (their logprobs, detokenization, stop checks).
+
+        Returns:
+            How many were consumed: all, or up to and including the one that finishes.
+        """
+        lps = list(logprobs) if logprobs is not None else []
+        lps += [float("nan")] * (len(outs) - len(lps))
+        for k, (t, lp) in enumerate(zip(outs, lps)):
+            seq.logprobs.append(lp)
+            if seq.request.params.logprobs is not None:
+                seq.top_logprobs.append(())
+            if seq.detok.step(t).finished:
+                return k + 1
+        return len(outs)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request at any point (queued, prefilling, decoding, held, reserved).
@@ -371,6 +457,11 @@ class LLMEngine:
         seq.status = SeqStatus.FINISHED
 
     # ================================================================== decode side
+    @property
+    def num_reserved(self) -> int:
+        """Reservations waiting for their cache (:meth:`reserve` not yet admitted or aborted)."""
+        return len(self._reserved)
+
     def can_reserve(self, num_tokens: int) -> bool:
         """Whether a slot and pages for ``num_tokens`` tokens are free now."""
         pages = -(-num_tokens // self.config.block_size)
@@ -408,7 +499,7 @@ class LLMEngine:
                 f"{self.max_model_len}), got {n!r}"
             )
         sid = next(self._seq_ids)
-        self.cm.add(sid, ids, cache_salt, plan_snapshots=False)
+        self.cm.add(sid, ids, cache_salt, plan_snapshots=False, lookup=False)
         if not self.cm.can_admit(sid, PrefixHit(0), n):
             self.cm.remove(sid)
             raise CacheFullError(f"reserve {request_id!r}: no slot or pages for {n} tokens")
@@ -479,16 +570,8 @@ class LLMEngine:
         self.requests[request_id] = req
         seq.num_computed = seq.target = n
         self.runner.save_snapshots(self.cm.commit(sid, seq.token_ids, n))
-        lps = list(output_logprobs) if output_logprobs is not None else [float("nan")] * len(outs)
-        done = False
-        for t, lp in zip(outs, lps + [float("nan")] * (len(outs) - len(lps))):
-            seq.logprobs.append(lp)
-            if params.logprobs is not None:
-                seq.top_logprobs.append(())
-            done = seq.detok.step(t).finished
-            if done:
-                break
-        if done:
+        self._feed_outputs(seq, outs, output_logprobs)
+        if seq.detok.finished:
             self._finish_seq(seq)
             del self.requests[request_id]
             return self._output(req)
@@ -720,6 +803,7 @@ class LLMEngine:
         return {
             "model": self.model_config.name,
             "layout_fingerprint": self.fingerprint,
+            "weights_id": self.weights_id,
             "block_size": self.config.block_size,
             "num_pages": self.config.num_pages,
             "num_slots": self.config.num_slots,

@@ -124,8 +124,13 @@ class LLM:
                 folder if folder else (cfg.name if cfg.name in PRESETS else "byte")
             )
         self.tokenizer = tokenizer
+        from k3serve.model.checkpoint import checkpoint_identity, random_init_identity
+
+        weights_id = checkpoint_identity(folder) if folder else random_init_identity(seed)
         config = EngineConfig(enable_prefix_caching=enable_prefix_caching, **engine_kwargs)
-        self.engine = LLMEngine(net, cfg, tokenizer, config, device=device, dtype=dtype)
+        self.engine = LLMEngine(
+            net, cfg, tokenizer, config, device=device, dtype=dtype, weights_id=weights_id
+        )
         self._counter = 0
 
     def _encode(self, prompt: str | Sequence[int], i: int) -> list[int]:
