@@ -35,7 +35,16 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from k3serve.engine.sampling import SamplingParams
-from k3serve.worker_common import BaseWorker, error, finite, log, serve, top_list
+from k3serve.worker_common import (
+    BaseWorker,
+    RequestBody,
+    error,
+    finite,
+    log,
+    parse_sampling,
+    serve,
+    top_list,
+)
 
 FALLBACK_SUFFIX = "#fallback"
 #: Keep a finished request's events this long for a stream that has not been opened (s).
@@ -55,13 +64,6 @@ class ReserveBody(BaseModel):
     sampling: dict[str, Any] = Field(default_factory=dict)
     n: int = Field(default=1, ge=1, le=1)
     cache_salt: str | None = None
-
-
-class RequestBody(BaseModel):
-    """``POST /internal/abort`` body."""
-
-    model_config = ConfigDict(extra="ignore")
-    request_id: str = Field(min_length=1)
 
 
 class StreamBody(RequestBody):
@@ -361,12 +363,9 @@ class DecodeWorker(BaseWorker):
 
         @app.post("/internal/reserve")
         async def reserve(body: ReserveBody):
-            try:
-                params = SamplingParams.from_dict(body.sampling)
-            except (ValueError, TypeError) as e:
-                return error(400, "invalid_sampling", str(e))
-            if params.n != 1:
-                return error(400, "invalid_sampling", "sampling.n: must be 1")
+            params = parse_sampling(body.sampling)
+            if not isinstance(params, SamplingParams):
+                return params
             try:
                 return await worker.loop.call(worker._reserve, body, params, asyncio.Queue())
             except CacheFullError as e:
@@ -406,15 +405,6 @@ class DecodeWorker(BaseWorker):
 
             return StreamingResponse(gen(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-
-        @app.get("/internal/requests")
-        async def requests(request_id: str | None = None) -> dict[str, Any]:
-            return await worker.loop.call(worker.describe, request_id)
-
-        @app.post("/internal/abort")
-        async def abort(body: RequestBody) -> dict[str, Any]:
-            found = await worker.loop.call(worker.abort, body.request_id, "aborted by the router")
-            return {"ok": True, "found": bool(found)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
+
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
     """Linux: ask the kernel to SIGTERM this child when the launcher dies (even by SIGKILL)."""
@@ -102,7 +104,7 @@ def start_stack(
     router_url = f"http://{host}:{port}"
     internal_host = "127.0.0.1"
     env = dict(os.environ)
-    env["K3SERVE_CLUSTER_TOKEN"] = token
+    env[CLUSTER_TOKEN_ENV] = token
     env.setdefault("PYTHONUNBUFFERED", "1")
     stack = Stack(url=router_url if host != "0.0.0.0" else f"http://127.0.0.1:{port}",
                   api_key=api_key, cluster_token=token)
@@ -112,11 +114,15 @@ def start_stack(
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
             out = open(os.path.join(log_dir, f"{name}.log"), "w")  # noqa: SIM115
-        p = subprocess.Popen(
-            [sys.executable, *args], env=env, stdout=out,
-            stderr=subprocess.STDOUT if out else None,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-        )
+        try:
+            p = subprocess.Popen(
+                [sys.executable, *args], env=env, stdout=out,
+                stderr=subprocess.STDOUT if out else None,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
+        finally:
+            if out is not None:  # the child holds its own copy of the descriptor
+                out.close()
         stack.procs.append(p)
         return p
 
@@ -124,7 +130,7 @@ def start_stack(
         rargs = ["-m", "router.app", "--host", host, "--port", str(port), "--policy", policy,
                  "--model", model]
         if api_key:  # through the environment, so it does not show in `ps`
-            env["K3SERVE_API_KEY"] = api_key
+            env[API_KEY_ENV] = api_key
         spawn(rargs + list(extra_router_args or []), "router")
         workers = [("prefill", i) for i in range(num_prefill)] + [("decode", i) for i in range(num_decode)]
         for role, i in workers:

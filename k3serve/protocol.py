@@ -62,7 +62,8 @@ $K3SERVE_CLUSTER_TOKEN`` when the cluster has a token (403 otherwise); ``/health
 body or ids: ``invalid_request``, ``invalid_sampling``), 403, 404 ``unknown_request``, 409
 (``fingerprint_mismatch``, ``ticket_refused``, ``aborted``, ``stream_taken``), 502
 (``transfer_pairing_failed``, ``transfer_setup_failed``), 503 ``busy`` (no cache for a
-reservation now: retry elsewhere), 504 ``timeout``, 500 ``internal_error`` (a bug). ``sampling`` is
+reservation now: retry elsewhere), 504 ``timeout``, 500 ``internal_error`` (a bug) or
+``engine_error`` (the prefill engine's step failed). ``sampling`` is
 ``SamplingParams.to_dict()`` with ``n == 1`` (the router splits ``n > 1`` into sub-requests
 with derived seeds; set ``seed``: a decode-side fallback then samples tokens #2… exactly as
 after a successful transfer). Logprobs that are not finite travel as ``null``.
@@ -152,9 +153,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CLUSTER_TOKEN_HEADER = "X-K3serve-Cluster-Token"
-"""Header carrying the cluster token on every internal call (same value as ``router.workers``)."""
+"""Header carrying the cluster token on every internal call (both directions)."""
 CLUSTER_TOKEN_ENV = "K3SERVE_CLUSTER_TOKEN"
 """Environment variable the launcher passes the cluster token in."""
+API_KEY_ENV = "K3SERVE_API_KEY"
+"""Environment variable the router reads its public API key from (when ``--api-key`` is unset)."""
 
 
 @dataclass(frozen=True)
@@ -287,6 +290,7 @@ class RequestOutput:
 
 
 __all__ = [
+    "API_KEY_ENV",
     "CLUSTER_TOKEN_ENV",
     "CLUSTER_TOKEN_HEADER",
     "CacheHandle",

@@ -37,6 +37,8 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from k3serve.protocol import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER
 
 log = logging.getLogger("k3serve.worker")
@@ -124,6 +126,29 @@ def top_list(top: Any) -> list[list[float]] | None:
     if top is None:
         return None
     return [[int(t), finite(lp)] for t, lp in top]
+
+
+def parse_sampling(d: dict[str, Any]) -> Any:
+    """The ``SamplingParams`` of an internal request's ``sampling`` dict, or the 400 answer
+    (``invalid_sampling``) to send instead: a dict that does not parse, or ``n != 1`` (the
+    router splits ``n > 1`` into sub-requests)."""
+    from k3serve.engine.sampling import SamplingParams
+
+    try:
+        params = SamplingParams.from_dict(d)
+    except (ValueError, TypeError) as e:
+        return error(400, "invalid_sampling", str(e))
+    if params.n != 1:
+        return error(400, "invalid_sampling", "sampling.n: must be 1 (the router splits "
+                                              "n > 1 into sub-requests)")
+    return params
+
+
+class RequestBody(BaseModel):
+    """``POST /internal/abort`` body (both roles)."""
+
+    model_config = ConfigDict(extra="ignore")
+    request_id: str = Field(min_length=1)
 
 
 # ============================================================================ engine thread
@@ -337,7 +362,8 @@ class BaseWorker:
     """What both roles share: engine + loop, kvstore engine, metrics, common endpoints.
 
     Subclasses implement :meth:`tick`, :meth:`on_outputs`, :meth:`fail_all`,
-    :meth:`num_waiting`, :meth:`routes` and may extend :meth:`usage`.
+    :meth:`num_waiting`, :meth:`abort`, :meth:`describe`, :meth:`routes` and may extend
+    :meth:`usage`.
 
     Args:
         args: :func:`parse_args` result.
@@ -377,6 +403,14 @@ class BaseWorker:
 
     def num_waiting(self) -> int:  # engine thread
         return len(self.engine.scheduler.waiting)
+
+    def abort(self, rid: str, reason: str) -> bool:  # engine thread
+        """End request ``rid`` wherever it is, freeing what it holds; True if it was known."""
+        raise NotImplementedError
+
+    def describe(self, rid: str | None) -> dict[str, Any]:  # engine thread
+        """``GET /internal/requests`` body: the tracked requests (all, or only ``rid``)."""
+        raise NotImplementedError
 
     def routes(self, app: Any) -> None:
         pass
@@ -528,6 +562,15 @@ class BaseWorker:
         async def cache_state() -> dict[str, Any]:
             return await worker.loop.call(worker.engine.cache_state)
 
+        @app.get("/internal/requests")
+        async def requests(request_id: str | None = None) -> dict[str, Any]:
+            return await worker.loop.call(worker.describe, request_id)
+
+        @app.post("/internal/abort")
+        async def abort(body: RequestBody) -> dict[str, Any]:
+            found = await worker.loop.call(worker.abort, body.request_id, "aborted by the router")
+            return {"ok": True, "found": bool(found)}
+
         self.routes(app)
         return app
 
@@ -601,5 +644,5 @@ def serve(worker_cls: type[BaseWorker], role: str, argv: list[str] | None = None
     return 0
 
 
-__all__ = ["BaseWorker", "EngineLoop", "WorkerMetrics", "build_engine", "error", "finite",
-           "parse_args", "serve", "top_list"]
+__all__ = ["BaseWorker", "EngineLoop", "RequestBody", "WorkerMetrics", "build_engine", "error",
+           "finite", "parse_args", "parse_sampling", "serve", "top_list"]

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from k3serve.engine.sampling import SamplingParams
 from k3serve.protocol import CacheHandle, FirstToken
-from k3serve.worker_common import BaseWorker, error, finite, log, serve, top_list
+from k3serve.worker_common import BaseWorker, error, finite, log, parse_sampling, serve, top_list
 
 #: Hold token #1 at most this long (s) while the sender is still pairing, so that a refused
 #: pairing is answered as an error rather than as a token nobody can continue.
@@ -50,11 +50,6 @@ class PrefillBody(BaseModel):
     snapshot_at: list[StrictInt] = Field(default_factory=list)
     cache_salt: str | None = None
     debug_fail_transfer_n: int = Field(default=0, ge=0)  # test hook (K3SERVE_TEST_HOOKS=1)
-
-
-class AbortBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    request_id: str = Field(min_length=1)
 
 
 @dataclass(eq=False)
@@ -282,13 +277,9 @@ class PrefillWorker(BaseWorker):
 
         @app.post("/internal/prefill")
         async def prefill(body: PrefillBody):
-            try:
-                params = SamplingParams.from_dict(body.sampling)
-            except (ValueError, TypeError) as e:
-                return error(400, "invalid_sampling", str(e))
-            if params.n != 1:
-                return error(400, "invalid_sampling", "sampling.n: must be 1 (the router splits "
-                                                      "n > 1 into sub-requests)")
+            params = parse_sampling(body.sampling)
+            if not isinstance(params, SamplingParams):
+                return params
             if body.debug_fail_transfer_n and not worker.args.test_hooks:
                 return error(400, "invalid_request", "debug_fail_transfer_n needs "
                                                      "K3SERVE_TEST_HOOKS=1")
@@ -308,15 +299,6 @@ class PrefillWorker(BaseWorker):
             if kind == "error":
                 return error(*res)
             return res
-
-        @app.get("/internal/requests")
-        async def requests(request_id: str | None = None) -> dict[str, Any]:
-            return await worker.loop.call(worker.describe, request_id)
-
-        @app.post("/internal/abort")
-        async def abort(body: AbortBody) -> dict[str, Any]:
-            found = await worker.loop.call(worker.abort, body.request_id, "aborted by the router")
-            return {"ok": True, "found": bool(found)}
 
 
 def main(argv: list[str] | None = None) -> int:

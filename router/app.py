@@ -50,6 +50,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER
 from router.metrics import RouterMetrics
 from router.placement import (
     POLICIES,
@@ -86,11 +87,9 @@ from router.schemas import (
     now,
     validation_error_body,
 )
-from router.workers import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER, Worker, WorkerError, WorkerPool
+from router.workers import Worker, WorkerError, WorkerPool
 
 log = logging.getLogger("k3serve.router")
-
-API_KEY_ENV = "K3SERVE_API_KEY"
 
 
 # ============================================================================ config, errors

@@ -40,14 +40,10 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from k3serve.protocol import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER  # noqa: F401 - re-exported
 from router.index import GlobalIndex, PrefixMatch, ResyncNeeded
 
 log = logging.getLogger("k3serve.router")
-
-CLUSTER_TOKEN_HEADER = "X-K3serve-Cluster-Token"
-"""Header that carries the cluster token on every internal call (both directions)."""
-CLUSTER_TOKEN_ENV = "K3SERVE_CLUSTER_TOKEN"
-"""Environment variable the launcher passes the cluster token in."""
 
 
 class WorkerError(RuntimeError):

@@ -83,9 +83,11 @@ class Proc:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("disagg-logs")
-    procs = {"P": Proc("prefill", "p0", B, logs), "D": Proc("decode", "d0", B, logs),
-             "D32": Proc("decode", "d32", 2 * B, logs, pages=64)}
-    try:
+    procs: dict[str, Proc] = {}
+    try:  # a worker that fails to start must not leave the others running
+        procs["P"] = Proc("prefill", "p0", B, logs)
+        procs["D"] = Proc("decode", "d0", B, logs)
+        procs["D32"] = Proc("decode", "d32", 2 * B, logs, pages=64)
         for p in procs.values():
             p.wait_ready()
         yield procs
@@ -177,10 +179,13 @@ async def _request(c: httpx.AsyncClient, P: Proc, D: Proc, rid: str, ids: list[i
     return [first["token_id"], *rest], first
 
 
-def _metric(url: str, name: str) -> float:
+def _metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
     text = httpx.get(url + "/metrics", timeout=10).text
+    want = [f'{k}="{v}"' for k, v in labels.items()]
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith((name + "{", name + " ")))
+               if line.startswith((name + "{", name + " "))
+               and all(w in line.split("}", 1)[0] for w in want))
 
 
 def _usage(url: str) -> dict:
@@ -231,6 +236,7 @@ def test_injected_transfer_failure_falls_back_to_the_same_tokens(cluster, oracle
     prompts = _prompts()
     picks = [0, 7, 9]  # 3 tokens, 4 blocks, 90 tokens
     before = _metric(D.url, "k3serve:kv_transfer_fallbacks_total")
+    failed_before = _metric(P.url, "k3serve:kv_transfers_total", outcome="failed")
 
     async def run():
         async with httpx.AsyncClient(headers=HEADERS, timeout=120) as c:
@@ -241,9 +247,13 @@ def test_injected_transfer_failure_falls_back_to_the_same_tokens(cluster, oracle
     for i, (toks, _) in zip(picks, asyncio.run(run())):
         assert toks == oracle[tuple(prompts[i])]
     assert _metric(D.url, "k3serve:kv_transfer_fallbacks_total") == before + len(picks)
-    assert _metric(P.url, 'k3serve:kv_transfers_total{outcome="failed"') >= 0  # family exists
-    text = httpx.get(P.url + "/metrics", timeout=10).text
-    assert 'outcome="failed"' in text
+    # the sender counts its failed transfers (on its own engine tick: allow it a moment)
+    t_end = time.monotonic() + 10
+    while (_metric(P.url, "k3serve:kv_transfers_total", outcome="failed")
+           < failed_before + len(picks)) and time.monotonic() < t_end:
+        time.sleep(0.05)
+    failed = _metric(P.url, "k3serve:kv_transfers_total", outcome="failed")
+    assert failed == failed_before + len(picks), (failed_before, failed)
 
 
 def test_fallback_continues_from_the_prefill_workers_token(cluster, offline):

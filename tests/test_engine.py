@@ -392,7 +392,9 @@ def test_prefill_handle_to_decode_engine_gives_same_tokens(model):
     D.reserve("x", prompt)
     assert D.abort_request("x") and D.cm.usage().slots_used == 0
     small = LLMEngine(model, MICRO, None, EngineConfig(block_size=B, num_pages=4, num_slots=1))
+    assert small.can_reserve(4 * B) and not small.can_reserve(4 * B + 1)  # 4 pages, 1 slot
     small.reserve("a", [1, 2, 3])
+    assert not small.can_reserve(1)  # the one slot is taken
     with pytest.raises(CacheFullError):
         small.reserve("b", [1, 2, 3])
     with pytest.raises(ValueError, match="output_token_ids"):

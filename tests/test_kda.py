@@ -21,6 +21,7 @@ from k3serve.kernels.kda import (
     kda_gate,
     naive_recurrent_kda,
 )
+from k3serve.kernels.kda.recurrent import causal_conv_step
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 
@@ -196,6 +197,28 @@ def test_decode_step_strided_pool_view():
     assert rel_err(o, o_ref[:, 0]) <= 1e-5 and rel_err(big[1, slots], s_ref) <= 1e-5
     assert big[0].abs().sum() == 0
 
+
+
+def test_conv_step_equals_varlen_conv_one_token():
+    """The torch decode conv step == the model's packed conv with one new token per sequence,
+    on one layer's slice of ``conv_state [L, S, W-1, C]`` with shuffled slots."""
+    from k3serve.model.kda import causal_conv_varlen
+
+    N, W, C, S = 3, 4, 12, 6
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(N, C, generator=gen, dtype=torch.float64)
+    weight = torch.randn(C, W, generator=gen, dtype=torch.float64)
+    big = torch.randn(2, S, W - 1, C, generator=gen, dtype=torch.float64)
+    slots = torch.tensor([5, 0, 3])
+    y_ref, hist_ref = causal_conv_varlen(x, weight, torch.arange(N + 1), big[1, slots].clone())
+    before = big.clone()
+    y = causal_conv_step(x, big[1], weight, slots)
+    assert y.dtype == x.dtype and rel_err(y, y_ref) <= 1e-6  # both accumulate in float32
+    assert torch.equal(big[1, slots], hist_ref)
+    others = [i for i in range(S) if i not in slots.tolist()]
+    assert torch.equal(big[1, others], before[1, others]) and torch.equal(big[0], before[0])
+    with pytest.raises(ValueError, match="conv_pool"):
+        causal_conv_step(x, big[1, :, :2], weight, slots)
 
 # ---------------------------------------------------------------- gradients
 

@@ -628,8 +628,14 @@ class Peer:
             cwd=ROOT,
             env=env,
         )
-        self.info = self._read(60)
-        assert self.info.get("ready"), self.info
+        try:
+            self.info = self._read(60)
+            assert self.info.get("ready"), self.info
+        except BaseException:  # never ready: do not leave the process behind
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+            self.log.close()
+            raise
 
     def _read(self, timeout_s: float) -> dict:
         r, _, _ = select.select([self.proc.stdout], [], [], timeout_s)

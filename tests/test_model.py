@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from k3serve.cache.pools import KVPools
+from k3serve.cache.specs import CacheDtypes, KDAStateSpec, MLALatentSpec
 from k3serve.config import PRESETS
 from k3serve.kernels.mla import naive as mla_ref
 from k3serve.model.attn_res import attn_res_mix
@@ -50,6 +51,22 @@ def pools(num_slots: int = 4, num_pages: int = 32) -> KVPools:
 def pages(first: int, n: int) -> list[int]:
     return [first + 3 * i for i in range(n)]  # strided: pages of one sequence are not adjacent
 
+
+
+def test_pools_follow_the_cache_specs() -> None:
+    """The allocated pools have the shapes and bytes the spec classes compute (the router and
+    the kvstore size transfers from the specs, never from the tensors)."""
+    pl = KVPools(TINY, num_slots=3, num_pages=5, block_size=BS, num_snapshots=2)
+    mla = MLALatentSpec.from_config(TINY, BS, "float32")
+    kda = KDAStateSpec.from_config(TINY, CacheDtypes.for_config(TINY, "float32"))
+    assert pl.mla_latent.shape == (mla.num_layers, 5, *mla.page_shape())
+    assert pl.kda_state.shape == (kda.num_layers, 3, *kda.state_shape())
+    assert pl.conv_state.shape == (kda.num_layers, 3, *kda.conv_shape())
+    assert pl.snap_state.shape[1] == pl.snap_conv.shape[1] == 2
+    nb = pl.nbytes()
+    assert nb["mla_latent"] == 5 * mla.page_size_bytes
+    assert nb["kda_state"] + nb["conv_state"] == 3 * kda.slot_size_bytes
+    assert nb["snap_state"] + nb["snap_conv"] == 2 * kda.snapshot_size_bytes
 
 # ----------------------------------------------------------------------------- (a) whole model
 @torch.no_grad()

@@ -280,7 +280,7 @@ def test_add_request_continues_after_given_output_tokens(model):
     eng.cm.check()
 
 
-def test_prefix_queries_count_lookups_only(model):
+def test_prefix_queries_count_lookups_only():
     """``CacheManager.admit`` counted a decode reservation and every re-admission after a
     preemption as a prefix-cache query (its prompt tokens again)."""
     rng = random.Random(4)

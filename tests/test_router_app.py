@@ -37,12 +37,20 @@ class Stack:
         self.router = self.app.state.router
         self.srv = ServerThread(self.app).start()
         self.url = self.srv.url
-        self.prefill = [start_worker("prefill", TOKEN) for _ in range(num_prefill)]
-        self.decode = [start_worker("decode", TOKEN) for _ in range(num_decode)]
-        for st, _ in self.prefill + self.decode:
-            r = httpx.post(self.url + "/internal/register", json={"url": st.url},
-                           headers={CLUSTER_TOKEN_HEADER: TOKEN})
-            assert r.status_code == 200, r.text
+        self.prefill: list = []
+        self.decode: list = []
+        try:  # stop what was started when a later start or registration fails
+            for _ in range(num_prefill):
+                self.prefill.append(start_worker("prefill", TOKEN))
+            for _ in range(num_decode):
+                self.decode.append(start_worker("decode", TOKEN))
+            for st, _ in self.prefill + self.decode:
+                r = httpx.post(self.url + "/internal/register", json={"url": st.url},
+                               headers={CLUSTER_TOKEN_HEADER: TOKEN})
+                assert r.status_code == 200, r.text
+        except BaseException:
+            self.close()
+            raise
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none",
                                     max_retries=0)
 

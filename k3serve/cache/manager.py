@@ -627,11 +627,6 @@ class CacheManager:
     def seq_ids(self) -> list[Hashable]:
         return list(self._seqs)
 
-    @property
-    def max_tokens_per_seq(self) -> int:
-        """The most tokens one sequence can ever hold: all pages."""
-        return self.config.num_pages * self.block_size
-
     def usage(self) -> CacheUsage:
         return CacheUsage(
             self.pages.num_ids,

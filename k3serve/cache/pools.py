@@ -93,18 +93,6 @@ class KVPools:
             "snap_conv": self.snap_conv,
         }
 
-    def slot_bytes(self) -> int:
-        """Bytes of one sequence's KDA + conv state over all KDA layers."""
-        per = (
-            self.kda_state[:, 0].numel() * 4
-            + self.conv_state[:, 0].numel() * self.conv_state.element_size()
-        )
-        return per
-
-    def page_bytes(self) -> int:
-        """Bytes of one latent page over all MLA layers (``L_mla × B × D × dtype``)."""
-        return self.mla_latent[:, 0].numel() * self.mla_latent.element_size()
-
     # ------------------------------------------------------------------ slot / snapshot copies
     def _check(self, name: str, v: int, hi: int) -> None:
         if not (0 <= v < hi):

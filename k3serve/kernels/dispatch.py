@@ -102,18 +102,14 @@ def fused_recurrent_kda_step(q, k, v, g, beta, state_pool, slots, scale=None):
 
 
 def causal_conv_step(x, conv_pool, weight, slots):
-    """Decode short-conv step: ``y [N, C]``, ``conv_pool[slots]`` shifted in place (see
-    :func:`k3serve.kernels.kda.recurrent_triton.causal_conv_step_triton`)."""
+    """:func:`k3serve.kernels.kda.recurrent.causal_conv_step` contract, in place on the pool."""
     if use_triton(x.device):
         from k3serve.kernels.kda.recurrent_triton import causal_conv_step_triton
 
         return causal_conv_step_triton(x, conv_pool, weight, slots)
-    hist = conv_pool[slots]  # [N, W-1, C]
-    W = weight.shape[-1]
-    ext = torch.cat([hist.to(x.dtype), x[:, None]], 1).float()  # [N, W, C]
-    y = (ext * weight.float().t()[None]).sum(1)
-    conv_pool[slots] = ext[:, 1:W].to(conv_pool.dtype)
-    return torch.nn.functional.silu(y).to(x.dtype)
+    from k3serve.kernels.kda.recurrent import causal_conv_step as ref
+
+    return ref(x, conv_pool, weight, slots)
 
 
 def mla_decode_absorbed_paged(q_lat, latent_pool, block_table, seq_lens, kv_lora, scale):

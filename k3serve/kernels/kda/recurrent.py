@@ -85,6 +85,51 @@ def fused_recurrent_kda_step(
     return o.to(v.dtype)
 
 
+def causal_conv_step(
+    x: torch.Tensor,
+    conv_pool: torch.Tensor,
+    weight: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    r"""Depthwise causal conv + SiLU for one new token per sequence, updating the conv state.
+
+    The plain-torch reference of
+    :func:`k3serve.kernels.kda.recurrent_triton.causal_conv_step_triton` (the decode case of
+    the short convolution before KDA; Kimi Linear arXiv 2510.26692 §3):
+    ``y = silu(Σ_{j<W-1} state[j] · w[:, j] + x · w[:, W-1])`` in float32 (as the prefill conv
+    ``k3serve.model.kda.causal_conv_varlen``), then the state becomes ``[state[1:], x]`` (oldest
+    first, values copied exactly). Mutates ``conv_pool[slots]``.
+
+    Args:
+        x (torch.Tensor): ``[N, C]`` pre-conv inputs (channels ``q | k | v``), model dtype.
+        conv_pool (torch.Tensor): ``[S, W-1, C]`` (may be a strided view, e.g.
+            ``conv_state[j]``); rows ``slots`` are mutated.
+        weight (torch.Tensor): ``[C, W]`` taps (``weight[:, W-1]`` hits the current token).
+        slots (torch.Tensor): ``[N]`` int, distinct rows of ``conv_pool``.
+
+    Returns:
+        ``y [N, C]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: inconsistent shapes, or ``W < 2``.
+    """
+    N, C = x.shape
+    W = weight.shape[-1]
+    bad_pool = conv_pool.dim() != 3 or tuple(conv_pool.shape[1:]) != (W - 1, C)
+    if W < 2 or weight.shape != (C, W) or bad_pool:
+        raise ValueError(
+            f"conv step wants x [N, C], weight [C, W>=2], conv_pool [S, W-1, C]; got x "
+            f"{tuple(x.shape)}, weight {tuple(weight.shape)}, conv_pool {tuple(conv_pool.shape)}"
+        )
+    if slots.shape != (N,):
+        raise ValueError(f"slots must be [N={N}], got {tuple(slots.shape)}")
+    hist = conv_pool[slots]  # [N, W-1, C]
+    ext = torch.cat([hist.to(x.dtype), x[:, None]], 1).float()  # [N, W, C]
+    y = (ext * weight.float().t()[None]).sum(1)
+    conv_pool[slots] = torch.cat([hist[:, 1:], x[:, None].to(conv_pool.dtype)], 1)  # exact shift
+    return torch.nn.functional.silu(y).to(x.dtype)
+
+
 def fused_recurrent_kda(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -144,4 +189,4 @@ def fused_recurrent_kda(
     return o, (S if output_final_state else None)
 
 
-__all__ = ["fused_recurrent_kda", "fused_recurrent_kda_step", "kda_step"]
+__all__ = ["causal_conv_step", "fused_recurrent_kda", "fused_recurrent_kda_step", "kda_step"]

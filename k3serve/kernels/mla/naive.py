@@ -109,7 +109,10 @@ def mla_prefill_naive_paged(
         kv_b_weight, qk_nope, v_dim, scale: as in :func:`mla_attention_naive`.
 
     Returns:
-        ``[T, H, v]`` float32.
+        ``[T, H, v]`` float32 (float64 for float64 queries).
+
+    Raises:
+        ValueError: a block-table row covers fewer than ``num_cached + new`` tokens.
     """
     out = []
     cu, nc = cu_seqlens.tolist(), num_cached.tolist()
@@ -140,7 +143,11 @@ def mla_decode_absorbed_paged(
         scale: softmax scale (``(nope+rope)^-1/2``, not ``(kv_lora+rope)^-1/2``).
 
     Returns:
-        ``[N, H, kv_lora]`` float32 latent outputs (apply ``W_uv`` afterwards).
+        ``[N, H, kv_lora]`` float32 (float64 for float64 queries) latent outputs (apply
+        ``W_uv`` afterwards).
+
+    Raises:
+        ValueError: a block-table row covers fewer than its ``seq_lens`` tokens.
     """
     ct = _ctype(q_lat)
     out = []
