@@ -34,7 +34,7 @@ import torch
 
 from k3serve.config import PRESETS, ModelConfig
 from k3serve.engine.llm import LLM
-from k3serve.engine.sampling import SamplingParams
+from k3serve.sampling import SamplingParams
 
 TRACE = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),

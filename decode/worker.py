@@ -34,7 +34,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from k3serve.engine.sampling import SamplingParams
+from k3serve.sampling import SamplingParams
 from k3serve.worker_common import (
     BaseWorker,
     RequestBody,

@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": ("k3serve.engine.llm", "LLM"),
-    "SamplingParams": ("k3serve.engine.sampling", "SamplingParams"),
+    "SamplingParams": ("k3serve.sampling", "SamplingParams"),
     "ModelConfig": ("k3serve.config", "ModelConfig"),
 }
 

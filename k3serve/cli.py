@@ -57,7 +57,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from k3serve.engine.llm import LLM
-    from k3serve.engine.sampling import SamplingParams
+    from k3serve.sampling import SamplingParams
 
     llm = LLM(model=args.model, enable_prefix_caching=False)
     params = SamplingParams(

@@ -22,6 +22,8 @@ and :func:`serve`.
 
 from __future__ import annotations
 
+import abc
+
 import argparse
 import asyncio
 import concurrent.futures as cf
@@ -132,7 +134,7 @@ def parse_sampling(d: dict[str, Any]) -> Any:
     """The ``SamplingParams`` of an internal request's ``sampling`` dict, or the 400 answer
     (``invalid_sampling``) to send instead: a dict that does not parse, or ``n != 1`` (the
     router splits ``n > 1`` into sub-requests)."""
-    from k3serve.engine.sampling import SamplingParams
+    from k3serve.sampling import SamplingParams
 
     try:
         params = SamplingParams.from_dict(d)
@@ -358,7 +360,7 @@ class _WithoutCreated:
 
 
 # ============================================================================ the worker
-class BaseWorker:
+class BaseWorker(abc.ABC):
     """What both roles share: engine + loop, kvstore engine, metrics, common endpoints.
 
     Subclasses implement :meth:`tick`, :meth:`on_outputs`, :meth:`fail_all`,
@@ -404,13 +406,13 @@ class BaseWorker:
     def num_waiting(self) -> int:  # engine thread
         return len(self.engine.scheduler.waiting)
 
+    @abc.abstractmethod
     def abort(self, rid: str, reason: str) -> bool:  # engine thread
         """End request ``rid`` wherever it is, freeing what it holds; True if it was known."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def describe(self, rid: str | None) -> dict[str, Any]:  # engine thread
         """``GET /internal/requests`` body: the tracked requests (all, or only ``rid``)."""
-        raise NotImplementedError
 
     def routes(self, app: Any) -> None:
         pass

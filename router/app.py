@@ -309,7 +309,7 @@ class Router:
         Choice 0 uses the request's seed (a fresh one if unset), so ``n = 1`` reproduces
         with the same seed; choice j > 0 uses a seed derived from it, so choices differ.
         """
-        from k3serve.engine.sampling import SamplingParams
+        from k3serve.sampling import SamplingParams
 
         if isinstance(req, ChatCompletionRequest):
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -396,7 +396,7 @@ class Router:
             NoWorkerAvailable: no healthy worker.
             WorkerError: a worker failed.
         """
-        from k3serve.engine.detok import IncrementalDetokenizer
+        from k3serve.tokenizer.detok import IncrementalDetokenizer
 
         tried: set[str] = set()
         L = len(job.token_ids)

@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from k3serve.cache.manager import CacheManager
 from k3serve.cache.specs import CacheConfig
-from k3serve.engine.detok import IncrementalDetokenizer
-from k3serve.engine.sampling import SamplingParams
+from k3serve.tokenizer.detok import IncrementalDetokenizer
+from k3serve.sampling import SamplingParams
 from k3serve.tokenizer import get_tokenizer
 from router.workers import CLUSTER_TOKEN_HEADER
 

@@ -132,7 +132,7 @@ def test_light_imports_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "import k3serve, k3serve.config, k3serve.protocol, k3serve.cache.hashing\n"
-        "import k3serve.tokenizer, k3serve.engine.sampling\n"
+        "import k3serve.tokenizer, k3serve.sampling\n"
         "from k3serve.tokenizer import get_tokenizer\n"
         "tok = get_tokenizer('k3-tiny'); assert tok.decode(tok.encode('héllo')) == 'héllo'\n"
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"

@@ -18,7 +18,7 @@ from k3serve.config import PRESETS
 from k3serve.engine.engine import EngineConfig, LLMEngine
 from k3serve.engine.llm import LLM, load_model
 from k3serve.engine.sampler import SamplingRow, sample
-from k3serve.engine.sampling import SamplingParams
+from k3serve.sampling import SamplingParams
 from k3serve.model.batch import make_batch
 
 torch.set_num_threads(1)

@@ -14,7 +14,7 @@ from test_engine import GREEDY, MICRO, _llm, alone
 
 from k3serve.engine.engine import EngineConfig, LLMEngine
 from k3serve.engine.llm import LLM, load_model
-from k3serve.engine.sampling import SamplingParams
+from k3serve.sampling import SamplingParams
 
 torch.set_num_threads(1)
 

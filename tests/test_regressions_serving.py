@@ -190,7 +190,7 @@ def test_worker_metrics_have_no_created_series(stack):
 def test_reservation_outlives_a_prefill_queue_longer_than_the_receiver_timeout(stack):
     """The router reserves on D before P admits the request; P pairs only at admission. A
     request that waits in P's queue longer than the receiver timeout must still pair."""
-    from k3serve.engine.sampling import SamplingParams
+    from k3serve.sampling import SamplingParams
 
     h = {"X-K3serve-Cluster-Token": stack.cluster_token}
     prefill_url, decode_url = stack.worker_urls[0], stack.worker_urls[-1]

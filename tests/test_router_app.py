@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from router_fakes import TOKENIZER, ServerThread, start_worker, toy_generate
 
-from k3serve.engine.sampling import SamplingParams
+from k3serve.sampling import SamplingParams
 from router.app import RouterConfig, create_app
 from router.workers import CLUSTER_TOKEN_HEADER
 

@@ -18,7 +18,7 @@ mods = sorted(m.name for m in pkgutil.iter_modules(router.__path__, "router."))
 for m in mods:
     importlib.import_module(m)
 # what router/app.py imports lazily on the request path, and a whole app
-for m in ("k3serve.tokenizer", "k3serve.engine.sampling", "k3serve.engine.detok",
+for m in ("k3serve.tokenizer", "k3serve.sampling", "k3serve.tokenizer.detok",
           "k3serve.cache.hashing", "k3serve.config"):
     importlib.import_module(m)
 from router.app import RouterConfig, create_app

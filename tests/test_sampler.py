@@ -13,7 +13,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from k3serve.engine.detok import IncrementalDetokenizer
+from k3serve.tokenizer.detok import IncrementalDetokenizer
 from k3serve.engine.sampler import (
     SamplingRow,
     apply_penalties,
@@ -21,7 +21,7 @@ from k3serve.engine.sampler import (
     sample,
     uniform_noise,
 )
-from k3serve.engine.sampling import SamplingParams
+from k3serve.sampling import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,7 +95,7 @@ def test_sampling_and_detok_import_without_torch():
     code = textwrap.dedent("""
         import sys
         sys.modules['torch'] = None  # any 'import torch' now raises ImportError
-        import k3serve.engine.sampling as s, k3serve.engine.detok as d
+        import k3serve.sampling as s, k3serve.tokenizer.detok as d
         p = s.SamplingParams(temperature=0.5, stop=['x'])
         assert s.SamplingParams.from_dict(p.to_dict()) == p
         print('ok')
@@ -202,7 +202,7 @@ def test_same_key_same_token_in_fresh_process():
     code = textwrap.dedent("""
         import torch
         from k3serve.engine.sampler import SamplingRow, sample
-        from k3serve.engine.sampling import SamplingParams
+        from k3serve.sampling import SamplingParams
         x = torch.randn(32, 400, generator=torch.Generator().manual_seed(3))
         rows = [SamplingRow(SamplingParams(temperature=1.0, top_p=0.95), seed=77, position=p,
                             choice=p % 3) for p in range(32)]

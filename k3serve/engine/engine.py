@@ -34,10 +34,10 @@ from k3serve.cache.manager import CacheManager, PrefixHit
 from k3serve.cache.pools import KVPools
 from k3serve.cache.specs import CacheConfig, CacheDtypes, layout_fingerprint
 from k3serve.config import ModelConfig
-from k3serve.engine.detok import IncrementalDetokenizer
+from k3serve.tokenizer.detok import IncrementalDetokenizer
 from k3serve.engine.runner import ModelRunner, Row
 from k3serve.engine.sampler import SampleResult, SamplingRow, sample
-from k3serve.engine.sampling import SamplingParams, draw_seed
+from k3serve.sampling import SamplingParams, draw_seed
 from k3serve.engine.scheduler import ScheduledSeq, Scheduler
 from k3serve.engine.sequence import Request, RequestMode, SeqStatus
 from k3serve.engine.sequence import Sequence as Seq

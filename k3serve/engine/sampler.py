@@ -1,7 +1,7 @@
 """Batched token sampling with per-row parameters and position-keyed randomness.
 
 One call picks one token for each of N rows of logits ``[N, V]``. Each row carries its own
-:class:`~k3serve.engine.sampling.SamplingParams`, its resolved seed, its choice index (``n`` > 1)
+:class:`~k3serve.sampling.SamplingParams`, its resolved seed, its choice index (``n`` > 1)
 and the position of the token being sampled. Pipeline per row (vLLM v1 order)::
 
     raw logits ──┬─────────────────────────────────────────────▶ log_softmax ─▶ logprobs
@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from k3serve.engine.sampling import SamplingParams
+from k3serve.sampling import SamplingParams
 
 _M32 = 0xFFFFFFFF
 _M64 = 0xFFFFFFFFFFFFFFFF

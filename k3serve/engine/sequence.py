@@ -21,8 +21,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from k3serve.engine.detok import IncrementalDetokenizer
-from k3serve.engine.sampling import SamplingParams
+from k3serve.tokenizer.detok import IncrementalDetokenizer
+from k3serve.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from k3serve.protocol import CacheHandle

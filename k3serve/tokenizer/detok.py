@@ -38,7 +38,7 @@ import inspect
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import NamedTuple, Protocol
 
-from k3serve.engine.sampling import SamplingParams
+from k3serve.sampling import SamplingParams
 
 _REPLACEMENT = "\ufffd"
 
