@@ -128,8 +128,11 @@ def test_byte_chat_template_is_chatml_with_special_ids() -> None:
 
 
 def test_get_tokenizer_resolution(tmp_path) -> None:
-    for name in (None, "", "byte", "k3-tiny", "k3-mini", "k3"):
+    for name in (None, "", "byte", "k3-tiny"):
         assert isinstance(get_tokenizer(name), ByteTokenizer)
+    for name in ("k3-mini", "k3"):  # vocabularies the byte tokenizer can't decode
+        with pytest.raises(ValueError, match="ships no tokenizer"):
+            get_tokenizer(name)
     ours = tmp_path / "ours"
     ours.mkdir()
     (ours / "k3serve_config.json").write_text(json.dumps(PRESETS["k3-tiny"].to_dict()))
@@ -285,3 +288,14 @@ def test_tokenizer_imports_without_torch(hf_folder) -> None:
     """)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "ok"
+
+
+def test_preset_without_a_tokenizer_is_refused_at_startup():
+    """k3-mini's 32768 ids can't be decoded by the byte tokenizer: refuse, don't fail mid-stream."""
+    import pytest
+
+    from k3serve.tokenizer import get_tokenizer
+
+    with pytest.raises(ValueError, match="k3-mini.*ships no tokenizer"):
+        get_tokenizer("k3-mini")
+    assert get_tokenizer("k3-tiny").vocab_size == 272

@@ -83,8 +83,9 @@ def get_tokenizer(name_or_dir: str | os.PathLike[str] | None = None) -> Tokenize
     """The tokenizer for a model name or checkpoint folder (table in the module docstring).
 
     Raises:
-        ValueError: a folder with neither ``tokenizer.json`` nor a vocab-272 config, or a name
-            that is neither a preset nor a folder.
+        ValueError: a folder with neither ``tokenizer.json`` nor a vocab-272 config, a preset
+            whose vocabulary is not the byte tokenizer's (it ships no tokenizer: sampled ids could
+            not be decoded), or a name that is neither a preset nor a folder.
     """
     if name_or_dir is None or str(name_or_dir) in ("", "byte"):
         return ByteTokenizer()
@@ -104,6 +105,12 @@ def get_tokenizer(name_or_dir: str | os.PathLike[str] | None = None) -> Tokenize
     from k3serve.config import PRESETS
 
     if path in PRESETS:
+        if PRESETS[path].vocab_size != VOCAB_SIZE:
+            raise ValueError(
+                f"tokenizer: preset {path!r} (vocabulary {PRESETS[path].vocab_size}) ships no "
+                f"tokenizer and the byte tokenizer covers only {VOCAB_SIZE} ids; load a "
+                "checkpoint folder with tokenizer.json or pass a tokenizer"
+            )
         return ByteTokenizer()
     raise ValueError(
         f"tokenizer: {path!r} is neither a preset {sorted(PRESETS)} nor a folder; "
