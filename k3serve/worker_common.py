@@ -23,7 +23,6 @@ and :func:`serve`.
 from __future__ import annotations
 
 import abc
-
 import argparse
 import asyncio
 import concurrent.futures as cf
@@ -340,23 +339,9 @@ class WorkerMetrics:
     def render(self) -> tuple[bytes, str]:
         """``(body, content type)``: the families above, without prometheus-client's
         ``*_created`` timestamp series (DESIGN.md §6 names only, as the router does)."""
-        from prometheus_client import generate_latest
-        from prometheus_client.exposition import CONTENT_TYPE_LATEST
+        from k3serve.prometheus import render
 
-        return generate_latest(_WithoutCreated(self.registry)), CONTENT_TYPE_LATEST
-
-
-class _WithoutCreated:
-    """A registry view that drops the ``*_created`` samples (each collect builds fresh
-    families, so the registry itself is untouched)."""
-
-    def __init__(self, registry: Any) -> None:
-        self._registry = registry
-
-    def collect(self):
-        for fam in self._registry.collect():
-            fam.samples = [s for s in fam.samples if not s.name.endswith("_created")]
-            yield fam
+        return render(self.registry)
 
 
 # ============================================================================ the worker

@@ -30,8 +30,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from k3serve.prometheus import render as _render
 
 CACHE_SOURCES = ("local", "store")
 HIT_RATE_WINDOW_S = 300.0
@@ -187,16 +188,4 @@ class RouterMetrics:
         prometheus-client's ``*_created`` timestamp series are left out, so the body names
         exactly the families of DESIGN.md §6.
         """
-        return generate_latest(_WithoutCreated(self.registry)), CONTENT_TYPE_LATEST
-
-
-class _WithoutCreated:
-    """A registry view that drops the ``*_created`` samples (each collect builds fresh families)."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._registry = registry
-
-    def collect(self):
-        for fam in self._registry.collect():
-            fam.samples = [s for s in fam.samples if not s.name.endswith("_created")]
-            yield fam
+        return _render(self.registry)

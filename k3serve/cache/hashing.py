@@ -82,6 +82,17 @@ def _encode(token_ids: Sequence[int]) -> bytes:
         )
 
 
+def _parent_bytes(parent: str) -> bytes:
+    """``h_{i-1}`` from its hex form. Raises ValueError (naming ``parent``) when malformed."""
+    try:
+        prev = bytes.fromhex(parent)
+    except (ValueError, TypeError):
+        raise ValueError(f"parent: not a hex hash: {parent!r}") from None
+    if len(prev) != DIGEST_SIZE:
+        raise ValueError(f"parent: expected {DIGEST_SIZE} bytes of hex, got {len(prev)}")
+    return prev
+
+
 def hash_block(parent: str, token_ids: Sequence[int]) -> str:
     """One chain step ``h_i = H(h_{i-1} ‖ tokens)``; ``parent`` is ``h_{i-1}`` in hex.
 
@@ -91,13 +102,8 @@ def hash_block(parent: str, token_ids: Sequence[int]) -> str:
     Raises:
         ValueError: ``parent`` is not a 32-character hex string; a bad token id.
     """
-    try:
-        prev = bytes.fromhex(parent)
-    except (ValueError, TypeError):
-        raise ValueError(f"parent: not a hex hash: {parent!r}")
-    if len(prev) != DIGEST_SIZE:
-        raise ValueError(f"parent: expected {DIGEST_SIZE} bytes of hex, got {len(prev)}")
-    return hashlib.blake2b(prev + _encode(token_ids), digest_size=DIGEST_SIZE).hexdigest()
+    return hashlib.blake2b(_parent_bytes(parent) + _encode(token_ids),
+                           digest_size=DIGEST_SIZE).hexdigest()
 
 
 def block_hashes(
@@ -125,12 +131,7 @@ def block_hashes(
     if parent is None:
         prev = bytes.fromhex(root_hash(salt))
     else:
-        try:
-            prev = bytes.fromhex(parent)
-        except (ValueError, TypeError):
-            raise ValueError(f"parent: not a hex hash: {parent!r}")
-        if len(prev) != DIGEST_SIZE:
-            raise ValueError(f"parent: expected {DIGEST_SIZE} bytes of hex, got {len(prev)}")
+        prev = _parent_bytes(parent)
     ids = token_ids if isinstance(token_ids, (list, tuple)) else list(token_ids)
     out: list[str] = []
     for start in range(0, len(ids) - block_size + 1, block_size):
