@@ -1,0 +1,590 @@
+"""Typed messages: one pydantic model per hop of the request path (torch-free).
+
+Every body that crosses a process boundary — router ↔ workers, prefill kvstore ↔ decode
+kvstore, the SSE events of a decode stream, the transfer's completion metadata — is one of
+these models. Servers validate incoming bodies with them (FastAPI answers a bad body with a
+4xx naming the field), clients parse replies with them (``Model.model_validate(json)``), and
+nobody parses these dicts by hand. The request lifecycle that uses them is numbered in
+:mod:`k3serve.protocol`; docs/ARCHITECTURE.md maps who sends which.
+
+Hop by hop (``→`` request body, ``←`` answer)::
+
+    router → decode    POST /internal/reserve    ReserveRequest      ← ReserveResponse
+    router → prefill   POST /internal/prefill    PrefillRequest      ← PrefillResponse (token #1)
+    router → decode    POST /internal/stream     StreamRequest       ← SSE of StreamEvent
+    router → both      POST /internal/abort      AbortRequest        ← AbortResponse
+    router → both      GET  /internal/info                           ← WorkerInfo
+    router → both      GET  /internal/cache_events                   ← CacheEvents
+    router → both      GET  /internal/cache_state                    ← CacheState
+    router → both      GET  /internal/requests                       ← RequestsDebug
+    anyone → both      GET  /health                                  ← WorkerHealth
+    worker → router    POST /internal/register   RegisterRequest     ← RegisterResponse
+    P kvstore → D      POST /kv/pair             PairRequest         ← PairResponse | PairError
+    P kvstore → D      POST /kv/status (and TE)  StatusMessage       ← StatusAck
+    anyone → D kvstore GET  /kv/health                               ← KVHealth
+    inside StatusMessage(kind="done"):           TransferMetadata
+    any internal error                                               ← ErrorBody
+
+Conventions: token ids are ints ≥ 0; logprobs are floats in nats, and a logprob that is not
+finite (−inf for a masked token, NaN) travels as ``null`` (:func:`finite` is the one
+sanitizer); ``top_logprobs`` are ``[token_id, logprob]`` pairs, most likely first. Unknown
+fields are ignored (a newer peer may send more), missing required ones are a 4xx.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+from k3serve.sampling import SamplingParams
+
+# ============================================================================ helpers
+
+
+def finite(x: Any) -> float | None:
+    """A logprob for the wire: ``None`` stays ``None``, non-finite floats become ``None``.
+
+    Args:
+        x: a number (python or numpy/torch scalar) or ``None``.
+
+    Returns:
+        ``float(x)`` when finite, else ``None``.
+    """
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def top_pairs(top: Iterable[tuple[int, float]] | None) -> list[tuple[int, float | None]] | None:
+    """``((token_id, logprob), ...)`` → ``[(token_id, logprob | None), ...]`` or ``None``."""
+    if top is None:
+        return None
+    return [(int(t), finite(lp)) for t, lp in top]
+
+
+def same_secret(got: str | None, want: str) -> bool:
+    """Constant-time comparison of a presented secret (API key, cluster token) with the
+    expected one. Compares UTF-8 bytes (with ``surrogateescape``), so a non-ASCII header value is
+    a plain mismatch, never an exception.
+
+    Args:
+        got: the presented value (``None``: nothing presented).
+        want: the expected value.
+
+    Returns:
+        True when equal.
+    """
+    if got is None:
+        return False
+    return secrets.compare_digest(got.encode("utf-8", "surrogateescape"),
+                                  want.encode("utf-8", "surrogateescape"))
+
+
+class Message(BaseModel):
+    """Base of every internal message: unknown fields ignored, instances immutable."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+TokenId = StrictInt
+Logprob = float | None
+TopLogprobs = list[tuple[StrictInt, float | None]] | None
+FinishReason = Literal["stop", "length", "abort"]
+Role = Literal["prefill", "decode"]
+
+# ============================================================================ errors
+
+
+class ErrorBody(Message):
+    """Every internal error answer: ``{"error": CODE, "message": TEXT}``.
+
+    Codes (HTTP status): ``invalid_request`` / ``invalid_sampling`` (400), ``forbidden`` (403),
+    ``unknown_request`` (404), ``fingerprint_mismatch`` / ``ticket_refused`` / ``aborted`` /
+    ``stream_taken`` (409), ``transfer_pairing_failed`` / ``transfer_setup_failed`` (502),
+    ``busy`` (503: no cache for a reservation now, retry elsewhere), ``timeout`` (504),
+    ``internal_error`` / ``engine_error`` (500).
+    """
+
+    error: str
+    message: str = ""
+
+
+# ============================================================================ sampling
+
+
+class SamplingSpec(Message):
+    """:class:`~k3serve.sampling.SamplingParams` on the wire (same names and defaults).
+
+    Only the types are checked here; the ranges are checked by :meth:`to_params`, which
+    raises ``ValueError("SamplingParams.<field>: ...")``.
+    """
+
+    n: StrictInt = 1
+    max_tokens: StrictInt | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: StrictInt = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: StrictInt | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[StrictInt] = Field(default_factory=list)
+    ignore_eos: StrictBool = False
+    logprobs: StrictInt | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> SamplingSpec:
+        """The wire form of ``params``."""
+        return cls.model_validate(params.to_dict())
+
+    def to_params(self, require_single: bool = True) -> SamplingParams:
+        """The validated :class:`SamplingParams`.
+
+        Args:
+            require_single: refuse ``n != 1`` (the router splits ``n > 1`` into sub-requests
+                with derived seeds before any internal call).
+
+        Raises:
+            ValueError: a field out of range (the message names it).
+        """
+        params = SamplingParams.from_dict(self.model_dump())
+        if require_single and params.n != 1:
+            raise ValueError("sampling.n: must be 1 (the router splits n > 1 into sub-requests)")
+        return params
+
+
+# ============================================================================ router ↔ decode
+
+
+class ReserveRequest(Message):
+    """``POST /internal/reserve`` (router → decode): take a state slot and pages for the prompt."""
+
+    request_id: str = Field(min_length=1)
+    prompt_token_ids: list[TokenId] = Field(min_length=1)
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    n: StrictInt = Field(default=1, ge=1, le=1)
+    cache_salt: str | None = None
+
+
+class ReserveResponse(Message):
+    """Answer to :class:`ReserveRequest`: the transfer ticket and where to pair for it
+    (the decode kvstore's bootstrap ``host:port``; no memory addresses)."""
+
+    request_id: str
+    ticket: str
+    bootstrap_addr: str
+
+
+class StreamRequest(Message):
+    """``POST /internal/stream`` (router → decode): open the token stream of a reserved request.
+
+    ``token_id`` / ``logprob``: token #1 as the prefill worker answered it; after a failed
+    transfer the decode worker continues from exactly this token.
+    """
+
+    request_id: str = Field(min_length=1)
+    token_id: TokenId = Field(ge=0)
+    logprob: Logprob = None
+
+
+class TokenLogprob(Message):
+    """Logprob of one generated token and, when asked for, its top alternatives."""
+
+    logprob: Logprob = None
+    top_logprobs: TopLogprobs = None
+
+
+class StreamEvent(Message):
+    """One SSE ``data:`` event of a decode stream (one per engine step, from token #2 on).
+
+    ``logprobs`` is aligned with ``token_ids``. The stream ends after the event whose
+    ``finish_reason`` is set (then ``data: [DONE]``). ``error`` set: the request failed on the
+    worker (``finish_reason`` is ``abort``).
+    """
+
+    token_ids: list[TokenId] = Field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = Field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    @classmethod
+    def failure(cls, message: str) -> StreamEvent:
+        """The final event of a request that failed on the worker."""
+        return cls(error=message, finish_reason="abort")
+
+
+# ============================================================================ router ↔ prefill
+
+
+class PrefillRequest(Message):
+    """``POST /internal/prefill`` (router → prefill): compute the prompt, answer token #1, send
+    the cache to the decode worker behind ``ticket``.
+
+    ``snapshot_at``: block boundaries (tokens) where a KDA snapshot should be kept (the router's
+    branch points). ``debug_fail_transfer_n``: test hook (accepted with
+    ``K3SERVE_TEST_HOOKS=1`` only): the first n write submissions of this transfer fail.
+    """
+
+    request_id: str = Field(min_length=1)
+    prompt_token_ids: list[TokenId] = Field(min_length=1)
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    ticket: str = Field(min_length=1)
+    bootstrap_addr: str = Field(min_length=1)
+    snapshot_at: list[StrictInt] = Field(default_factory=list)
+    cache_salt: str | None = None
+    debug_fail_transfer_n: StrictInt = Field(default=0, ge=0)
+
+
+class PrefillResponse(Message):
+    """Token #1 of a prefill (the answer to :class:`PrefillRequest`; TTFT is measured here).
+
+    Attributes:
+        token_id: token #1.
+        logprob / top_logprobs: its logprob and alternatives.
+        num_cached_tokens: prompt tokens reused from the prefix cache (what ``usage.
+            prompt_tokens_details.cached_tokens`` reports), a multiple of the block size.
+        cached_source: where the reused prefix came from (``local`` pools or the shared
+            ``store``).
+        text: token #1 decoded alone (a courtesy; the router detokenizes incrementally).
+        position: the position token #1 takes (= prompt length L).
+        seed: the resolved sampling seed.
+    """
+
+    request_id: str
+    token_id: TokenId
+    logprob: Logprob = None
+    top_logprobs: TopLogprobs = None
+    num_cached_tokens: StrictInt = 0
+    cached_source: Literal["local", "store"] = "local"
+    text: str = ""
+    position: StrictInt
+    seed: StrictInt
+
+
+class TransferMetadata(Message):
+    """What the prefill kvstore sends with its ``done`` status, after the cache itself: the
+    decode worker admits the request from it at token #2.
+
+    ``sampling`` carries the resolved seed; ``position`` = prompt length (D samples token #2
+    at ``position + 1``).
+    """
+
+    request_id: str
+    prompt_token_ids: list[TokenId]
+    token_id: TokenId
+    logprob: Logprob = None
+    top_logprobs: TopLogprobs = None
+    sampling: SamplingSpec
+    position: StrictInt
+    num_cached_tokens: StrictInt = 0
+
+
+# ============================================================================ both roles
+
+
+class AbortRequest(Message):
+    """``POST /internal/abort``: end a request wherever it is (idempotent)."""
+
+    request_id: str = Field(min_length=1)
+
+
+class AbortResponse(Message):
+    """Answer to :class:`AbortRequest`; ``found``: the worker knew the request."""
+
+    ok: bool = True
+    found: bool
+
+
+class CacheEvent(Message):
+    """One change of a worker's prefix index (:class:`k3serve.cache.events.EventLog`).
+
+    ``snapshot: false``: MLA blocks stored/removed; ``snapshot: true``: a KDA snapshot at the
+    boundary after the named block(s).
+    """
+
+    seq: StrictInt = Field(ge=1)
+    type: Literal["stored", "removed"]
+    block_hashes: list[str] = Field(min_length=1)
+    snapshot: bool = False
+
+
+class CacheEvents(Message):
+    """``GET /internal/cache_events?after=SEQ``: events with ``seq > after``.
+
+    A reader that sees another ``epoch`` or a gap in ``seq`` reloads :class:`CacheState`.
+    """
+
+    epoch: str
+    last_seq: StrictInt = Field(ge=0)
+    events: list[CacheEvent] = Field(default_factory=list)
+
+
+class CacheState(Message):
+    """``GET /internal/cache_state``: the whole index (after a gap or a new epoch)."""
+
+    epoch: str
+    last_seq: StrictInt = Field(ge=0)
+    blocks: list[str] = Field(default_factory=list)
+    snapshots: list[str] = Field(default_factory=list)
+
+
+class Capacity(Message):
+    """Cache capacity of a worker (pages of ``block_size`` tokens, state slots, snapshots)."""
+
+    num_pages: StrictInt = Field(ge=0)
+    num_slots: StrictInt = Field(default=1 << 30, ge=0)
+    num_snapshots: StrictInt = Field(default=0, ge=0)
+
+
+class WorkerUsage(Message):
+    """Occupancy of a worker now (pages, slots, snapshots, requests); decode workers add their
+    ticket counts. Counts, not bytes."""
+
+    pages_used: StrictInt = 0
+    pages_cached: StrictInt = 0
+    slots_used: StrictInt = 0
+    snapshots_used: StrictInt = 0
+    snapshots_cached: StrictInt = 0
+    num_running: StrictInt = 0
+    num_waiting: StrictInt = 0
+    num_engine_requests: StrictInt = 0
+    num_reserved: StrictInt = 0
+    open_tickets: StrictInt | None = None
+    unreleased_tickets: StrictInt | None = None
+    num_transfers_pending: StrictInt | None = None
+    num_requests_tracked: StrictInt | None = None
+
+
+class WorkerInfo(Message):
+    """``GET /internal/info``: what a worker is, so the router hashes exactly as it does.
+
+    Attributes:
+        role: ``prefill`` or ``decode``.
+        model: served model name (must equal the router's).
+        fingerprint: layout fingerprint = the block-hash salt base (model layout, block size,
+            pool dtypes, weights identity); equal fingerprints = interchangeable caches.
+        weights_id: identity of the loaded weights.
+        block_size: tokens per cache block.
+        capacity: cache capacity.
+        max_model_len: longest sequence (prompt + output) in tokens.
+        worker_id: the worker's own name (metric label).
+        enable_prefix_caching: whether it reuses prefixes.
+        kv_layout_hash: hash of the kvstore transfer layout.
+        bootstrap_addr: decode only: the kvstore bootstrap ``host:port``.
+        prefill_rate: prefill throughput in tokens/s when known (TTFT estimate).
+        usage: occupancy now.
+    """
+
+    role: Role
+    model: str
+    fingerprint: str = Field(min_length=1)
+    weights_id: str = ""
+    block_size: StrictInt = Field(ge=1)
+    capacity: Capacity
+    max_model_len: StrictInt | None = Field(default=None, ge=1)
+    worker_id: str | None = None
+    enable_prefix_caching: bool = True
+    kv_layout_hash: str = ""
+    bootstrap_addr: str | None = None
+    prefill_rate: float | None = Field(default=None, gt=0)
+    usage: WorkerUsage = Field(default_factory=WorkerUsage)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """MLA cache capacity in tokens."""
+        return self.capacity.num_pages * self.block_size
+
+
+class WorkerHealth(Message):
+    """``GET /health`` of a worker: 200 ``ok``, 503 ``engine_stopped`` (its engine thread died)."""
+
+    status: Literal["ok", "engine_stopped"]
+    role: Role
+    worker_id: str
+
+
+class RequestState(Message):
+    """One tracked request in ``GET /internal/requests`` (debugging; fields by role)."""
+
+    phase: str | None = None
+    sender_state: str | None = None
+    ticket_state: str | None = None
+    fallback: bool | None = None
+    held: bool | None = None
+    answered: bool | None = None
+    aborting: bool | None = None
+    reservation_open: bool | None = None
+    tokens_sent: StrictInt | None = None
+    num_cached_tokens: StrictInt | None = None
+
+
+class RequestsDebug(Message):
+    """``GET /internal/requests[?request_id=ID]``: the requests a worker tracks."""
+
+    requests: dict[str, RequestState] = Field(default_factory=dict)
+
+
+class RegisterRequest(Message):
+    """``POST {router}/internal/register`` (worker → router), again after a router restart."""
+
+    url: str = Field(pattern=r"^https?://")
+
+
+class RegisterResponse(Message):
+    """Answer to :class:`RegisterRequest`."""
+
+    ok: bool = True
+    worker_id: str
+    role: Role
+    url: str
+
+
+class RouterWorkerStatus(Message):
+    """One worker as the router sees it (``GET /health?detail=1`` of the router)."""
+
+    url: str
+    name: str
+    role: Role
+    healthy: bool
+    queued_tokens: StrictInt = 0
+    running: StrictInt = 0
+    blocks: StrictInt = 0
+    snapshots: StrictInt = 0
+    resyncs: StrictInt = 0
+
+
+class RouterHealth(Message):
+    """``GET /health`` of the router: 200 when at least one prefill and one decode worker are
+    healthy, else 503; ``workers`` only with ``?detail=1``."""
+
+    status: Literal["ok", "unavailable"]
+    model: str
+    num_workers: StrictInt
+    num_workers_healthy: StrictInt
+    num_prefill_healthy: StrictInt
+    num_decode_healthy: StrictInt
+    workers: list[RouterWorkerStatus] | None = None
+
+
+# ============================================================================ kvstore ↔ kvstore
+
+
+class CacheRefMsg(Message):
+    """Where one request's cache lives in a pool: state slot, latent pages, tokens covered."""
+
+    slot: StrictInt = Field(ge=0)
+    pages: list[StrictInt]
+    num_tokens: StrictInt = Field(ge=0)
+
+
+class RegionLayoutMsg(Message):
+    """One registered pool region (:class:`kvstore.descriptors.RegionLayout`): base address,
+    strides and item size in bytes, per-layer entries."""
+
+    name: str
+    kind: Literal["slot", "page"]
+    base: StrictInt
+    layers: list[StrictInt]
+    layer_stride: StrictInt
+    item_stride: StrictInt
+    num_items: StrictInt
+    item_bytes: StrictInt
+    tokens_per_item: StrictInt
+    dtype: str
+    item_shape: list[StrictInt]
+
+
+class PoolLayoutMsg(Message):
+    """A worker's transfer layout (:class:`kvstore.descriptors.PoolLayout`)."""
+
+    model: str = ""
+    extra: dict[str, Any] = Field(default_factory=dict)
+    regions: list[RegionLayoutMsg]
+
+
+class PairRequest(Message):
+    """``POST /kv/pair`` (prefill kvstore → decode kvstore): pair a sender with a ticket.
+
+    ``fingerprint``: the sender's layout fingerprint (compared field by field; a mismatch is
+    refused naming every differing field). ``quiesce_by_s``: the sender writes nothing after
+    this many seconds.
+    """
+
+    ticket: str = Field(min_length=1)
+    sender: str = Field(min_length=1)
+    fingerprint: dict[str, Any] = Field(default_factory=dict)
+    quiesce_by_s: float = Field(default=60.0, gt=0)
+
+
+class PairResponse(Message):
+    """Answer to :class:`PairRequest`: the destination (TE session, layout, slot and pages)."""
+
+    session_id: str
+    notify_addr: str
+    layout: PoolLayoutMsg
+    fingerprint: dict[str, Any]
+    dst: CacheRefMsg
+
+
+class PairError(Message):
+    """A refused pairing: 404 ``unknown_ticket``, 409 ``already_paired`` /
+    ``fingerprint_mismatch`` (``diffs`` + the server's ``fingerprint``), 410 ``ticket_closed``."""
+
+    error: str
+    detail: str = ""
+    state: str | None = None
+    diffs: list[str] | None = None
+    fingerprint: dict[str, Any] | None = None
+
+
+class StatusMessage(Message):
+    """A sender's status about one ticket (TE notification named ``k3kv``, or ``POST /kv/status``).
+
+    ``kind``: ``layer`` (progress: ``layers`` = {layer: bytes} of layers whose writes all
+    completed since the previous message), ``done`` (everything landed: ``layers`` = the full
+    manifest, ``runs``, ``attempts``, ``metadata``), ``failed`` / ``aborted`` (``error``;
+    ``layers`` = what did land; ``quiesced`` = the sender will write nothing more).
+    """
+
+    ticket: str
+    sender: str
+    kind: Literal["layer", "done", "failed", "aborted"]
+    layers: dict[int, StrictInt] = Field(default_factory=dict)
+    runs: StrictInt = 0
+    attempts: StrictInt = 0
+    elapsed_s: float = 0.0
+    error: str = ""
+    quiesced: bool = True
+    metadata: TransferMetadata | None = None
+
+
+class StatusAck(Message):
+    """Answer to ``POST /kv/status``: 200 accepted, 409 refused (``state`` says why), 400 bad."""
+
+    accepted: bool
+    state: str = ""
+    error: str | None = None
+
+
+class KVHealth(Message):
+    """``GET /kv/health`` of a decode kvstore bootstrap server."""
+
+    ok: bool
+    session_id: str
+    fingerprint_hash: str
+    open_tickets: StrictInt
+
+
+__all__ = [name for name, obj in list(globals().items())
+           if isinstance(obj, type) and issubclass(obj, Message)] + [
+    "finite", "same_secret", "top_pairs"]
