@@ -6,6 +6,8 @@ PIP := $(VENV)/bin/pip
 APT_PKGS := libibverbs1 librdmacm1 libnuma1
 HOST ?= 127.0.0.1
 PORT ?= 8000
+# Extra flags for `k3serve serve`, e.g. make serve ARGS="--prefill 1 --decode 2 --api-key KEY"
+ARGS ?=
 
 .PHONY: install sysdeps serve test bench clean
 
@@ -27,15 +29,19 @@ $(VENV)/.installed: pyproject.toml
 install: sysdeps $(VENV)/.installed
 
 serve: install
-	$(VENV)/bin/k3serve serve --host $(HOST) --port $(PORT)
+	$(VENV)/bin/k3serve serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: install
 	$(PY) -m pytest -q -ra tests
 
 # CPU benchmarks (speed is printed, never asserted); benchmarks/gpu_kernels.py needs a CUDA GPU.
 CPU_BENCH := model_cpu engine_cpu transfer router_placement
+# Every benchmark runs to the end; the failed ones are listed last and make the target fail.
 bench: install
-	for b in $(CPU_BENCH); do echo "== benchmarks/$$b.py"; $(PY) benchmarks/$$b.py || exit 1; done
+	@failed=""; for b in $(CPU_BENCH); do echo "== benchmarks/$$b.py"; \
+	  $(PY) benchmarks/$$b.py || failed="$$failed $$b"; done; \
+	if [ -n "$$failed" ]; then echo "make bench: failed:$$failed"; exit 1; fi; \
+	echo "make bench: all $(words $(CPU_BENCH)) CPU benchmarks finished"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,7 +1,7 @@
 """Replay a scaled-down slice of the Mooncake trace through the offline engine, with and
 without prefix caching; print tokens/s, the prefix-cache hit rate and the speed ratio.
 
-The trace (``shared/traces/mooncake_synthetic_trace.jsonl``) gives per request the prompt's
+The trace (``traces/mooncake_synthetic_trace.jsonl`` in this repo) gives per request the prompt's
 512-token block hash ids (equal ids = equal content). Scaling:
 
 * hash id ``h`` → ``--tokens-per-hash`` deterministic tokens (``random.Random(h)``), so
@@ -37,8 +37,7 @@ from k3serve.engine.llm import LLM
 from k3serve.sampling import SamplingParams
 
 TRACE = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    "shared",
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     "traces",
     "mooncake_synthetic_trace.jsonl",
 )
