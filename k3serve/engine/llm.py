@@ -28,8 +28,8 @@ import torch
 
 from k3serve.config import PRESETS, ModelConfig, load_config
 from k3serve.engine.engine import EngineConfig, LLMEngine
-from k3serve.sampling import SamplingParams
 from k3serve.protocol import RequestOutput
+from k3serve.sampling import SamplingParams
 
 
 def load_model(
