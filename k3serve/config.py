@@ -438,28 +438,52 @@ def _every_fourth(num_layers: int, last_too: bool) -> tuple[int, ...]:
 # Byte-level tokenizer: 256 byte ids then special tokens (see k3serve/tokenizer).
 TINY_VOCAB = 272
 
+_K3_CHOICES: dict[str, Any] = {
+    "kda_gate_lower_bound": -5.0,  # g = lb · sigmoid(exp(A_log) · (f + dt_bias))
+    "kda_output_gate_rank": None,  # full-rank KDA output gate
+    "mla_output_gate": True,
+    "first_k_dense": 1,
+    "hidden_act": "situ",
+    "dtype": "bfloat16",
+}
+"""What every K3-architecture preset shares, whatever its size."""
+
+_K3_WIDE_HEADS: dict[str, Any] = {
+    "kda_head_dim": 128,
+    "kda_gate_rank": 128,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
+"""K3's per-head widths (k3-mini keeps them; k3-tiny shrinks them)."""
+
+
+def _k3_preset(name: str, *, heads: int, **shape: Any) -> ModelConfig:
+    """A preset of the K3 architecture: :data:`_K3_CHOICES`, ``heads`` KDA and MLA heads, and
+    the ``shape`` fields given (keyword names of :class:`ModelConfig`)."""
+    return ModelConfig(
+        name=name, kda_num_heads=heads, mla_num_heads=heads, **_K3_CHOICES, **shape
+    )
+
+
 PRESETS: dict[str, ModelConfig] = {
     # CI model: a few M parameters, every K3 feature on. The embedded checkpoint is trained
     # on the Python standard library (scripts/train_tiny.py).
-    "k3-tiny": ModelConfig(
-        name="k3-tiny",
+    "k3-tiny": _k3_preset(
+        "k3-tiny",
+        heads=4,
         vocab_size=TINY_VOCAB,
         hidden_size=256,
         num_layers=8,
         mla_layers=(3, 7),
-        kda_num_heads=4,
         kda_head_dim=64,
         kda_gate_rank=32,
-        kda_gate_lower_bound=-5.0,
-        kda_output_gate_rank=None,
-        mla_num_heads=4,
         q_lora_rank=128,
         kv_lora_rank=64,
         qk_nope_head_dim=32,
         qk_rope_head_dim=16,
         v_head_dim=32,
-        mla_output_gate=True,
-        first_k_dense=1,
         dense_intermediate_size=512,
         n_routed_experts=8,
         num_experts_per_tok=2,
@@ -467,34 +491,22 @@ PRESETS: dict[str, ModelConfig] = {
         moe_intermediate_size=128,
         moe_latent_size=128,
         routed_scaling_factor=2.5,
-        hidden_act="situ",
         attn_res_block_layers=4,
         max_position_embeddings=8192,
-        dtype="bfloat16",
         bos_token_id=256,
         eos_token_id=257,
         pad_token_id=258,
     ),
     # One H200: pinned shape (DESIGN.md §2) so rooflines can't drift.
-    "k3-mini": ModelConfig(
-        name="k3-mini",
+    "k3-mini": _k3_preset(
+        "k3-mini",
+        heads=16,
+        **_K3_WIDE_HEADS,
         vocab_size=32768,
         hidden_size=2048,
         num_layers=24,
         mla_layers=_every_fourth(24, last_too=False),
-        kda_num_heads=16,
-        kda_head_dim=128,
-        kda_gate_rank=128,
-        kda_gate_lower_bound=-5.0,
-        kda_output_gate_rank=None,
-        mla_num_heads=16,
         q_lora_rank=768,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        mla_output_gate=True,
-        first_k_dense=1,
         dense_intermediate_size=8192,
         n_routed_experts=64,
         num_experts_per_tok=8,
@@ -502,34 +514,22 @@ PRESETS: dict[str, ModelConfig] = {
         moe_intermediate_size=768,
         moe_latent_size=1024,
         routed_scaling_factor=2.5,
-        hidden_act="situ",
         attn_res_block_layers=6,
         max_position_embeddings=131072,
-        dtype="bfloat16",
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
     ),
     # The published K3 shape: capacity planning and config loading, not instantiated here.
-    "k3": ModelConfig(
-        name="k3",
+    "k3": _k3_preset(
+        "k3",
+        heads=96,
+        **_K3_WIDE_HEADS,
         vocab_size=163840,
         hidden_size=7168,
         num_layers=93,
         mla_layers=_every_fourth(93, last_too=True),
-        kda_num_heads=96,
-        kda_head_dim=128,
-        kda_gate_rank=128,
-        kda_gate_lower_bound=-5.0,
-        kda_output_gate_rank=None,
-        mla_num_heads=96,
         q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        mla_output_gate=True,
-        first_k_dense=1,
         dense_intermediate_size=33792,
         n_routed_experts=896,
         num_experts_per_tok=16,
@@ -537,11 +537,9 @@ PRESETS: dict[str, ModelConfig] = {
         moe_intermediate_size=3072,
         moe_latent_size=3584,
         routed_scaling_factor=1.0,
-        hidden_act="situ",
         expert_quant="mxfp4",
         attn_res_block_layers=12,
         max_position_embeddings=1048576,
-        dtype="bfloat16",
         bos_token_id=163584,
         eos_token_id=163586,
         pad_token_id=163839,

@@ -48,46 +48,24 @@ if str(REPO) not in sys.path:
 
 import xz_baseline
 
-from k3serve.config import ModelConfig
+from k3serve.model.checkpoint import load_model as load_checkpoint_model
 from k3serve.model.model import K3ForCausalLM
 
 DEFAULT_WINDOW = 1024
 DEFAULT_STRIDE = 768
 WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "k3serve_config.json"
 
 
 def load_model(folder: str | Path, device: str | torch.device = "cpu") -> K3ForCausalLM:
-    """A float32 :class:`K3ForCausalLM` from a checkpoint folder, in eval mode.
-
-    Reads it with ``k3serve.model.checkpoint.load_model`` (published K3 names, strict); a
-    folder that loader rejects is read as :mod:`train_tiny`'s fallback format (our module
-    names, ``k3serve_config.json`` + ``model.safetensors``), strictly too.
+    """A float32 :class:`K3ForCausalLM` from a checkpoint folder, in eval mode: the project's
+    one loader, :func:`k3serve.model.checkpoint.load_model` (published K3 names, strict).
 
     Raises:
-        FileNotFoundError: the folder lacks the config or the weights.
-        RuntimeError: missing / unexpected tensors in the fallback format.
+        FileNotFoundError: the folder holds no safetensors.
+        ValueError: the folder has no config; ``CheckpointError`` (a ValueError) listing
+            missing / unexpected / mis-shaped tensors.
     """
-    folder = Path(folder)
-    for f in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (folder / f).exists():
-            raise FileNotFoundError(f"checkpoint {str(folder)!r}: no {f}")
-    try:
-        from k3serve.model.checkpoint import load_model as load_k3
-
-        return load_k3(folder, device=device, dtype=torch.float32)[0].eval()
-    except (ImportError, ValueError) as e:  # CheckpointError is a ValueError
-        print(f"checkpoint loader: {type(e).__name__}: {str(e)[:200]}; trying our state-dict names",
-              file=sys.stderr)
-    from safetensors.torch import load_file
-
-    cfg = ModelConfig.from_dict(json.loads((folder / CONFIG_FILE).read_text()))
-    model = K3ForCausalLM(cfg, dtype=torch.float32)
-    sd = load_file(str(folder / WEIGHTS_FILE))
-    ref = model.state_dict()
-    model.load_state_dict({k: v.to(ref[k].dtype) if k in ref else v for k, v in sd.items()},
-                          strict=True)
-    return model.to(device).eval()
+    return load_checkpoint_model(Path(folder), device, torch.float32).model  # type: ignore[return-value]
 
 
 def make_windows(n_bytes: int, window: int, stride: int) -> list[tuple[int, int, int]]:

@@ -214,8 +214,8 @@ def test_sharded_save_and_load_model(tiny_saved, tmp_path):
     files = save_checkpoint(src, tmp_path, TINY, max_shard_bytes=4 << 20)
     shards = [f for f in files if f.suffix == ".safetensors"]
     assert len(shards) > 1 and (tmp_path / ckpt.INDEX_FILE).exists()
-    model, cfg = load_model(tmp_path)
-    assert cfg == TINY
+    model, cfg, folder = load_model(tmp_path)
+    assert cfg == TINY and folder == str(tmp_path)
     assert torch.equal(_logits(model), want)
 
 
@@ -378,7 +378,7 @@ def test_kimi_linear_as_transformers_saves_it(tmp_path):
     hf.save_pretrained(tmp_path)
     stored = load_file(str(tmp_path / "model.safetensors"))
     assert "model.layers.1.block_sparse_moe.experts.0.w1.weight" in stored  # the published names
-    model, _ = load_model(tmp_path)
+    model, _, _ = load_model(tmp_path)
     got = model.state_dict()
     assert torch.equal(
         got["model.layers.1.mlp.experts.2.w3.weight"],
@@ -410,12 +410,42 @@ def test_load_model_presets(tiny_saved, tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt, "ASSETS_DIR", tmp_path)
     with pytest.raises(FileNotFoundError, match="random_init=True"):
         load_model("k3-tiny")
-    model, cfg = load_model("k3-tiny", random_init=True)
-    assert cfg == TINY and not model.training
+    model, cfg, where = load_model("k3-tiny", random_init=True)
+    assert cfg == TINY and not model.training and where is None
     (tmp_path / "k3-tiny").mkdir()
     for f in folder.iterdir():
         (tmp_path / "k3-tiny" / f.name).write_bytes(f.read_bytes())
-    model, cfg = load_model("k3-tiny")
-    assert torch.equal(_logits(model), want)
+    model, cfg, where = load_model("k3-tiny")
+    assert torch.equal(_logits(model), want) and where == str(tmp_path / "k3-tiny")
+    # random_init reads nothing even when the weights are there
+    model, _, where = load_model("k3-tiny", random_init=True)
+    assert where is None and not torch.equal(_logits(model), want)
     with pytest.raises(ValueError, match="neither a preset"):
         load_model("no-such-model")
+
+
+def test_load_model_random_init_is_seeded_and_leaves_the_global_rng(tiny_saved, tmp_path):
+    """The one loader (the offline LLM, the workers, eval_bpb and the benchmarks call it):
+    a ModelConfig gives random weights from ``seed`` without moving the global RNG; a folder
+    without safetensors and a folder without a config are refused, never random-filled."""
+    small = TINY.replace(num_layers=2, mla_layers=(1,), attn_res_block_layers=0)
+    before = torch.random.get_rng_state()
+    a, cfg, where = load_model(small, seed=3)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    b, _, _ = load_model(small, seed=3)
+    c, _, _ = load_model(small, seed=4)
+    assert cfg == small and where is None
+    sa, sb, sc = (m.state_dict() for m in (a, b, c))
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert any(not torch.equal(sa[k], sc[k]) for k in sa)
+    folder, _, _ = tiny_saved
+    empty = tmp_path / "no_weights"
+    empty.mkdir()
+    (empty / ckpt.CONFIG_FILE).write_text((folder / ckpt.CONFIG_FILE).read_text())
+    with pytest.raises(FileNotFoundError):
+        load_model(empty)
+    _, cfg, where = load_model(empty, random_init=True)  # asked for: the folder's shape
+    assert cfg == TINY and where is None
+    (tmp_path / "nothing_here").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        load_model(tmp_path / "nothing_here")

@@ -51,6 +51,25 @@ def test_presets_match_design_card():
     assert TINY.num_params * 2 <= 16 * 2**20  # bf16 checkpoint fits the 16 MiB budget
 
 
+# sha256 of each preset's sorted to_dict(), first 16 hex digits: a preset value changed by
+# accident (e.g. while factoring the presets' shared fields) fails here; a deliberate change
+# updates the digest in the same commit.
+PRESET_DIGESTS = {"k3-tiny": "7291d9efee11cdac", "k3-mini": "97e74e56923f385e", "k3": "cc6ad010c938249f"}
+
+
+def test_preset_values_are_pinned_and_share_the_k3_choices():
+    import hashlib
+
+    for name, cfg in PRESETS.items():
+        blob = json.dumps(cfg.to_dict(), sort_keys=True).encode()
+        assert hashlib.sha256(blob).hexdigest()[:16] == PRESET_DIGESTS[name], name
+        assert cfg.name == name and cfg.kda_num_heads == cfg.mla_num_heads
+        assert (cfg.kda_gate_lower_bound, cfg.kda_output_gate_rank, cfg.first_k_dense) == (
+            -5.0, None, 1)
+        assert (cfg.hidden_act, cfg.dtype, cfg.mla_output_gate) == ("situ", "bfloat16", True)
+    assert set(PRESET_DIGESTS) == set(PRESETS)
+
+
 def test_from_hf_kimi_linear_dict():
     hf = {
         "model_type": "kimi_linear", "vocab_size": 300, "hidden_size": 64,

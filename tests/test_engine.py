@@ -1,4 +1,6 @@
-"""Engine (issue 3 must-show 1–4, 6 and the worker API) on a micro K3 config (random init).
+"""Engine on a micro K3 config (random init): batching equals one request alone, prefix caching
+changes nothing but speed, multi-turn snapshot hits, no leaks under aborts, bad input names the
+field, the worker API (prefill handle → decode engine) and the KV connector seam.
 
 The micro model keeps every K3 feature (KDA, gated MLA, latent MoE, AttnRes) at toy widths so
 a forward costs milliseconds; block size 4 so that short prompts span many blocks.
@@ -15,11 +17,14 @@ from k3serve.cache.allocator import CacheFullError
 from k3serve.cache.events import EventIndex
 from k3serve.cache.pools import KVPools
 from k3serve.config import PRESETS
+from k3serve.engine.connector import KVConnector
 from k3serve.engine.engine import EngineConfig, LLMEngine
 from k3serve.engine.llm import LLM, load_model
+from k3serve.engine.runner import RunBatch
 from k3serve.engine.sampler import SamplingRow, sample
-from k3serve.sampling import SamplingParams
+from k3serve.engine.sequence import SeqStatus
 from k3serve.model.batch import make_batch
+from k3serve.sampling import SamplingParams
 
 torch.set_num_threads(1)
 
@@ -97,7 +102,7 @@ def _prompts(rng, n, lo, hi, vocab=256):
     return [[rng.randrange(vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
-# ====================================================================== must-show 1
+# ====================================================== batched engine = each request alone
 def test_batched_engine_equals_alone(model):
     rng = random.Random(0)
     prompts = _prompts(rng, 16, 1, 41)
@@ -150,7 +155,7 @@ def test_stop_token_logprobs_and_text(model):
     assert c.text == llm.tokenizer.decode(ref[:stop_at])
 
 
-# ====================================================================== must-show 2
+# ================================================ prefix caching changes nothing but speed
 def _both(calls, **kw):
     """Run the same generate calls with and without prefix caching; compare tokens and logits."""
     on = _llm(record_logits=True, **kw)
@@ -211,7 +216,7 @@ def test_prefix_caching_random_workload_with_eviction():
     cm = on.engine.cm
     assert cm.pages.num_evictions > 0 and cm.snapshots.num_evictions > 0
     cm.check()
-    # must-show 5 at engine level: the engine's events replayed into an empty index
+    # the router's view: the engine's cache events replayed into an empty index give its state
     idx = EventIndex()
     idx.load_state({"epoch": on.engine.cache_events()["epoch"], "last_seq": 0})
     assert idx.apply(on.engine.cache_events(0))
@@ -220,7 +225,7 @@ def test_prefix_caching_random_workload_with_eviction():
     assert st["blocks"] and st["snapshots"]
 
 
-# ====================================================================== must-show 3
+# ====================================================== multi-turn: end-of-request snapshots
 def test_multi_turn_hits_end_of_request_snapshot():
     llm = _llm()
     p1 = list(range(40, 53))  # 13 tokens
@@ -248,7 +253,7 @@ def test_multi_turn_hits_end_of_request_snapshot():
     )
 
 
-# ====================================================================== must-show 4
+# ====================================== no leaked page / slot / snapshot after 1000 requests
 def test_no_leaks_after_1000_random_requests_with_aborts():
     rng = random.Random(3)
     llm = _llm(num_pages=24, num_slots=10, num_snapshots=6, max_num_batched_tokens=24)
@@ -297,7 +302,7 @@ def test_no_leaks_after_1000_random_requests_with_aborts():
     assert cm.pages.num_evictions > 0
 
 
-# ====================================================================== must-show 6
+# ==================================================== bad input: a ValueError naming the field
 def test_bad_input_raises_value_error_naming_the_field():
     llm = _llm(num_pages=16)  # 64 tokens of cache → max_model_len 64
     eng = llm.engine
@@ -414,3 +419,220 @@ def test_llm_loads_a_checkpoint_folder(tmp_path):
     assert a.token_ids == b.token_ids != c.token_ids
     with pytest.raises(ValueError, match="model"):
         LLM("no-such-model")
+
+
+# ====================================================================== the KV connector seam
+class _Recorder(KVConnector):
+    """A neutral connector that records every call the engine and the scheduler make."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def admit_tokens(self, seq, num_new, num_to_target):
+        self.calls.append(("admit_tokens", seq.request.request_id, num_new, num_to_target))
+        return num_new
+
+    def preemptible(self, seq):
+        self.calls.append(("preemptible", seq.request.request_id))
+        return True
+
+    def on_admit(self, seqs):
+        self.calls.append(("on_admit", tuple(s.request.request_id for s in seqs)))
+
+    def layer_hook(self, group):
+        rows = tuple((s.seq.request.request_id, s.num_new) for s in group)
+        self.calls.append(("layer_hook", rows))
+        return lambda layer: self.calls.append(("layer", layer))
+
+    def on_sampled(self, seq, result):
+        self.calls.append(("on_sampled", seq.request.request_id, result.token_id))
+        return False
+
+    def has_request(self, request_id):
+        self.calls.append(("has_request", request_id))
+        return False
+
+    def on_abort(self, request_id):
+        self.calls.append(("on_abort", request_id))
+        return False
+
+
+def test_fake_connector_sees_the_step_in_order(model):
+    """schedule (admit_tokens) → on_admit → per forward layer_hook then every layer in order →
+    on_sampled per token; a neutral connector changes no token."""
+    rec = _Recorder()
+    cfg = EngineConfig(block_size=B, num_pages=32, num_slots=2, max_num_batched_tokens=4)
+    eng = LLMEngine(model, MICRO, None, cfg, connector=rec)
+    assert eng.connector is rec and eng.scheduler.hook is rec
+    prompt = list(range(50, 60))  # 10 tokens: chunks of 4, 4, 2
+    eng.add_request("a", prompt, SamplingParams(max_tokens=2, **GREEDY))
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+    toks = alone(model, prompt, 2)
+    assert outs["a"].token_ids == toks
+    layers = [("layer", layer) for layer in range(MICRO.num_layers)]
+    assert rec.calls == [
+        ("has_request", "a"),
+        ("admit_tokens", "a", 4, 10),
+        ("on_admit", ("a",)),
+        ("layer_hook", (("a", 4),)), *layers,
+        ("layer_hook", (("a", 4),)), *layers,
+        ("layer_hook", (("a", 2),)), *layers,
+        ("on_sampled", "a", toks[0]),
+        ("layer_hook", (("a", 1),)), *layers,  # the decode of token #1
+        ("on_sampled", "a", toks[1]),
+    ]  # fmt: skip
+    rec.calls.clear()
+    assert not eng.abort_request("a") and rec.calls == [("on_abort", "a")]
+    eng.cm.check()
+
+
+def test_connector_scheduler_hook_pins_a_request(model):
+    """The scheduler's hook: a request the connector keeps gets pages for its whole prompt at
+    admission and is skipped when a victim is chosen (the newest sequence otherwise) — what
+    the disaggregation connector builds prefill-only requests on."""
+
+    class Keep(_Recorder):
+        def admit_tokens(self, seq, num_new, num_to_target):
+            super().admit_tokens(seq, num_new, num_to_target)
+            return num_to_target if seq.request.request_id == "keep" else num_new
+
+        def preemptible(self, seq):
+            super().preemptible(seq)
+            return seq.request.request_id != "keep"
+
+    rec = Keep()
+    cfg = EngineConfig(block_size=B, num_pages=10, num_slots=3, max_num_batched_tokens=16)
+    eng = LLMEngine(model, MICRO, None, cfg, connector=rec)
+    prompts = {"o0": [*range(100, 114)], "o1": [*range(130, 144)], "keep": [*range(10, 22)]}
+    for rid, p in prompts.items():  # "keep" is the newest: the natural victim
+        eng.add_request(rid, p, SamplingParams(max_tokens=6, **GREEDY))
+    outs, kept_pages = {}, None
+    for _ in range(200):
+        for o in eng.step():
+            outs[o.request_id] = o
+        if kept_pages is None and "keep" in eng.requests:
+            seq = eng.requests["keep"].seqs[0]
+            if seq.status is SeqStatus.RUNNING:
+                kept_pages = len(eng.cm.block_table(seq.seq_id))
+                assert seq.num_computed < 12  # admitted part-way through its prompt …
+        if kept_pages is not None and "keep" in eng.requests:  # once admitted, never preempted
+            assert eng.requests["keep"].seqs[0].status is not SeqStatus.WAITING
+        if not eng.has_unfinished_requests():
+            break
+    assert kept_pages == 3  # … with pages for all 12 tokens
+    assert ("preemptible", "keep") in rec.calls and eng.scheduler.num_preemptions > 0
+    for rid, p in prompts.items():
+        assert outs[rid].token_ids == alone(model, p, 6), rid
+    assert eng.cm.usage().pages_used == 0
+    eng.cm.check()
+
+
+def test_engine_without_a_connector_never_calls_one(model, monkeypatch):
+    """An offline engine (n > 1 forks, preemption, aborts) runs with ``connector is None``: no
+    connector is built and no connector method runs; the first disaggregation call attaches
+    the DisaggConnector, and an engine with another connector refuses that API."""
+    from k3serve.engine import connector as conn
+
+    def boom(*a, **k):
+        raise AssertionError("a connector method ran")
+
+    for name in ("admit_tokens", "preemptible", "on_admit", "layer_hook", "on_forward_failed",
+                 "on_sampled", "has_request", "on_abort", "__init__"):  # fmt: skip
+        monkeypatch.setattr(conn.KVConnector, name, boom)
+        if name in vars(conn.DisaggConnector):
+            monkeypatch.setattr(conn.DisaggConnector, name, boom)
+    llm = _llm(num_pages=12, num_slots=4, num_snapshots=2, max_num_batched_tokens=16)
+    eng = llm.engine
+    rng = random.Random(5)
+    prompts = _prompts(rng, 6, 20, 30)
+    sp = [SamplingParams(max_tokens=6, n=1 + i % 2, seed=i, ignore_eos=True) for i in range(6)]
+    eng.add_request("gone", [1, 2, 3], SamplingParams(max_tokens=3))
+    assert eng.abort_request("gone") and eng.num_reserved == 0
+    outs = llm.generate(prompts, sp)
+    assert all(len(o.outputs) == s.n for o, s in zip(outs, sp))
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.connector is None and eng.scheduler.hook is None
+    monkeypatch.undo()
+    eng.reserve("r", [1, 2, 3])
+    assert isinstance(eng.connector, conn.DisaggConnector) and eng.num_reserved == 1
+    assert eng.scheduler.hook is eng.connector
+    other = LLMEngine(llm.engine.runner.model, MICRO, None, EngineConfig(block_size=B),
+                      connector=_Recorder())  # fmt: skip
+    with pytest.raises(TypeError, match="_Recorder"):
+        other.reserve("r", [1, 2, 3])
+    with pytest.raises(ValueError, match="connector"):
+        other.attach(_Recorder())
+
+
+def test_disaggregation_callbacks_come_in_lifecycle_order(model):
+    """Prefill side: on_admit(handle) before any layer, every layer of each forward in order
+    with ``upto`` growing to L, then the HELD output with token #1, then release. Decode side:
+    reserve → admit → tokens #2… → finished; a fake transfer in between by hand."""
+    cfg = EngineConfig(block_size=B, num_pages=64, num_slots=4, num_snapshots=4,
+                       max_num_batched_tokens=8)  # fmt: skip
+    P, D = LLMEngine(model, MICRO, None, cfg), LLMEngine(model, MICRO, None, cfg)
+    prompt = list(range(60, 79))  # 19 tokens: forwards of 8, 8, 3
+    sp = SamplingParams(max_tokens=4, **GREEDY)
+    events: list[tuple] = []
+    P.add_prefill_request(
+        "x", prompt, sp,
+        on_admit=lambda h: events.append(("admit", h.slot, tuple(h.pages))),
+        layer_hook=lambda layer, upto: events.append(("layer", layer, upto)),
+    )  # fmt: skip
+    held = None
+    while held is None:
+        held = next((o for o in P.step() if o.handle and o.handle.first_token), None)
+    events.append(("held", held.handle.first_token.token_id))
+    L = MICRO.num_layers
+    assert events[0] == ("admit", held.handle.slot, tuple(held.handle.pages))
+    assert len(held.handle.pages) == 5  # pages for the whole prompt at admission
+    assert events[1:-1] == [("layer", l, u) for u in (8, 16, 19) for l in range(L)]
+    assert held.finished and P.requests["x"].seqs[0].status is SeqStatus.HELD
+    assert P.has_unfinished_requests() is False  # held: off the scheduler, still live
+    with pytest.raises(ValueError, match="already live"):
+        P.add_request("x", prompt)
+    dh = D.reserve("x", prompt)
+    with pytest.raises(ValueError, match="already live"):
+        D.add_request("x", prompt)
+    with torch.no_grad():
+        D.pools.kda_state[:, dh.slot] = P.pools.kda_state[:, held.handle.slot]
+        D.pools.conv_state[:, dh.slot] = P.pools.conv_state[:, held.handle.slot]
+        for s_, d_ in zip(held.handle.pages, dh.pages):
+            D.pools.mla_latent[:, d_] = P.pools.mla_latent[:, s_]
+    P.release("x")
+    with pytest.raises(ValueError, match="not a held prefill request"):
+        P.release("x")
+    ft = held.handle.first_token
+    assert D.admit("x", [ft.token_id], sp.with_seed(ft.seed)) is None and D.num_reserved == 0
+    final = None
+    while final is None:
+        final = next((o for o in D.step() if o.finished), None)
+    assert final.token_ids == alone(model, prompt, 4)
+    for e in (P, D):
+        assert e.requests == {} and e.cm.usage().pages_used == 0
+        e.cm.check()
+
+
+def test_runner_execute_is_the_run_seam(model):
+    """Every forward goes through ``runner.execute(RunBatch)`` (where a CUDA-graph runner
+    plugs in): prefill chunks and decode batches arrive as such, with no layer hook when no
+    connector asks for one."""
+    llm = _llm(max_num_batched_tokens=8)
+    seen: list[RunBatch] = []
+    orig = llm.engine.runner.execute
+
+    def execute(batch):
+        seen.append(batch)
+        return orig(batch)
+
+    llm.engine.runner.execute = execute
+    out = llm.generate([list(range(20, 33))], SamplingParams(max_tokens=3, **GREEDY))[0]
+    assert out.token_ids == alone(model, list(range(20, 33)), 3)
+    # 13 tokens: chunks end on the snapshot point 12, so token 12 runs alone, then 2 decodes
+    assert [b.num_tokens for b in seen] == [8, 4, 1, 1, 1]
+    assert [b.is_decode for b in seen] == [False, False, True, True, True]  # one token per row
+    assert all(b.layer_hook is None for b in seen)
+    assert llm.engine.stats.num_forwards == len(seen)

@@ -322,3 +322,30 @@ def test_fingerprint_tells_checkpoints_of_the_same_shape_apart(tmp_path):
     diffs = fingerprint_diff(l3.fingerprint(), l4.fingerprint())
     assert len(diffs) == 1 and diffs[0].startswith("extra.weights: ")
     assert e3.info()["weights_id"] == e3.weights_id
+
+
+def test_failed_forward_aborts_a_prefill_only_request_instead_of_recomputing_it(model):
+    """A prefill-only request whose forward raised part-way (its transfer hook failed) must not
+    be recomputed: a sender already holds its pages. The connector aborts it; a plain request
+    of the same forward is preempted and still gives its tokens."""
+    eng = LLMEngine(
+        model, MICRO, None, EngineConfig(block_size=4, num_pages=32, num_slots=4, num_snapshots=4)
+    )
+    sp = SamplingParams(max_tokens=3, **GREEDY)
+    calls = []
+
+    def hook(layer: int, upto: int) -> None:
+        calls.append(layer)
+        if layer == 1:
+            raise _Boom("transfer failed")
+
+    eng.add_request("g", [1, 2, 3], sp)
+    eng.add_prefill_request("p", list(range(20, 27)), sp, layer_hook=hook)
+    with pytest.raises(_Boom):
+        eng.step()
+    assert calls == [0, 1] and "p" not in eng.requests
+    assert eng.requests["g"].seqs[0].num_computed == 0  # preempted: recomputed from scratch
+    assert _drain(eng)["g"].token_ids == alone(model, [1, 2, 3], 3)
+    eng.cm.check()
+    u = eng.cm.usage()
+    assert (u.pages_used, u.slots_used) == (0, 0) and eng.requests == {}

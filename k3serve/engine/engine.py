@@ -1,47 +1,48 @@
-"""LLMEngine: the step loop (scheduler → runner → sampler → outputs) and the worker API.
+"""LLMEngine: the step loop (schedule → run → sample → outputs) and the worker API.
 
 One :meth:`LLMEngine.step`::
 
-    plan = scheduler.schedule()              admit / allocate / preempt (ids only)
-    runner.prepare_slots(admissions)         zero a slot, or load the prefix hit's snapshot
-    on_admit(handle) hooks                   (they may abort requests: those are skipped)
-    for group in (prefill chunks, decodes):  two forwards at most
-        logits = runner.forward(group)       raises part-way → the group is recomputed later
-        cm.commit(...) → runner.save_snapshots(...)   index full blocks, snapshot points
-        sample rows that computed their last known token (n > 1: fork the choices)
+    plan = schedule()                 scheduler admits / allocates / preempts (ids only); the
+                                      runner zeroes or loads admitted slots; connector.on_admit
+    for group in (prefill chunks, decodes):          two forwards at most
+        logits = runner.execute(RunBatch)            raises part-way → the group is recomputed
+        commit: index full blocks, save snapshots    (cm.commit → runner.save_snapshots)
+        sample rows that computed their last known token (n > 1: fork the choices);
         detokenize, stop checks; finished → cm.finish (end-of-request snapshot)
     outputs
 
-Worker API (lifecycle in :mod:`k3serve.protocol`): :meth:`add_prefill_request` /
-:meth:`release` on a prefill worker, :meth:`reserve` / :meth:`admit` on a decode worker,
-:meth:`abort_request` anywhere; :meth:`cache_events` / :meth:`cache_state` / :meth:`info`
-feed the router.
+Disaggregation is not in this path: it lives in a :class:`~k3serve.engine.connector.KVConnector`
+at the engine's edge (``LLMEngine.connector``; ``None`` for an offline / colocated engine). The
+worker API methods :meth:`add_prefill_request` / :meth:`release` (prefill worker) and
+:meth:`reserve` / :meth:`admit` (decode worker) are a facade over the
+:class:`~k3serve.engine.connector.DisaggConnector`, attached on the first such call.
+:meth:`abort_request` works anywhere; :meth:`cache_events` / :meth:`cache_state` / :meth:`info`
+feed the router. Lifecycle: :mod:`k3serve.protocol`.
 """
 
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from k3serve.cache.allocator import CacheFullError
 from k3serve.cache.events import EventLog
-from k3serve.cache.manager import CacheManager, PrefixHit
+from k3serve.cache.manager import CacheManager
 from k3serve.cache.pools import KVPools
 from k3serve.cache.specs import CacheConfig, CacheDtypes, layout_fingerprint
 from k3serve.config import ModelConfig
-from k3serve.tokenizer.detok import IncrementalDetokenizer
-from k3serve.engine.runner import ModelRunner, Row
+from k3serve.engine.connector import DisaggConnector, KVConnector
+from k3serve.engine.runner import ModelRunner, Row, RunBatch
 from k3serve.engine.sampler import SampleResult, SamplingRow, sample
-from k3serve.sampling import SamplingParams, draw_seed
-from k3serve.engine.scheduler import ScheduledSeq, Scheduler
-from k3serve.engine.sequence import Request, RequestMode, SeqStatus
+from k3serve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from k3serve.engine.sequence import Request, SeqStatus, as_token_ids
 from k3serve.engine.sequence import Sequence as Seq
-from k3serve.protocol import CacheHandle, CompletionOutput, FirstToken, RequestOutput
+from k3serve.protocol import CacheHandle, CompletionOutput, RequestOutput
+from k3serve.sampling import SamplingParams, draw_seed
+from k3serve.tokenizer.detok import IncrementalDetokenizer
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -137,8 +138,12 @@ class LLMEngine:
             (``k3serve.model.checkpoint.checkpoint_identity`` / ``random_init_identity``;
             :class:`~k3serve.engine.llm.LLM` sets it), part of the layout fingerprint: engines
             serving different weights never share block hashes. ``None``: unknown.
+        connector: a :class:`~k3serve.engine.connector.KVConnector` at the engine's edge, or
+            ``None`` (the default; the disaggregation methods attach a
+            :class:`~k3serve.engine.connector.DisaggConnector` on first use).
 
     Attributes:
+        connector: the attached connector or ``None`` (then the step calls none).
         fingerprint: the layout fingerprint (hash salt base, ``GET /internal/info``).
         fingerprint_fields: what the kvstore pairing compares besides the pool shapes (the
             ``PoolLayout`` extra): the model's ``fingerprint_fields()`` plus ``weights``.
@@ -156,6 +161,7 @@ class LLMEngine:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         weights_id: str | None = None,
+        connector: KVConnector | None = None,
     ):
         c = config or EngineConfig()
         self.config = c
@@ -197,7 +203,6 @@ class LLMEngine:
         )
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
-        self._reserved: dict[str, tuple[int, list[int], int, str | None]] = {}
         self._seq_ids = itertools.count()
         eos = getattr(tokenizer, "eos_token_id", None)
         self._eos = model_config.eos_token_id if eos is None else eos
@@ -206,14 +211,46 @@ class LLMEngine:
             frozenset(specials.values()) if isinstance(specials, dict) else frozenset()
         )
         self._decoder = _RenderAll(tokenizer) if tokenizer is not None else None
+        self.connector: KVConnector | None = None
+        if connector is not None:
+            self.attach(connector)
+
+    def attach(self, connector: KVConnector) -> None:
+        """Put ``connector`` at the engine's edge (and in the scheduler's hook).
+
+        Raises:
+            ValueError: another connector is attached already.
+        """
+        if self.connector is not None and self.connector is not connector:
+            raise ValueError("connector: the engine has a connector already")
+        self.connector = connector
+        self.scheduler.hook = connector
+
+    def _disagg(self) -> DisaggConnector:
+        """The disaggregation connector the worker API facade delegates to (attached now if
+        the engine has none).
+
+        Raises:
+            TypeError: the engine's connector is not a :class:`DisaggConnector`.
+        """
+        if self.connector is None:
+            self.attach(DisaggConnector(self))
+        if not isinstance(self.connector, DisaggConnector):
+            raise TypeError(
+                f"connector: {type(self.connector).__name__} does not serve the disaggregation "
+                "API (reserve / admit / add_prefill_request / release)"
+            )
+        return self.connector
 
     # ================================================================== validation
     def _check_new(self, request_id: str, prompt_token_ids: Sequence[int]) -> list[int]:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id: must be a non-empty str, got {request_id!r}")
-        if request_id in self.requests or request_id in self._reserved:
+        if request_id in self.requests or (
+            self.connector is not None and self.connector.has_request(request_id)
+        ):
             raise ValueError(f"request_id: {request_id!r} is already live")
-        ids = _as_ids(prompt_token_ids, self.model_config.vocab_size, "prompt_token_ids")
+        ids = as_token_ids(prompt_token_ids, self.model_config.vocab_size, "prompt_token_ids")
         if not ids:
             raise ValueError("prompt_token_ids: empty prompt")
         if len(ids) >= self.max_model_len:
@@ -234,7 +271,12 @@ class LLMEngine:
             params = params.with_seed(draw_seed())
         return params
 
-    def _new_seq(self, req: Request, choice: int, tokens: list[int]) -> Seq:
+    def _next_seq_id(self) -> int:
+        return next(self._seq_ids)
+
+    def _new_seq(
+        self, req: Request, choice: int, tokens: list[int], seq_id: int | None = None
+    ) -> Seq:
         left = self.max_model_len - len(req.prompt_token_ids)
         detok = IncrementalDetokenizer(
             self._decoder or _NoText(),
@@ -243,15 +285,8 @@ class LLMEngine:
             special_token_ids=self._special_ids,
             max_tokens=left,
         )
-        seq = Seq(
-            next(self._seq_ids),
-            req,
-            choice,
-            tokens,
-            len(req.prompt_token_ids),
-            detok,
-            pinned=req.mode is RequestMode.PREFILL,
-        )
+        sid = self._next_seq_id() if seq_id is None else seq_id
+        seq = Seq(sid, req, choice, tokens, len(req.prompt_token_ids), detok)
         req.seqs.append(seq)
         return seq
 
@@ -300,82 +335,30 @@ class LLMEngine:
             request_id,
             prompt_token_ids,
             params,
-            RequestMode.GENERATE,
             cache_salt,
             snapshot_at,
             outputs=(output_token_ids, output_logprobs),
         )
 
-    def add_prefill_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams | None = None,
-        *,
-        cache_salt: str | None = None,
-        snapshot_at: Iterable[int] = (),
-        on_admit: Callable[[CacheHandle], None] | None = None,
-        layer_hook: Callable[[int, int], None] | None = None,
-    ) -> None:
-        """Queue a prefill-only request: it stops after token #1 and holds its cache.
-
-        Args:
-            on_admit: called once with the :class:`CacheHandle` (slot, pages of the whole
-                prompt) before its first forward.
-            layer_hook: ``hook(layer_idx, upto_tokens)`` after each layer of each forward that
-                computed its tokens: that layer's cache holds tokens ``[0, upto_tokens)``; the
-                KDA state is final when ``upto_tokens == L`` (``KVSender.layer_ready``).
-            Others as :meth:`add_request`.
-
-        The step that samples token #1 returns a :class:`RequestOutput` with ``handle`` (with
-        :class:`FirstToken`); the slot and pages stay until :meth:`release`.
-
-        Raises:
-            ValueError: as :meth:`add_request`; ``params.n != 1``.
-        """
-        self._add(
-            request_id,
-            prompt_token_ids,
-            params,
-            RequestMode.PREFILL,
-            cache_salt,
-            snapshot_at,
-            on_admit=on_admit,
-            layer_hook=layer_hook,
-        )
-
     def _add(
         self,
-        rid,
-        prompt,
-        params,
-        mode,
-        cache_salt,
-        snapshot_at,
-        on_admit=None,
-        layer_hook=None,
-        outputs=((), None),
+        rid: str,
+        prompt: Sequence[int],
+        params: SamplingParams | None,
+        cache_salt: str | None,
+        snapshot_at: Iterable[int],
+        outputs: tuple[Sequence[int], Sequence[float] | None] = ((), None),
+        *,
+        snapshot_on_finish: bool = True,
     ) -> RequestOutput | None:
+        """Validate, register with the cache manager and queue (``add_request``; a connector's
+        own requests with ``snapshot_on_finish=False``)."""
         ids = self._check_new(rid, prompt)
         params = self._check_params(params)
-        if mode is not RequestMode.GENERATE and params.n != 1:
-            raise ValueError(
-                f"SamplingParams.n: must be 1 for a disaggregated request, got {params.n}"
-            )
-        outs = _as_ids(outputs[0], self.model_config.vocab_size, "output_token_ids")
+        outs = as_token_ids(outputs[0], self.model_config.vocab_size, "output_token_ids")
         if outs and params.n != 1:
             raise ValueError(f"SamplingParams.n: must be 1 with output_token_ids, got {params.n}")
-        req = Request(
-            rid,
-            ids,
-            params,
-            params.seed,
-            mode,
-            cache_salt,
-            tuple(snapshot_at),  # type: ignore[arg-type]
-            on_admit=on_admit,
-            layer_hook=layer_hook,
-        )
+        req = Request(rid, ids, params, params.seed, cache_salt, tuple(snapshot_at))  # type: ignore[arg-type]
         seq = self._new_seq(req, 0, ids + outs)
         if outs:
             fed = self._feed_outputs(seq, outs, outputs[1])
@@ -387,13 +370,7 @@ class LLMEngine:
             if seq.detok.finished:  # nothing left to generate: done before any compute
                 seq.status = SeqStatus.FINISHED
                 return self._output(req)
-        self.cm.add(
-            seq.seq_id,
-            seq.token_ids,
-            cache_salt,
-            req.snapshot_at,
-            snapshot_on_finish=mode is RequestMode.GENERATE,
-        )
+        self.cm.add(seq.seq_id, seq.token_ids, cache_salt, req.snapshot_at, snapshot_on_finish)
         self.requests[rid] = req
         self.scheduler.add(seq)
         return None
@@ -423,9 +400,7 @@ class LLMEngine:
         Returns:
             True when the request was live.
         """
-        if request_id in self._reserved:
-            sid = self._reserved.pop(request_id)[0]
-            self.cm.remove(sid)
+        if self.connector is not None and self.connector.on_abort(request_id):
             return True
         req = self.requests.pop(request_id, None)
         if req is None:
@@ -438,34 +413,56 @@ class LLMEngine:
                 seq.status = SeqStatus.FINISHED
         return True
 
+    # ================================================================== worker API facade
+    def add_prefill_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        snapshot_at: Iterable[int] = (),
+        on_admit: Callable[[CacheHandle], None] | None = None,
+        layer_hook: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Prefill side: queue a prefill-only request; it stops after token #1 and holds its
+        cache (:class:`~k3serve.engine.connector.DisaggConnector`).
+
+        Args:
+            on_admit: called once with the :class:`CacheHandle` (slot, pages of the whole
+                prompt) before its first forward.
+            layer_hook: ``hook(layer_idx, upto_tokens)`` after each layer of each forward that
+                computed its tokens: that layer's cache holds tokens ``[0, upto_tokens)``; the
+                KDA state is final when ``upto_tokens == L`` (``KVSender.layer_ready``).
+            Others as :meth:`add_request`.
+
+        The step that samples token #1 returns a :class:`RequestOutput` with ``handle`` (with
+        :class:`~k3serve.protocol.FirstToken`); the slot and pages stay until :meth:`release`.
+
+        Raises:
+            ValueError: as :meth:`add_request`; ``params.n != 1``.
+            TypeError: the engine's connector is not a ``DisaggConnector``.
+        """
+        self._disagg().add_prefill_request(
+            request_id, prompt_token_ids, params, cache_salt, snapshot_at, on_admit, layer_hook
+        )
+
     def release(self, request_id: str) -> None:
         """Prefill side: the transfer is done; free the held slot and pages.
 
         Raises:
             ValueError: not a held prefill-only request.
         """
-        req = self.requests.get(request_id)
-        if (
-            req is None
-            or req.mode is not RequestMode.PREFILL
-            or req.seqs[0].status is not SeqStatus.HELD
-        ):
-            raise ValueError(f"request_id: {request_id!r} is not a held prefill request")
-        del self.requests[request_id]
-        seq = req.seqs[0]
-        self.cm.remove(seq.seq_id)
-        seq.status = SeqStatus.FINISHED
+        self._disagg().release(request_id)
 
-    # ================================================================== decode side
     @property
     def num_reserved(self) -> int:
         """Reservations waiting for their cache (:meth:`reserve` not yet admitted or aborted)."""
-        return len(self._reserved)
+        return self.connector.num_reserved if isinstance(self.connector, DisaggConnector) else 0
 
     def can_reserve(self, num_tokens: int) -> bool:
         """Whether a slot and pages for ``num_tokens`` tokens are free now."""
-        pages = -(-num_tokens // self.config.block_size)
-        return self.cm.slots.can_allocate() and self.cm.pages.can_allocate(pages)
+        return self._disagg().can_reserve(num_tokens)
 
     def reserve(
         self,
@@ -490,24 +487,7 @@ class LLMEngine:
             ValueError: as :meth:`add_request`; ``num_tokens`` outside ``[L, max_model_len)``.
             CacheFullError: no slot or pages now (try later / elsewhere).
         """
-        ids = self._check_new(request_id, prompt_token_ids)
-        n = len(ids) if num_tokens is None else num_tokens
-        # admit() continues after ≥ 1 output token: the cache covers at least the prompt
-        if not isinstance(n, int) or not len(ids) <= n < self.max_model_len:
-            raise ValueError(
-                f"num_tokens: must lie in [len(prompt_token_ids) = {len(ids)}, "
-                f"{self.max_model_len}), got {n!r}"
-            )
-        sid = next(self._seq_ids)
-        self.cm.add(sid, ids, cache_salt, plan_snapshots=False, lookup=False)
-        if not self.cm.can_admit(sid, PrefixHit(0), n):
-            self.cm.remove(sid)
-            raise CacheFullError(f"reserve {request_id!r}: no slot or pages for {n} tokens")
-        adm = self.cm.admit(sid, PrefixHit(0), n)
-        self.pools.zero_slot(adm.slot)
-        self._reserved[request_id] = (sid, ids, n, cache_salt)
-        pages = self.cm.block_table(sid)[: -(-n // self.config.block_size)]
-        return CacheHandle(request_id, adm.slot, pages, n, self.config.block_size)
+        return self._disagg().reserve(request_id, prompt_token_ids, num_tokens, cache_salt)
 
     def admit(
         self,
@@ -535,61 +515,33 @@ class LLMEngine:
             ValueError: not reserved, token count disagreeing with the reservation, bad ids or
                 params, ``params.n != 1``.
         """
-        if request_id not in self._reserved:
-            raise ValueError(f"request_id: {request_id!r} is not reserved")
-        sid, prompt, n, salt = self._reserved[request_id]
-        outs = _as_ids(output_token_ids, self.model_config.vocab_size, "output_token_ids")
-        if not outs:
-            raise ValueError("output_token_ids: need ≥ 1 token")
-        if len(prompt) + len(outs) - 1 != n:
-            raise ValueError(f"output_token_ids: {len(outs)} tokens do not follow the {n} reserved")
-        params = self._check_params(params)
-        if params.n != 1:
-            raise ValueError(
-                f"SamplingParams.n: must be 1 for a disaggregated request, got {params.n}"
-            )
-        del self._reserved[request_id]
-        seed: int = params.seed  # type: ignore[assignment]
-        req = Request(request_id, prompt, params, seed, RequestMode.DECODE, salt)
-        req.num_cached_tokens = 0
-        seq = Seq(
-            sid,
-            req,
-            0,
-            prompt + outs,
-            len(prompt),
-            IncrementalDetokenizer(
-                self._decoder or _NoText(),
-                params,
-                eos_token_id=self._eos,
-                special_token_ids=self._special_ids,
-                max_tokens=self.max_model_len - len(prompt),
-            ),
-        )
-        req.seqs.append(seq)
-        self.requests[request_id] = req
-        seq.num_computed = seq.target = n
-        self.runner.save_snapshots(self.cm.commit(sid, seq.token_ids, n))
-        self._feed_outputs(seq, outs, output_logprobs)
-        if seq.detok.finished:
-            self._finish_seq(seq)
-            del self.requests[request_id]
-            return self._output(req)
-        self.scheduler.add_running(seq)
-        return None
+        return self._disagg().admit(request_id, output_token_ids, params, output_logprobs)
 
     # ================================================================== step
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step.
+        """Run one engine step: schedule → run → sample → outputs.
 
         Returns:
             Outputs of the requests that changed (new tokens, finished, held); finished ones
-            are dropped from the engine afterwards (held prefill requests stay until
-            :meth:`release`).
+            are dropped from the engine afterwards (held requests stay until released).
+
+        Raises:
+            whatever a forward (or a connector hook inside it) raises; the forward's sequences
+            are recomputed later (or handed to the connector), the engine stays consistent.
         """
+        plan = self._schedule()
+        for group in (plan.prefills, plan.decodes):
+            group = [s for s in group if s.seq.status is SeqStatus.RUNNING]  # aborted by a hook
+            if group:
+                self._sample(self._run(group))
+        return self._collect()
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's plan, with the admitted slots zeroed or loaded from a snapshot and
+        the connector told (``on_admit`` may abort requests: the step skips them)."""
         plan = self.scheduler.schedule()
         self.stats.num_steps += 1
         self.stats.num_mixed_steps += bool(plan.prefills and plan.decodes)
@@ -599,52 +551,50 @@ class LLMEngine:
             if s.seq.choice == 0 and req.num_cached_tokens is None:
                 req.num_cached_tokens = s.admission.num_cached  # type: ignore[union-attr]
         self.runner.prepare_slots(s.admission for s in admitted)  # type: ignore[misc]
-        for s in admitted:
-            req = s.seq.request
-            if req.on_admit is not None and s.seq.status is SeqStatus.RUNNING:
-                req.on_admit(self._handle(s.seq, None))
-        # an on_admit callback may abort requests (its transfer could not start): skip them
-        plan.prefills = [s for s in plan.prefills if s.seq.status is SeqStatus.RUNNING]
-        plan.decodes = [s for s in plan.decodes if s.seq.status is SeqStatus.RUNNING]
-        for group in (plan.prefills, plan.decodes):
-            if not group:
+        if self.connector is not None and admitted:
+            self.connector.on_admit([s.seq for s in admitted])
+        return plan
+
+    def _run(self, group: list[ScheduledSeq]) -> list[tuple[Seq, torch.Tensor]]:
+        """One forward over ``group`` through the runner's seam, then the commit (index full
+        blocks, save snapshots).
+
+        Returns:
+            ``(seq, [V] logits)`` of the rows that computed their last known token (to sample).
+        """
+        hook = self.connector.layer_hook(group) if self.connector is not None else None
+        try:
+            logits = self.runner.execute(RunBatch(tuple(self._row(s) for s in group), hook))
+        except BaseException:
+            self._drop_failed_forward(group)
+            raise
+        self.stats.num_forwards += 1
+        to_sample: list[tuple[Seq, torch.Tensor]] = []
+        for k, s in enumerate(group):
+            seq = s.seq
+            if seq.status is not SeqStatus.RUNNING:  # aborted by a layer hook: skip
                 continue
-            try:
-                logits = self.runner.forward([self._row(s) for s in group], self._layer_hook(group))
-            except BaseException:
-                self._drop_failed_forward(group)
-                raise
-            self.stats.num_forwards += 1
-            to_sample: list[tuple[Seq, torch.Tensor]] = []
-            for k, s in enumerate(group):
-                seq = s.seq
-                if seq.status is not SeqStatus.RUNNING:  # aborted by a layer hook: skip
-                    continue
-                if seq.is_prefill:
-                    self.stats.prompt_tokens_computed += s.num_new
-                seq.num_computed += s.num_new
-                self.runner.save_snapshots(self.cm.commit(seq.seq_id, seq.token_ids, s.num_new))
-                if seq.num_computed == len(seq.token_ids):
-                    to_sample.append((seq, logits[k]))
-            # sample each group right after its forward: if the next forward raises, these
-            # rows are done (left unsampled they would never be scheduled again)
-            if to_sample:
-                self._sample(to_sample)
-        return self._collect()
+            if seq.is_prefill:
+                self.stats.prompt_tokens_computed += s.num_new
+            seq.num_computed += s.num_new
+            self.runner.save_snapshots(self.cm.commit(seq.seq_id, seq.token_ids, s.num_new))
+            if seq.num_computed == len(seq.token_ids):
+                to_sample.append((seq, logits[k]))
+        # the caller samples each group right after its forward: if the next forward raises,
+        # these rows are done (left unsampled they would never be scheduled again)
+        return to_sample
 
     def _drop_failed_forward(self, group: list[ScheduledSeq]) -> None:
         """A forward over ``group`` raised part-way (a hook, an interrupt): the KDA/conv states
         of its slots are advanced in some layers and not in others, and nothing was committed.
         Re-running the chunk from there would compute (and index) wrong latents and snapshots,
-        so every such sequence is recomputed from the cache instead (preempted); a prefill-only
-        request, whose pages a sender already holds, is aborted."""
+        so every such sequence is recomputed from the cache instead (preempted), unless the
+        connector takes it (a prefill-only request, whose pages a sender holds, is aborted)."""
         for s in group:
             seq = s.seq
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            if seq.pinned:
-                self.abort_request(seq.request.request_id)
-            else:
+            if self.connector is None or not self.connector.on_forward_failed(seq):
                 self.scheduler.preempt(seq)
 
     def _row(self, s: ScheduledSeq) -> Row:
@@ -655,27 +605,14 @@ class LLMEngine:
         table = self.cm.block_table(seq.seq_id)
         return Row(seq.token_ids[start : start + s.num_new], start, slot, table)
 
-    def _layer_hook(self, group: list[ScheduledSeq]) -> Callable[[int], None] | None:
-        hooks = [
-            (s.seq.request.layer_hook, s.seq.num_computed + s.num_new)
-            for s in group
-            if s.seq.request.layer_hook is not None
-        ]
-        if not hooks:
-            return None
-
-        def hook(layer: int) -> None:
-            for h, upto in hooks:
-                h(layer, upto)
-
-        return hook
-
     def _sample(self, items: list[tuple[Seq, torch.Tensor]]) -> None:
+        if not items:
+            return
         rows: list[SamplingRow] = []
         meta: list[tuple[Seq, int, torch.Tensor]] = []
         for seq, lg in items:
             req = seq.request
-            forking = req.params.n > 1 and not req.forked and seq.choice == 0
+            forking = req.needs_fork and seq.choice == 0
             prompt_ids = req.prompt_token_ids if req.params.repetition_penalty != 1.0 else ()
             for c in range(req.params.n) if forking else (seq.choice,):
                 outs = seq.output_token_ids if c == seq.choice else []
@@ -690,9 +627,7 @@ class LLMEngine:
             if c == seq.choice:
                 pending.append((seq, res, lg))
                 continue
-            req = seq.request
-            req.forked = True
-            child = self._new_seq(req, c, seq.token_ids[: len(seq.token_ids)])
+            child = self._new_seq(seq.request, c, seq.token_ids[: len(seq.token_ids)])
             if self.cm.can_fork(seq.seq_id):
                 self.runner.fork(self.cm.fork(seq.seq_id, child.seq_id))
                 child.num_computed = child.target = seq.num_computed
@@ -714,11 +649,8 @@ class LLMEngine:
             seq.logits.append(lg.detach().clone())
         self.stats.generation_tokens += 1
         finished = seq.detok.step(res.token_id).finished
-        if req.mode is RequestMode.PREFILL:
-            self.scheduler.remove(seq)
-            seq.status = SeqStatus.HELD
-            req.handle = self._handle(seq, res)
-            return
+        if self.connector is not None and self.connector.on_sampled(seq, res):
+            return  # HELD: the connector owns what happens next
         if finished:
             self._finish_seq(seq)
         elif not self.cm.has(seq.seq_id):  # an unforked child: recompute from the cache
@@ -731,23 +663,6 @@ class LLMEngine:
             self.cm.finish(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.request.dirty = True
-
-    def _handle(self, seq: Seq, res: SampleResult | None) -> CacheHandle:
-        req = seq.request
-        L = len(req.prompt_token_ids)
-        first = None
-        if res is not None:
-            first = FirstToken(res.token_id, res.logprob, res.top_logprobs, L, req.seed)
-        pages = self.cm.block_table(seq.seq_id)[: -(-L // self.config.block_size)]
-        return CacheHandle(
-            req.request_id,
-            self.cm.slot(seq.seq_id),
-            pages,
-            L,  # type: ignore[arg-type]
-            self.config.block_size,
-            req.num_cached_tokens or 0,
-            first,
-        )
 
     # ================================================================== outputs
     def _output(self, req: Request) -> RequestOutput:
@@ -767,7 +682,7 @@ class LLMEngine:
                     s.detok.stop_reason,
                 )
             )
-        held = req.mode is RequestMode.PREFILL and req.seqs[0].status is SeqStatus.HELD
+        held = req.seqs[0].status is SeqStatus.HELD
         return RequestOutput(
             req.request_id,
             list(req.prompt_token_ids),
@@ -811,25 +726,6 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             "enable_prefix_caching": self.config.enable_prefix_caching,
         }
-
-
-def _as_ids(ids: Sequence[int], vocab: int, field: str) -> list[int]:
-    """Ids as plain ints in ``[0, vocab)`` (numpy / torch integers accepted).
-
-    Raises:
-        ValueError: a non-integer or out-of-range id (names ``field``).
-    """
-    try:
-        out = [operator.index(t) for t in ids if not isinstance(t, bool) or _bad(field)]
-    except TypeError:
-        raise ValueError(f"{field}: every id must be an int in [0, {vocab})") from None
-    if any(not 0 <= t < vocab for t in out):
-        raise ValueError(f"{field}: every id must be an int in [0, {vocab})")
-    return out
-
-
-def _bad(field: str) -> bool:
-    raise ValueError(f"{field}: bool is not a token id")
 
 
 class _NoText:

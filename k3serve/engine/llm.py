@@ -7,77 +7,29 @@
     outs = llm.generate(["def fib(n):", [256, 100, 101]], params)
     outs[0].text, outs[0].token_ids, outs[0].num_cached_tokens, outs[0].finish_reason
 
-Model resolution (``model=``):
+Model resolution (``model=``) is :func:`k3serve.model.checkpoint.load_model`'s (re-exported
+here as ``load_model``):
 
 * a :class:`~k3serve.config.ModelConfig`: that shape, random init (seeded) — tests;
 * a folder with ``k3serve_config.json`` / ``config.json`` and safetensors (K3 or Kimi-Linear
-  names): loaded by ``k3serve.model.checkpoint.load_checkpoint``;
-* a preset name: ``k3-tiny`` loads the embedded checkpoint ``k3serve/assets/k3-tiny`` when it
-  is there (any preset with ``k3serve/assets/<name>/``), otherwise random init seeded by ``seed``.
+  names), checked strictly;
+* a preset name: its embedded checkpoint ``k3serve/assets/<name>/`` (``k3-tiny`` ships one);
+  a preset without one is refused unless ``load_weights=False`` asks for random weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from k3serve.config import PRESETS, ModelConfig, load_config
+from k3serve.config import PRESETS, ModelConfig
 from k3serve.engine.engine import EngineConfig, LLMEngine
-from k3serve.sampling import SamplingParams
+from k3serve.model.checkpoint import checkpoint_identity, load_model, random_init_identity
 from k3serve.protocol import RequestOutput
-
-
-def load_model(
-    model: str | ModelConfig,
-    *,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    load_weights: bool = True,
-) -> tuple[torch.nn.Module, ModelConfig, str | None]:
-    """Build the model for ``model=`` (module docstring); weights via
-    :func:`k3serve.model.checkpoint.load_checkpoint`.
-
-    Returns:
-        ``(model in eval mode, its config, the weights folder or None for random init)``.
-
-    Raises:
-        ValueError: unknown name, folder without config; ``CheckpointError`` (a ValueError)
-            listing missing / unexpected / mis-shaped tensors.
-        FileNotFoundError: a folder without safetensors.
-    """
-    from k3serve.model.checkpoint import ASSETS_DIR, CONFIG_FILE, load_checkpoint
-    from k3serve.model.model import K3ForCausalLM
-
-    folder: Path | None = None
-    if isinstance(model, ModelConfig):
-        cfg = model
-    elif str(model) in PRESETS:
-        cfg = PRESETS[str(model)]
-        embedded = ASSETS_DIR / str(model)
-        if load_weights and embedded.is_dir() and any(embedded.glob("*.safetensors")):
-            folder = embedded
-            if (embedded / CONFIG_FILE).exists():
-                cfg = load_config(str(embedded))
-        elif load_weights and model == "k3-tiny":
-            warnings.warn("k3-tiny: no embedded checkpoint found; random weights", stacklevel=3)
-    else:
-        cfg = load_config(str(model))  # ValueError: neither a preset nor a folder
-        folder = Path(model) if load_weights else None
-    rng_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        net = K3ForCausalLM(cfg, dtype=dtype)
-    finally:
-        torch.random.set_rng_state(rng_state)
-    if folder is not None:
-        load_checkpoint(net, folder, cfg)
-    return net.to(device).eval(), cfg, None if folder is None else str(folder)
+from k3serve.sampling import SamplingParams
 
 
 class LLM:
@@ -90,12 +42,15 @@ class LLM:
         seed: random-init seed (not the sampling seed).
         dtype: compute / pool dtype (CPU: float32).
         device: ``"cpu"`` or a CUDA device.
-        load_weights: False forces random init.
+        load_weights: False: random weights of the model's shape (nothing is read).
         **engine_kwargs: :class:`EngineConfig` fields (``block_size``, ``num_pages``,
             ``num_slots``, ``num_snapshots``, ``max_num_batched_tokens``, …).
 
     Raises:
-        ValueError: unknown model or engine field.
+        ValueError: unknown model or engine field; ``CheckpointError`` (a ValueError) for
+            weights that do not match the model.
+        FileNotFoundError: a preset without an embedded checkpoint (and ``load_weights``),
+            a folder without safetensors.
     """
 
     def __init__(
@@ -114,9 +69,7 @@ class LLM:
         unknown = sorted(set(engine_kwargs) - names)
         if unknown:
             raise ValueError(f"LLM: unknown engine option(s) {unknown}; known: {sorted(names)}")
-        net, cfg, folder = load_model(
-            model, seed=seed, dtype=dtype, device=device, load_weights=load_weights
-        )
+        net, cfg, folder = load_model(model, device, dtype, seed=seed, random_init=not load_weights)
         if tokenizer is None:
             from k3serve.tokenizer import get_tokenizer
 
@@ -124,8 +77,6 @@ class LLM:
                 folder if folder else (cfg.name if cfg.name in PRESETS else "byte")
             )
         self.tokenizer = tokenizer
-        from k3serve.model.checkpoint import checkpoint_identity, random_init_identity
-
         weights_id = checkpoint_identity(folder) if folder else random_init_identity(seed)
         config = EngineConfig(enable_prefix_caching=enable_prefix_caching, **engine_kwargs)
         self.engine = LLMEngine(

@@ -12,6 +12,14 @@ Packing of one forward (``T`` new tokens of ``N`` sequences)::
     input_ids   [ seq0: t_c0 … t_c0+n0-1 | seq1: … | … ]          [T]
     cu_seqlens  [0, n0, n0+n1, …]                                   [N+1]
     num_cached  [c0, c1, …]       block_table [N, max_pages]        slot_mapping [T]
+
+The run seam: the engine hands every forward to :meth:`ModelRunner.execute` as one
+:class:`RunBatch` (rows + an optional per-layer hook) and gets ``[N, V]`` logits back; it never
+calls the model itself. A CUDA-graph runner (issue 11) plugs in there: a subclass whose
+``execute`` replays a captured graph for batches it has one for (decode-only, a captured
+size, ``layer_hook is None``: a Python hook cannot run inside a graph) and falls back to
+:meth:`ModelRunner.forward` otherwise. Slot preparation, snapshot saves and forks stay plain
+tensor copies outside the graph.
 """
 
 from __future__ import annotations
@@ -43,6 +51,29 @@ class Row:
     block_table: Sequence[int]
 
 
+@dataclass(frozen=True)
+class RunBatch:
+    """One forward's input, as the engine builds it.
+
+    Attributes:
+        rows: the sequences of the forward, in output order (``N`` rows).
+        layer_hook: ``hook(layer_idx)`` after each layer has written its cache (a connector's
+            per-layer transfer), or ``None``.
+    """
+
+    rows: tuple[Row, ...]
+    layer_hook: Callable[[int], None] | None = None
+
+    @property
+    def is_decode(self) -> bool:
+        """Every row feeds a single token (a CUDA graph's shape class)."""
+        return all(len(r.token_ids) == 1 for r in self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.rows)
+
+
 class ModelRunner:
     """Runs a ``K3ForCausalLM`` against its pools.
 
@@ -58,11 +89,27 @@ class ModelRunner:
         self.block_size = pools.block_size
         self.device = torch.device(device)
 
+    def execute(self, batch: RunBatch) -> torch.Tensor:
+        """The engine's one call per forward (the seam a CUDA-graph runner overrides).
+
+        Args:
+            batch: :class:`RunBatch` of ``N`` rows.
+
+        Returns:
+            ``[N, V]`` float32 logits of each row's last new token.
+
+        Raises:
+            ValueError: as :meth:`forward`; whatever the layer hook raises (the slots of the
+                batch are then part-way updated: the engine recomputes them).
+        """
+        return self.forward(list(batch.rows), batch.layer_hook)
+
     @torch.inference_mode()
     def forward(
         self, rows: Sequence[Row], layer_hook: Callable[[int], None] | None = None
     ) -> torch.Tensor:
-        """One forward over ``rows`` (mutates their slots' states and writes latents).
+        """One eager forward over ``rows`` (mutates their slots' states and writes latents): the
+        plain-torch path every runner falls back to.
 
         Returns:
             ``[N, V]`` float32 logits of each row's last new token.
@@ -106,4 +153,4 @@ class ModelRunner:
             self.pools.mla_latent[:, dst].copy_(self.pools.mla_latent[:, src])
 
 
-__all__ = ["ModelRunner", "Row"]
+__all__ = ["ModelRunner", "Row", "RunBatch"]

@@ -6,25 +6,54 @@ One :meth:`Scheduler.schedule` call plans one engine step::
     1. running sequences, oldest admission first:
          decode  → 1 token
          prefill → min(budget, chunk_end - num_computed)   (chunks end on snapshot points)
-       no page for it → preempt the newest unpinned running sequence (recompute later), retry;
-       if the sequence itself is the newest, it is preempted.
+       no page for it → preempt the newest preemptible running sequence (recompute later),
+       retry; if the sequence itself is the newest, it is preempted.
     2. waiting sequences, FCFS, while budget and slots last (none after a preemption):
-         hit = prefix match; first chunk = min(budget, chunk_end - hit); admit or stop.
+         hit = prefix match; first chunk = min(budget, chunk_end - hit); admit or stop
+         (pages for the chunk; a hook may ask for more, e.g. the whole prompt).
 
 A preempted sequence releases its slot and pages (its computed full blocks stay cached) and
 goes back to the head of the queue with prompt := all its tokens; re-admission matches the
 prefix cache again, so recompute is cheap when its blocks and a snapshot survived.
 
-The scheduler sees only :class:`~k3serve.cache.manager.CacheManager` predicates, never pools.
+The scheduler sees only :class:`~k3serve.cache.manager.CacheManager` predicates, never pools,
+and knows nothing of disaggregation: a :class:`SchedulerHook` (the engine's connector, see
+:mod:`k3serve.engine.connector`) may enlarge an admission and exempt sequences from preemption.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from k3serve.cache.manager import Admission, CacheManager
-from k3serve.engine.sequence import RequestMode, SeqStatus, Sequence
+from k3serve.engine.sequence import SeqStatus, Sequence
+
+
+class SchedulerHook(Protocol):
+    """The scheduler's one plug point (the engine's
+    :class:`~k3serve.engine.connector.KVConnector` implements it).
+
+    Neither method may mutate the scheduler or the cache manager.
+    """
+
+    def admit_tokens(self, seq: Sequence, num_new: int, num_to_target: int) -> int:
+        """Tokens to allocate pages for when ``seq`` is admitted.
+
+        Args:
+            seq: the waiting sequence being admitted.
+            num_new: its first chunk (tokens computed this step).
+            num_to_target: tokens from its prefix hit to the end of its known tokens.
+
+        Returns:
+            An int in ``[num_new, num_to_target]`` (``num_new``: pages grow chunk by chunk).
+        """
+        ...
+
+    def preemptible(self, seq: Sequence) -> bool:
+        """Whether a running ``seq`` may be preempted (its pages freed) to make room."""
+        ...
 
 
 @dataclass
@@ -66,15 +95,23 @@ class Scheduler:
         cm: the cache manager (owns every page, slot and snapshot).
         max_num_batched_tokens: token budget per step (≥ 1).
         max_num_seqs: most running sequences (≤ the manager's slots).
+        hook: optional :class:`SchedulerHook` (settable later: ``scheduler.hook = …``).
 
     Raises:
         ValueError: a limit < 1.
     """
 
-    def __init__(self, cm: CacheManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(
+        self,
+        cm: CacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        hook: SchedulerHook | None = None,
+    ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens, max_num_seqs: must be ≥ 1")
         self.cm = cm
+        self.hook = hook
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
@@ -121,9 +158,9 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _victim(self, first: int) -> Sequence | None:
-        """Newest unpinned running sequence at index ≥ ``first`` (not yet scheduled)."""
+        """Newest preemptible running sequence at index ≥ ``first`` (not yet scheduled)."""
         for s in reversed(self.running[first:]):
-            if not s.pinned:
+            if self.hook is None or self.hook.preemptible(s):
                 return s
         return None
 
@@ -150,7 +187,7 @@ class Scheduler:
             preempted_self = False
             while not self.cm.can_allocate(seq.seq_id, n):
                 victim = self._victim(i)
-                if victim is None:  # only pinned sequences left: wait for them to finish
+                if victim is None:  # none preemptible left: wait for them to finish
                     break
                 self._preempt(victim, out)
                 if victim is seq:
@@ -179,8 +216,8 @@ class Scheduler:
             hit = self.cm.match(sid)
             n = min(budget, hit.chunk_end - hit.num_tokens)
             target = self.cm.num_prompt(sid)
-            # prefill-only: pages for the whole prompt now (the sender's source must not move)
-            reserve = target - hit.num_tokens if seq.request.mode is RequestMode.PREFILL else n
+            left = target - hit.num_tokens
+            reserve = n if self.hook is None else self.hook.admit_tokens(seq, n, left)
             if not self.cm.can_admit(sid, hit, reserve):
                 break
             adm = self.cm.admit(sid, hit, reserve)
@@ -194,4 +231,4 @@ class Scheduler:
         return out
 
 
-__all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
+__all__ = ["ScheduledSeq", "Scheduler", "SchedulerHook", "SchedulerOutput"]

@@ -11,18 +11,28 @@ Positions of one sequence (``num_computed`` tokens have their latents + state in
 
     prefill: num_computed < target (the tokens known at admission): next chunk
     decode:  len(token_ids) - num_computed == 1: feed the last sampled token
+
+Sequence states (:class:`SeqStatus`, the only state machine of the engine)::
+
+    WAITING ──admit──▶ RUNNING ──sample: stop / length──▶ FINISHED
+       ▲                 │  └──sample: connector keeps it──▶ HELD ──release──▶ FINISHED
+       └────preempt──────┘
+    any state ──abort──▶ FINISHED
+
+``HELD`` is entered only through a connector (:mod:`k3serve.engine.connector`): a
+prefill-only request whose slot and pages a sender still reads.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+import operator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from k3serve.tokenizer.detok import IncrementalDetokenizer
 from k3serve.sampling import SamplingParams
+from k3serve.tokenizer.detok import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from k3serve.protocol import CacheHandle
@@ -31,15 +41,8 @@ if TYPE_CHECKING:
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # queued (new or preempted); holds no memory
     RUNNING = "running"  # admitted: slot + pages
-    HELD = "held"  # prefill-only, token #1 sampled: slot + pages kept until released
-    RESERVED = "reserved"  # decode side: slot + pages reserved, waiting for admit
+    HELD = "held"  # computed and sampled; slot + pages kept for a connector until released
     FINISHED = "finished"
-
-
-class RequestMode(enum.Enum):
-    GENERATE = "generate"  # the whole request here (offline, or a colocated worker)
-    PREFILL = "prefill"  # stop after token #1, hand back the cache (prefill worker)
-    DECODE = "decode"  # cache arrives from a prefill worker; continue from token #2
 
 
 @dataclass(eq=False)
@@ -51,34 +54,32 @@ class Request:
         prompt_token_ids: ``[L]`` prompt.
         params: sampling parameters with the seed resolved.
         seed: the resolved seed (``params.seed``).
-        mode: :class:`RequestMode`.
         cache_salt: tenant salt or ``None``.
         snapshot_at: positions where the router wants snapshots.
         seqs: the choices' sequences (index = choice); choice 0 is created at add, the others
             when choice 0's prefill ends (n > 1 forks).
         num_cached_tokens: prompt tokens reused at choice 0's first admission (``None`` until
             admitted).
-        layer_hook: prefill mode: ``hook(layer_idx, upto_tokens)`` after each layer of each
-            forward that computed this request's tokens.
-        on_admit: prefill mode: called with the :class:`CacheHandle` (slot and pages of the
-            whole prompt, no token yet) before the first forward.
-        handle: prefill mode: the cache handle once token #1 is sampled.
+        handle: set by a connector when it holds the request (``HELD``): where its cache
+            lives and token #1.
+        dirty: changed since the last output (the engine's output flag, not a state).
     """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int
-    mode: RequestMode = RequestMode.GENERATE
     cache_salt: str | None = None
     snapshot_at: tuple[int, ...] = ()
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int | None = None
-    layer_hook: Callable[[int, int], None] | None = None
-    on_admit: Callable[[CacheHandle], None] | None = None
     handle: CacheHandle | None = None
-    forked: bool = False
-    dirty: bool = False  # changed since the last output
+    dirty: bool = False
+
+    @property
+    def needs_fork(self) -> bool:
+        """``n > 1`` and the other choices are not created yet (choice 0's prefill ends)."""
+        return len(self.seqs) < self.params.n
 
     @property
     def finished(self) -> bool:
@@ -105,7 +106,6 @@ class Sequence:
         logprobs: the sampled tokens' log-probabilities.
         top_logprobs: per token, ``params.logprobs`` alternatives (when asked).
         logits: per token, the ``[V]`` float32 logits it was sampled from (``record_logits``).
-        pinned: never preempted (prefill-mode: a sender may be reading its pages).
     """
 
     seq_id: int
@@ -120,7 +120,6 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     logits: list[Any] = field(default_factory=list)
-    pinned: bool = False
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -141,4 +140,23 @@ class Sequence:
         return self.token_ids[: self.num_prompt_tokens]
 
 
-__all__ = ["Request", "RequestMode", "SeqStatus", "Sequence"]
+def as_token_ids(ids: Seq[int], vocab: int, field: str) -> list[int]:
+    """Ids as plain ints in ``[0, vocab)`` (numpy / torch integers accepted).
+
+    Raises:
+        ValueError: a non-integer, bool or out-of-range id (names ``field``).
+    """
+    try:
+        out = [operator.index(t) for t in ids if not isinstance(t, bool) or _bad(field)]
+    except TypeError:
+        raise ValueError(f"{field}: every id must be an int in [0, {vocab})") from None
+    if any(not 0 <= t < vocab for t in out):
+        raise ValueError(f"{field}: every id must be an int in [0, {vocab})")
+    return out
+
+
+def _bad(field: str) -> bool:
+    raise ValueError(f"{field}: bool is not a token id")
+
+
+__all__ = ["Request", "SeqStatus", "Sequence", "as_token_ids"]

@@ -33,6 +33,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -628,65 +629,99 @@ def _packed_for(
 
 
 # ---------------------------------------------------------------------- model loading
+class LoadedModel(NamedTuple):
+    """What :func:`load_model` returns.
+
+    Attributes:
+        model: a :class:`~k3serve.model.model.K3ForCausalLM` in eval mode on the device.
+        config: its :class:`~k3serve.config.ModelConfig`.
+        folder: the checkpoint folder its weights were read from, ``None`` for random init
+            (``checkpoint_identity(folder)`` / ``random_init_identity(seed)`` name them).
+    """
+
+    model: nn.Module
+    config: ModelConfig
+    folder: str | None
+
+
 def load_model(
-    name_or_dir: str | os.PathLike,
+    source: str | os.PathLike | ModelConfig,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     *,
+    seed: int = 0,
     random_init: bool = False,
-) -> tuple[nn.Module, ModelConfig]:
-    """Build a model and load its weights.
+) -> LoadedModel:
+    """Build a model and load its weights: the one loader (offline ``LLM``, the workers,
+    ``scripts/eval_bpb.py`` and the benchmarks call it).
+
+    Sources:
+
+    * a :class:`~k3serve.config.ModelConfig`: that shape, random weights (no file to read);
+    * a preset name: the checkpoint embedded in ``k3serve/assets/<preset>/`` (its
+      ``k3serve_config.json`` wins over the preset if it has one);
+    * a checkpoint folder with ``k3serve_config.json`` (ours) or ``config.json`` (Hugging
+      Face) and safetensors (K3 or Kimi-Linear names, checked strictly by
+      :func:`load_checkpoint`).
+
+    Weights are never made up silently: a preset without an embedded checkpoint raises unless
+    ``random_init`` asks for random weights.
 
     Args:
-        name_or_dir: a preset name (weights from ``k3serve/assets/<preset>/`` when present;
-            its ``k3serve_config.json`` wins over the preset if it has one) or a checkpoint
-            folder with ``k3serve_config.json`` (ours) or ``config.json`` (Hugging Face).
+        source: see above.
         device: where the model goes.
         dtype: parameter dtype (CPU computes in float32; KDA ``A_log``/``dt_bias`` and the
             router bias stay float32).
-        random_init: for a preset without an embedded checkpoint, return randomly initialised
-            weights instead of raising.
+        seed: the random-init seed (the global torch RNG is left as it was).
+        random_init: random weights for the preset's / folder's shape; no weights are read.
 
     Returns:
-        ``(model in eval mode on device, cfg)``.
+        :class:`LoadedModel` ``(model, config, folder)``.
 
     Raises:
-        FileNotFoundError: a preset without embedded weights and ``random_init=False``.
+        FileNotFoundError: a preset without embedded weights and ``random_init=False``; a
+            folder without safetensors (from :func:`checkpoint_files`).
         ValueError: unknown preset / folder without a config (from ``load_config``).
-        CheckpointError: the weights do not match the model.
+        CheckpointError: the weights do not match the model (nothing is loaded then).
     """
     from k3serve.model.model import K3ForCausalLM
 
-    key = str(name_or_dir)
-    folder: Path | None
-    if key in PRESETS:
-        folder = ASSETS_DIR / key
-        has_weights = folder.is_dir() and any(folder.glob("*.safetensors"))
-        cfg = (
-            load_config(str(folder))
-            if has_weights and (folder / CONFIG_FILE).exists()
-            else PRESETS[key]
-        )
-        if not has_weights:
-            if not random_init:
+    folder: Path | None = None
+    if isinstance(source, ModelConfig):
+        cfg = source
+    elif str(source) in PRESETS:
+        key = str(source)
+        cfg = PRESETS[key]
+        embedded = ASSETS_DIR / key
+        if not random_init:
+            if not (embedded.is_dir() and any(embedded.glob("*.safetensors"))):
                 raise FileNotFoundError(
-                    f"model {key!r}: no embedded checkpoint in {folder} (expected *.safetensors); "
-                    f"pass random_init=True for random weights, or a checkpoint folder"
+                    f"model {key!r}: no embedded checkpoint in {embedded} (expected "
+                    "*.safetensors); pass random_init=True for random weights, or a checkpoint "
+                    "folder"
                 )
-            folder = None
+            folder = embedded
+            if (embedded / CONFIG_FILE).exists():
+                cfg = load_config(str(embedded))
     else:
-        folder = Path(name_or_dir)
-        cfg = load_config(str(folder))
-    model = K3ForCausalLM(cfg, dtype=dtype)
+        cfg = load_config(os.fspath(source))  # ValueError: neither a preset nor a folder
+        folder = None if random_init else Path(source)
+    rng_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = K3ForCausalLM(cfg, dtype=dtype)
+    finally:
+        torch.random.set_rng_state(rng_state)
     if folder is not None:
         load_checkpoint(model, folder, cfg)
-    return model.to(device).eval(), cfg
+    return LoadedModel(model.to(device).eval(), cfg, None if folder is None else str(folder))
 
 
 __all__ = [
     "ASSETS_DIR",
     "CheckpointError",
     "LoadResult",
+    "LoadedModel",
     "checkpoint_files",
     "checkpoint_identity",
     "load_checkpoint",
