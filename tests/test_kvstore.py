@@ -18,6 +18,13 @@ import pytest
 import torch
 
 from k3serve.config import PRESETS
+from k3serve.messages import (
+    PairRequest,
+    SamplingSpec,
+    StatusAck,
+    StatusMessage,
+    TransferMetadata,
+)
 from kvstore import (
     BootstrapClient,
     CacheRef,
@@ -44,7 +51,7 @@ from kvstore.descriptors import (
 )
 from kvstore.engine import MAX_NOTIFY_BYTES
 from kvstore.loopback import fill_pools, make_pools, pool_layout, request_digest
-from kvstore.states import StatusMessage
+from kvstore.retry import RetryBudget
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = PRESETS["k3-tiny"]
@@ -438,6 +445,23 @@ def pair(engines):
     src_e.unregister_layout(slay)
 
 
+def meta_for(n: int, token_id: int = 1, **kw) -> TransferMetadata:
+    """The metadata a prefill worker sends for an n-token prompt (ids ``0..n-1``)."""
+    return TransferMetadata(
+        request_id=kw.pop("request_id", "r"),
+        prompt_token_ids=kw.pop("prompt_token_ids", list(range(n))),
+        token_id=token_id,
+        sampling=SamplingSpec(temperature=0.0, seed=3),
+        position=n,
+        **kw,
+    )
+
+
+def same_meta(got, want: TransferMetadata) -> bool:
+    """The receiver delivers a TransferMetadata (a subclass readable by key, for now)."""
+    return isinstance(got, TransferMetadata) and got.model_dump() == want.model_dump()
+
+
 def run_until(pred, timeout_s: float, *objs) -> float:
     t0 = time.monotonic()
     while not pred():
@@ -473,17 +497,24 @@ def test_inprocess_retry_then_success(pair):
     expected = expected_layer_bytes(pair["server"].layout, rx.ref)
     run_until(lambda: rx.layers_received == expected, 10, tx, rx)
     assert rx.state == KVPoll.TRANSFERRING and tx.state == KVPoll.TRANSFERRING
-    tx.finish({"token": 7})
+    meta = meta_for(n, token_id=7, logprob=-0.25, top_logprobs=[(7, -0.25), (3, None)])
+    tx.finish(meta)
     run_until(lambda: tx.state.terminal and rx.state.terminal, 10, tx, rx)
     assert tx.state == KVPoll.SUCCESS and rx.state == KVPoll.SUCCESS, (tx.error, rx.error)
     assert tx.attempts == 2 and rx.result.attempts == 2
+    assert same_meta(rx.result.metadata, meta)
+    # by key too, as today's decode worker reads it (transitional)
+    assert rx.result.metadata["token_id"] == 7 and rx.result.metadata.get("position") == n
     assert request_digest(pair["dpools"], rx.ref) == request_digest(pair["spools"], tx.src)
 
 
 def test_inprocess_http_notify_large_metadata_and_chunks(pair):
     n = 5 * B
-    for mode, meta in [("http", {"ids": list(range(50))}), ("te", {"ids": list(range(60_000))})]:
-        assert len(json.dumps(meta)) > MAX_NOTIFY_BYTES or mode == "http"
+    for mode, meta in [
+        ("http", meta_for(n, prompt_token_ids=list(range(50)))),
+        ("te", meta_for(n, prompt_token_ids=list(range(60_000)))),  # too big for TE: HTTP
+    ]:
+        assert len(meta.model_dump_json()) > MAX_NOTIFY_BYTES or mode == "http"
         rx = KVReceiver(pair["server"], CacheRef(0, (30, 31, 32, 33, 34), n), timeout_s=10)
         tx = make_sender(pair, rx, CacheRef(3, (40, 41, 50, 51, 52), n), notify=mode)
         for upto in (B, 3 * B, n):  # chunked prefill: latents per chunk, states at the end
@@ -493,7 +524,7 @@ def test_inprocess_http_notify_large_metadata_and_chunks(pair):
         tx.finish(meta)
         run_until(lambda tx=tx, rx=rx: tx.state.terminal and rx.state.terminal, 10, tx, rx)
         assert rx.state == KVPoll.SUCCESS, rx.error
-        assert rx.result.metadata == meta
+        assert same_meta(rx.result.metadata, meta)
         assert rx.result.layer_bytes == expected_layer_bytes(pair["server"].layout, rx.ref)
         assert request_digest(pair["dpools"], rx.ref) == request_digest(pair["spools"], tx.src)
         rx.close()
@@ -506,7 +537,7 @@ def test_inprocess_decode_abort_refuses_http_completion(pair):
     run_until(lambda: tx.state == KVPoll.WAITING_FOR_INPUT, 10, tx)
     rx.abort("client went away")
     assert rx.poll() == KVPoll.FAILED and not rx.released  # the sender may still write
-    tx.finish({})
+    tx.finish(meta_for(n))
     run_until(lambda: tx.state.terminal and rx.released, 10, tx, rx)
     assert tx.state == KVPoll.FAILED and "refused" in str(tx.error) and tx.retries_used == 0
     assert "client went away" in rx.error
@@ -515,9 +546,15 @@ def test_inprocess_decode_abort_refuses_http_completion(pair):
 def test_inprocess_manifest_short_and_timeout(pair):
     srv = pair["server"]
     rx = KVReceiver(srv, CacheRef(0, (1, 2), 2 * B), timeout_s=10)
-    st, _ = srv.pair({"ticket": rx.ticket, "sender": "s1", "fingerprint": srv.layout.fingerprint()})
+    st, _ = srv.pair(
+        PairRequest(ticket=rx.ticket, sender="s1", fingerprint=srv.layout.fingerprint())
+    )
     assert st == 200 and rx.poll() == KVPoll.WAITING_FOR_INPUT
-    ok, _ = srv.on_status(StatusMessage(rx.ticket, "s1", "done", layers={0: 1}))
+    ok, _ = srv.on_status(
+        StatusMessage(
+            ticket=rx.ticket, sender="s1", kind="done", layers={0: 1}, metadata=meta_for(2 * B)
+        )
+    )
     assert not ok and rx.poll() == KVPoll.FAILED and "incomplete transfer" in rx.error
     assert "layer 3: got 0 B" in rx.error
     released = []
@@ -545,11 +582,15 @@ def test_aborts_release_every_reservation(pair):
             continue
         if stage == 1:  # a sender paired: release must wait until it is quiesced
             srv.pair(
-                {"ticket": rx.ticket, "sender": f"s{i}", "fingerprint": srv.layout.fingerprint()}
+                PairRequest(ticket=rx.ticket, sender=f"s{i}", fingerprint=srv.layout.fingerprint())
             )
             rx.abort()
             assert not rx.released
-            srv.on_status(StatusMessage(rx.ticket, f"s{i}", "aborted", error="x", quiesced=True))
+            srv.on_status(
+                StatusMessage(
+                    ticket=rx.ticket, sender=f"s{i}", kind="aborted", error="x", quiesced=True
+                )
+            )
             rx.poll()
             assert rx.released
             continue
@@ -561,11 +602,11 @@ def test_aborts_release_every_reservation(pair):
         else:  # decode aborts while the sender is writing; the sender still finishes
             tx.layer_ready(0)
             rx.abort()
-            tx.finish({})
+            tx.finish(meta_for(B))
         run_until(lambda tx=tx, rx=rx: tx.state.terminal and rx.released, 5, tx, rx)
         assert rx.state == KVPoll.FAILED
         # a late pairing of an aborted ticket is refused
-        assert srv.pair({"ticket": rx.ticket, "sender": "late", "fingerprint": {}})[0] == 410
+        assert srv.pair(PairRequest(ticket=rx.ticket, sender="late"))[0] == 410
     assert srv.unreleased() == 0 and sorted(freed) == list(range(200))
 
 
@@ -590,7 +631,7 @@ def test_plugs_into_kvpools_and_cache_handle():
             )
             for layer in range(TINY.num_layers):  # the engine's layer_hook(layer, upto_tokens)
                 tx.layer_ready(layer, n)
-            tx.finish({})
+            tx.finish(meta_for(n))
             run_until(lambda: tx.state.terminal and rx.state.terminal and tx.released, 10, tx, rx)
             assert rx.state == KVPoll.SUCCESS, (tx.error, rx.error)
     assert torch.equal(dpools.kda_state[:, 1], spools.kda_state[:, 0])
@@ -714,13 +755,7 @@ def test_two_process_layer_by_layer(peer, prefill):
         time.sleep(0.002)  # "compute" of layer l
         tx.layer_ready(l)
         tx.poll()
-    meta = {
-        "prompt_token_ids": list(range(n)),
-        "token": 42,
-        "logprobs": [-0.5],
-        "position": n,
-        "sampling_params": {"temperature": 0.0, "seed": 3},
-    }
+    meta = meta_for(n, token_id=42, logprob=-0.5)
     tx.finish(meta)
     run_until(lambda: tx.state.terminal, 10, tx)
     assert tx.state == KVPoll.SUCCESS, tx.error
@@ -730,7 +765,7 @@ def test_two_process_layer_by_layer(peer, prefill):
     assert out["digest"] == request_digest(prefill["pools"], src)
     assert out["changed_elsewhere"] == []
     res = out["result"]
-    assert res["metadata"] == meta
+    assert TransferMetadata.model_validate(res["metadata"]) == meta
     assert (
         res["total_bytes"] == TINY.kda_state_bytes_per_seq() + n * TINY.mla_latent_bytes_per_token()
     )
@@ -780,7 +815,7 @@ def test_two_process_injected_failure_retry_then_failed(peer, prefill):
     )
     for l in range(TINY.num_layers):
         tx.layer_ready(l)
-    tx.finish({"token": 1})
+    tx.finish(meta_for(n))
     run_until(lambda: tx.state.terminal, 10, tx)
     assert tx.state == KVPoll.FAILED and isinstance(tx.error, TransferError)
     assert "retries exhausted" in str(tx.error) and tx.retries_used == 2
@@ -817,7 +852,7 @@ def test_two_process_dead_decode_peer(prefill):
         for l in range(TINY.num_layers):
             tx.layer_ready(l)
             tx.poll()
-        tx.finish({})
+        tx.finish(meta_for(3 * B))
         run_until(lambda: tx.state.terminal, 15, tx)
         took = time.monotonic() - t0
         assert tx.state == KVPoll.FAILED and tx.released

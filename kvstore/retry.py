@@ -1,0 +1,94 @@
+"""One sender's retry budget, on tenacity's policies (stop after N retries, exponential wait).
+
+A :class:`~kvstore.sender.KVSender` has ``max_retries`` retries *in total*, shared by its
+pairing (HTTP), its writes and its completion message. The blocking jobs (pairing, the
+completion message; they run on the :class:`~kvstore.client.BootstrapClient` pool) retry with
+:meth:`RetryBudget.retrying`, a ``tenacity.Retrying``; the writes are asynchronous TE handles
+polled by the sender's state machine, which asks :meth:`RetryBudget.take` and
+:meth:`RetryBudget.backoff` instead of blocking. The n-th retry waits
+``min(max_backoff_s, backoff_s · 2^(n-1))`` seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import tenacity
+
+log = logging.getLogger(__name__)
+
+
+class RetryBudget:
+    """``max_retries`` retries shared by every retrying step of one transfer; thread-safe.
+
+    Args:
+        max_retries: retries in total (0: every failure is final).
+        backoff_s: wait before the first retry (seconds); doubles per retry.
+        max_backoff_s: the longest wait (seconds).
+
+    Raises:
+        ValueError: a negative count or wait.
+    """
+
+    def __init__(self, max_retries: int, backoff_s: float, max_backoff_s: float = 1.0) -> None:
+        if max_retries < 0 or backoff_s < 0 or max_backoff_s < 0:
+            raise ValueError(
+                f"RetryBudget: max_retries {max_retries}, backoff_s {backoff_s}, "
+                f"max_backoff_s {max_backoff_s} must be >= 0"
+            )
+        self.max_retries = max_retries
+        self._wait = tenacity.wait_exponential(multiplier=backoff_s, max=max_backoff_s)
+        self._used = tenacity.RetryCallState(None, None, (), ())  # type: ignore[arg-type]
+        self._used.attempt_number = 0  # here: retries taken so far
+        self._lock = threading.Lock()
+
+    @property
+    def used(self) -> int:
+        """Retries taken so far."""
+        return self._used.attempt_number
+
+    def take(self) -> bool:
+        """Use one retry; False (nothing used) when the budget is spent."""
+        with self._lock:
+            if self._used.attempt_number >= self.max_retries:
+                return False
+            self._used.attempt_number += 1
+            return True
+
+    def backoff(self) -> float:
+        """Wait before the latest retry taken (seconds)."""
+        with self._lock:
+            return 0.0 if self.used == 0 else float(self._wait(self._used))
+
+    def retrying(
+        self,
+        retryable: Callable[[BaseException], bool],
+        stop_early: Callable[[], bool],
+        sleep: Callable[[float], object],
+        what: str = "",
+    ) -> tenacity.Retrying:
+        """A ``tenacity.Retrying`` that retries an exception when ``retryable(exc)``, stops
+        when ``stop_early()`` or the budget is spent (re-raising the last exception), and
+        waits :meth:`backoff` through ``sleep`` (e.g. an ``Event.wait``: an abort cuts it
+        short)."""
+
+        def stop(_: tenacity.RetryCallState) -> bool:
+            return stop_early() or not self.take()
+
+        def before_sleep(rs: tenacity.RetryCallState) -> None:
+            exc = rs.outcome.exception() if rs.outcome is not None else None
+            log.info("%s: retry %d in %.2f s: %s", what, self.used, rs.upcoming_sleep, exc)
+
+        return tenacity.Retrying(
+            retry=tenacity.retry_if_exception(retryable),
+            stop=stop,
+            wait=lambda _: self.backoff(),
+            sleep=sleep,
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+
+
+__all__ = ["RetryBudget"]
