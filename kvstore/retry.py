@@ -40,27 +40,34 @@ class RetryBudget:
             )
         self.max_retries = max_retries
         self._wait = tenacity.wait_exponential(multiplier=backoff_s, max=max_backoff_s)
-        self._used = tenacity.RetryCallState(None, None, (), ())  # type: ignore[arg-type]
-        self._used.attempt_number = 0  # here: retries taken so far
+        self._probe = tenacity.RetryCallState(None, None, (), ())  # type: ignore[arg-type]
+        self._used = 0
         self._lock = threading.Lock()
 
     @property
     def used(self) -> int:
         """Retries taken so far."""
-        return self._used.attempt_number
+        return self._used
 
     def take(self) -> bool:
         """Use one retry; False (nothing used) when the budget is spent."""
         with self._lock:
-            if self._used.attempt_number >= self.max_retries:
+            if self._used >= self.max_retries:
                 return False
-            self._used.attempt_number += 1
+            self._used += 1
             return True
 
     def backoff(self) -> float:
         """Wait before the latest retry taken (seconds)."""
+        return self._backoff_for(self.used)
+
+    def _backoff_for(self, n: int) -> float:
+        """Wait before retry ``n`` (1-based; 0 for none) in seconds: tenacity's exponential."""
+        if n <= 0:
+            return 0.0
         with self._lock:
-            return 0.0 if self.used == 0 else float(self._wait(self._used))
+            self._probe.attempt_number = n
+            return float(self._wait(self._probe))
 
     def retrying(
         self,
@@ -84,7 +91,8 @@ class RetryBudget:
         return tenacity.Retrying(
             retry=tenacity.retry_if_exception(retryable),
             stop=stop,
-            wait=lambda _: self.backoff(),
+            # tenacity asks the wait before the stop (which takes the retry): the next one's
+            wait=lambda _: self._backoff_for(self.used + 1),
             sleep=sleep,
             before_sleep=before_sleep,
             reraise=True,
