@@ -1,8 +1,10 @@
-"""kvstore settings (pydantic-settings); the only place kvstore reads the environment."""
+"""kvstore settings: :class:`KVConfig` (pydantic-settings; the only place kvstore reads the
+environment) and :class:`EngineConfig` (one Transfer Engine, :mod:`kvstore.engine`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import pydantic
@@ -15,9 +17,39 @@ from pydantic_settings import (
 )
 from pydantic_settings.sources.utils import parse_env_vars
 
-from kvstore.engine import P2PHANDSHAKE, EngineConfig
-
 ENV_PREFIX = "K3SERVE_KV_"
+P2PHANDSHAKE = "P2PHANDSHAKE"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to bring up one Transfer Engine.
+
+    Attributes:
+        protocol: ``"tcp"`` (one machine, CI) or ``"rdma"`` (clusters); same code otherwise.
+        metadata_server: ``"P2PHANDSHAKE"`` or a metadata service URL (``etcd://h:p``,
+            ``http://h:p/metadata``).
+        hostname: the address peers use to reach this engine (in P2P mode without a port: the
+            engine picks its RPC port). With a metadata server, a unique segment name.
+        device_name: RDMA devices, comma separated; ``""`` = auto.
+        max_inflight_bytes: async path: bytes in flight per peer (admission control), bytes.
+        max_request_bytes: async path: larger runs are split into chunks of this size, bytes.
+        transfer_timeout_s: an async chunk not completed after this long fails, seconds.
+    """
+
+    protocol: str = "tcp"
+    metadata_server: str = P2PHANDSHAKE
+    hostname: str = "127.0.0.1"
+    device_name: str = ""
+    max_inflight_bytes: int = 32 << 20
+    max_request_bytes: int = 4 << 20
+    transfer_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.protocol not in ("tcp", "rdma"):
+            raise ValueError(f"EngineConfig.protocol: 'tcp' or 'rdma', not {self.protocol!r}")
+        if self.max_request_bytes <= 0 or self.max_inflight_bytes < self.max_request_bytes:
+            raise ValueError("EngineConfig: need 0 < max_request_bytes <= max_inflight_bytes")
 
 
 class KVConfig(BaseSettings):
@@ -111,4 +143,4 @@ class KVConfig(BaseSettings):
             raise ValueError("; ".join(lines)) from None
 
 
-__all__ = ["ENV_PREFIX", "KVConfig"]
+__all__ = ["ENV_PREFIX", "P2PHANDSHAKE", "EngineConfig", "KVConfig"]

@@ -14,10 +14,22 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 import tenacity
 
+from kvstore.errors import BootstrapError, KVStoreError, TransferError
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def transient(e: BaseException) -> bool:
+    """Whether another attempt can help: an unreachable server or a 5xx
+    (:attr:`BootstrapError.retryable`), a failed Transfer Engine call; not a refusal."""
+    if isinstance(e, BootstrapError):
+        return e.retryable
+    return isinstance(e, TransferError)
 
 
 class RetryBudget:
@@ -98,5 +110,26 @@ class RetryBudget:
             reraise=True,
         )
 
+    def run(
+        self,
+        fn: Callable[[], T],
+        stop_early: Callable[[], bool],
+        sleep: Callable[[float], object],
+        what: str = "",
+    ) -> T:
+        """``fn()`` retried on :func:`transient` errors (see :meth:`retrying`).
 
-__all__ = ["RetryBudget"]
+        Raises:
+            KVStoreError: ``stop_early()`` before an attempt (the caller is failing).
+            the last error of ``fn``: not transient, budget spent, or stopped early.
+        """
+
+        def attempt() -> T:
+            if stop_early():
+                raise KVStoreError(f"{what}: abandoned")
+            return fn()
+
+        return self.retrying(transient, stop_early, sleep, what)(attempt)
+
+
+__all__ = ["RetryBudget", "transient"]

@@ -14,8 +14,8 @@ Use from the prefill worker::
 
 Failures: a failed write (or pairing that could not reach the server, or a lost completion
 message) is retried up to ``max_retries`` times in total, with exponential backoff
-(:class:`kvstore.retry.RetryBudget`); then the sender drains (waits until none of its writes is in flight), reports ``failed`` to the decode
-side over HTTP and becomes FAILED. A fingerprint mismatch or a refused ticket is not retried.
+(:class:`kvstore.retry.RetryBudget`); then the sender drains (waits until none of its writes
+is in flight), reports ``failed`` to the decode side over HTTP and becomes FAILED. A fingerprint mismatch or a refused ticket is not retried.
 ``on_release`` runs once the sender is terminal *and* no write reads its source any more.
 """
 
@@ -33,7 +33,7 @@ from k3serve.messages import PairRequest, PairResponse, StatusMessage, TransferM
 from kvstore.client import BootstrapClient
 from kvstore.descriptors import CacheRef, PoolLayout, check_fingerprints, plan_runs
 from kvstore.engine import MAX_NOTIFY_BYTES, KVEngine
-from kvstore.errors import BootstrapError, KVStoreError, TransferError
+from kvstore.errors import BootstrapError, KVStoreError
 from kvstore.retry import RetryBudget
 from kvstore.states import NOTIFY_NAME, KVPoll
 from kvstore.writes import LayerWrites
@@ -92,27 +92,21 @@ class KVSender:
         self.timeout_s, self.max_retries = timeout_s, max_retries
         self._budget = RetryBudget(max_retries, retry_backoff_s)
         self.notify_mode, self.progress = notify, progress
-        self._on_release = on_release
-        self._own_client = client is None
+        self._on_release, self._own_client = on_release, client is None
         self.client = client or BootstrapClient()
-
         self._t0 = time.monotonic()
         self._deadline = self._t0 + timeout_s
         self._state = KVPoll.BOOTSTRAPPING
         self.error: KVStoreError | None = None
         self._failing = False
         self._stopping = threading.Event()  # set with _failing: background retries stop
-        self._fail_kind = "failed"
-        self._released = False
-
+        self._fail_kind, self._released = "failed", False
         self._fp = src_layout.fingerprint()
         self._writes = LayerWrites(
             src_layout, self.src, engine, self._budget, fail_first_n, f"KVSender {ticket}"
         )
         self._metadata: TransferMetadata | None = None
-
-        self._peer = ""
-        self._notify_addr = 0
+        self._peer, self._notify_addr = "", 0  # the destination's TE session, scratch address
         self._dst: CacheRef | None = None
         self._dst_layout: PoolLayout | None = None
         self._pair_job: Future | None = None
@@ -216,25 +210,13 @@ class KVSender:
         )
 
     def _retrying(self, job: Callable[[], Any], what: str) -> Any:
-        """Run ``job`` (on the client pool) with the shared retry budget: unreachable servers,
-        5xx answers and failed TE notifications are retried; refusals are not."""
-
-        def attempt() -> Any:
-            if self._stopping.is_set():
-                raise KVStoreError(f"{what} abandoned: the sender is failing")
-            return job()
-
-        def retryable(e: BaseException) -> bool:
-            if isinstance(e, BootstrapError):
-                return e.retryable
-            return isinstance(e, TransferError)
-
-        return self._budget.retrying(
-            retryable,
+        """``job()`` (on the client pool) with the shared retry budget; an abort stops it."""
+        return self._budget.run(
+            job,
             stop_early=lambda: self._stopping.is_set() or time.monotonic() > self._deadline,
             sleep=self._stopping.wait,
             what=f"KVSender {self.ticket}: {what}",
-        )(attempt)
+        )
 
     def _start_pairing(self) -> None:
         def pair() -> PairResponse:
@@ -316,12 +298,13 @@ class KVSender:
             if self._state == KVPoll.WAITING_FOR_INPUT:
                 self._state = KVPoll.TRANSFERRING
 
-    def _status(self, kind: str, **kw: Any) -> StatusMessage:
+    def _status(self, kind: str, layers: dict[int, int] | None = None, **kw: Any) -> StatusMessage:
+        """A status message; ``layers`` default: every layer's landed bytes."""
         return StatusMessage(
             ticket=self.ticket,
             sender=self.sender_id,
             kind=kind,
-            layers=dict(self._writes.layer_bytes),
+            layers=dict(self._writes.layer_bytes if layers is None else layers),
             runs=self.num_runs,
             attempts=self.attempts,
             elapsed_s=self.elapsed_s,
@@ -368,12 +351,7 @@ class KVSender:
 
             self._job = ("done", self.client.submit(self._retrying, done, "completion message"))
         elif self._progress_pending:
-            msg = StatusMessage(
-                ticket=self.ticket,
-                sender=self.sender_id,
-                kind="layer",
-                layers=dict(self._progress_pending),
-            )
+            msg = self._status("layer", self._progress_pending)
             self._progress_pending.clear()
             self._job = ("layer", self.client.submit(self._deliver, msg))
 
