@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from k3serve.config import PRESETS
+from k3serve.messages import PairRequest, SamplingSpec, TransferMetadata
 from kvstore import BootstrapClient, CacheRef, KVEngine, KVPoll, KVSender, PoolLayout
 from kvstore.descriptors import plan_runs
 from kvstore.loopback import fill_pools, make_pools, pool_layout, request_digest
@@ -91,6 +92,11 @@ class Peer:
             self.proc.wait()
 
 
+def _ref(d: dict) -> CacheRef:
+    """A loopback ``register`` command's reservation as a CacheRef."""
+    return CacheRef(d["slot"], tuple(d["pages"]), d["num_tokens"])
+
+
 def _drive(tx: KVSender, timeout_s: float = 60.0) -> None:
     t_end = time.monotonic() + timeout_s
     while not tx.poll().terminal:
@@ -123,23 +129,21 @@ def bench_preset(name: str, reps: int) -> dict:
         t0 = peer.cmd(op="register", **dst_contig)["ticket"]
         resp = client.pair(
             peer.info["bootstrap"],
-            {"ticket": t0, "sender": "bench", "fingerprint": layout.fingerprint()},
+            PairRequest(ticket=t0, sender="bench", fingerprint=layout.fingerprint()),
             layout.fingerprint(),
         )
-        dst_layout, sid = PoolLayout.from_dict(resp["layout"]), resp["session_id"]
-        plan = plan_runs(layout, src_contig, dst_layout, CacheRef.from_dict(resp["dst"]))
+        dst_layout, sid = PoolLayout.from_msg(resp.layout), resp.session_id
+        plan = plan_runs(layout, src_contig, dst_layout, CacheRef.from_msg(resp.dst))
         runs = [r for l in sorted(plan) for r in plan[l]]
         payload = sum(r.length for r in runs)
         formula = cfg.kda_state_bytes_per_seq() + n * cfg.mla_latent_bytes_per_token()
         assert payload == formula, (payload, formula)
-        frag_runs = sum(
-            map(len, plan_runs(layout, src_frag, dst_layout, CacheRef.from_dict(dst_frag)).values())
-        )
+        frag_runs = sum(map(len, plan_runs(layout, src_frag, dst_layout, _ref(dst_frag)).values()))
         peer.cmd(op="abort", ticket=t0)
 
         def raw_once(src: CacheRef, dst: dict) -> float:
             te = eng.raw
-            rplan = plan_runs(layout, src, dst_layout, CacheRef.from_dict(dst))
+            rplan = plan_runs(layout, src, dst_layout, _ref(dst))
             runs = [r for l in sorted(rplan) for r in rplan[l]]
             batches, cur, size = [], [], 0
             for r in runs:
@@ -169,7 +173,15 @@ def bench_preset(name: str, reps: int) -> dict:
                         tx.layer_ready(l)
                     tx.poll()
             compute = time.perf_counter() - t
-            tx.finish({"prompt_token_ids": list(range(n)), "token": 1, "position": n})
+            tx.finish(
+                TransferMetadata(
+                    request_id=ticket,
+                    prompt_token_ids=list(range(n)),
+                    token_id=1,
+                    sampling=SamplingSpec(),
+                    position=n,
+                )
+            )
             _drive(tx)
             total = time.perf_counter() - t
             out = peer.cmd(op="wait", ticket=ticket, verify=verify)

@@ -2,6 +2,8 @@
 
 What the installed wheel (``mooncake-transfer-engine`` 0.3.x) gives and how we use it:
 
+How to bring one up is :class:`kvstore.config.EngineConfig` (re-exported here).
+
 * ``initialize(local_hostname, metadata_server, protocol, device)``: ``metadata_server`` is
   ``"P2PHANDSHAKE"`` (no metadata service: peers are addressed ``host:rpc_port``) or a
   connection string (``etcd://h:p``, ``http://h:p/metadata``, ...: peers are addressed by their
@@ -29,13 +31,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, Self
 
+from kvstore.config import P2PHANDSHAKE, EngineConfig
 from kvstore.descriptors import PoolLayout, Run
 from kvstore.errors import MooncakeUnavailable, TransferError
 
-P2PHANDSHAKE = "P2PHANDSHAKE"
 #: Largest notification message we send through TE (bytes); larger ones go over HTTP.
 MAX_NOTIFY_BYTES = 256 * 1024
 _SCRATCH_BYTES = 4096
@@ -59,37 +60,6 @@ def import_mooncake() -> Any:
             "libnuma1 (`make sysdeps`)."
         ) from e
     return mc
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How to bring up one Transfer Engine.
-
-    Attributes:
-        protocol: ``"tcp"`` (one machine, CI) or ``"rdma"`` (clusters); same code otherwise.
-        metadata_server: ``"P2PHANDSHAKE"`` or a metadata service URL (``etcd://h:p``,
-            ``http://h:p/metadata``).
-        hostname: the address peers use to reach this engine (in P2P mode without a port: the
-            engine picks its RPC port). With a metadata server, a unique segment name.
-        device_name: RDMA devices, comma separated; ``""`` = auto.
-        max_inflight_bytes: async path: bytes in flight per peer (admission control), bytes.
-        max_request_bytes: async path: larger runs are split into chunks of this size, bytes.
-        transfer_timeout_s: an async chunk not completed after this long fails, seconds.
-    """
-
-    protocol: str = "tcp"
-    metadata_server: str = P2PHANDSHAKE
-    hostname: str = "127.0.0.1"
-    device_name: str = ""
-    max_inflight_bytes: int = 32 << 20
-    max_request_bytes: int = 4 << 20
-    transfer_timeout_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if self.protocol not in ("tcp", "rdma"):
-            raise ValueError(f"EngineConfig.protocol: 'tcp' or 'rdma', not {self.protocol!r}")
-        if self.max_request_bytes <= 0 or self.max_inflight_bytes < self.max_request_bytes:
-            raise ValueError("EngineConfig: need 0 < max_request_bytes <= max_inflight_bytes")
 
 
 class TransferHandle:

@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
                 if r.state == KVPoll.SUCCESS and r.result is not None:
                     res = r.result
                     out["result"] = {
-                        "metadata": res.metadata,
+                        "metadata": res.metadata.model_dump(mode="json"),
                         "layer_bytes": res.layer_bytes,
                         "total_bytes": res.total_bytes,
                         "num_runs": res.num_runs,

@@ -17,7 +17,7 @@ Use from the decode worker (one :class:`KVBootstrapServer` per process)::
     if st == KVPoll.FAILED:   recompute_prefill(); rx.error says why; on_release frees later
 
 The receiver never frees anything itself on success. On failure ``on_release`` runs once no
-paired sender can still write into the reservation (see :mod:`kvstore.bootstrap`); keep calling
+paired sender can still write into the reservation (see :mod:`kvstore.tickets`); keep calling
 ``server.pump()`` (or any receiver's ``poll()``) so it runs.
 """
 

@@ -9,14 +9,13 @@ Use from the prefill worker::
     sender = KVSender(ticket, bootstrap_addr, src_layout, CacheRef(slot, pages, n),
                       engine=engine, client=client)
     model(..., layer_hook=sender.layer_ready)   # writes of layer L start while L+1 computes
-    sender.finish({"prompt_token_ids": ids, "token": t1, "logprobs": lp,
-                   "sampling_params": sp, "position": n})
+    sender.finish(TransferMetadata(request_id=rid, prompt_token_ids=ids, token_id=t1, ...))
     while not sender.poll().terminal: ...        # non-blocking; call from the worker loop
 
 Failures: a failed write (or pairing that could not reach the server, or a lost completion
-message) is retried up to ``max_retries`` times in total, with exponential backoff; then the
-sender drains (waits until none of its writes is in flight), reports ``failed`` to the decode
-side over HTTP and becomes FAILED. A fingerprint mismatch or a refused ticket is not retried.
+message) is retried up to ``max_retries`` times in total, with exponential backoff
+(:class:`kvstore.retry.RetryBudget`); then the sender drains (waits until none of its writes
+is in flight), reports ``failed`` to the decode side over HTTP and becomes FAILED. A fingerprint mismatch or a refused ticket is not retried.
 ``on_release`` runs once the sender is terminal *and* no write reads its source any more.
 """
 
@@ -28,27 +27,18 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
-from kvstore.bootstrap import BootstrapClient
-from kvstore.descriptors import CacheRef, PoolLayout, Run, check_fingerprints, layer_runs, plan_runs
-from kvstore.engine import MAX_NOTIFY_BYTES, KVEngine, TransferHandle
-from kvstore.errors import BootstrapError, FingerprintMismatch, KVStoreError, TransferError
-from kvstore.states import KVPoll, StatusMessage
+from k3serve.messages import PairRequest, PairResponse, StatusMessage, TransferMetadata
+from kvstore.client import BootstrapClient
+from kvstore.descriptors import CacheRef, PoolLayout, check_fingerprints, plan_runs
+from kvstore.engine import MAX_NOTIFY_BYTES, KVEngine
+from kvstore.errors import BootstrapError, KVStoreError
+from kvstore.retry import RetryBudget
+from kvstore.states import NOTIFY_NAME, KVPoll
+from kvstore.writes import LayerWrites
 
 log = logging.getLogger(__name__)
-
-_BAD_ADDR = 8  # never registered by anyone: a write there fails inside Mooncake (test hook)
-
-
-@dataclass
-class _Part:
-    layer: int
-    runs: list[Run]
-    handle: TransferHandle
-    retry_at: float | None = None  # scheduled resubmission time
-    finished: bool = False
 
 
 class KVSender:
@@ -99,44 +89,29 @@ class KVSender:
         self.ticket, self.bootstrap_addr = ticket, bootstrap_addr
         self.layout, self.src, self.engine = src_layout, CacheRef.of(src), engine
         self.sender_id = uuid.uuid4().hex
-        self.timeout_s, self.max_retries, self.retry_backoff_s = (
-            timeout_s,
-            max_retries,
-            retry_backoff_s,
-        )
+        self.timeout_s, self.max_retries = timeout_s, max_retries
+        self._budget = RetryBudget(max_retries, retry_backoff_s)
         self.notify_mode, self.progress = notify, progress
-        self._inject_left = int(fail_first_n)
-        self._on_release = on_release
-        self._own_client = client is None
+        self._on_release, self._own_client = on_release, client is None
         self.client = client or BootstrapClient()
-
         self._t0 = time.monotonic()
         self._deadline = self._t0 + timeout_s
         self._state = KVPoll.BOOTSTRAPPING
         self.error: KVStoreError | None = None
         self._failing = False
-        self._fail_kind = "failed"
-        self._released = False
-        self.retries_used = 0
-
+        self._stopping = threading.Event()  # set with _failing: background retries stop
+        self._fail_kind, self._released = "failed", False
         self._fp = src_layout.fingerprint()
-        self._layers = src_layout.layers
-        self._ready: dict[int, int] = {}  # layer -> tokens ready
-        self._sent_upto: dict[int, int] = {}  # layer -> tokens submitted
-        self._state_sent: set[int] = set()
-        self._parts: list[_Part] = []
-        self._layer_bytes: dict[int, int] = {}
-        self._reported: set[int] = set()
-        self._metadata: dict[str, Any] | None = None
-
-        self._peer = ""
-        self._notify_addr = 0
+        self._writes = LayerWrites(
+            src_layout, self.src, engine, self._budget, fail_first_n, f"KVSender {ticket}"
+        )
+        self._metadata: TransferMetadata | None = None
+        self._peer, self._notify_addr = "", 0  # the destination's TE session, scratch address
         self._dst: CacheRef | None = None
         self._dst_layout: PoolLayout | None = None
         self._pair_job: Future | None = None
-        self._pair_retry_at = 0.0
         self._progress_pending: dict[int, int] = {}  # layer -> bytes, not yet reported
-        self._done_msg: StatusMessage | None = None
+        self._done_due = False  # the completion message is to be sent
         self._job: tuple[str, Future] | None = None
         self._done_queued = False
         self.stats: dict[str, float] = {}  # t_paired, t_first_write, t_written, t_done (s)
@@ -155,28 +130,28 @@ class KVSender:
         Raises:
             ValueError: the layer has no cache in the layout; ``upto_tokens`` out of range.
         """
-        if layer not in self._layers:
-            raise ValueError(f"layer {layer} has no cache in this layout")
-        n = self.src.num_tokens if upto_tokens is None else int(upto_tokens)
-        if not 0 <= n <= self.src.num_tokens:
-            raise ValueError(f"upto_tokens {n} outside [0, {self.src.num_tokens}]")
-        self._ready[layer] = max(n, self._ready.get(layer, 0))
+        self._writes.mark(layer, upto_tokens)
         if self._dst is not None and not self._failing and not self._state.terminal:
             self._submit_ready(time.monotonic())
 
-    def finish(self, metadata: dict[str, Any]) -> None:
+    def finish(self, metadata: TransferMetadata | dict[str, Any]) -> None:
         """Every layer is final (layers not yet reported are marked ready now) and here is the
-        request's metadata (JSON-serialisable: prompt token ids, token #1 + logprobs,
-        sampling params, position, ...). The completion message goes out once all writes land.
+        request's :class:`TransferMetadata` (prompt token ids, token #1 + logprobs, sampling
+        with the resolved seed, position). The completion message goes out once all writes
+        land. A dict is validated into a TransferMetadata (transitional, issue 10: until
+        every caller passes the model).
 
         Raises:
             RuntimeError: called twice.
+            pydantic.ValidationError: (a ValueError) a dict that is no TransferMetadata; the
+                message names the field.
         """
         if self._metadata is not None:
             raise RuntimeError("KVSender.finish called twice")
-        self._metadata = dict(metadata)
-        for l in self._layers:
-            self._ready[l] = self.src.num_tokens
+        if not isinstance(metadata, TransferMetadata):
+            metadata = TransferMetadata.model_validate(metadata)
+        self._metadata = metadata
+        self._writes.mark_all()
         if self._dst is not None and not self._failing and not self._state.terminal:
             self._submit_ready(time.monotonic())
 
@@ -202,12 +177,17 @@ class KVSender:
 
     @property
     def bytes_sent(self) -> int:
-        return sum(self._layer_bytes.values())
+        return sum(self._writes.layer_bytes.values())
 
     @property
     def num_runs(self) -> int:
         """Runs of the latest submission of each part (what the destination got)."""
-        return sum(len(p.runs) for p in self._parts)
+        return self._writes.num_runs
+
+    @property
+    def retries_used(self) -> int:
+        """Retries taken (pairing, writes and completion message together)."""
+        return self._budget.used
 
     @property
     def attempts(self) -> int:
@@ -218,26 +198,41 @@ class KVSender:
         return time.monotonic() - self._t0
 
     # ------------------------------------------------------------------ pairing
-    def _start_pairing(self) -> None:
-        body = {
-            "ticket": self.ticket,
-            "sender": self.sender_id,
-            "fingerprint": self._fp,
+    def _pair_request(self) -> PairRequest:
+        return PairRequest(
+            ticket=self.ticket,
+            sender=self.sender_id,
+            fingerprint=self._fp,
             # latest time (from now) any write of ours may still land: our deadline plus the
             # engine's timeout and abandon window for a chunk in flight.
-            "quiesce_by_s": max(0.0, self._deadline - time.monotonic())
+            quiesce_by_s=max(0.0, self._deadline - time.monotonic())
             + 2 * self.engine.config.transfer_timeout_s,
-        }
-        self._pair_job = self.client.submit(self.client.pair, self.bootstrap_addr, body, self._fp)
-
-    def _on_paired(self, resp: dict[str, Any], now: float) -> None:
-        # peer first: should a check below fail, the failure report still reaches the decode side
-        self._peer, self._notify_addr = resp["session_id"], int(resp["notify_addr"])
-        self._dst = CacheRef.from_dict(resp["dst"])
-        check_fingerprints(
-            self._fp, resp.get("fingerprint") or {}, f"prefill vs decode {self.bootstrap_addr}"
         )
-        dst_layout = PoolLayout.from_dict(resp["layout"])
+
+    def _retrying(self, job: Callable[[], Any], what: str) -> Any:
+        """``job()`` (on the client pool) with the shared retry budget; an abort stops it."""
+        return self._budget.run(
+            job,
+            stop_early=lambda: self._stopping.is_set() or time.monotonic() > self._deadline,
+            sleep=self._stopping.wait,
+            what=f"KVSender {self.ticket}: {what}",
+        )
+
+    def _start_pairing(self) -> None:
+        def pair() -> PairResponse:
+            return self.client.pair(self.bootstrap_addr, self._pair_request(), self._fp)
+
+        self._pair_job = self.client.submit(self._retrying, pair, "pairing")
+
+    def _take_peer(self, resp: PairResponse) -> None:
+        self._peer, self._notify_addr = resp.session_id, int(resp.notify_addr)
+        self._dst = CacheRef.from_msg(resp.dst)
+
+    def _on_paired(self, resp: PairResponse, now: float) -> None:
+        # peer first: should a check below fail, the failure report still reaches the decode side
+        self._take_peer(resp)
+        check_fingerprints(self._fp, resp.fingerprint, f"prefill vs decode {self.bootstrap_addr}")
+        dst_layout = PoolLayout.from_msg(resp.layout)
         plan_runs(self.layout, self.src, dst_layout, self._dst)  # validates both refs (ValueError)
         self._dst_layout = dst_layout
         self._state = KVPoll.WAITING_FOR_INPUT
@@ -254,166 +249,81 @@ class KVSender:
         if self._dst is not None and not self._failing:
             self._submit_ready(now)
         self.engine.progress()
-        self._check_parts(now)
+        done_layers, err = self._writes.check(now, self._peer, self._failing)
+        if err is not None:
+            self._fail(err)
+        if self.progress and not self._failing:
+            for layer in done_layers:  # reported in the next progress message
+                self._progress_pending[layer] = self._writes.layer_bytes[layer]
         if (
             not self._failing
             and self._dst is not None
             and self._metadata is not None
             and not self._done_queued
-            and self._all_written()
+            and self._writes.all_written()
         ):
-            self._done_queued = True
+            self._done_queued = self._done_due = True
             self.stats["t_written"] = now - self._t0
-            self._queue_done()
         self._step_outbox(now)
-        if self._failing and self._settled() and self._job is None and self._pair_job is None:
+        if (
+            self._failing
+            and self._writes.settled()
+            and self._job is None
+            and self._pair_job is None
+        ):
             self._report_failure()
             self._state = KVPoll.FAILED
 
     def _step_pairing(self, now: float) -> None:
-        if self._pair_job is None:
-            if now >= self._pair_retry_at and not self._failing:
-                self._start_pairing()
-            return
-        if not self._pair_job.done():
+        if self._pair_job is None or not self._pair_job.done():
             return
         job, self._pair_job = self._pair_job, None
         if self._failing:  # harvest only: if it paired, the failure report must reach them
             try:
-                resp = job.result()
-                self._peer, self._notify_addr = resp["session_id"], int(resp["notify_addr"])
-                self._dst = CacheRef.from_dict(resp["dst"])
+                self._take_peer(job.result())
             except Exception as e:  # noqa: BLE001 - not paired, nothing to report
                 log.debug("KVSender %s: pairing ended after failure: %r", self.ticket, e)
             return
         try:
             self._on_paired(job.result(), now)
-        except FingerprintMismatch as e:
+        except KVStoreError as e:  # refused, unreachable after the retries, fingerprint
             self._fail(e)
-        except BootstrapError as e:
-            if e.retryable and self._take_retry():
-                self._pair_retry_at = now + self._backoff()
-                log.info("KVSender %s: pairing retry %d: %s", self.ticket, self.retries_used, e)
-            else:
-                self._fail(e)
         except ValueError as e:
             self._fail(KVStoreError(f"destination does not fit: {e}"))
 
     def _submit_ready(self, now: float) -> None:
         assert self._dst is not None and self._dst_layout is not None
-        n_total = self.src.num_tokens
-        for layer in list(self._ready):
-            upto = self._ready[layer]
-            start = self._sent_upto.get(layer, 0)
-            with_state = upto == n_total and layer not in self._state_sent
-            if upto <= start and not with_state:
-                continue
-            runs = layer_runs(
-                self.layout,
-                self.src,
-                self._dst_layout,
-                self._dst,
-                layer,
-                start,
-                upto,
-                with_state=with_state,
-            )
-            self._sent_upto[layer] = upto
-            if with_state:
-                self._state_sent.add(layer)
-            if runs:
-                self._parts.append(_Part(layer, runs, self._submit(runs)))
-                self.stats.setdefault("t_first_write", now - self._t0)
-                if self._state == KVPoll.WAITING_FOR_INPUT:
-                    self._state = KVPoll.TRANSFERRING
-            elif with_state:
-                self._layer_bytes.setdefault(layer, 0)
+        if self._writes.submit_ready(self._peer, self._dst_layout, self._dst):
+            self.stats.setdefault("t_first_write", now - self._t0)
+            if self._state == KVPoll.WAITING_FOR_INPUT:
+                self._state = KVPoll.TRANSFERRING
 
-    def _submit(self, runs: list[Run]) -> TransferHandle:
-        if self._inject_left > 0:
-            self._inject_left -= 1
-            r = runs[0]
-            return self.engine.submit(self._peer, [(r.src, _BAD_ADDR, min(8, r.length))])
-        return self.engine.submit(self._peer, runs)
-
-    def _check_parts(self, now: float) -> None:
-        for p in self._parts:
-            if p.finished:
-                continue
-            h = p.handle
-            if h.error is not None:
-                if self._failing:
-                    if h.settled:
-                        p.finished = True
-                    continue
-                if p.retry_at is None:
-                    if not self._take_retry():
-                        self._fail(
-                            TransferError(
-                                h.error.op,
-                                h.error.code,
-                                h.peer,
-                                f"layer {p.layer}: {h.error.detail}; retries exhausted "
-                                f"({self.max_retries})",
-                            )
-                        )
-                        continue
-                    p.retry_at = now + self._backoff()
-                    log.info(
-                        "KVSender %s: layer %d write failed (%s), retry %d",
-                        self.ticket,
-                        p.layer,
-                        h.error,
-                        self.retries_used,
-                    )
-                if now >= p.retry_at and h.settled:
-                    p.handle, p.retry_at = self._submit(p.runs), None
-                continue
-            if h.done:
-                p.finished = True
-                self._layer_bytes[p.layer] = self._layer_bytes.get(p.layer, 0) + h.total_bytes
-                self._maybe_report_layer(p.layer)
-
-    def _layer_complete(self, layer: int) -> bool:
-        return (
-            self._sent_upto.get(layer, 0) == self.src.num_tokens
-            and layer in self._state_sent
-            and all(p.finished and p.handle.done for p in self._parts if p.layer == layer)
-        )
-
-    def _all_written(self) -> bool:
-        return all(self._layer_complete(l) for l in self._layers)
-
-    def _settled(self) -> bool:
-        return all(p.handle.settled for p in self._parts)
-
-    def _maybe_report_layer(self, layer: int) -> None:
-        if not self.progress or layer in self._reported or not self._layer_complete(layer):
-            return
-        self._reported.add(layer)
-        self._progress_pending[layer] = self._layer_bytes[layer]
-
-    def _queue_done(self) -> None:
-        self._done_msg = StatusMessage(
-            self.ticket,
-            self.sender_id,
-            "done",
-            layers=dict(self._layer_bytes),
+    def _status(self, kind: str, layers: dict[int, int] | None = None, **kw: Any) -> StatusMessage:
+        """A status message; ``layers`` default: every layer's landed bytes."""
+        return StatusMessage(
+            ticket=self.ticket,
+            sender=self.sender_id,
+            kind=kind,
+            layers=dict(self._writes.layer_bytes if layers is None else layers),
             runs=self.num_runs,
             attempts=self.attempts,
             elapsed_s=self.elapsed_s,
-            metadata=self._metadata or {},
+            **kw,
         )
 
-    def _deliver_job(self, msg: StatusMessage) -> Callable[[], Any]:
-        text = msg.to_json()
+    def _deliver(self, msg: StatusMessage) -> None:
+        """Send ``msg`` (blocking): as a TE notification, or over HTTP when asked or when it is
+        too large for one."""
+        text = msg.model_dump_json()
         if self.notify_mode == "te" and len(text.encode()) <= MAX_NOTIFY_BYTES:
-            return lambda: self.engine.notify(self._peer, self._notify_addr, text)
-        return lambda: self.client.post_status(self.bootstrap_addr, msg)
+            self.engine.notify(self._peer, self._notify_addr, text, name=NOTIFY_NAME)
+        else:
+            self.client.post_status(self.bootstrap_addr, msg)
 
     def _step_outbox(self, now: float) -> None:
         """One message in flight at a time, in order: progress (every layer completed since
-        the previous message, coalesced), then ``done`` (which supersedes pending progress)."""
+        the previous message, coalesced), then ``done`` (which supersedes pending progress;
+        retried in the background with the shared budget)."""
         if self._job is not None:
             kind, fut = self._job
             if not fut.done():
@@ -425,70 +335,54 @@ class KVSender:
                     self.stats["t_done"] = now - self._t0
                     self._state = KVPoll.SUCCESS
                     return
-                retryable = not isinstance(err, BootstrapError) or err.retryable
-                if retryable and not self._failing and self._take_retry():
-                    self._done_queued = False  # rebuilt and re-sent by the next step
-                elif not self._failing:
+                if not self._failing:
                     self._fail(err if isinstance(err, KVStoreError) else KVStoreError(repr(err)))
             elif err is not None:
                 log.info("KVSender %s: progress message lost: %s", self.ticket, err)
         if self._failing:
             return
-        if self._done_msg is not None:
-            msg, self._done_msg = self._done_msg, None
+        if self._done_due:
+            self._done_due = False
             self._progress_pending.clear()
-            self._job = ("done", self.client.submit(self._deliver_job(msg)))
+            meta = self._metadata
+
+            def done() -> None:  # rebuilt per attempt: attempts and elapsed_s stay current
+                self._deliver(self._status("done", metadata=meta))
+
+            self._job = ("done", self.client.submit(self._retrying, done, "completion message"))
         elif self._progress_pending:
-            msg = StatusMessage(
-                self.ticket, self.sender_id, "layer", layers=dict(self._progress_pending)
-            )
+            msg = self._status("layer", self._progress_pending)
             self._progress_pending.clear()
-            self._job = ("layer", self.client.submit(self._deliver_job(msg)))
+            self._job = ("layer", self.client.submit(self._deliver, msg))
 
     # ------------------------------------------------------------------ failure / release
-    def _take_retry(self) -> bool:
-        if self.retries_used >= self.max_retries:
-            return False
-        self.retries_used += 1
-        return True
-
-    def _backoff(self) -> float:
-        return min(1.0, self.retry_backoff_s * 2 ** max(0, self.retries_used - 1))
-
     def _fail(self, err: KVStoreError, kind: str = "failed") -> None:
         if self._failing:
             return
         log.info("KVSender %s: %s: %s", self.ticket, kind, err)
         self.error, self._failing, self._fail_kind = err, True, kind
-        self._done_msg = None
+        self._stopping.set()
+        self._done_due = False
         self._progress_pending.clear()
 
     def _report_failure(self) -> None:
         if self._dst is None:  # never paired: the decode side has nothing to learn from us
             return
-        msg = StatusMessage(
-            self.ticket,
-            self.sender_id,
-            self._fail_kind,
-            layers=dict(self._layer_bytes),
-            runs=self.num_runs,
-            attempts=self.attempts,
-            elapsed_s=self.elapsed_s,
-            error=str(self.error),
-            quiesced=True,
-        )
+        msg = self._status(self._fail_kind, error=str(self.error), quiesced=True)
 
         def report() -> None:
             try:
                 self.client.post_status(self.bootstrap_addr, msg)
             except BootstrapError:
                 if self._peer:  # HTTP gone: try the TE channel
-                    self.engine.notify(self._peer, self._notify_addr, msg.to_json())
+                    self.engine.notify(
+                        self._peer, self._notify_addr, msg.model_dump_json(), name=NOTIFY_NAME
+                    )
 
         self.client.submit(report)
 
     def _maybe_release(self) -> None:
-        if self._released or not self._state.terminal or not self._settled():
+        if self._released or not self._state.terminal or not self._writes.settled():
             return
         self._released = True
         if self._on_release is not None:

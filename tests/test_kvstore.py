@@ -18,6 +18,13 @@ import pytest
 import torch
 
 from k3serve.config import PRESETS
+from k3serve.messages import (
+    PairRequest,
+    SamplingSpec,
+    StatusAck,
+    StatusMessage,
+    TransferMetadata,
+)
 from kvstore import (
     BootstrapClient,
     CacheRef,
@@ -44,7 +51,7 @@ from kvstore.descriptors import (
 )
 from kvstore.engine import MAX_NOTIFY_BYTES
 from kvstore.loopback import fill_pools, make_pools, pool_layout, request_digest
-from kvstore.states import StatusMessage
+from kvstore.retry import RetryBudget
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = PRESETS["k3-tiny"]
@@ -300,14 +307,218 @@ def test_kvconfig_from_env():
             "K3SERVE_KV_PROTOCOL": "rdma",
             "K3SERVE_KV_FAIL_FIRST_N": "2",
             "K3SERVE_KV_SENDER_TIMEOUT_S": "1.5",
+            "k3serve_kv_notify": "http",  # names are case-insensitive
+            "K3SERVE_KV_PROGRESS": "false",  # a boolean: "false" is False (bool("false") is not)
+            "K3SERVE_OTHER": "ignored",
         }
     )
     assert (cfg.protocol, cfg.fail_first_n, cfg.sender_timeout_s) == ("rdma", 2, 1.5)
+    assert cfg.notify == "http" and cfg.progress is False
+    assert KVConfig.from_env({"K3SERVE_KV_PROGRESS": "1"}).progress is True
     assert cfg.engine_config().protocol == "rdma"
-    with pytest.raises(ValueError, match="K3SERVE_KV_MAX_RETRIES"):
-        KVConfig.from_env({"K3SERVE_KV_MAX_RETRIES": "x"})
+    assert KVConfig.from_env({}, max_retries=0).max_retries == 0  # overrides win
+    assert KVConfig.from_env({}) == KVConfig()  # defaults; the constructor reads no env
+    for var, raw in [
+        ("K3SERVE_KV_MAX_RETRIES", "x"),  # int
+        ("K3SERVE_KV_MAX_RETRIES", "-1"),  # int out of range
+        ("K3SERVE_KV_RECEIVER_TIMEOUT_S", "soon"),  # float
+        ("K3SERVE_KV_PROGRESS", "maybe"),  # bool
+        ("K3SERVE_KV_PROTOCOL", "nvlink"),  # one of tcp / rdma
+    ]:
+        with pytest.raises(ValueError, match=f"{var}='{raw}'"):
+            KVConfig.from_env({var: raw})
+    with pytest.raises(ValueError, match="KVConfig.notify"):
+        KVConfig.from_env({}, notify="pigeon")
     with pytest.raises(ValueError):
         EngineConfig(protocol="nvlink")
+
+
+def test_retry_budget_is_shared_and_backs_off_exponentially():
+    b = RetryBudget(3, 0.1, max_backoff_s=0.25)
+    assert b.backoff() == 0.0
+    waits = []
+    while b.take():
+        waits.append(b.backoff())
+    assert b.used == 3 and waits == [0.1, 0.2, 0.25] and not b.take()
+    with pytest.raises(ValueError, match="max_retries"):
+        RetryBudget(-1, 0.1)
+
+    calls, slept = [], []
+
+    def flaky(fail_times: int, exc: Exception):
+        def f():
+            calls.append(1)
+            if len(calls) <= fail_times:
+                raise exc
+            return "ok"
+
+        return f
+
+    def retryable(e: BaseException) -> bool:
+        return isinstance(e, OSError)
+
+    b = RetryBudget(2, 0.01)
+    assert b.retrying(retryable, lambda: False, slept.append)(flaky(2, OSError("x"))) == "ok"
+    assert b.used == 2 and slept == [0.01, 0.02] and len(calls) == 3
+    calls.clear()
+    with pytest.raises(OSError):  # the budget is spent: the last error comes out
+        b.retrying(retryable, lambda: False, slept.append)(flaky(1, OSError("y")))
+    assert len(calls) == 1
+    calls.clear()
+    b = RetryBudget(5, 0.01)
+    with pytest.raises(KeyError):  # not retryable: no retry taken
+        b.retrying(retryable, lambda: False, slept.append)(flaky(1, KeyError("z")))
+    calls.clear()
+    with pytest.raises(OSError):  # stopped early (an abort): no retry taken
+        b.retrying(retryable, lambda: True, slept.append)(flaky(1, OSError("w")))
+    assert b.used == 0
+
+
+def test_no_kvstore_module_imports_workers_or_router():
+    """Import direction: kvstore may import k3serve, never prefill/, decode/, router/ or the
+    worker package (lazy imports inside functions count too)."""
+    import ast
+
+    bad = []
+    for path in sorted((ROOT / "kvstore").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] in ("prefill", "decode", "router", "worker"):
+                    bad.append(f"{path.name}:{node.lineno} imports {name}")
+    assert not bad, bad
+
+
+def test_bootstrap_openapi_names_every_body():
+    """Every request and response body of the bootstrap HTTP API is a named model."""
+    srv = KVBootstrapServer(_FakeEngine(), fake_layout(TINY, 2, 8, B))
+    spec = srv.app().openapi()
+    schemas = spec["components"]["schemas"]
+    seen = set()
+    for path, ops in spec["paths"].items():
+        for method, op in ops.items():
+            bodies = [("request", op["requestBody"])] if "requestBody" in op else []
+            bodies += [(code, r) for code, r in op["responses"].items()]
+            for what, b in bodies:
+                schema = b["content"]["application/json"]["schema"]
+                ref = schema.get("$ref", "")
+                assert ref.startswith("#/components/schemas/"), (path, method, what, schema)
+                name = ref.rsplit("/", 1)[1]
+                assert schemas[name].get("type") == "object" and schemas[name]["properties"]
+                seen.add((path, method, what, name))
+    assert {(p, n) for p, _, w, n in seen if w == "request"} == {
+        ("/kv/pair", "PairRequest"),
+        ("/kv/status", "StatusMessage"),
+    }
+    assert ("/kv/pair", "post", "200", "PairResponse") in seen
+    assert ("/kv/pair", "post", "4XX", "PairError") in seen
+    assert ("/kv/status", "post", "200", "StatusAck") in seen
+    assert ("/kv/health", "get", "200", "KVHealth") in seen
+    assert "TransferMetadata" in schemas  # inside StatusMessage(kind="done")
+
+
+class _FakeEngine:
+    """What the bootstrap server reads of a KVEngine (no Transfer Engine needed)."""
+
+    session_id = "127.0.0.1:1"
+    scratch_addr = 4096
+
+    def __init__(self) -> None:
+        self.inbox: list[tuple[str, str]] = []
+
+    def notifications(self) -> list[tuple[str, str]]:
+        out, self.inbox = self.inbox, []
+        return out
+
+
+def test_bootstrap_http_bodies_are_validated_and_replies_parsed():
+    """A bad body gets a 400 naming the field; the client parses every reply into its model;
+    a TE notification that is no StatusMessage is dropped, a valid one applies."""
+    import httpx
+
+    from kvstore.errors import BootstrapError
+
+    eng = _FakeEngine()
+    lay = fake_layout(TINY, 2, 8, B)
+    with KVBootstrapServer(eng, lay) as srv:
+        url = f"http://{srv.address}"
+        rx = KVReceiver(srv, CacheRef(0, (1, 2), 2 * B), timeout_s=10)
+        with httpx.Client(trust_env=False) as h:
+            r = h.post(url + "/kv/pair", json={"sender": "s"})
+            assert r.status_code == 400 and r.json()["error"] == "invalid_request"
+            assert "ticket: Field required" in r.json()["detail"]
+            r = h.post(
+                url + "/kv/pair", json={"ticket": rx.ticket, "sender": "s", "quiesce_by_s": 0}
+            )
+            assert r.status_code == 400 and "quiesce_by_s" in r.json()["detail"]
+            r = h.post(url + "/kv/status", json={"ticket": "t", "sender": "s", "kind": "bogus"})
+            ack = StatusAck.model_validate(r.json())
+            assert r.status_code == 400 and not ack.accepted and "kind" in ack.error
+            r = h.post(url + "/kv/status", content=b"not json")
+            assert r.status_code == 400 and not StatusAck.model_validate(r.json()).accepted
+            health = h.get(url + "/kv/health").json()
+            assert health == srv.health().model_dump() and health["open_tickets"] == 1
+        client = BootstrapClient()
+        try:
+            fp = lay.fingerprint()
+            with pytest.raises(BootstrapError, match="unknown_ticket") as ei:
+                client.pair(srv.address, PairRequest(ticket="nope", sender="s"), fp)
+            assert ei.value.status == 404 and not ei.value.retryable
+            other = fake_layout(TINY, 2, 8, 2 * B).fingerprint()
+            rx2 = KVReceiver(srv, CacheRef(1, (3,), B), timeout_s=10)
+            with pytest.raises(FingerprintMismatch, match="block_size: local=32 remote=16"):
+                client.pair(
+                    srv.address,
+                    PairRequest(ticket=rx2.ticket, sender="s", fingerprint=other),
+                    other,
+                )
+            resp = client.pair(
+                srv.address, PairRequest(ticket=rx.ticket, sender="s", fingerprint=fp), fp
+            )
+            assert CacheRef.from_msg(resp.dst) == rx.ref and int(resp.notify_addr) == 4096
+            assert PoolLayout.from_msg(resp.layout) == lay and resp.session_id == eng.session_id
+            layer = TINY.mla_layers[0]
+            ok = client.post_status(
+                srv.address,
+                StatusMessage(ticket=rx.ticket, sender="s", kind="layer", layers={layer: 5}),
+            )
+            assert ok.accepted and ok.state == "TRANSFERRING"
+            with pytest.raises(BootstrapError, match="not the paired sender") as ei:
+                client.post_status(
+                    srv.address, StatusMessage(ticket=rx.ticket, sender="x", kind="layer")
+                )
+            assert ei.value.status == 409 and not ei.value.retryable
+            # TE notifications: garbage is dropped, a "done" with a short manifest fails the ticket
+            done = StatusMessage(
+                ticket=rx.ticket, sender="s", kind="done", metadata=meta_for(2 * B)
+            )
+            eng.inbox = [
+                ("k3kv", "{garbage"),
+                ("k3kv", '{"ticket": 1}'),
+                ("k3kv", done.model_dump_json()),
+            ]
+            assert rx.poll() == KVPoll.FAILED and "incomplete transfer" in rx.error
+            assert rx.layers_received == {layer: 5}
+        finally:
+            client.close()
+
+
+def test_done_without_metadata_fails_the_ticket():
+    srv = KVBootstrapServer(_FakeEngine(), fake_layout(TINY, 2, 8, B))
+    rx = KVReceiver(srv, CacheRef(0, (1,), B), timeout_s=10)
+    assert (
+        srv.pair(PairRequest(ticket=rx.ticket, sender="s", fingerprint=srv.layout.fingerprint()))[0]
+        == 200
+    )
+    full = dict(rx._rec.expected)
+    ok, _ = srv.on_status(StatusMessage(ticket=rx.ticket, sender="s", kind="done", layers=full))
+    assert not ok and rx.poll() == KVPoll.FAILED and rx.error == "done without metadata"
+    assert rx.released  # 'done' means the sender stopped writing
 
 
 # ============================================================================ engine, in-process
@@ -438,6 +649,23 @@ def pair(engines):
     src_e.unregister_layout(slay)
 
 
+def meta_for(n: int, token_id: int = 1, **kw) -> TransferMetadata:
+    """The metadata a prefill worker sends for an n-token prompt (ids ``0..n-1``)."""
+    return TransferMetadata(
+        request_id=kw.pop("request_id", "r"),
+        prompt_token_ids=kw.pop("prompt_token_ids", list(range(n))),
+        token_id=token_id,
+        sampling=SamplingSpec(temperature=0.0, seed=3),
+        position=n,
+        **kw,
+    )
+
+
+def same_meta(got, want: TransferMetadata) -> bool:
+    """The receiver delivers a TransferMetadata (a subclass readable by key, for now)."""
+    return isinstance(got, TransferMetadata) and got.model_dump() == want.model_dump()
+
+
 def run_until(pred, timeout_s: float, *objs) -> float:
     t0 = time.monotonic()
     while not pred():
@@ -473,17 +701,24 @@ def test_inprocess_retry_then_success(pair):
     expected = expected_layer_bytes(pair["server"].layout, rx.ref)
     run_until(lambda: rx.layers_received == expected, 10, tx, rx)
     assert rx.state == KVPoll.TRANSFERRING and tx.state == KVPoll.TRANSFERRING
-    tx.finish({"token": 7})
+    meta = meta_for(n, token_id=7, logprob=-0.25, top_logprobs=[(7, -0.25), (3, None)])
+    tx.finish(meta)
     run_until(lambda: tx.state.terminal and rx.state.terminal, 10, tx, rx)
     assert tx.state == KVPoll.SUCCESS and rx.state == KVPoll.SUCCESS, (tx.error, rx.error)
     assert tx.attempts == 2 and rx.result.attempts == 2
+    assert same_meta(rx.result.metadata, meta)
+    # by key too, as today's decode worker reads it (transitional)
+    assert rx.result.metadata["token_id"] == 7 and rx.result.metadata.get("position") == n
     assert request_digest(pair["dpools"], rx.ref) == request_digest(pair["spools"], tx.src)
 
 
 def test_inprocess_http_notify_large_metadata_and_chunks(pair):
     n = 5 * B
-    for mode, meta in [("http", {"ids": list(range(50))}), ("te", {"ids": list(range(60_000))})]:
-        assert len(json.dumps(meta)) > MAX_NOTIFY_BYTES or mode == "http"
+    for mode, meta in [
+        ("http", meta_for(n, prompt_token_ids=list(range(50)))),
+        ("te", meta_for(n, prompt_token_ids=list(range(60_000)))),  # too big for TE: HTTP
+    ]:
+        assert len(meta.model_dump_json()) > MAX_NOTIFY_BYTES or mode == "http"
         rx = KVReceiver(pair["server"], CacheRef(0, (30, 31, 32, 33, 34), n), timeout_s=10)
         tx = make_sender(pair, rx, CacheRef(3, (40, 41, 50, 51, 52), n), notify=mode)
         for upto in (B, 3 * B, n):  # chunked prefill: latents per chunk, states at the end
@@ -493,7 +728,7 @@ def test_inprocess_http_notify_large_metadata_and_chunks(pair):
         tx.finish(meta)
         run_until(lambda tx=tx, rx=rx: tx.state.terminal and rx.state.terminal, 10, tx, rx)
         assert rx.state == KVPoll.SUCCESS, rx.error
-        assert rx.result.metadata == meta
+        assert same_meta(rx.result.metadata, meta)
         assert rx.result.layer_bytes == expected_layer_bytes(pair["server"].layout, rx.ref)
         assert request_digest(pair["dpools"], rx.ref) == request_digest(pair["spools"], tx.src)
         rx.close()
@@ -506,7 +741,7 @@ def test_inprocess_decode_abort_refuses_http_completion(pair):
     run_until(lambda: tx.state == KVPoll.WAITING_FOR_INPUT, 10, tx)
     rx.abort("client went away")
     assert rx.poll() == KVPoll.FAILED and not rx.released  # the sender may still write
-    tx.finish({})
+    tx.finish(meta_for(n))
     run_until(lambda: tx.state.terminal and rx.released, 10, tx, rx)
     assert tx.state == KVPoll.FAILED and "refused" in str(tx.error) and tx.retries_used == 0
     assert "client went away" in rx.error
@@ -515,9 +750,15 @@ def test_inprocess_decode_abort_refuses_http_completion(pair):
 def test_inprocess_manifest_short_and_timeout(pair):
     srv = pair["server"]
     rx = KVReceiver(srv, CacheRef(0, (1, 2), 2 * B), timeout_s=10)
-    st, _ = srv.pair({"ticket": rx.ticket, "sender": "s1", "fingerprint": srv.layout.fingerprint()})
+    st, _ = srv.pair(
+        PairRequest(ticket=rx.ticket, sender="s1", fingerprint=srv.layout.fingerprint())
+    )
     assert st == 200 and rx.poll() == KVPoll.WAITING_FOR_INPUT
-    ok, _ = srv.on_status(StatusMessage(rx.ticket, "s1", "done", layers={0: 1}))
+    ok, _ = srv.on_status(
+        StatusMessage(
+            ticket=rx.ticket, sender="s1", kind="done", layers={0: 1}, metadata=meta_for(2 * B)
+        )
+    )
     assert not ok and rx.poll() == KVPoll.FAILED and "incomplete transfer" in rx.error
     assert "layer 3: got 0 B" in rx.error
     released = []
@@ -526,6 +767,46 @@ def test_inprocess_manifest_short_and_timeout(pair):
     )
     run_until(lambda: rx2.state.terminal, 5, rx2)
     assert rx2.state == KVPoll.FAILED and "never paired" in rx2.error and released == [1]
+
+
+def test_pairing_retries_an_unreachable_server_then_fails(pair):
+    """Pairing over HTTP is retried (tenacity, the sender's shared budget) while the server is
+    unreachable; with the budget spent the sender fails naming the cause."""
+    with socket.socket() as so:  # a port nobody listens on
+        so.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{so.getsockname()[1]}"
+    tx = KVSender(
+        "t-unreachable",
+        addr,
+        pair["slay"],
+        CacheRef(0, (0,), B),
+        engine=pair["src_e"],
+        client=pair["client"],
+        max_retries=2,
+        retry_backoff_s=0.01,
+    )
+    run_until(lambda: tx.state.terminal, 10, tx)
+    assert tx.state == KVPoll.FAILED and "unreachable" in str(tx.error)
+    assert tx.retries_used == 2 and tx.attempts == 3 and "t_paired" not in tx.stats
+
+
+def test_finish_takes_transfer_metadata_or_a_dict_that_is_one(pair):
+    n = B
+    rx = KVReceiver(pair["server"], CacheRef(3, (60,), n), timeout_s=10)
+    tx = make_sender(pair, rx, CacheRef(1, (61,), n))
+    with pytest.raises(ValueError, match="token_id"):
+        tx.finish({"request_id": "r", "prompt_token_ids": [1], "sampling": {}, "position": n})
+    want = meta_for(n, token_id=5)
+    tx.finish(want.model_dump(mode="json"))  # transitional: the dict of a TransferMetadata
+    with pytest.raises(RuntimeError, match="twice"):
+        tx.finish(want)
+    run_until(lambda: tx.state.terminal and rx.state.terminal, 10, tx, rx)
+    assert rx.state == KVPoll.SUCCESS and same_meta(rx.result.metadata, want)
+    from k3serve.sampling import SamplingParams
+
+    m = rx.result.metadata  # read as today's decode worker reads it (transitional)
+    assert SamplingParams.from_dict(dict(m["sampling"])).seed == 3 and m.get("nope", 1) == 1
+    rx.close()
 
 
 def test_aborts_release_every_reservation(pair):
@@ -545,11 +826,15 @@ def test_aborts_release_every_reservation(pair):
             continue
         if stage == 1:  # a sender paired: release must wait until it is quiesced
             srv.pair(
-                {"ticket": rx.ticket, "sender": f"s{i}", "fingerprint": srv.layout.fingerprint()}
+                PairRequest(ticket=rx.ticket, sender=f"s{i}", fingerprint=srv.layout.fingerprint())
             )
             rx.abort()
             assert not rx.released
-            srv.on_status(StatusMessage(rx.ticket, f"s{i}", "aborted", error="x", quiesced=True))
+            srv.on_status(
+                StatusMessage(
+                    ticket=rx.ticket, sender=f"s{i}", kind="aborted", error="x", quiesced=True
+                )
+            )
             rx.poll()
             assert rx.released
             continue
@@ -561,11 +846,11 @@ def test_aborts_release_every_reservation(pair):
         else:  # decode aborts while the sender is writing; the sender still finishes
             tx.layer_ready(0)
             rx.abort()
-            tx.finish({})
+            tx.finish(meta_for(B))
         run_until(lambda tx=tx, rx=rx: tx.state.terminal and rx.released, 5, tx, rx)
         assert rx.state == KVPoll.FAILED
         # a late pairing of an aborted ticket is refused
-        assert srv.pair({"ticket": rx.ticket, "sender": "late", "fingerprint": {}})[0] == 410
+        assert srv.pair(PairRequest(ticket=rx.ticket, sender="late"))[0] == 410
     assert srv.unreleased() == 0 and sorted(freed) == list(range(200))
 
 
@@ -590,7 +875,7 @@ def test_plugs_into_kvpools_and_cache_handle():
             )
             for layer in range(TINY.num_layers):  # the engine's layer_hook(layer, upto_tokens)
                 tx.layer_ready(layer, n)
-            tx.finish({})
+            tx.finish(meta_for(n))
             run_until(lambda: tx.state.terminal and rx.state.terminal and tx.released, 10, tx, rx)
             assert rx.state == KVPoll.SUCCESS, (tx.error, rx.error)
     assert torch.equal(dpools.kda_state[:, 1], spools.kda_state[:, 0])
@@ -714,13 +999,7 @@ def test_two_process_layer_by_layer(peer, prefill):
         time.sleep(0.002)  # "compute" of layer l
         tx.layer_ready(l)
         tx.poll()
-    meta = {
-        "prompt_token_ids": list(range(n)),
-        "token": 42,
-        "logprobs": [-0.5],
-        "position": n,
-        "sampling_params": {"temperature": 0.0, "seed": 3},
-    }
+    meta = meta_for(n, token_id=42, logprob=-0.5)
     tx.finish(meta)
     run_until(lambda: tx.state.terminal, 10, tx)
     assert tx.state == KVPoll.SUCCESS, tx.error
@@ -730,7 +1009,7 @@ def test_two_process_layer_by_layer(peer, prefill):
     assert out["digest"] == request_digest(prefill["pools"], src)
     assert out["changed_elsewhere"] == []
     res = out["result"]
-    assert res["metadata"] == meta
+    assert TransferMetadata.model_validate(res["metadata"]) == meta
     assert (
         res["total_bytes"] == TINY.kda_state_bytes_per_seq() + n * TINY.mla_latent_bytes_per_token()
     )
@@ -780,7 +1059,7 @@ def test_two_process_injected_failure_retry_then_failed(peer, prefill):
     )
     for l in range(TINY.num_layers):
         tx.layer_ready(l)
-    tx.finish({"token": 1})
+    tx.finish(meta_for(n))
     run_until(lambda: tx.state.terminal, 10, tx)
     assert tx.state == KVPoll.FAILED and isinstance(tx.error, TransferError)
     assert "retries exhausted" in str(tx.error) and tx.retries_used == 2
@@ -817,7 +1096,7 @@ def test_two_process_dead_decode_peer(prefill):
         for l in range(TINY.num_layers):
             tx.layer_ready(l)
             tx.poll()
-        tx.finish({})
+        tx.finish(meta_for(3 * B))
         run_until(lambda: tx.state.terminal, 15, tx)
         took = time.monotonic() - t0
         assert tx.state == KVPoll.FAILED and tx.released

@@ -1,0 +1,182 @@
+"""The write side of one sender: which layer's cache is ready, which runs are in flight, what
+landed — and the retries of failed writes (non-blocking; the budget is the sender's).
+
+:class:`LayerWrites` is driven by :class:`kvstore.sender.KVSender`'s ``poll()``: the sender
+marks layers ready (``mark``), submits what is ready once it knows the destination
+(``submit_ready``) and collects completions (``check``). A layer is complete when its paged
+tokens ``[0, num_tokens)`` and its slot state were submitted and every write of it landed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvstore.descriptors import CacheRef, PoolLayout, Run, layer_runs
+from kvstore.engine import KVEngine, TransferHandle
+from kvstore.errors import TransferError
+from kvstore.retry import RetryBudget
+
+log = logging.getLogger(__name__)
+
+_BAD_ADDR = 8  # never registered by anyone: a write there fails inside Mooncake (test hook)
+
+
+@dataclass
+class _Part:
+    layer: int
+    runs: list[Run]
+    handle: TransferHandle
+    retry_at: float | None = None  # scheduled resubmission time (monotonic s)
+    finished: bool = False
+
+
+class LayerWrites:
+    """Per-layer write progress of one request's cache.
+
+    Args:
+        layout: the sender's pool layout.
+        src: the request's slot/pages there.
+        engine: the process's :class:`KVEngine`.
+        budget: the sender's retry budget (shared with pairing and the completion message).
+        fail_first_n: test hook: the first n submissions go to an unregistered address and
+            fail inside Mooncake.
+        tag: log prefix.
+    """
+
+    def __init__(
+        self,
+        layout: PoolLayout,
+        src: CacheRef,
+        engine: KVEngine,
+        budget: RetryBudget,
+        fail_first_n: int = 0,
+        tag: str = "",
+    ) -> None:
+        self.layout, self.src, self.engine, self.budget = layout, src, engine, budget
+        self.layers = layout.layers
+        self._inject_left = int(fail_first_n)
+        self._tag = tag
+        self._ready: dict[int, int] = {}  # layer -> tokens ready
+        self._sent_upto: dict[int, int] = {}  # layer -> tokens submitted
+        self._state_sent: set[int] = set()
+        self._parts: list[_Part] = []
+        self.layer_bytes: dict[int, int] = {}  # layer -> bytes landed
+
+    def mark(self, layer: int, upto_tokens: int | None = None) -> None:
+        """Tokens ``[0, upto_tokens)`` of ``layer`` are final (default: all, and its state).
+
+        Raises:
+            ValueError: the layer has no cache in the layout; ``upto_tokens`` out of range.
+        """
+        if layer not in self.layers:
+            raise ValueError(f"layer {layer} has no cache in this layout")
+        n = self.src.num_tokens if upto_tokens is None else int(upto_tokens)
+        if not 0 <= n <= self.src.num_tokens:
+            raise ValueError(f"upto_tokens {n} outside [0, {self.src.num_tokens}]")
+        self._ready[layer] = max(n, self._ready.get(layer, 0))
+
+    def mark_all(self) -> None:
+        for l in self.layers:
+            self._ready[l] = self.src.num_tokens
+
+    def submit_ready(self, peer: str, dst_layout: PoolLayout, dst: CacheRef) -> bool:
+        """Submit the writes of everything marked and not yet submitted; True if any."""
+        n_total = self.src.num_tokens
+        submitted = False
+        for layer in list(self._ready):
+            upto = self._ready[layer]
+            start = self._sent_upto.get(layer, 0)
+            with_state = upto == n_total and layer not in self._state_sent
+            if upto <= start and not with_state:
+                continue
+            runs = layer_runs(
+                self.layout, self.src, dst_layout, dst, layer, start, upto, with_state=with_state
+            )
+            self._sent_upto[layer] = upto
+            if with_state:
+                self._state_sent.add(layer)
+            if runs:
+                self._parts.append(_Part(layer, runs, self._submit(peer, runs)))
+                submitted = True
+            elif with_state:
+                self.layer_bytes.setdefault(layer, 0)
+        return submitted
+
+    def _submit(self, peer: str, runs: list[Run]) -> TransferHandle:
+        if self._inject_left > 0:
+            self._inject_left -= 1
+            r = runs[0]
+            return self.engine.submit(peer, [(r.src, _BAD_ADDR, min(8, r.length))])
+        return self.engine.submit(peer, runs)
+
+    def check(self, now: float, peer: str, failing: bool) -> tuple[list[int], TransferError | None]:
+        """Collect completions and resubmit failed writes whose backoff passed.
+
+        Args:
+            now: ``time.monotonic()``.
+            peer: the destination session.
+            failing: the sender is failing: no retries, only wait for writes to settle.
+
+        Returns:
+            ``(layers that became complete, the error when a write failed with the budget
+            spent)``.
+        """
+        completed: list[int] = []
+        for p in self._parts:
+            if p.finished:
+                continue
+            h = p.handle
+            if h.error is not None:
+                if failing:
+                    if h.settled:
+                        p.finished = True
+                    continue
+                if p.retry_at is None:
+                    if not self.budget.take():
+                        return completed, TransferError(
+                            h.error.op,
+                            h.error.code,
+                            h.peer,
+                            f"layer {p.layer}: {h.error.detail}; retries exhausted "
+                            f"({self.budget.max_retries})",
+                        )
+                    p.retry_at = now + self.budget.backoff()
+                    log.info(
+                        "%s: layer %d write failed (%s), retry %d",
+                        self._tag,
+                        p.layer,
+                        h.error,
+                        self.budget.used,
+                    )
+                if now >= p.retry_at and h.settled:
+                    p.handle, p.retry_at = self._submit(peer, p.runs), None
+                continue
+            if h.done:
+                p.finished = True
+                self.layer_bytes[p.layer] = self.layer_bytes.get(p.layer, 0) + h.total_bytes
+                if self.complete(p.layer):
+                    completed.append(p.layer)
+        return completed, None
+
+    def complete(self, layer: int) -> bool:
+        return (
+            self._sent_upto.get(layer, 0) == self.src.num_tokens
+            and layer in self._state_sent
+            and all(p.finished and p.handle.done for p in self._parts if p.layer == layer)
+        )
+
+    def all_written(self) -> bool:
+        return all(self.complete(l) for l in self.layers)
+
+    def settled(self) -> bool:
+        """No write of ours is queued or in flight (the source may be reused)."""
+        return all(p.handle.settled for p in self._parts)
+
+    @property
+    def num_runs(self) -> int:
+        """Runs of the latest submission of each part (what the destination got)."""
+        return sum(len(p.runs) for p in self._parts)
+
+
+__all__ = ["LayerWrites"]
