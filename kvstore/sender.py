@@ -174,7 +174,9 @@ class KVSender:
         """
         if self._metadata is not None:
             raise RuntimeError("KVSender.finish called twice")
-        self._metadata = dict(metadata)
+        # a TransferMetadata (k3serve.messages) travels as its JSON form
+        self._metadata = (metadata.model_dump(mode="json") if hasattr(metadata, "model_dump")
+                          else dict(metadata))
         for l in self._layers:
             self._ready[l] = self.src.num_tokens
         if self._dst is not None and not self._failing and not self._state.terminal:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from k3serve.worker_common import WorkerMetrics
+from worker.metrics import WorkerMetrics
 from router.metrics import RouterMetrics
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
