@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from k3serve.launcher import free_port
+from deploy.local import free_port
 
 
 def _children(pid: int) -> list[int]:

@@ -47,7 +47,7 @@ POLL_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from k3serve.launcher import start_stack
+    from deploy.launcher import start_stack
 
     logs = tmp_path_factory.mktemp("stack-logs")
     env_key = "K3SERVE_KV_RECEIVER_TIMEOUT_S"
