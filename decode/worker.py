@@ -27,21 +27,19 @@ request goes through the phases of :class:`DecodePhase`::
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from sse_starlette import EventSourceResponse, ServerSentEvent
-
+from decode.state import DecodePhase, DecodeState
+from decode.stream import StreamEventsResponse, events
 from k3serve.cache.allocator import CacheFullError
 from k3serve.messages import (
-    ReserveRequest,
-    ReserveResponse,
     RequestsDebug,
     RequestState,
+    ReserveRequest,
+    ReserveResponse,
     StreamEvent,
     StreamRequest,
     TokenLogprob,
@@ -53,7 +51,7 @@ from k3serve.messages import (
 )
 from k3serve.sampling import SamplingParams
 from kvstore import CacheRef, KVBootstrapServer, KVPoll, KVReceiver
-from worker.base import BaseWorker, Failure
+from worker.base import BaseWorker, Failure, sampling_params
 from worker.http import errors, json_errors
 from worker.serve import serve
 
@@ -68,49 +66,6 @@ STREAM_TTL_S = 60.0
 FIRST_TOKEN_TTL_S = 700.0
 
 
-class DecodePhase(enum.Enum):
-    """Where one decode request is (the module docstring draws the order)."""
-
-    TRANSFER = "transfer"
-    AWAIT_FIRST = "await_first"
-    RUNNING = "running"
-    DONE = "done"
-
-
-_D = DecodePhase
-#: The allowed transitions; :meth:`DecodeWorker._to` refuses any other.
-TRANSITIONS: dict[DecodePhase, frozenset[DecodePhase]] = {
-    _D.TRANSFER: frozenset({_D.RUNNING, _D.AWAIT_FIRST, _D.DONE}),
-    _D.AWAIT_FIRST: frozenset({_D.RUNNING, _D.DONE}),
-    _D.RUNNING: frozenset({_D.DONE}),
-    _D.DONE: frozenset(),
-}
-
-
-@dataclass(eq=False)
-class _Decode:
-    """One request's state on the engine thread."""
-
-    rid: str
-    prompt: list[int]
-    params: SamplingParams
-    cache_salt: str | None
-    events: asyncio.Queue  # of StreamEvent
-    receiver: KVReceiver | None = None  # while its ticket is open or its release pending
-    phase: DecodePhase = DecodePhase.TRANSFER
-    engine_rid: str | None = None  # the engine request producing tokens
-    reservation_open: bool = True  # the reserved engine request still holds slot + pages
-    fallback: bool = False
-    fb_counted: bool = False
-    first: tuple[int, float] | None = None  # token #1 + logprob, from the stream request
-    failed_at: float = 0.0
-    sent: int = 1  # output tokens delivered (token #1 came from the prefill worker)
-    text_len: int = 0
-    finished_at: float | None = None
-    stream_opened: bool = False
-    stream_closed: bool = False
-
-
 def transfer_metadata(m: Any) -> TransferMetadata:
     """The receiver's metadata as a :class:`TransferMetadata` (kvstore hands it over typed, or
     as its JSON dict).
@@ -119,19 +74,6 @@ def transfer_metadata(m: Any) -> TransferMetadata:
         pydantic.ValidationError: (a ``ValueError``) not a valid TransferMetadata.
     """
     return m if isinstance(m, TransferMetadata) else TransferMetadata.model_validate(m)
-
-
-class StreamEventsResponse(EventSourceResponse):
-    """An SSE answer; ``media_type`` on the class so the OpenAPI schema lists StreamEvent under
-    ``text/event-stream``."""
-
-    media_type = "text/event-stream"
-
-
-def _sse(ev: StreamEvent) -> ServerSentEvent:
-    # ``error`` travels only when set (readers test for the key)
-    return ServerSentEvent(data=ev.model_dump_json(exclude={"error"} if ev.error is None
-                                                   else None))
 
 
 class DecodeWorker(BaseWorker):
@@ -143,8 +85,8 @@ class DecodeWorker(BaseWorker):
         super().__init__(config, engine)
         c = self.kv_config
         self.server = KVBootstrapServer(self.kv, self.layout, c.bootstrap_host, c.bootstrap_port)
-        self.reqs: dict[str, _Decode] = {}
-        self.by_engine: dict[str, _Decode] = {}
+        self.reqs: dict[str, DecodeState] = {}
+        self.by_engine: dict[str, DecodeState] = {}
         self.stream_idle_s = max(120.0, c.receiver_timeout_s + 60.0)
 
     def start(self) -> None:
@@ -155,21 +97,6 @@ class DecodeWorker(BaseWorker):
         super().close()
         self.server.stop()
 
-    # ------------------------------------------------------------------ transitions
-    def _to(self, r: _Decode, phase: DecodePhase) -> None:
-        """Move ``r`` to ``phase`` (the one place phases change).
-
-        Raises:
-            RuntimeError: a transition :data:`TRANSITIONS` does not allow.
-        """
-        if phase not in TRANSITIONS[r.phase]:
-            raise RuntimeError(f"decode {r.rid}: {r.phase.name} → {phase.name}")
-        r.phase = phase
-        if phase is _D.DONE:
-            r.finished_at = time.monotonic()
-        elif phase is _D.AWAIT_FIRST:
-            r.fallback, r.failed_at = True, time.monotonic()
-
     # ------------------------------------------------------------------ engine thread
     def _reserve(self, body: ReserveRequest, params: SamplingParams,
                  events: asyncio.Queue) -> ReserveResponse:
@@ -177,7 +104,7 @@ class DecodeWorker(BaseWorker):
         if rid in self.reqs:
             raise ValueError(f"request_id: {rid!r} is already live")
         h = self.engine.reserve(rid, list(body.prompt_token_ids), cache_salt=body.cache_salt)
-        r = _Decode(rid, list(body.prompt_token_ids), params, body.cache_salt, events)
+        r = DecodeState(rid, list(body.prompt_token_ids), params, body.cache_salt, events)
         try:
             r.receiver = KVReceiver(self.server, CacheRef(h.slot, h.pages, h.num_tokens),
                                     timeout_s=self.kv_config.receiver_timeout_s,
@@ -190,7 +117,7 @@ class DecodeWorker(BaseWorker):
         return ReserveResponse(request_id=rid, ticket=r.receiver.ticket,
                                bootstrap_addr=self.server.address)
 
-    def _free_reservation(self, r: _Decode) -> None:
+    def _free_reservation(self, r: DecodeState) -> None:
         """A failed ticket's reservation may be reused now (no sender can write into it)."""
         if r.reservation_open:
             self.engine.abort_request(r.rid)
@@ -202,13 +129,13 @@ class DecodeWorker(BaseWorker):
         active = False
         for r in list(self.reqs.values()):
             rx = r.receiver
-            if r.phase is _D.TRANSFER:
+            if r.phase is DecodePhase.TRANSFER:
                 active = True
                 if rx.state == KVPoll.SUCCESS:
                     self._admit(r)
                 elif rx.state == KVPoll.FAILED:
                     self._fallback(r)
-            elif r.phase is _D.AWAIT_FIRST and now - r.failed_at > FIRST_TOKEN_TTL_S:
+            elif r.phase is DecodePhase.AWAIT_FIRST and now - r.failed_at > FIRST_TOKEN_TTL_S:
                 self._end(r, StreamEvent.failure("no stream opened after the transfer failed"))
             if rx is not None and rx.state.terminal and (rx.state == KVPoll.SUCCESS
                                                           or rx.released):
@@ -216,12 +143,12 @@ class DecodeWorker(BaseWorker):
                 r.receiver = None
             elif rx is not None:
                 active = True  # a release is pending: keep pumping
-            if (r.phase is _D.DONE and r.receiver is None and not r.reservation_open
+            if (r.phase is DecodePhase.DONE and r.receiver is None and not r.reservation_open
                     and (r.stream_closed or now - (r.finished_at or now) > STREAM_TTL_S)):
                 del self.reqs[r.rid]
         return active
 
-    def _admit(self, r: _Decode) -> None:
+    def _admit(self, r: DecodeState) -> None:
         res = r.receiver.result
         try:
             if res is None:
@@ -249,10 +176,10 @@ class DecodeWorker(BaseWorker):
         r.reservation_open = False  # slot and pages now belong to the running request
         self._run(r, r.rid, out)
 
-    def _run(self, r: _Decode, engine_rid: str, out: Any) -> None:
+    def _run(self, r: DecodeState, engine_rid: str, out: Any) -> None:
         """The engine request ``engine_rid`` (token #1 fed) produces ``r``'s tokens from now on;
         ``out``: its output when token #1 already finished it."""
-        self._to(r, _D.RUNNING)
+        r.to(DecodePhase.RUNNING)
         r.engine_rid = engine_rid
         self.by_engine[engine_rid] = r
         # text of token #1 (the router has it), so the stream's text starts after it
@@ -262,12 +189,12 @@ class DecodeWorker(BaseWorker):
         else:
             r.text_len = len(self.engine.requests[engine_rid].seqs[0].detok.text)
 
-    def _fallback(self, r: _Decode) -> None:
+    def _fallback(self, r: DecodeState) -> None:
         """The transfer failed: recompute here, from token #1 once the stream brought it."""
-        if r.phase is not _D.TRANSFER:
+        if r.phase is not DecodePhase.TRANSFER:
             return
         err = r.receiver.error if r.receiver is not None else "admit failed"
-        self._to(r, _D.AWAIT_FIRST)
+        r.to(DecodePhase.AWAIT_FIRST)
         if r.first is None:
             log.warning("decode %s: transfer failed (%s); recomputing once the stream brings "
                         "token #1", r.rid, err)
@@ -275,7 +202,7 @@ class DecodeWorker(BaseWorker):
         log.warning("decode %s: transfer failed (%s); recomputing the prefill here", r.rid, err)
         self._start_fallback(r)
 
-    def _start_fallback(self, r: _Decode) -> None:
+    def _start_fallback(self, r: DecodeState) -> None:
         """Prefill ``prompt + token #1`` here and continue from token #2 (token #1 is the
         prefill worker's, already sent to the client: it is not sampled again)."""
         if r.first is None:
@@ -294,10 +221,10 @@ class DecodeWorker(BaseWorker):
     def on_outputs(self, outs: list) -> None:
         for out in outs:
             r = self.by_engine.get(out.request_id)
-            if r is not None and r.phase is _D.RUNNING:
+            if r is not None and r.phase is DecodePhase.RUNNING:
                 self._emit(r, out)
 
-    def _emit(self, r: _Decode, out: Any) -> None:
+    def _emit(self, r: DecodeState, out: Any) -> None:
         c = out.outputs[0]
         if r.fallback and not r.fb_counted:
             r.fb_counted = True
@@ -318,17 +245,17 @@ class DecodeWorker(BaseWorker):
                           for k, lp in enumerate(lps)]))
         if out.finished:
             self.by_engine.pop(r.engine_rid, None)
-            self._to(r, _D.DONE)
+            r.to(DecodePhase.DONE)
 
-    def _end(self, r: _Decode, event: StreamEvent) -> None:
+    def _end(self, r: DecodeState, event: StreamEvent) -> None:
         """Stop a request that has not finished: free what it holds, send a final event."""
-        if r.phase is _D.TRANSFER:
+        if r.phase is DecodePhase.TRANSFER:
             r.receiver.abort(event.error or "aborted by decode")
-        elif r.phase is _D.RUNNING:
+        elif r.phase is DecodePhase.RUNNING:
             self.engine.abort_request(r.engine_rid)
             self.by_engine.pop(r.engine_rid, None)
-        if r.phase is not _D.DONE:
-            self._to(r, _D.DONE)
+        if r.phase is not DecodePhase.DONE:
+            r.to(DecodePhase.DONE)
             self.push(r.events, event)
 
     def abort(self, rid: str, reason: str) -> bool:
@@ -358,7 +285,7 @@ class DecodeWorker(BaseWorker):
             raise Failure(409, "stream_taken", f"request {rid!r} is already streaming")
         r.stream_opened = True
         r.first = (body.token_id, math.nan if body.logprob is None else float(body.logprob))
-        if r.phase is _D.AWAIT_FIRST:
+        if r.phase is DecodePhase.AWAIT_FIRST:
             self._start_fallback(r)
         return r.events
 
@@ -371,7 +298,7 @@ class DecodeWorker(BaseWorker):
         return len(self.engine.scheduler.waiting) + self._num_transferring()
 
     def _num_transferring(self) -> int:
-        return sum(1 for r in self.reqs.values() if r.phase is _D.TRANSFER)
+        return sum(1 for r in self.reqs.values() if r.phase is DecodePhase.TRANSFER)
 
     def usage(self) -> WorkerUsage:
         return super().usage().model_copy(update={
@@ -402,10 +329,7 @@ class DecodeWorker(BaseWorker):
         @app.post("/internal/reserve", response_model=ReserveResponse,
                   responses=errors(400, 403, 503))
         async def reserve(body: ReserveRequest) -> ReserveResponse:
-            try:
-                params = body.sampling.to_params()
-            except ValueError as e:
-                raise Failure(400, "invalid_sampling", str(e)) from None
+            params = sampling_params(body.sampling)
             try:
                 return await worker.loop.call(worker._reserve, body, params, asyncio.Queue())
             except CacheFullError as e:
@@ -422,27 +346,13 @@ class DecodeWorker(BaseWorker):
             rid = body.request_id
             q = await worker.loop.call(worker._open_stream, body)
 
-            async def gen():
-                finished = False
-                try:
-                    while True:
-                        try:
-                            ev = await asyncio.wait_for(q.get(), worker.stream_idle_s)
-                        except TimeoutError:
-                            yield _sse(StreamEvent.failure(
-                                f"no token within {worker.stream_idle_s:.0f} s"))
-                            break  # the finally aborts the request
-                        yield _sse(ev)
-                        if ev.finish_reason:
-                            finished = True
-                            break
-                    yield ServerSentEvent(data="[DONE]")
-                finally:
-                    if not finished:
-                        worker.loop.submit(worker.abort, rid, "stream closed early")
-                    worker.loop.submit(worker._close_stream, rid)
+            def on_close(finished: bool) -> None:
+                if not finished:
+                    worker.loop.submit(worker.abort, rid, "stream closed early")
+                worker.loop.submit(worker._close_stream, rid)
 
-            return StreamEventsResponse(gen(), headers={"Cache-Control": "no-cache"})
+            return StreamEventsResponse(events(q, worker.stream_idle_s, on_close),
+                                        headers={"Cache-Control": "no-cache"})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -252,7 +252,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     stopping = False
 
-    def _stop(signum, frame):  # noqa: ARG001
+    def _stop(signum, frame):
         nonlocal stopping
         stopping = True
 

@@ -64,11 +64,11 @@ class LocalBackend:
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             out = open(os.path.join(self.log_dir, f"{name}.log"), "w")  # noqa: SIM115
-        try:
+        pre = _die_with_parent if sys.platform.startswith("linux") else None
+        try:  # preexec_fn runs one prctl call, nothing that a forked thread could deadlock on
             return subprocess.Popen(
                 [sys.executable, "-m", module, *args], env=dict(env), stdout=out,
-                stderr=subprocess.STDOUT if out else None,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                stderr=subprocess.STDOUT if out else None, preexec_fn=pre,  # noqa: PLW1509
             )
         finally:
             if out is not None:  # the child holds its own copy of the descriptor

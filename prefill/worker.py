@@ -25,10 +25,8 @@ answers token #1 — the decode worker recomputes the prefill itself.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from k3serve.messages import (
@@ -42,7 +40,7 @@ from k3serve.messages import (
     finite,
     top_pairs,
 )
-from k3serve.protocol import CacheHandle, FirstToken
+from k3serve.protocol import CacheHandle
 from k3serve.sampling import SamplingParams
 from kvstore import (
     BootstrapClient,
@@ -52,7 +50,8 @@ from kvstore import (
     KVPoll,
     KVSender,
 )
-from worker.base import BaseWorker, Failure
+from prefill.state import PrefillPhase, PrefillState
+from worker.base import BaseWorker, Failure, sampling_params
 from worker.http import errors
 from worker.serve import serve
 
@@ -65,57 +64,6 @@ PAIR_WAIT_S = 2.0
 PREFILL_TIMEOUT_S = 600.0
 
 
-class PrefillPhase(enum.Enum):
-    """Where one prefill request is (the module docstring draws the order)."""
-
-    WAITING = "waiting"
-    COMPUTING = "computing"
-    SAMPLED = "sampled"
-    ANSWERED = "answered"
-    ABORTING = "aborting"
-    ENDED = "ended"
-
-
-_P = PrefillPhase
-#: The allowed transitions; :meth:`PrefillWorker._to` refuses any other.
-TRANSITIONS: dict[PrefillPhase, frozenset[PrefillPhase]] = {
-    _P.WAITING: frozenset({_P.COMPUTING, _P.SAMPLED, _P.ABORTING}),
-    _P.COMPUTING: frozenset({_P.SAMPLED, _P.ABORTING}),
-    _P.SAMPLED: frozenset({_P.ANSWERED, _P.ABORTING}),
-    _P.ANSWERED: frozenset({_P.ENDED, _P.ABORTING}),
-    _P.ABORTING: frozenset({_P.ENDED}),
-    _P.ENDED: frozenset(),
-}
-
-
-@dataclass(eq=False)
-class _Prefill:
-    """One prefill request's state on the engine thread."""
-
-    rid: str
-    ids: list[int]
-    params: SamplingParams
-    ticket: str
-    addr: str
-    fut: asyncio.Future  # PrefillResponse, or a Failure
-    fail_first_n: int = 0
-    phase: PrefillPhase = PrefillPhase.WAITING
-    sender: KVSender | None = None  # created at admission
-    num_cached: int = 0
-    first: FirstToken | None = None
-    first_at: float = 0.0  # time.monotonic() when token #1 was sampled
-
-    @property
-    def answered(self) -> bool:
-        """The router has its answer (token #1 or an error)."""
-        return self.phase in (_P.ANSWERED, _P.ABORTING, _P.ENDED)
-
-    @property
-    def pages_free(self) -> bool:
-        """No write reads this request's slot and pages any more."""
-        return self.sender is None or self.sender.released
-
-
 class PrefillWorker(BaseWorker):
     """The prefill role (see the module docstring)."""
 
@@ -124,29 +72,19 @@ class PrefillWorker(BaseWorker):
     def __init__(self, config, engine=None) -> None:
         super().__init__(config, engine)
         self.client = BootstrapClient()
-        self.reqs: dict[str, _Prefill] = {}
+        self.reqs: dict[str, PrefillState] = {}
 
     def close(self) -> None:
         super().close()
         self.client.close()
 
-    # ------------------------------------------------------------------ transitions
-    def _to(self, r: _Prefill, phase: PrefillPhase) -> None:
-        """Move ``r`` to ``phase`` (the one place phases change).
-
-        Raises:
-            RuntimeError: a transition :data:`TRANSITIONS` does not allow.
-        """
-        if phase not in TRANSITIONS[r.phase]:
-            raise RuntimeError(f"prefill {r.rid}: {r.phase.name} → {phase.name}")
-        r.phase = phase
-
-    def _abort(self, r: _Prefill, why: Failure) -> None:
+    # ------------------------------------------------------------------ engine thread
+    def _abort(self, r: PrefillState, why: Failure) -> None:
         """End ``r`` early: answer ``why`` unless token #1 went out, stop the sender."""
-        if r.phase in (_P.ABORTING, _P.ENDED):
+        if r.phase in (PrefillPhase.ABORTING, PrefillPhase.ENDED):
             return
         answered = r.answered
-        self._to(r, _P.ABORTING)
+        r.to(PrefillPhase.ABORTING)
         if not answered:
             self.resolve(r.fut, exc=why)
         if r.sender is not None and not r.sender.state.terminal:
@@ -157,7 +95,7 @@ class PrefillWorker(BaseWorker):
         rid = body.request_id
         if rid in self.reqs:
             raise ValueError(f"request_id: {rid!r} is already live")
-        r = _Prefill(rid, list(body.prompt_token_ids), params, body.ticket, body.bootstrap_addr,
+        r = PrefillState(rid, list(body.prompt_token_ids), params, body.ticket, body.bootstrap_addr,
                      fut, body.debug_fail_transfer_n)
         self.engine.add_prefill_request(
             rid, r.ids, params, cache_salt=body.cache_salt, snapshot_at=body.snapshot_at,
@@ -165,10 +103,10 @@ class PrefillWorker(BaseWorker):
             layer_hook=lambda layer, upto: self._layer_hook(r, layer, upto))
         self.reqs[rid] = r
 
-    def _on_admit(self, r: _Prefill, h: CacheHandle) -> None:
-        if r.phase is not _P.WAITING:
+    def _on_admit(self, r: PrefillState, h: CacheHandle) -> None:
+        if r.phase is not PrefillPhase.WAITING:
             return
-        self._to(r, _P.COMPUTING)
+        r.to(PrefillPhase.COMPUTING)
         r.num_cached = h.num_cached_tokens
         self.metrics.prefix_query(h.num_tokens, h.num_cached_tokens)
         c = self.kv_config
@@ -184,7 +122,7 @@ class PrefillWorker(BaseWorker):
             self._abort(r, Failure(502, "transfer_setup_failed",
                                    f"cannot start the transfer: {e}"))
 
-    def _layer_hook(self, r: _Prefill, layer: int, upto: int) -> None:
+    def _layer_hook(self, r: PrefillState, layer: int, upto: int) -> None:
         s = r.sender
         if s is not None and not s.state.terminal:
             try:
@@ -192,7 +130,7 @@ class PrefillWorker(BaseWorker):
             except ValueError as e:
                 log.warning("prefill %s: layer_ready(%d, %d): %s", r.rid, layer, upto, e)
 
-    def _count_transfer(self, r: _Prefill) -> None:
+    def _count_transfer(self, r: PrefillState) -> None:
         """The sender is terminal and released (called once, by the sender)."""
         s = r.sender
         if s is None:
@@ -205,10 +143,10 @@ class PrefillWorker(BaseWorker):
         for out in outs:
             r = self.reqs.get(out.request_id)
             h = out.handle
-            if r is None or r.phase not in (_P.WAITING, _P.COMPUTING) or h is None \
-                    or h.first_token is None:
+            if (r is None or r.phase not in (PrefillPhase.WAITING, PrefillPhase.COMPUTING)
+                    or h is None or h.first_token is None):
                 continue
-            self._to(r, _P.SAMPLED)
+            r.to(PrefillPhase.SAMPLED)
             r.first, r.first_at = h.first_token, time.monotonic()
             r.num_cached = h.num_cached_tokens
 
@@ -219,12 +157,12 @@ class PrefillWorker(BaseWorker):
             if not r.pages_free:
                 active = True
                 r.sender.poll()  # its on_release counts the outcome
-            if r.phase in (_P.COMPUTING, _P.SAMPLED):
+            if r.phase in (PrefillPhase.COMPUTING, PrefillPhase.SAMPLED):
                 self._maybe_answer(r, now)
             self._maybe_end(r)
         return active
 
-    def _maybe_answer(self, r: _Prefill, now: float) -> None:
+    def _maybe_answer(self, r: PrefillState, now: float) -> None:
         s = r.sender
         if s is not None and s.state == KVPoll.FAILED and "t_paired" not in s.stats:
             e = s.error
@@ -237,7 +175,7 @@ class PrefillWorker(BaseWorker):
             self._abort(r, Failure(status, code, f"prefill {self.worker_id} could not pair "
                                                  f"with the decode worker at {r.addr}: {e}"))
             return
-        if r.phase is not _P.SAMPLED or r.first is None:
+        if r.phase is not PrefillPhase.SAMPLED or r.first is None:
             return
         if s is not None and s.state == KVPoll.BOOTSTRAPPING and now < r.first_at + PAIR_WAIT_S:
             return
@@ -249,7 +187,7 @@ class PrefillWorker(BaseWorker):
                 logprob=logprob, top_logprobs=top,
                 sampling=SamplingSpec.of(r.params.with_seed(ft.seed)), position=ft.position,
                 num_cached_tokens=r.num_cached))
-        self._to(r, _P.ANSWERED)
+        r.to(PrefillPhase.ANSWERED)
         self.resolve(r.fut, PrefillResponse(
             request_id=r.rid, token_id=ft.token_id, logprob=logprob, top_logprobs=top,
             num_cached_tokens=r.num_cached, cached_source="local", text=self._text(ft.token_id),
@@ -264,16 +202,16 @@ class PrefillWorker(BaseWorker):
         except Exception:  # noqa: BLE001 - text is a courtesy; the router detokenizes
             return ""
 
-    def _maybe_end(self, r: _Prefill) -> None:
+    def _maybe_end(self, r: PrefillState) -> None:
         """Give the slot and pages back once no write reads them any more."""
         if r.pages_free:
-            if r.phase is _P.ABORTING:
+            if r.phase is PrefillPhase.ABORTING:
                 self.engine.abort_request(r.rid)
-                self._to(r, _P.ENDED)
-            elif r.phase is _P.ANSWERED and (r.sender is None or r.sender.state.terminal):
+                r.to(PrefillPhase.ENDED)
+            elif r.phase is PrefillPhase.ANSWERED and (r.sender is None or r.sender.state.terminal):
                 self.engine.release(r.rid)
-                self._to(r, _P.ENDED)
-        if r.phase is _P.ENDED:
+                r.to(PrefillPhase.ENDED)
+        if r.phase is PrefillPhase.ENDED:
             self.reqs.pop(r.rid, None)
 
     def abort(self, rid: str, reason: str) -> bool:
@@ -301,8 +239,9 @@ class PrefillWorker(BaseWorker):
                 s = r.sender
                 out[r.rid] = RequestState(
                     phase=r.phase.value, sender_state=s.state.name if s is not None else None,
-                    held=r.phase in (_P.SAMPLED, _P.ANSWERED), answered=r.answered,
-                    aborting=r.phase is _P.ABORTING, num_cached_tokens=r.num_cached)
+                    held=r.phase in (PrefillPhase.SAMPLED, PrefillPhase.ANSWERED),
+                    answered=r.answered,
+                    aborting=r.phase is PrefillPhase.ABORTING, num_cached_tokens=r.num_cached)
         return RequestsDebug(requests=out)
 
     # ------------------------------------------------------------------ HTTP
@@ -312,10 +251,7 @@ class PrefillWorker(BaseWorker):
         @app.post("/internal/prefill", response_model=PrefillResponse,
                   responses=errors(400, 403, 409, 502, 504))
         async def prefill(body: PrefillRequest) -> PrefillResponse:
-            try:
-                params = body.sampling.to_params()
-            except ValueError as e:
-                raise Failure(400, "invalid_sampling", str(e)) from None
+            params = sampling_params(body.sampling)
             if body.debug_fail_transfer_n and not worker.config.test_hooks:
                 raise Failure(400, "invalid_request",
                               "debug_fail_transfer_n needs K3SERVE_TEST_HOOKS=1")

@@ -1,4 +1,4 @@
-"""The whole stack with the real ``openai`` client (issue 5, must-show 1 and 4).
+"""The whole stack with the real ``openai`` client: API, cache hits, metrics, auth, bad input.
 
 ``deploy.launcher.start_stack`` starts router + 2 prefill + 1 decode worker processes once
 for this module (k3-tiny, block size 16, an API key); tests then talk OpenAI to it:

@@ -13,11 +13,13 @@ import dataclasses
 import pytest
 from fastapi.testclient import TestClient
 
-import k3serve.messages as messages
-from decode.worker import TRANSITIONS as DECODE_TRANSITIONS
-from decode.worker import DecodePhase, DecodeWorker, _Decode, transfer_metadata
-from prefill.worker import TRANSITIONS as PREFILL_TRANSITIONS
-from prefill.worker import PrefillPhase, PrefillWorker, _Prefill
+from decode.state import TRANSITIONS as DECODE_TRANSITIONS
+from decode.state import DecodePhase, DecodeState
+from decode.worker import DecodeWorker, transfer_metadata
+from k3serve import messages
+from prefill.state import TRANSITIONS as PREFILL_TRANSITIONS
+from prefill.state import PrefillPhase, PrefillState
+from prefill.worker import PrefillWorker
 from worker.config import WorkerConfig, WorkerEnv, parse_config
 from worker.http import create_app
 
@@ -175,17 +177,19 @@ def test_every_phase_is_reachable_and_ends(table, start, end):
 
 
 def test_a_transition_outside_the_table_is_refused():
-    p = PrefillWorker.__new__(PrefillWorker)
-    r = _Prefill("r", [1], None, "t", "h:1", None)  # type: ignore[arg-type]
-    p._to(r, PrefillPhase.COMPUTING)
+    r = PrefillState("r", [1], None, "t", "h:1", None)  # type: ignore[arg-type]
+    r.to(PrefillPhase.COMPUTING)
+    assert not r.answered
     with pytest.raises(RuntimeError, match="COMPUTING → ANSWERED"):
-        p._to(r, PrefillPhase.ANSWERED)
-    d = DecodeWorker.__new__(DecodeWorker)
-    q = _Decode("q", [1], None, None, None)  # type: ignore[arg-type]
-    d._to(q, DecodePhase.DONE)
+        r.to(PrefillPhase.ANSWERED)
+    assert r.phase is PrefillPhase.COMPUTING
+    q = DecodeState("q", [1], None, None, None)  # type: ignore[arg-type]
+    q.to(DecodePhase.AWAIT_FIRST)
+    assert q.fallback and q.failed_at > 0
+    q.to(DecodePhase.DONE)
     assert q.finished_at is not None
     with pytest.raises(RuntimeError, match="DONE → RUNNING"):
-        d._to(q, DecodePhase.RUNNING)
+        q.to(DecodePhase.RUNNING)
 
 
 def test_transfer_metadata_is_typed_on_the_decode_side():

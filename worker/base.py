@@ -12,7 +12,15 @@ import asyncio
 import contextlib
 from typing import Any
 
-from k3serve.messages import Capacity, ErrorBody, RequestsDebug, WorkerInfo, WorkerUsage
+from k3serve.messages import (
+    Capacity,
+    ErrorBody,
+    RequestsDebug,
+    SamplingSpec,
+    WorkerInfo,
+    WorkerUsage,
+)
+from k3serve.sampling import SamplingParams
 from kvstore import KVEngine, PoolLayout
 from worker.config import WorkerConfig
 from worker.loop import EngineLoop, build_engine
@@ -33,6 +41,18 @@ class Failure(Exception):
 
     def body(self) -> ErrorBody:
         return ErrorBody(error=self.code, message=self.message)
+
+
+def sampling_params(spec: SamplingSpec) -> SamplingParams:
+    """The validated params of an internal request's ``sampling``.
+
+    Raises:
+        Failure: 400 ``invalid_sampling`` naming the field (``n != 1`` included).
+    """
+    try:
+        return spec.to_params()
+    except ValueError as e:
+        raise Failure(400, "invalid_sampling", str(e)) from None
 
 
 class BaseWorker(abc.ABC):
@@ -163,4 +183,4 @@ class BaseWorker(abc.ABC):
         }
 
 
-__all__ = ["BaseWorker", "Failure"]
+__all__ = ["BaseWorker", "Failure", "sampling_params"]

@@ -91,9 +91,9 @@ def create_app(worker: BaseWorker) -> FastAPI:
     @app.middleware("http")
     async def token_check(request: Request, call_next):
         tok = cfg.cluster_token
-        if tok and request.url.path.startswith("/internal"):
-            if not same_secret(request.headers.get(CLUSTER_TOKEN_HEADER), tok):
-                return error_response(403, "forbidden", "missing or wrong cluster token")
+        if (tok and request.url.path.startswith("/internal")
+                and not same_secret(request.headers.get(CLUSTER_TOKEN_HEADER), tok)):
+            return error_response(403, "forbidden", "missing or wrong cluster token")
         return await call_next(request)
 
     @app.exception_handler(Failure)
