@@ -200,3 +200,58 @@ def test_transfer_metadata_is_typed_on_the_decode_side():
     assert transfer_metadata(wire) == meta and transfer_metadata(meta) is meta
     with pytest.raises(ValueError, match="token_id"):
         transfer_metadata({**wire, "token_id": "three"})
+
+
+# ============================================================================ engine thread
+class _FakeEngine:
+    """What EngineLoop uses of an engine: ``has_unfinished_requests`` and ``step``."""
+
+    def __init__(self) -> None:
+        self.pending, self.steps, self.fail = 0, 0, False
+
+    def has_unfinished_requests(self) -> bool:
+        return self.pending > 0
+
+    def step(self) -> list[int]:
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("boom")
+        self.pending -= 1
+        self.steps += 1
+        return [self.steps]
+
+
+def test_engine_loop_runs_calls_steps_and_errors_on_its_thread():
+    import asyncio
+    import threading
+    import time
+
+    from worker.loop import EngineLoop
+
+    eng, outs, errs = _FakeEngine(), [], []
+    loop = EngineLoop(eng, tick=lambda: False, on_outputs=outs.extend, on_error=errs.append,
+                      idle_s=0.01).start()
+    try:
+        async def calls():
+            name = await loop.call(lambda: threading.current_thread().name)
+            with pytest.raises(KeyError):
+                await loop.call(lambda: {}["missing"])
+            await loop.call(setattr, eng, "pending", 3)
+            return name
+
+        assert asyncio.run(calls()) == "engine"
+        t_end = time.monotonic() + 10
+        while outs != [1, 2, 3]:
+            assert time.monotonic() < t_end, outs
+            time.sleep(0.01)
+        eng.fail = True
+        loop.submit(setattr, eng, "pending", 1).result(10)
+        while not errs:
+            assert time.monotonic() < t_end, errs
+            time.sleep(0.01)
+        assert [str(e) for e in errs] == ["boom"] and loop.num_step_errors == 1 and loop.alive
+    finally:
+        loop.stop()
+    assert not loop.alive
+    with pytest.raises(RuntimeError, match="stopping"):
+        loop.submit(lambda: None).result(1)
