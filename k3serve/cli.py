@@ -71,10 +71,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from k3serve.launcher import serve
+def cmd_serve(argv: list[str]) -> int:
+    """``k3serve serve [flags]``: becomes ``python -m deploy [flags]`` (the launcher; exec, so
+    the process, its PID and its signals stay the same). The flags are defined there only."""
+    import os
 
-    return serve(args)
+    os.execv(sys.executable, [sys.executable, "-m", "deploy", *argv])
+    return 1  # pragma: no cover - execv does not return
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,23 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument("--seed", type=int, default=None)
     pg.set_defaults(fn=cmd_generate)
 
-    ps = sub.add_parser("serve", formatter_class=fmt, help="start router + prefill and decode workers on this machine")
-    ps.add_argument("--model", default=DEFAULT_MODEL, help="preset name or checkpoint folder")
-    ps.add_argument("--host", default="127.0.0.1", help="router bind address")
-    ps.add_argument("--port", type=int, default=8000, help="router port")
-    ps.add_argument("--prefill", type=int, default=2, help="number of prefill workers")
-    ps.add_argument("--decode", type=int, default=1, help="number of decode workers")
-    ps.add_argument("--api-key", default=None,
-                    help="bearer token required on the public API (or set K3SERVE_API_KEY)")
-    ps.add_argument("--policy", default="cache_aware",
-                    help="placement policy: cache_aware | round_robin | least_load | random")
-    ps.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
-    ps.add_argument("--device", default="cpu", help="worker device (cpu or cuda)")
-    ps.set_defaults(fn=cmd_serve)
+    ps = sub.add_parser("serve", add_help=False,
+                        help="start router + prefill and decode workers on this machine "
+                             "(k3serve serve --help lists its flags)")
+    ps.add_argument("flags", nargs=argparse.REMAINDER, help="the flags of python -m deploy")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # its flags belong to the launcher (deploy/launcher.py)
+        return cmd_serve(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)

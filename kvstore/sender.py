@@ -134,22 +134,20 @@ class KVSender:
         if self._dst is not None and not self._failing and not self._state.terminal:
             self._submit_ready(time.monotonic())
 
-    def finish(self, metadata: TransferMetadata | dict[str, Any]) -> None:
+    def finish(self, metadata: TransferMetadata) -> None:
         """Every layer is final (layers not yet reported are marked ready now) and here is the
         request's :class:`TransferMetadata` (prompt token ids, token #1 + logprobs, sampling
         with the resolved seed, position). The completion message goes out once all writes
-        land. A dict is validated into a TransferMetadata (transitional, issue 10: until
-        every caller passes the model).
+        land.
 
         Raises:
             RuntimeError: called twice.
-            pydantic.ValidationError: (a ValueError) a dict that is no TransferMetadata; the
-                message names the field.
+            TypeError: ``metadata`` is not a :class:`TransferMetadata`.
         """
         if self._metadata is not None:
             raise RuntimeError("KVSender.finish called twice")
         if not isinstance(metadata, TransferMetadata):
-            metadata = TransferMetadata.model_validate(metadata)
+            raise TypeError(f"metadata: expected a TransferMetadata, got {type(metadata).__name__}")
         self._metadata = metadata
         self._writes.mark_all()
         if self._dst is not None and not self._failing and not self._state.terminal:

@@ -35,23 +35,6 @@ class KVPoll(IntEnum):
         return self in (KVPoll.SUCCESS, KVPoll.FAILED)
 
 
-class ReceivedMetadata(TransferMetadata):
-    """The :class:`TransferMetadata` a receiver delivers, readable by key as well.
-
-    Transitional (issue 10): today's decode worker reads the metadata as a dict
-    (``meta.get("position")``, ``meta["sampling"]``); this keeps it working until it reads
-    attributes. Remove it (and use ``TransferMetadata`` in :class:`TransferResult`) then.
-    """
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in type(self).model_fields:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key) if key in type(self).model_fields else default
-
-
 @dataclass(frozen=True)
 class TransferResult:
     """What a successful receive delivers to the decode worker.
@@ -78,4 +61,4 @@ class TransferResult:
     seconds: float
 
 
-__all__ = ["NOTIFY_NAME", "KVPoll", "ReceivedMetadata", "TransferResult"]
+__all__ = ["NOTIFY_NAME", "KVPoll", "TransferResult"]

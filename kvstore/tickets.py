@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from k3serve.messages import StatusMessage
 from kvstore.descriptors import CacheRef, PoolLayout, expected_layer_bytes, validate_ref
-from kvstore.states import KVPoll, ReceivedMetadata, TransferResult
+from kvstore.states import KVPoll, TransferResult
 
 
 @dataclass
@@ -236,7 +236,7 @@ class TicketTable:
             return False, rec.error or ""
         rec.result = TransferResult(
             ticket=rec.ticket,
-            metadata=ReceivedMetadata.model_validate(msg.metadata.model_dump()),
+            metadata=msg.metadata,
             layer_bytes=dict(sorted(msg.layers.items())),
             total_bytes=sum(msg.layers.values()),
             num_runs=msg.runs,

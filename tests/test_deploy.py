@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from k3serve.worker_common import WorkerMetrics
 from router.metrics import RouterMetrics
+from worker.metrics import WorkerMetrics
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 NAME = re.compile(r"k3serve:[a-z0-9_]+")

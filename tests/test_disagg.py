@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation end to end (issue 4, must-show 1 and 3).
+"""Prefill/decode disaggregation end to end: equal tokens, fallback, refused pairing, no leaks.
 
 One prefill and one decode worker *process* (``python -m prefill.worker`` / ``decode.worker``)
 with the real Mooncake Transfer Engine over tcp loopback, driven through the internal HTTP API
@@ -365,7 +365,7 @@ def test_200_aborts_leave_no_reserved_page_or_slot(cluster):
             return "after"
         # prefill side aborts mid-flight (the router cancelling), then the decode side
         pre = asyncio.create_task(c.post(P.url + "/internal/prefill", json=body))
-        await asyncio.sleep(rng.random() * 0.05)
+        await asyncio.sleep(rng.random() * 0.05)  # a random abort point, not a wait
         await c.post(P.url + "/internal/abort", json={"request_id": rid})
         await abort_d()
         st = (await pre).status_code

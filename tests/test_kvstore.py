@@ -662,7 +662,7 @@ def meta_for(n: int, token_id: int = 1, **kw) -> TransferMetadata:
 
 
 def same_meta(got, want: TransferMetadata) -> bool:
-    """The receiver delivers a TransferMetadata (a subclass readable by key, for now)."""
+    """The receiver delivers the sender's TransferMetadata."""
     return isinstance(got, TransferMetadata) and got.model_dump() == want.model_dump()
 
 
@@ -707,8 +707,7 @@ def test_inprocess_retry_then_success(pair):
     assert tx.state == KVPoll.SUCCESS and rx.state == KVPoll.SUCCESS, (tx.error, rx.error)
     assert tx.attempts == 2 and rx.result.attempts == 2
     assert same_meta(rx.result.metadata, meta)
-    # by key too, as today's decode worker reads it (transitional)
-    assert rx.result.metadata["token_id"] == 7 and rx.result.metadata.get("position") == n
+    assert rx.result.metadata.token_id == 7 and rx.result.metadata.position == n
     assert request_digest(pair["dpools"], rx.ref) == request_digest(pair["spools"], tx.src)
 
 
@@ -790,22 +789,21 @@ def test_pairing_retries_an_unreachable_server_then_fails(pair):
     assert tx.retries_used == 2 and tx.attempts == 3 and "t_paired" not in tx.stats
 
 
-def test_finish_takes_transfer_metadata_or_a_dict_that_is_one(pair):
+def test_finish_takes_only_transfer_metadata(pair):
     n = B
     rx = KVReceiver(pair["server"], CacheRef(3, (60,), n), timeout_s=10)
     tx = make_sender(pair, rx, CacheRef(1, (61,), n))
-    with pytest.raises(ValueError, match="token_id"):
-        tx.finish({"request_id": "r", "prompt_token_ids": [1], "sampling": {}, "position": n})
     want = meta_for(n, token_id=5)
-    tx.finish(want.model_dump(mode="json"))  # transitional: the dict of a TransferMetadata
+    with pytest.raises(TypeError, match="TransferMetadata"):
+        tx.finish(want.model_dump(mode="json"))  # a dict is not a message
+    tx.finish(want)
     with pytest.raises(RuntimeError, match="twice"):
         tx.finish(want)
     run_until(lambda: tx.state.terminal and rx.state.terminal, 10, tx, rx)
     assert rx.state == KVPoll.SUCCESS and same_meta(rx.result.metadata, want)
-    from k3serve.sampling import SamplingParams
-
-    m = rx.result.metadata  # read as today's decode worker reads it (transitional)
-    assert SamplingParams.from_dict(dict(m["sampling"])).seed == 3 and m.get("nope", 1) == 1
+    m = rx.result.metadata
+    assert type(m) is TransferMetadata and m == want
+    assert m.sampling.to_params().seed == 3
     rx.close()
 
 

@@ -1,9 +1,11 @@
-"""``k3serve serve``'s children die with it, even when the launcher itself is SIGKILLed."""
+"""``k3serve serve``'s children die with it, even when the launcher itself is SIGKILLed; a taken
+port ends the launcher and a worker with one line on stderr, not a traceback."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,7 +13,44 @@ from pathlib import Path
 
 import pytest
 
-from k3serve.launcher import free_port
+from deploy.local import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _taken_port():
+    """A listening socket on 127.0.0.1 (its port is taken while it is open)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    return s
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def test_a_taken_router_port_is_one_line():
+    with _taken_port() as s:
+        port = s.getsockname()[1]
+        r = _run(["-m", "k3serve.cli", "serve", "--port", str(port), "--prefill", "1",
+                  "--decode", "1"])
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert r.stderr.strip() == (f"k3serve serve: error: port {port} on 127.0.0.1 is already "
+                                f"in use; choose another with --port"), r.stderr
+    assert "serving" not in r.stdout
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_taken_worker_port_is_one_line(role):
+    with _taken_port() as s:
+        port = s.getsockname()[1]
+        r = _run(["-m", f"{role}.worker", "--port", str(port)])
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.strip() == (f"k3serve {role} worker: error: 127.0.0.1:{port} is already "
+                                f"in use"), r.stderr
+    assert "listening" not in r.stdout
 
 
 def _children(pid: int) -> list[int]:

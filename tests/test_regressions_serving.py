@@ -47,7 +47,7 @@ POLL_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from k3serve.launcher import start_stack
+    from deploy.launcher import start_stack
 
     logs = tmp_path_factory.mktemp("stack-logs")
     env_key = "K3SERVE_KV_RECEIVER_TIMEOUT_S"
@@ -201,7 +201,14 @@ def test_reservation_outlives_a_prefill_queue_longer_than_the_receiver_timeout(s
         "request_id": rid, "prompt_token_ids": ids, "sampling": sampling, "n": 1})
     assert r.status_code == 200, r.text
     res = r.json()
-    time.sleep(RECEIVER_TIMEOUT_S + 0.5)  # as if queued behind other prefills
+    # as if queued behind other prefills: until past the receiver timeout (a lower bound on
+    # the wait, checked on the clock), the ticket must stay open
+    past = time.monotonic() + RECEIVER_TIMEOUT_S + 0.5
+    while time.monotonic() < past:
+        q = httpx.get(decode_url + "/internal/requests", headers=h, timeout=10,
+                      params={"request_id": rid}).json()["requests"][rid]
+        assert q["ticket_state"] != "FAILED", q
+        time.sleep(0.2)
     r = httpx.post(prefill_url + "/internal/prefill", headers=h, timeout=30, json={
         "request_id": rid, "prompt_token_ids": ids, "sampling": sampling,
         "ticket": res["ticket"], "bootstrap_addr": res["bootstrap_addr"]})

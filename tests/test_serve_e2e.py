@@ -1,6 +1,6 @@
-"""The whole stack with the real ``openai`` client (issue 5, must-show 1 and 4).
+"""The whole stack with the real ``openai`` client: API, cache hits, metrics, auth, bad input.
 
-``k3serve.launcher.start_stack`` starts router + 2 prefill + 1 decode worker processes once
+``deploy.launcher.start_stack`` starts router + 2 prefill + 1 decode worker processes once
 for this module (k3-tiny, block size 16, an API key); tests then talk OpenAI to it:
 
 * completions and chat, streaming and not; streamed text equals the non-streamed text;
@@ -34,7 +34,7 @@ MODEL = "k3-tiny"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from k3serve.launcher import start_stack
+    from deploy.launcher import start_stack
 
     logs = tmp_path_factory.mktemp("stack-logs")
     st = start_stack(model=MODEL, num_prefill=2, num_decode=1, api_key=KEY, block_size=B,
@@ -277,7 +277,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_k3serve_serve_prints_url_and_sigterm_stops_every_child(tmp_path):
-    from k3serve.launcher import free_port
+    from deploy.local import free_port
 
     port = free_port()
     exe = Path(sys.executable).with_name("k3serve")

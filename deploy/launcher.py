@@ -1,0 +1,292 @@
+"""``k3serve serve``: start the router and the prefill/decode workers, one launcher for every
+backend.
+
+A backend (:class:`LaunchBackend`) starts one component — ``python -m router.app``,
+``python -m prefill.worker``, ``python -m decode.worker`` with their flags and environment — and
+hands back something to poll and stop. :mod:`deploy.local` runs them as child processes of
+this one (the only backend today; Ray actors are the next one, behind the same interface).
+
+The launcher generates a cluster token that every internal call carries (passed in the
+environment, as is the API key, so neither shows in ``ps``), waits until the router reports
+every worker healthy, prints the URL, and stops every component on Ctrl-C / SIGTERM (or when any
+of them dies). A router port that is taken ends with one line, before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import importlib
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import httpx
+from pydantic import ValidationError
+
+from k3serve.messages import RouterHealth
+from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
+
+
+class Component(Protocol):
+    """A launched component (a :class:`subprocess.Popen` for the local backend)."""
+
+    def poll(self) -> int | None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+class LaunchBackend(Protocol):
+    """Where components run.
+
+    Attributes:
+        name: the backend's name (``--backend``).
+        internal_host: the host workers listen on and the router calls them at.
+    """
+
+    name: str
+    internal_host: str
+
+    def free_port(self, host: str) -> int:
+        """A port a component on ``host`` may listen on."""
+        ...
+
+    def spawn(self, name: str, module: str, args: list[str], env: Mapping[str, str]) -> Component:
+        """Start ``python -m {module} {args}`` named ``name`` with environment ``env``."""
+        ...
+
+
+#: Backends by name, imported when chosen (``"module:Class"``).
+BACKENDS: dict[str, str] = {"local": "deploy.local:LocalBackend"}
+
+
+def backend(name: str, **kwargs: object) -> LaunchBackend:
+    """The backend called ``name``, built with ``kwargs``.
+
+    Raises:
+        ValueError: unknown backend name.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"backend: {name!r} is not one of {sorted(BACKENDS)}")
+    mod, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(mod), cls)(**kwargs)
+
+
+class PortInUseError(RuntimeError):
+    """The router's port is taken (the message names host and port)."""
+
+
+class StartupError(RuntimeError):
+    """A component exited during startup, or the stack was not ready in time."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise :class:`PortInUseError` when ``host:port`` cannot be bound now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e})"
+            raise PortInUseError(f"port {port} on {host} {why}; choose another with --port") \
+                from None
+
+
+@dataclass
+class Stack:
+    """Handles of a running stack (used by ``serve`` and by tests). ``procs``: the router
+    first, then the prefill workers, then the decode workers."""
+
+    url: str
+    api_key: str | None
+    cluster_token: str
+    procs: list[Component] = field(default_factory=list)
+    worker_urls: list[str] = field(default_factory=list)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Terminate every component, then kill what is left after ``timeout`` seconds."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired or a backend's own
+                p.kill()
+                p.wait()
+
+    def dead_children(self) -> list[Component]:
+        return [p for p in self.procs if p.poll() is not None]
+
+
+def start_stack(
+    model: str = "k3-tiny",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    num_prefill: int = 2,
+    num_decode: int = 1,
+    api_key: str | None = None,
+    policy: str = "cache_aware",
+    block_size: int = 64,
+    device: str = "cpu",
+    extra_worker_args: list[str] | None = None,
+    extra_router_args: list[str] | None = None,
+    ready_timeout: float = 180.0,
+    log_dir: str | None = None,
+    launch: LaunchBackend | None = None,
+) -> Stack:
+    """Start router + workers and wait until the router sees every worker healthy.
+
+    Args:
+        model: preset name or checkpoint folder.
+        port: router port; 0 picks a free one.
+        ready_timeout: seconds to wait for all workers to register.
+        log_dir: per-component log files (local backend; ``launch`` given: ignored).
+        launch: the backend (default: local processes).
+
+    Returns:
+        A :class:`Stack`; call ``stop()`` to end it.
+
+    Raises:
+        ValueError: ``num_prefill`` or ``num_decode`` < 1.
+        PortInUseError: the router port is taken.
+        StartupError: a component exited or the stack was not ready within ``ready_timeout``.
+    """
+    if num_prefill < 1:
+        raise ValueError("num_prefill: must be >= 1")
+    if num_decode < 1:
+        raise ValueError("num_decode: must be >= 1")
+    launch = launch if launch is not None else backend("local", log_dir=log_dir)
+    if port:
+        check_port_free(host, port)
+    port = port or launch.free_port(host)
+    token = secrets.token_hex(16)
+    env = dict(os.environ)
+    env[CLUSTER_TOKEN_ENV] = token
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if api_key:  # through the environment, so it does not show in `ps`
+        env[API_KEY_ENV] = api_key
+    stack = Stack(url=f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}",
+                  api_key=api_key, cluster_token=token)
+    try:
+        stack.procs.append(launch.spawn("router", "router.app", [
+            "--host", host, "--port", str(port), "--policy", policy, "--model", model,
+            *(extra_router_args or [])], env))
+        workers = [("prefill", i) for i in range(num_prefill)] + [
+            ("decode", i) for i in range(num_decode)]
+        ihost = launch.internal_host
+        for role, i in workers:
+            wport = launch.free_port(ihost)
+            stack.worker_urls.append(f"http://{ihost}:{wport}")
+            stack.procs.append(launch.spawn(f"{role}-{i}", f"{role}.worker", [
+                "--host", ihost, "--port", str(wport), "--model", model,
+                "--router-url", f"http://127.0.0.1:{port}", "--block-size", str(block_size),
+                "--device", device, "--worker-id", f"{role}-{i}", *(extra_worker_args or [])],
+                env))
+        wait_ready(stack, num_prefill + num_decode, ready_timeout)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def wait_ready(stack: Stack, num_workers: int, timeout: float, poll_s: float = 0.3) -> None:
+    """Poll the router's ``/health?detail=1`` until ``num_workers`` are healthy.
+
+    Raises:
+        StartupError: a component exited, or ``timeout`` seconds passed.
+    """
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        dead = stack.dead_children()
+        if dead:
+            raise StartupError(
+                f"a k3serve process exited during startup (code {dead[0].poll()})")
+        try:
+            r = httpx.get(f"{stack.url}/health", params={"detail": 1}, timeout=2.0)
+            if r.status_code == 200:
+                health = RouterHealth.model_validate_json(r.content)
+                if health.num_workers_healthy >= num_workers:
+                    return
+                last = r.text[:500]
+        except (httpx.HTTPError, ValidationError) as e:
+            last = repr(e)[:500]
+        time.sleep(poll_s)
+    raise StartupError(f"stack not ready after {timeout:.0f} s (last health: {last})")
+
+
+def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
+    """The flags of ``k3serve serve`` (= ``python -m deploy``)."""
+    p = argparse.ArgumentParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description="start router + prefill and decode workers")
+    p.add_argument("--model", default="k3-tiny", help="preset name or checkpoint folder")
+    p.add_argument("--host", default="127.0.0.1", help="router bind address")
+    p.add_argument("--port", type=int, default=8000, help="router port")
+    p.add_argument("--prefill", type=int, default=2, help="number of prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument("--api-key", default=None,
+                   help="bearer token required on the public API (or set K3SERVE_API_KEY)")
+    p.add_argument("--policy", default="cache_aware",
+                   help="placement policy: cache_aware | round_robin | least_load | random")
+    p.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
+    p.add_argument("--device", default="cpu", help="worker device (cpu or cuda)")
+    return p
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the stack of ``args`` (:func:`build_parser`) until Ctrl-C / SIGTERM or a component
+    dies; returns the exit status."""
+    stack = start_stack(
+        model=args.model, host=args.host, port=args.port, num_prefill=args.prefill,
+        num_decode=args.decode, api_key=args.api_key, policy=args.policy,
+        block_size=args.block_size, device=args.device,
+    )
+    stopping = False
+
+    def _stop(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    print(f"k3serve: serving {args.model} at {stack.url}/v1  "
+          f"({args.prefill} prefill + {args.decode} decode workers; Ctrl-C stops)", flush=True)
+    try:
+        while not stopping:
+            if stack.dead_children():
+                print("k3serve: a child process died; stopping the stack", file=sys.stderr)
+                stack.stop()
+                return 1
+            time.sleep(0.5)
+    finally:
+        stack.stop()
+    print("k3serve: stopped", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m deploy [flags]`` / ``k3serve serve [flags]``: a taken port, a component that
+    exits during startup or a bad flag value end with one line on stderr (exit status 1, 2)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return serve(args)
+    except (PortInUseError, StartupError) as e:
+        print(f"k3serve serve: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except ValueError as e:
+        print(f"k3serve serve: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+__all__ = ["BACKENDS", "Component", "LaunchBackend", "PortInUseError", "Stack", "StartupError",
+           "backend", "build_parser", "check_port_free", "main", "serve", "start_stack",
+           "wait_ready"]

@@ -1,0 +1,79 @@
+"""A prefill request's lifecycle: :class:`PrefillPhase`, the transitions, :class:`PrefillState`.
+
+The order is drawn in :mod:`prefill.worker`'s docstring (lifecycle steps 4–7 of
+:mod:`k3serve.protocol`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass
+
+from k3serve.protocol import FirstToken
+from k3serve.sampling import SamplingParams
+from kvstore import KVSender
+
+
+class PrefillPhase(enum.Enum):
+    """Where one prefill request is (the module docstring draws the order)."""
+
+    WAITING = "waiting"
+    COMPUTING = "computing"
+    SAMPLED = "sampled"
+    ANSWERED = "answered"
+    ABORTING = "aborting"
+    ENDED = "ended"
+
+
+_P = PrefillPhase
+#: The allowed transitions; :meth:`PrefillState.to` refuses any other.
+TRANSITIONS: dict[PrefillPhase, frozenset[PrefillPhase]] = {
+    _P.WAITING: frozenset({_P.COMPUTING, _P.SAMPLED, _P.ABORTING}),
+    _P.COMPUTING: frozenset({_P.SAMPLED, _P.ABORTING}),
+    _P.SAMPLED: frozenset({_P.ANSWERED, _P.ABORTING}),
+    _P.ANSWERED: frozenset({_P.ENDED, _P.ABORTING}),
+    _P.ABORTING: frozenset({_P.ENDED}),
+    _P.ENDED: frozenset(),
+}
+
+
+@dataclass(eq=False)
+class PrefillState:
+    """One prefill request's state on the prefill worker (engine thread only)."""
+
+    rid: str
+    ids: list[int]
+    params: SamplingParams
+    ticket: str
+    addr: str
+    fut: asyncio.Future  # PrefillResponse, or a Failure
+    fail_first_n: int = 0
+    phase: PrefillPhase = PrefillPhase.WAITING
+    sender: KVSender | None = None  # created at admission
+    num_cached: int = 0
+    first: FirstToken | None = None
+    first_at: float = 0.0  # time.monotonic() when token #1 was sampled
+
+    @property
+    def answered(self) -> bool:
+        """The router has its answer (token #1 or an error)."""
+        return self.phase in (_P.ANSWERED, _P.ABORTING, _P.ENDED)
+
+    @property
+    def pages_free(self) -> bool:
+        """No write reads this request's slot and pages any more."""
+        return self.sender is None or self.sender.released
+
+    def to(self, phase: PrefillPhase) -> None:
+        """Move to ``phase`` (the one place phases change).
+
+        Raises:
+            RuntimeError: a transition :data:`TRANSITIONS` does not allow.
+        """
+        if phase not in TRANSITIONS[self.phase]:
+            raise RuntimeError(f"prefill {self.rid}: {self.phase.name} → {phase.name}")
+        self.phase = phase
+
+
+__all__ = ["TRANSITIONS", "PrefillPhase", "PrefillState"]

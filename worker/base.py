@@ -1,0 +1,186 @@
+"""What both worker roles share: engine + engine thread, kvstore engine, metrics, info.
+
+A role (``prefill.worker.PrefillWorker``, ``decode.worker.DecodeWorker``) subclasses
+:class:`BaseWorker`, keeps its requests' state on the engine thread and adds its routes;
+:mod:`worker.http` builds the FastAPI app around it, :mod:`worker.serve` runs it.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+from typing import Any
+
+from k3serve.messages import (
+    Capacity,
+    ErrorBody,
+    RequestsDebug,
+    SamplingSpec,
+    WorkerInfo,
+    WorkerUsage,
+)
+from k3serve.sampling import SamplingParams
+from kvstore import KVEngine, PoolLayout
+from worker.config import WorkerConfig
+from worker.loop import EngineLoop, build_engine
+from worker.metrics import WorkerMetrics
+
+
+class Failure(Exception):
+    """An internal call that fails: answered as HTTP ``status`` with an
+    :class:`~k3serve.messages.ErrorBody` (``code`` as listed there).
+
+    Raised by handlers or by functions run on the engine thread (it travels back through
+    :meth:`EngineLoop.call`); :mod:`worker.http` turns it into the answer.
+    """
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+    def body(self) -> ErrorBody:
+        return ErrorBody(error=self.code, message=self.message)
+
+
+def sampling_params(spec: SamplingSpec) -> SamplingParams:
+    """The validated params of an internal request's ``sampling``.
+
+    Raises:
+        Failure: 400 ``invalid_sampling`` naming the field (``n != 1`` included).
+    """
+    try:
+        return spec.to_params()
+    except ValueError as e:
+        raise Failure(400, "invalid_sampling", str(e)) from None
+
+
+class BaseWorker(abc.ABC):
+    """Engine + loop, kvstore engine and layout, metrics, and the bodies both roles answer.
+
+    Subclasses implement :meth:`abort`, :meth:`describe` and :meth:`routes`, and usually
+    :meth:`tick`, :meth:`on_outputs`, :meth:`fail_all`; they may extend :meth:`usage`,
+    :meth:`info`, :meth:`start`, :meth:`close`. Methods marked "engine thread" run there only.
+
+    Args:
+        config: the worker's configuration (port already bound).
+        engine: the :class:`LLMEngine` (default: :func:`~worker.loop.build_engine`).
+    """
+
+    role: str = "worker"
+
+    def __init__(self, config: WorkerConfig, engine: Any = None) -> None:
+        self.config = config
+        self.engine = engine if engine is not None else build_engine(config)
+        self.block_size = self.engine.config.block_size
+        self.worker_id = config.name
+        self.url = config.url
+        self.metrics = WorkerMetrics(self.worker_id, self.role)
+        self.kv_config = config.kv
+        self.kv = KVEngine(self.kv_config.engine_config())
+        # the pairing check compares the same model + weights fields as the hash salt
+        self.layout = PoolLayout.from_kvpools(self.engine.pools,
+                                              extra=self.engine.fingerprint_fields)
+        self.kv.register_layout(self.layout)
+        self.loop = EngineLoop(self.engine, self.tick, self.on_outputs, self.fail_all)
+        self.aloop: asyncio.AbstractEventLoop | None = None
+
+    # ------------------------------------------------------------------ role hooks
+    def tick(self) -> bool:  # engine thread
+        """Poll transfers; True while some are in flight."""
+        return False
+
+    def on_outputs(self, outs: list) -> None:  # engine thread
+        """One engine step's outputs."""
+
+    def fail_all(self, err: BaseException) -> None:  # engine thread
+        """The engine step raised ``err``: fail every tracked request."""
+
+    def num_waiting(self) -> int:  # engine thread
+        return len(self.engine.scheduler.waiting)
+
+    @abc.abstractmethod
+    def abort(self, rid: str, reason: str) -> bool:  # engine thread
+        """End request ``rid`` wherever it is, freeing what it holds; True if it was known."""
+
+    @abc.abstractmethod
+    def describe(self, rid: str | None) -> RequestsDebug:  # engine thread
+        """``GET /internal/requests`` body: the tracked requests (all, or only ``rid``)."""
+
+    @abc.abstractmethod
+    def routes(self, app: Any) -> None:
+        """Add the role's routes to the FastAPI ``app``."""
+
+    def start(self) -> None:
+        """Start the engine thread (and role services)."""
+        self.loop.start()
+
+    def close(self) -> None:
+        """Stop the engine thread and release the transfer engine."""
+        self.loop.stop()
+        with contextlib.suppress(Exception):
+            self.kv.unregister_layout(self.layout)
+        with contextlib.suppress(Exception):
+            self.kv.close()
+
+    # ------------------------------------------------------------------ thread helpers
+    def resolve(self, fut: asyncio.Future, value: Any = None,
+                exc: BaseException | None = None) -> None:
+        """Set an asyncio future from the engine thread (a no-op once it is done).
+
+        Raises:
+            RuntimeError: the app has not started (no event loop to hand the value to).
+        """
+        def f() -> None:
+            if not fut.done():
+                if exc is not None:
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(value)
+
+        self._event_loop().call_soon_threadsafe(f)
+
+    def push(self, q: asyncio.Queue, item: Any) -> None:
+        """Put on an asyncio queue from the engine thread."""
+        self._event_loop().call_soon_threadsafe(q.put_nowait, item)
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        if self.aloop is None:
+            raise RuntimeError("the worker's app has not started")
+        return self.aloop
+
+    # ------------------------------------------------------------------ shared bodies
+    def usage(self) -> WorkerUsage:  # engine thread
+        """Occupancy now (``/internal/info`` ``usage``; the abort tests read it)."""
+        u = self.engine.cm.usage()
+        return WorkerUsage(
+            pages_used=u.pages_used, pages_cached=u.pages_cached, slots_used=u.slots_used,
+            snapshots_used=u.snapshots_used, snapshots_cached=u.snapshots_cached,
+            num_running=len(self.engine.scheduler.running), num_waiting=self.num_waiting(),
+            num_engine_requests=len(self.engine.requests),
+            num_reserved=self.engine.num_reserved)
+
+    def info(self) -> WorkerInfo:  # engine thread
+        """``GET /internal/info`` body."""
+        e = self.engine.info()
+        return WorkerInfo(
+            role=self.role, model=e["model"], fingerprint=e["layout_fingerprint"],
+            weights_id=e["weights_id"], block_size=e["block_size"],
+            capacity=Capacity(num_pages=e["num_pages"], num_slots=e["num_slots"],
+                              num_snapshots=e["num_snapshots"]),
+            max_model_len=e["max_model_len"], worker_id=self.worker_id,
+            enable_prefix_caching=e["enable_prefix_caching"],
+            kv_layout_hash=self.layout.fingerprint_hash(), usage=self.usage())
+
+    def gauges(self) -> dict[str, float]:  # engine thread
+        """The metric gauges now (:meth:`WorkerMetrics.set_gauges`)."""
+        u = self.engine.cm.usage()
+        return {
+            "kda_snapshots": u.snapshots_used + u.snapshots_cached,
+            "cache_usage_ratio": u.usage_ratio,
+            "num_requests_running": len(self.engine.scheduler.running),
+            "num_requests_waiting": self.num_waiting(),
+        }
+
+
+__all__ = ["BaseWorker", "Failure", "sampling_params"]

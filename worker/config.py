@@ -1,0 +1,183 @@
+"""The worker's configuration: one frozen :class:`WorkerConfig`, built once at startup.
+
+``python -m prefill.worker`` / ``python -m decode.worker`` parse their flags here
+(:func:`parse_config`) and read the environment here — the only place a worker does:
+
+    K3SERVE_CLUSTER_TOKEN    internal calls must carry it (``X-K3serve-Cluster-Token``)
+    K3SERVE_WORKER_THREADS   torch intra-op threads (default 1: processes share the CPU)
+    K3SERVE_TEST_HOOKS       ``1``/``true`` accepts per-request test hooks
+    K3SERVE_KV_*             kvstore's transfer settings (:meth:`kvstore.KVConfig.from_env`)
+
+Components receive the config (or the narrowest part of it) and never mutate it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from k3serve.protocol import CLUSTER_TOKEN_ENV
+from kvstore import KVConfig
+
+Role = Literal["prefill", "decode"]
+
+TEST_HOOKS_ENV = "K3SERVE_TEST_HOOKS"
+"""Set to ``1`` to accept per-request test hooks (``debug_fail_transfer_n``)."""
+THREADS_ENV = "K3SERVE_WORKER_THREADS"
+"""torch intra-op threads per worker process (default 1: several processes share the CPU)."""
+
+
+class WorkerEnv(BaseSettings):
+    """The worker's environment variables (``K3SERVE_*``; kvstore reads its own ``K3SERVE_KV_*``).
+
+    Booleans parse as pydantic does (``1``/``true``/``yes``/``on`` and their opposites), so
+    ``K3SERVE_TEST_HOOKS=0`` is off; a value that does not parse is a ``ValidationError`` naming
+    the variable.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="K3SERVE_", extra="ignore", frozen=True)
+
+    cluster_token: str | None = Field(default=None, validation_alias=CLUSTER_TOKEN_ENV)
+    worker_threads: int = Field(default=1, ge=1, validation_alias=THREADS_ENV)
+    test_hooks: bool = Field(default=False, validation_alias=TEST_HOOKS_ENV)
+
+    @field_validator("cluster_token")
+    @classmethod
+    def _empty_is_none(cls, v: str | None) -> str | None:
+        return v or None
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker process is configured with (flags + environment), immutable.
+
+    Attributes:
+        role: ``prefill`` or ``decode``.
+        host, port: bind address; ``port`` 0 = any free port (:meth:`bound_to` gives the
+            config with the port the socket got).
+        advertise_host: host the router should call (``None``: ``host``, or 127.0.0.1 for
+            0.0.0.0).
+        model: preset name or checkpoint folder.
+        router_url: register with this router (``None``: do not register).
+        worker_id: name in metrics and ``/internal/info`` (``None``: ``{role}@{host}:{port}``).
+        block_size, num_pages, num_slots, num_snapshots, max_num_batched_tokens: engine
+            capacities (tokens per block, pages, KDA state slots, KDA snapshots, tokens/step).
+        enable_prefix_caching: reuse cached prefixes.
+        device, dtype, seed: where and how the model runs (``dtype`` ``auto``: float32 on CPU,
+            bfloat16 on CUDA); ``seed`` seeds a random init when there is no checkpoint.
+        threads: torch intra-op threads.
+        log_level: python logging / uvicorn level name.
+        cluster_token: the token internal calls must carry (``None``: no check).
+        test_hooks: accept per-request test hooks.
+        kv: kvstore's transfer settings.
+    """
+
+    role: Role
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None
+    model: str = "k3-tiny"
+    router_url: str | None = None
+    worker_id: str | None = None
+    block_size: int = 64
+    num_pages: int = 1024
+    num_slots: int = 32
+    num_snapshots: int = 32
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    device: str = "cpu"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    seed: int = 0
+    threads: int = 1
+    log_level: str = "warning"
+    cluster_token: str | None = None
+    test_hooks: bool = False
+    kv: KVConfig = field(default_factory=KVConfig)
+
+    @property
+    def url_host(self) -> str:
+        """The host in the URL the router calls."""
+        return self.advertise_host or ("127.0.0.1" if self.host in ("0.0.0.0", "") else self.host)
+
+    @property
+    def url(self) -> str:
+        """``http://{url_host}:{port}`` (meaningful once the port is bound)."""
+        return f"http://{self.url_host}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        """The worker's name (``--worker-id`` or ``{role}@{host}:{port}``)."""
+        return self.worker_id or f"{self.role}@{self.host}:{self.port}"
+
+    @property
+    def torch_dtype_name(self) -> str:
+        """``float32`` / ``bfloat16`` (``auto`` resolved by device)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"
+
+    def bound_to(self, port: int) -> WorkerConfig:
+        """This config with the port the listening socket got (a new object)."""
+        from dataclasses import replace
+
+        return replace(self, port=port)
+
+
+def _parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=f"python -m {role}.worker",
+                                 description=f"k3serve {role} worker")
+    ap.add_argument("--host", default="127.0.0.1", help="bind address")
+    ap.add_argument("--port", type=int, default=0, help="HTTP port (0: any free port)")
+    ap.add_argument("--advertise-host", default=None,
+                    help="host the router should call (default: --host, 127.0.0.1 for 0.0.0.0)")
+    ap.add_argument("--model", default="k3-tiny", help="preset name or checkpoint folder")
+    ap.add_argument("--router-url", default=None, help="register with this router")
+    ap.add_argument("--worker-id", default=None, help="name in metrics and /internal/info")
+    ap.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
+    ap.add_argument("--num-pages", type=int, default=1024, help="MLA latent pages")
+    ap.add_argument("--num-slots", type=int, default=32, help="KDA state slots")
+    ap.add_argument("--num-snapshots", type=int, default=32, help="KDA snapshot budget")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="compute / cache dtype (auto: float32 on CPU, bfloat16 on CUDA); "
+                         "prefill and decode workers must agree")
+    ap.add_argument("--seed", type=int, default=0, help="random-init seed (no checkpoint)")
+    ap.add_argument("--threads", type=int, default=env.worker_threads,
+                    help=f"torch threads (default ${THREADS_ENV} or 1)")
+    ap.add_argument("--log-level", default="warning")
+    return ap
+
+
+def parse_config(role: Role, argv: list[str] | None = None,
+                 env: WorkerEnv | None = None) -> WorkerConfig:
+    """The :class:`WorkerConfig` of ``python -m {role}.worker [argv]``.
+
+    Args:
+        role: ``prefill`` or ``decode``.
+        argv: the flags (default ``sys.argv[1:]``); the same flags ``deploy.launcher`` passes.
+        env: the environment (default: read ``os.environ`` now).
+
+    Raises:
+        SystemExit: bad flags (argparse prints the usage).
+        pydantic.ValidationError: a ``K3SERVE_*`` variable that does not parse.
+        ValueError: a ``K3SERVE_KV_*`` variable that does not parse.
+    """
+    env = env if env is not None else WorkerEnv()
+    a = _parser(role, env).parse_args(argv)
+    return WorkerConfig(
+        role=role, host=a.host, port=a.port, advertise_host=a.advertise_host, model=a.model,
+        router_url=a.router_url.rstrip("/") if a.router_url else None, worker_id=a.worker_id,
+        block_size=a.block_size, num_pages=a.num_pages, num_slots=a.num_slots,
+        num_snapshots=a.num_snapshots, max_num_batched_tokens=a.max_num_batched_tokens,
+        enable_prefix_caching=not a.no_prefix_caching, device=a.device, dtype=a.dtype,
+        seed=a.seed, threads=max(1, a.threads), log_level=a.log_level,
+        cluster_token=env.cluster_token, test_hooks=env.test_hooks, kv=KVConfig.from_env())
+
+
+__all__ = ["TEST_HOOKS_ENV", "THREADS_ENV", "WorkerConfig", "WorkerEnv", "parse_config"]

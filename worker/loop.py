@@ -1,0 +1,160 @@
+"""The engine thread of a worker process: :class:`EngineLoop` and :func:`build_engine`.
+
+::
+
+    uvicorn (asyncio)                          engine thread (EngineLoop)
+    ─────────────────                          ──────────────────────────
+    FastAPI handlers ── loop.call(fn) ───────▶ fn(...) runs between two engine steps
+        await the answer ◀── call_soon_threadsafe ── results / token events
+                                               loop: commands → role.tick() (kvstore polls)
+                                                     → engine.step() → role.on_outputs(...)
+
+The engine (:class:`~k3serve.engine.engine.LLMEngine`) and the kvstore senders / receivers are
+touched from the engine thread only; handlers reach them through :meth:`EngineLoop.call`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from worker.config import WorkerConfig
+
+log = logging.getLogger("k3serve.worker")
+
+
+def build_engine(config: WorkerConfig) -> Any:
+    """The worker's :class:`LLMEngine`, built exactly as the offline ``k3serve.LLM`` builds its
+    own (one switch for model loading: ``k3serve.engine.llm.load_model`` — the embedded k3-tiny
+    checkpoint when present, else random init seeded by ``config.seed``).
+
+    Raises:
+        ValueError: unknown model or inconsistent capacities.
+    """
+    import torch
+
+    from k3serve.engine.llm import LLM
+
+    if config.device == "cpu":
+        torch.set_num_threads(config.threads)
+    llm = LLM(
+        config.model, enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
+        device=config.device, dtype=getattr(torch, config.torch_dtype_name),
+        block_size=config.block_size, num_pages=config.num_pages, num_slots=config.num_slots,
+        num_snapshots=config.num_snapshots,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+    )
+    return llm.engine
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` in a thread; everything else reaches the engine through it.
+
+    Args:
+        engine: the worker's engine.
+        tick: called every iteration (before and after each step); polls transfers. Returns
+            True while transfers are in flight (the loop then polls every ``active_s``).
+        on_outputs: called with each step's outputs.
+        on_error: called with the exception when a step raises (the role fails its requests).
+        idle_s, active_s: wait between iterations when the engine has nothing to run (s).
+    """
+
+    def __init__(self, engine: Any, tick: Callable[[], bool],
+                 on_outputs: Callable[[list], None], on_error: Callable[[BaseException], None],
+                 idle_s: float = 0.05, active_s: float = 0.002) -> None:
+        self.engine = engine
+        self._tick, self._on_outputs, self._on_error = tick, on_outputs, on_error
+        self.idle_s, self.active_s = idle_s, active_s
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.error: BaseException | None = None
+        self.num_step_errors = 0
+
+    def start(self) -> EngineLoop:
+        """Start the thread; returns self."""
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._q.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> cf.Future:
+        """Run ``fn(*args)`` on the engine thread; its result / exception in the future."""
+        fut: cf.Future = cf.Future()
+        if self._stop.is_set():
+            fut.set_exception(RuntimeError("worker is stopping"))
+            return fut
+        self._q.put((fut, fn, args))
+        return fut
+
+    async def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> Any:
+        """Await ``fn(*args)`` run on the engine thread.
+
+        Raises:
+            TimeoutError: not run within ``timeout`` seconds (the engine thread is stuck).
+            Exception: whatever ``fn`` raised.
+        """
+        return await asyncio.wait_for(asyncio.wrap_future(self.submit(fn, *args)), timeout)
+
+    def _drain(self, wait_s: float) -> None:
+        try:
+            item = self._q.get(timeout=wait_s) if wait_s > 0 else self._q.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fut, fn, args = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - delivered to the caller
+                    fut.set_exception(e)
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        active = False
+        while not self._stop.is_set():
+            busy = self.engine.has_unfinished_requests()
+            self._drain(0 if busy else (self.active_s if active else self.idle_s))
+            if self._stop.is_set():
+                break
+            try:
+                active = self._tick()
+                if self.engine.has_unfinished_requests():
+                    outs = self.engine.step()
+                    self._on_outputs(outs)
+                    active = self._tick() or active
+            except Exception as e:
+                self.num_step_errors += 1
+                log.exception("engine loop error")
+                try:
+                    self._on_error(e)
+                except Exception:
+                    log.exception("on_error failed")
+                    self.error = e
+                    return
+        # answer whatever is still queued
+        with contextlib.suppress(queue.Empty):
+            while True:
+                item = self._q.get_nowait()
+                if item is not None and item[0].set_running_or_notify_cancel():
+                    item[0].set_exception(RuntimeError("worker is stopping"))
+
+
+__all__ = ["EngineLoop", "build_engine"]

@@ -1,0 +1,93 @@
+"""Worker metrics (DESIGN.md §6 worker names), labelled ``worker`` and ``role``."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from k3serve.prometheus import render
+
+
+class WorkerMetrics:
+    """The worker metrics of DESIGN.md §6, labelled ``worker`` and ``role``, on their own
+    registry. Counters may be incremented from any thread; gauges are set at scrape time.
+
+    Families (prometheus-client appends ``_total`` to counters)::
+
+        k3serve:prefix_cache_queries_total{worker,role}         prompt tokens looked up
+        k3serve:prefix_cache_hits_total{worker,role,source}     tokens reused (local|store)
+        k3serve:kv_transfer_bytes_total{worker,role}            bytes written (prefill side)
+        k3serve:kv_transfer_seconds{worker,role}                histogram, admission → done
+        k3serve:kda_snapshots{worker,role}                      gauge, snapshots held
+        k3serve:cache_usage_ratio{worker,role}                  gauge, referenced pages / all
+        k3serve:num_requests_running{worker,role}               gauge
+        k3serve:num_requests_waiting{worker,role}               gauge
+        k3serve:kv_transfer_fallbacks_total{worker,role}        decode recomputed the prefill
+        k3serve:kv_transfers_total{worker,role,outcome}         finished transfers by outcome
+
+    Transfers are counted once, by the side that owns the figure: bytes, seconds and outcomes
+    by the sender (prefill worker), fallbacks by the decode worker.
+    """
+
+    def __init__(self, worker: str, role: str) -> None:
+        self.labels = {"worker": worker, "role": role}
+        r = self.registry = CollectorRegistry()
+        lab = ["worker", "role"]
+        self._queries = Counter("k3serve:prefix_cache_queries",
+                                "Prompt tokens looked up in the prefix cache.", lab, registry=r)
+        self._hits = Counter("k3serve:prefix_cache_hits",
+                             "Prompt tokens reused from the prefix cache, by source.",
+                             lab + ["source"], registry=r)
+        self._bytes = Counter("k3serve:kv_transfer_bytes",
+                              "Cache bytes written to decode workers.", lab, registry=r)
+        self._seconds = Histogram(
+            "k3serve:kv_transfer_seconds", "Cache transfer time, admission to completion.",
+            lab, registry=r,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                     10.0, 30.0, 60.0))
+        self._snapshots = Gauge("k3serve:kda_snapshots", "KDA snapshots held.", lab, registry=r)
+        self._usage = Gauge("k3serve:cache_usage_ratio", "Referenced cache pages / all pages.",
+                            lab, registry=r)
+        self._running = Gauge("k3serve:num_requests_running", "Requests running.", lab,
+                              registry=r)
+        self._waiting = Gauge("k3serve:num_requests_waiting",
+                              "Requests waiting (queued, or waiting for their cache).", lab,
+                              registry=r)
+        self._fallbacks = Counter("k3serve:kv_transfer_fallbacks",
+                                  "Failed transfers recomputed by the decode worker.", lab,
+                                  registry=r)
+        self._transfers = Counter("k3serve:kv_transfers", "Finished transfers by outcome.",
+                                  lab + ["outcome"], registry=r)
+        for fam in (self._queries, self._bytes, self._fallbacks):
+            fam.labels(**self.labels)
+        for src in ("local", "store"):
+            self._hits.labels(**self.labels, source=src)
+        for oc in ("success", "failed"):
+            self._transfers.labels(**self.labels, outcome=oc)
+        self._seconds.labels(**self.labels)
+
+    def prefix_query(self, prompt_tokens: int, cached_tokens: int, source: str = "local") -> None:
+        self._queries.labels(**self.labels).inc(prompt_tokens)
+        self._hits.labels(**self.labels, source=source).inc(cached_tokens)
+
+    def transfer(self, ok: bool, nbytes: int, seconds: float | None) -> None:
+        self._bytes.labels(**self.labels).inc(nbytes)
+        self._transfers.labels(**self.labels, outcome="success" if ok else "failed").inc()
+        if ok and seconds is not None:
+            self._seconds.labels(**self.labels).observe(seconds)
+
+    def fallback(self) -> None:
+        self._fallbacks.labels(**self.labels).inc()
+
+    def set_gauges(self, g: dict[str, float]) -> None:
+        self._snapshots.labels(**self.labels).set(g["kda_snapshots"])
+        self._usage.labels(**self.labels).set(g["cache_usage_ratio"])
+        self._running.labels(**self.labels).set(g["num_requests_running"])
+        self._waiting.labels(**self.labels).set(g["num_requests_waiting"])
+
+    def render(self) -> tuple[bytes, str]:
+        """``(body, content type)``: the families above, without prometheus-client's
+        ``*_created`` timestamp series (DESIGN.md §6 names only, as the router does)."""
+        return render(self.registry)
+
+
+__all__ = ["WorkerMetrics"]
