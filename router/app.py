@@ -36,7 +36,7 @@ from k3serve.messages import (
 from k3serve.protocol import CLUSTER_TOKEN_HEADER
 from router.config import RouterConfig, main
 from router.errors import APIError, install_handlers, unavailable
-from router.pipeline import END, Delta, Router, cancel
+from router.pipeline import Router, cancel
 from router.placement import NoWorkerAvailable
 from router.render import ChoiceAcc, Render
 from router.schemas import (
@@ -47,6 +47,7 @@ from router.schemas import (
     ModelList,
     new_id,
 )
+from router.stream import END, Delta
 from router.workers import WorkerError
 
 __all__ = ["Router", "RouterConfig", "create_app", "main"]

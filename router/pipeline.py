@@ -17,7 +17,6 @@ import secrets
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import httpx
@@ -32,11 +31,8 @@ from tenacity import (
 
 from k3serve.messages import (
     PrefillRequest,
-    PrefillResponse,
     ReserveRequest,
     SamplingSpec,
-    StreamRequest,
-    finite,
 )
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -50,10 +46,10 @@ from router.placement import (
 )
 from router.preprocess import Preprocessor, PromptJob, prompt_hashes
 from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.stream import END, Placed, stream_choice
 from router.workers import Worker, WorkerError, WorkerPool
 
 if TYPE_CHECKING:
-    from k3serve.messages import TokenLogprob as WireLogprob
     from k3serve.sampling import SamplingParams
 
 log = logging.getLogger("k3serve.router")
@@ -61,50 +57,6 @@ log = logging.getLogger("k3serve.router")
 #: Pause before a choice that found every decode worker busy retries its reservation; waiting
 #: choices take turns, so at most 1 / BUSY_RETRY_S such retries per second leave the router.
 BUSY_RETRY_S = 0.005
-
-END = object()  # a choice's last queue item
-
-
-@dataclass
-class TokenLogprob:
-    """Log-probability of one generated token and its top alternatives (token id, logprob);
-    ``None``: not a finite number (:func:`k3serve.messages.finite`)."""
-
-    token_id: int
-    logprob: float | None
-    top: list[tuple[int, float | None]]
-
-    @classmethod
-    def of(cls, token_id: int, wire: WireLogprob | None) -> TokenLogprob:
-        """From a worker's logprob message (``None``: none sent)."""
-        if wire is None:
-            return cls(token_id, None, [])
-        return cls(token_id, finite(wire.logprob),
-                   [(t, finite(lp)) for t, lp in wire.top_logprobs or ()])
-
-
-@dataclass
-class Delta:
-    """New output of one choice: text, token ids, their logprobs, and the finish."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-
-
-@dataclass
-class _Placed:
-    """A choice whose token #1 is back: its workers, placement, answer and held load."""
-
-    sub: str
-    placement: Placement
-    prefill: Worker
-    decode: Worker
-    first: PrefillResponse
-    hold: ExitStack
-
 
 def _failover(e: BaseException) -> bool:
     """Nothing was computed: the choice may be placed again elsewhere (once)."""
@@ -250,7 +202,7 @@ class Router:
         return p, P, D, res.ticket, res.bootstrap_addr, hold
 
     async def _first_token(self, job: PromptJob, spec: SamplingSpec, cache_salt: str | None,
-                           sub: str, exclude: frozenset[str]) -> _Placed:
+                           sub: str, exclude: frozenset[str]) -> Placed:
         """Reserve on D, then prefill on P: token #1. On failure D's reservation is aborted."""
         p, P, D, ticket, addr, hold = await self._reserve(job, spec, cache_salt, sub, exclude)
         with hold:
@@ -270,7 +222,7 @@ class Router:
                 if isinstance(e, asyncio.CancelledError):
                     self._abort(P, sub)
                 raise
-            return _Placed(sub, p, P, D, first, hold.pop_all())
+            return Placed(sub, p, P, D, first, hold.pop_all())
 
     # ------------------------------------------------------------------ one choice
     async def run_choice(self, job: PromptJob, index: int, choice: int,
@@ -323,77 +275,14 @@ class Router:
                 sub = f"{rid}-{index}" + (f"-r{n - 1}" if n > 1 else "")
                 placed = await self._first_token(job, spec, cache_salt, sub, frozenset(tried))
         with placed.hold:
-            await self._stream(placed, job, index, choice, sampling, arrival, out)
+            if choice == 0:
+                job.cached_tokens = placed.first.num_cached_tokens
+                job.prefill, job.decode = placed.prefill, placed.decode
+            await stream_choice(placed, len(job.token_ids), index, sampling, out,
+                                self.pool, self.metrics, self.tokenizer, self._abort,
+                                ttft_since=arrival if choice == 0 and job.prompt_index == 0
+                                else None)
         return placed.prefill
-
-    async def _stream(self, c: _Placed, job: PromptJob, index: int, choice: int,
-                      sampling: SamplingParams, arrival: float, out: asyncio.Queue) -> None:
-        """Token #1 (counted and sent at once), then tokens #2.. from D (see run_choice)."""
-        from k3serve.tokenizer.detok import IncrementalDetokenizer
-
-        P, D, first, sub = c.prefill, c.decode, c.first, c.sub
-        L = len(job.token_ids)
-        self.metrics.observe_prefill(P.name, L, {first.cached_source: first.num_cached_tokens},
-                                     c.placement.predicted_cached_tokens)
-        if choice == 0:
-            job.cached_tokens, job.prefill, job.decode = first.num_cached_tokens, P, D
-            if job.prompt_index == 0:  # the request's first token
-                self.metrics.ttft.labels(P.name).observe(time.monotonic() - arrival)
-        detok = IncrementalDetokenizer(self.tokenizer, sampling,
-                                       eos_token_id=self.tokenizer.eos_token_id)
-        o = detok.step(first.token_id)
-        await out.put(Delta(index, o.new_text, [first.token_id],
-                            [TokenLogprob.of(first.token_id, first)], o.finish_reason))
-        if o.finished:
-            self._abort(D, sub)
-            return
-
-        itl = self.metrics.itl.labels(D.name)
-        last = time.monotonic()
-        n_out = 1
-        body = StreamRequest(request_id=sub, token_id=first.token_id,
-                             logprob=finite(first.logprob))
-        with self.metrics.running.labels(D.name).track_inprogress():
-            try:
-                async for ev in self.pool.stream(D, body):
-                    t = time.monotonic()
-                    for _ in ev.token_ids:
-                        itl.observe((t - last) / len(ev.token_ids))
-                    last = t
-                    d = Delta(index)
-                    for k, tok in enumerate(ev.token_ids):
-                        o = detok.step(tok)
-                        d.token_ids.append(tok)
-                        d.logprobs.append(TokenLogprob.of(
-                            tok, ev.logprobs[k] if k < len(ev.logprobs) else None))
-                        d.text += o.new_text
-                        if o.finished:
-                            break
-                    n_out += len(d.token_ids)
-                    if not detok.finished and ev.finish_reason:  # D ended it first
-                        d.text += detok.finish(ev.finish_reason).new_text
-                    d.finish_reason = detok.finish_reason
-                    if d.token_ids or d.text or d.finish_reason:
-                        await out.put(d)
-                    if d.finish_reason:
-                        if not ev.finish_reason:  # the router saw the stop first
-                            self._abort(D, sub)
-                        break
-                if not detok.finished:  # the stream ended without a finish_reason
-                    cap = D.info.max_model_len
-                    reason = "length" if cap and L + n_out >= cap else "abort"
-                    log.warning("request %s: the decode stream of %s ended without a finish "
-                                "after %d tokens; finishing with %r", sub, D.name, n_out, reason)
-                    self._abort(D, sub)
-                    await out.put(Delta(index, detok.finish(reason).new_text,
-                                        finish_reason=reason))
-            except BaseException as e:
-                self._abort(D, sub)
-                if isinstance(e, WorkerError) and not detok.finished:
-                    rest = detok.finish("abort").new_text  # deliver the held-back text first
-                    if rest:
-                        await out.put(Delta(index, rest))
-                raise
 
     # ------------------------------------------------------------------ one prompt
     async def run_prompt(self, req: CompletionRequest | ChatCompletionRequest, job: PromptJob,

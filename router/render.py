@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.pipeline import Delta, TokenLogprob
 from router.preprocess import PromptJob
 from router.schemas import (
     ChatChoice,
@@ -33,6 +32,7 @@ from router.schemas import (
     Usage,
     now,
 )
+from router.stream import Delta, TokenLogprob
 
 #: What the public API shows for a logprob that is not a finite number (vLLM does the same).
 NOT_FINITE_LOGPROB = -9999.0

@@ -25,8 +25,7 @@ from typing import Any
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-
+from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
 from k3serve.cache.manager import CacheManager
@@ -34,9 +33,9 @@ from k3serve.cache.specs import CacheConfig
 from k3serve.messages import (
     AbortRequest,
     AbortResponse,
-    Capacity,
     CacheEvents,
     CacheState,
+    Capacity,
     ErrorBody,
     PrefillRequest,
     PrefillResponse,
