@@ -337,13 +337,6 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict[str, Any]:
-    """``{"error": {"message", "type", "param", "code"}}`` as a plain dict."""
-    return ErrorResponse(error=ErrorInfo(message=message, type=type, param=param,
-                                         code=code)).model_dump()
-
-
 def validation_error_info(errors: list[dict[str, Any]]) -> ErrorInfo:
     """OpenAI-style error for pydantic/FastAPI validation errors (first error named in full).
 
@@ -366,11 +359,6 @@ def validation_error_info(errors: list[dict[str, Any]]) -> ErrorInfo:
         text += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
     return ErrorInfo(message=text, type="invalid_request_error", param=param,
                      code="invalid_value")
-
-
-def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
-    """:func:`validation_error_info` as a ``{"error": {...}}`` body."""
-    return ErrorResponse(error=validation_error_info(errors)).model_dump()
 
 
 def _is_type_tag(part: str) -> bool:

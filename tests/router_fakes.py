@@ -93,7 +93,7 @@ class FakeState:
     # validated /internal/prefill bodies as dicts, "_cached": the tokens the fake reused
     prefills: list[dict[str, Any]] = field(default_factory=list)
     unauthorized: int = 0
-    token_delay_s: float = 0.0
+    hang_after: int | None = None  # a decode stream stalls after this many tokens until aborted
     streams: list[dict[str, Any]] = field(default_factory=list)  # /internal/stream bodies
     # end each decode stream after this many tokens with this finish_reason (None: no finish
     # event at all, only ``[DONE]``): a decode worker that aborts, or stops at its own limit
@@ -143,6 +143,7 @@ def make_worker_app(state: FakeState) -> FastAPI:
         if r:
             r["aborted"] = True
             r["ready"].set()
+            r["abort_ev"].set()
         return AbortResponse(found=r is not None)
 
     # ---------------- prefill
@@ -186,7 +187,8 @@ def make_worker_app(state: FakeState) -> FastAPI:
         ticket = uuid.uuid4().hex
         state.reservations[b.request_id] = {
             "prompt": list(b.prompt_token_ids), "sampling": b.sampling.to_params(),
-            "ticket": ticket, "ready": asyncio.Event(), "first": None, "aborted": False}
+            "ticket": ticket, "ready": asyncio.Event(), "first": None, "aborted": False,
+            "abort_ev": asyncio.Event()}
         return ReserveResponse(request_id=b.request_id, ticket=ticket, bootstrap_addr=state.url)
 
     @app.post("/fake/transfer")
@@ -212,8 +214,6 @@ def make_worker_app(state: FakeState) -> FastAPI:
             detok.step(r["first"])
             sent = 0
             while not detok.finished and not r["aborted"]:
-                if state.token_delay_s:
-                    await asyncio.sleep(state.token_delay_s)
                 t = toy_next(ctx, sp.seed, sp.temperature)
                 ctx.append(t)
                 o = detok.step(t)
@@ -225,6 +225,8 @@ def make_worker_app(state: FakeState) -> FastAPI:
                 yield ev.model_dump_json()
                 if cut:
                     break
+                if state.hang_after is not None and sent >= state.hang_after:
+                    await r["abort_ev"].wait()
             yield "[DONE]"
 
         return EventSourceResponse(gen(), sep="\n")

@@ -201,7 +201,9 @@ def test_reservation_outlives_a_prefill_queue_longer_than_the_receiver_timeout(s
         "request_id": rid, "prompt_token_ids": ids, "sampling": sampling, "n": 1})
     assert r.status_code == 200, r.text
     res = r.json()
-    time.sleep(RECEIVER_TIMEOUT_S + 0.5)  # as if queued behind other prefills
+    # The scenario itself, not a synchronisation: the request sits (as if queued behind other
+    # prefills) past the decode receiver's timeout, which only a wait of that length shows.
+    time.sleep(RECEIVER_TIMEOUT_S + 0.5)
     r = httpx.post(prefill_url + "/internal/prefill", headers=h, timeout=30, json={
         "request_id": rid, "prompt_token_ids": ids, "sampling": sampling,
         "ticket": res["ticket"], "bootstrap_addr": res["bootstrap_addr"]})

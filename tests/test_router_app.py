@@ -1,8 +1,8 @@
 """Router app end to end over HTTP: the real ``openai`` client, fake workers (router_fakes).
 
-Covers issue 5 must-show 1 (against fake workers; the live ``k3serve serve`` run is the
-launcher's test), 4 (bad input → 400/401/404/405 with an OpenAI-style body, no worker → 503,
-never a 500), cache hits (exact ``cached_tokens`` on a repeated prompt, predicted = actual),
+Covers the OpenAI API end to end with the ``openai`` client (against fake workers; the live
+``k3serve serve`` run is the launcher's test), bad input → 400/401/404/405 with an
+OpenAI-style body, no worker → 503 (never a 500), cache hits (exact ``cached_tokens`` on a repeated prompt, predicted = actual),
 metrics by scraping ``/metrics``, registration with the cluster token, resync after a worker
 restart, retry on a failing prefill worker, and aborts when the client goes away.
 """
@@ -447,7 +447,7 @@ def test_client_disconnect_aborts_on_the_decode_worker():
     s = Stack(num_prefill=1, num_decode=1, api_key=None)
     try:
         dec = s.decode[0][0]
-        dec.token_delay_s = 0.05
+        dec.hang_after = 1  # the stream stalls after one token until the router aborts it
         body = {"model": MODEL, "prompt": "slow", "max_tokens": 200, "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
             assert r.status_code == 200
