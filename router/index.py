@@ -18,10 +18,12 @@ as no worker holds the prefix any more::
     usable:            w1@2        w0@4               → w0: 4 blocks, w1: 2 blocks, w3: 0
 
 A hit is usable only at a boundary that has every MLA block before it AND a snapshot at it
-(:func:`k3serve.cache.prefix.usable_prefix_blocks`, the rule the workers apply);
+(:func:`k3serve.cache.prefix.usable_prefix_blocks`, the rule the workers apply; ``match`` is
+its bit-parallel form over all workers, ``cached_depth`` calls it for one);
 ``PrefixMatch.usable_blocks`` is that depth, ``PrefixMatch.mla_blocks`` the plain MLA depth.
 
-The index is plain Python bookkeeping (no torch, no I/O); the HTTP pulling lives in the app.
+The index is plain Python bookkeeping (no torch, no I/O); the HTTP pulling lives in
+:mod:`router.workers`.
 """
 
 from __future__ import annotations
@@ -248,12 +250,13 @@ class GlobalIndex:
 
     # ------------------------------------------------------------------ lookups
     def match(self, hashes: Sequence[str], max_blocks: int | None = None) -> dict[str, PrefixMatch]:
-        """Prefix match of a block-hash chain on every indexed worker.
+        """Prefix match of a block-hash chain on every indexed worker, in one pass.
 
-        One pass over the chain finds every worker's MLA depth (running AND of the masks,
-        stopping where no worker holds the prefix any more); the usable depth of each worker
-        that holds the first block is :func:`k3serve.cache.prefix.usable_prefix_blocks`, the
-        one hit rule the workers apply too.
+        The bit-parallel form of :func:`k3serve.cache.prefix.usable_prefix_blocks` (the one hit
+        rule; :meth:`cached_depth` calls it, and tests/test_placement.py pins that both agree on
+        every worker): one walk answers for all workers at once, where calling the rule per
+        worker costs workers × depth predicate calls (17 ms instead of 0.3 ms for 2048 blocks
+        held by 32 workers).
 
         Args:
             hashes: The prompt's chained block hashes (``k3serve.cache.hashing.block_hashes``),
@@ -266,10 +269,11 @@ class GlobalIndex:
             ``worker_id → PrefixMatch`` for the workers that hold at least the first block;
             workers absent from the dict match nothing.
         """
-        limit = len(hashes) if max_blocks is None else max_blocks
-        blocks_get = self._blocks.get
+        limit = len(hashes) if max_blocks is None else min(max_blocks, len(hashes))
+        blocks_get, snaps_get = self._blocks.get, self._snaps.get
         mask = -1  # workers holding every block so far (all, before the first block)
         mla: dict[int, int] = {}
+        usable: dict[int, int] = {}
         for i, h in enumerate(hashes):
             m = mask & blocks_get(h, 0)
             if m != mask:
@@ -278,28 +282,28 @@ class GlobalIndex:
                 mask = m
                 if not m:
                     break
+            if i < limit:
+                s = snaps_get(h, 0) & mask
+                if s:
+                    _set_bits(usable, s, i + 1)
         else:
             if hashes:
                 _set_bits(mla, mask, len(hashes))
         owner = self._bit_owner
-        return {owner[b]: PrefixMatch(d, self._usable(hashes[:d], limit, b))
-                for b, d in mla.items()}
+        return {owner[b]: PrefixMatch(d, usable.get(b, 0)) for b, d in mla.items()}
 
     def cached_depth(self, hashes: Sequence[str], worker_id: str,
                      max_blocks: int | None = None) -> int:
-        """Usable cached depth of one worker, in blocks (see ``match``).
+        """Usable cached depth of one worker, in blocks
+        (:func:`k3serve.cache.prefix.usable_prefix_blocks` on its content).
 
         Raises:
             KeyError: unknown worker.
         """
+        cur = self._cursors[worker_id]
         limit = len(hashes) if max_blocks is None else max_blocks
-        return self._usable(hashes, limit, self._cursors[worker_id].bit)
-
-    def _usable(self, hashes: Sequence[str], max_blocks: int, bit: int) -> int:
-        blocks_get, snaps_get = self._blocks.get, self._snaps.get
-        return usable_prefix_blocks(hashes, max_blocks,
-                                    lambda h: bool(blocks_get(h, 0) >> bit & 1),
-                                    lambda h: bool(snaps_get(h, 0) >> bit & 1))
+        return usable_prefix_blocks(hashes, limit, cur.blocks.__contains__,
+                                    cur.snapshots.__contains__)
 
     def has_snapshot(self, block_hash: str, worker_id: str) -> bool:
         """Whether the worker holds a KDA snapshot at the boundary after ``block_hash``."""

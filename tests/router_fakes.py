@@ -88,6 +88,7 @@ class FakeState:
     cm: CacheManager = field(init=False)
     url: str = ""
     fail_prefill: int = 0  # answer this many prefills with 503
+    busy_reserves: int = 0  # answer this many reservations with 503 "busy" (no decode room)
     reservations: dict[str, dict[str, Any]] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
     # validated /internal/prefill bodies as dicts, "_cached": the tokens the fake reused
@@ -182,8 +183,12 @@ def make_worker_app(state: FakeState) -> FastAPI:
                                position=len(ids), seed=sp.seed or 0)
 
     # ---------------- decode
-    @app.post("/internal/reserve")
-    async def reserve(b: ReserveRequest) -> ReserveResponse:
+    @app.post("/internal/reserve", response_model=None)
+    async def reserve(b: ReserveRequest) -> ReserveResponse | JSONResponse:
+        if state.busy_reserves > 0:
+            state.busy_reserves -= 1
+            return JSONResponse(ErrorBody(error="busy", message="no free slot").model_dump(),
+                                status_code=503)
         ticket = uuid.uuid4().hex
         state.reservations[b.request_id] = {
             "prompt": list(b.prompt_token_ids), "sampling": b.sampling.to_params(),

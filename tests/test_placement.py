@@ -31,6 +31,7 @@ import pytest
 from k3serve.cache.events import EventIndex
 from k3serve.cache.hashing import block_hashes, make_salt
 from k3serve.cache.manager import CacheManager
+from k3serve.cache.prefix import usable_prefix_blocks
 from k3serve.cache.specs import CacheConfig
 from router.index import GlobalIndex, ResyncNeeded
 from router.placement import (
@@ -420,6 +421,9 @@ def test_index_replay_equals_worker_caches_random():
                 while mla < len(hashes) and cm.index.has_block(hashes[mla]):
                     mla += 1
                 usable = cm.lookup(q) // B
+                # the one hit rule, on the worker's own index, is what match() answers
+                assert usable_prefix_blocks(hashes, cap, cm.index.has_block,
+                                            cm.index.has_snapshot) == usable
                 assert readers[i].match(hashes, len(q), B) == usable * B
                 assert got.get(f"w{i}", (0, 0)) == (mla, usable)
                 assert idx.cached_depth(hashes, f"w{i}", cap) == usable
