@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,7 +22,6 @@ from typing import Any
 import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 
 from k3serve.messages import (
@@ -38,6 +36,7 @@ from router.config import RouterConfig, main
 from router.errors import APIError, install_handlers, unavailable
 from router.pipeline import Router, cancel
 from router.placement import NoWorkerAvailable
+from router.preprocess import parse_request
 from router.render import ChoiceAcc, Render
 from router.schemas import (
     ChatCompletionRequest,
@@ -90,35 +89,12 @@ def create_app(config: RouterConfig,
                 request.headers.get(CLUSTER_TOKEN_HEADER), config.cluster_token):
             raise APIError(403, "missing or wrong cluster token", code="forbidden")
 
-    async def parse(request: Request, model: type):
-        raw = await request.body()
-        try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            # ValueError: JSONDecodeError, bad UTF-8, an int past Python's digit limit;
-            # RecursionError: nesting deeper than the parser's recursion limit
-            raise APIError(400, f"request body is not valid JSON: {e}",
-                           code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "request body must be a JSON object", code="invalid_json")
-        bad = _lone_surrogate_field(data)
-        if bad is not None:  # "\ud800": valid JSON, but no tokenizer or body can encode it
-            raise APIError(400, f"{bad}: a string holds an unpaired UTF-16 surrogate escape",
-                           param=bad, code="invalid_value")
-        try:
-            req = model.model_validate(data)
-        except ValidationError as e:
-            raise APIError.invalid(e.errors()) from None
-        if req.model != config.model:
-            raise APIError(400, f"The model `{req.model}` does not exist; this server serves "
-                           f"`{config.model}`.", param="model", code="model_not_found")
-        return req
-
     # ---------------------------------------------------------------- one request
     async def serve(request: Request, chat: bool) -> Response:
         arrival = time.monotonic()
         check_api_key(request)
-        req = await parse(request, ChatCompletionRequest if chat else CompletionRequest)
+        req = parse_request(await request.body(),
+                            ChatCompletionRequest if chat else CompletionRequest, config.model)
         limit = router.max_model_len
         jobs = (router.pre.chat_jobs(req, limit) if chat
                 else router.pre.completion_jobs(req, limit))
@@ -274,30 +250,6 @@ def create_app(config: RouterConfig,
         return RegisterResponse(worker_id=w.name, role=w.role, url=w.url)
 
     return app
-
-
-_SURROGATE = re.compile(r"[\ud800-\udfff]")
-
-
-def _lone_surrogate_field(data: dict[str, Any]) -> str | None:
-    """The top-level field of a parsed JSON body holding a string with an unpaired
-    surrogate (``json.loads`` decodes ``"\\ud800"`` to one), else ``None``. Iterative:
-    the body may nest as deep as the parser allowed."""
-    for key, value in data.items():
-        if isinstance(key, str) and _SURROGATE.search(key):
-            return "body"
-        stack = [value]
-        while stack:
-            v = stack.pop()
-            if isinstance(v, str):
-                if _SURROGATE.search(v):
-                    return key
-            elif isinstance(v, dict):
-                stack.extend(v.keys())
-                stack.extend(v.values())
-            elif isinstance(v, list):
-                stack.extend(v)
-    return None
 
 
 async def _client_gone(request: Request) -> None:

@@ -8,8 +8,12 @@ imported lazily and never load the model.
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from pydantic import ValidationError
 
 from router.errors import APIError
 from router.schemas import ChatCompletionRequest, CompletionRequest
@@ -18,8 +22,71 @@ if TYPE_CHECKING:
     from k3serve.sampling import SamplingParams
     from router.workers import Worker
 
+R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
+
 #: Seed of choice j > 0 of a request with base seed s: (s · GOLDEN + j) mod 2^63.
 GOLDEN = 0x9E3779B97F4A7C15
+
+
+def parse_request(raw: bytes, model: type[R], served_model: str) -> R:
+    """Parse and validate a public request body.
+
+    Args:
+        raw: The HTTP body.
+        model: ``CompletionRequest`` or ``ChatCompletionRequest``.
+        served_model: The model this router serves (``model`` must name it).
+
+    Raises:
+        APIError: 400 for JSON the parser rejects (also nesting past the recursion limit, an
+            integer past Python's digit limit), a non-object, a lone UTF-16 surrogate, a
+            schema error (the field named), another model.
+    """
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        # ValueError: JSONDecodeError, bad UTF-8, an int past Python's digit limit;
+        # RecursionError: nesting deeper than the parser's recursion limit
+        raise APIError(400, f"request body is not valid JSON: {e}",
+                       code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    bad = _lone_surrogate_field(data)
+    if bad is not None:  # "\ud800": valid JSON, but no tokenizer or body can encode it
+        raise APIError(400, f"{bad}: a string holds an unpaired UTF-16 surrogate escape",
+                       param=bad, code="invalid_value")
+    try:
+        req = model.model_validate(data)
+    except ValidationError as e:
+        raise APIError.invalid(e.errors()) from None
+    if req.model != served_model:
+        raise APIError(400, f"The model `{req.model}` does not exist; this server serves "
+                       f"`{served_model}`.", param="model", code="model_not_found")
+    return req
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _lone_surrogate_field(data: dict[str, Any]) -> str | None:
+    """The top-level field of a parsed JSON body holding a string with an unpaired
+    surrogate (``json.loads`` decodes ``"\\ud800"`` to one), else ``None``. Iterative:
+    the body may nest as deep as the parser allowed."""
+    for key, value in data.items():
+        if isinstance(key, str) and _SURROGATE.search(key):
+            return "body"
+        stack = [value]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, str):
+                if _SURROGATE.search(v):
+                    return key
+            elif isinstance(v, dict):
+                stack.extend(v.keys())
+                stack.extend(v.values())
+            elif isinstance(v, list):
+                stack.extend(v)
+    return None
+
 
 
 @dataclass
