@@ -74,7 +74,7 @@ def build(num_blocks: int, num_workers: int, seed: int = 0):
 
 def decide(index: GlobalIndex, hashes: list[str], num_tokens: int, prefill: list[str],
            decode: list[DecodeWorkerState], queued: dict[str, int], seq: int):
-    """One placement decision, exactly as router/app.py makes it."""
+    """One placement decision, exactly as router/pipeline.py (``Router.place``) makes it."""
     req = PlacementRequest(num_tokens, B, seq=seq, max_new_tokens=256)
     match = index.match(hashes, req.max_cached_blocks)
     states = []

@@ -337,25 +337,18 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None) -> dict[str, Any]:
-    """``{"error": {"message", "type", "param", "code"}}`` as a plain dict."""
-    return ErrorResponse(error=ErrorInfo(message=message, type=type, param=param,
-                                         code=code)).model_dump()
-
-
-def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
-    """OpenAI-style body for pydantic/FastAPI validation errors (first error named in full).
+def validation_error_info(errors: list[dict[str, Any]]) -> ErrorInfo:
+    """OpenAI-style error for pydantic/FastAPI validation errors (first error named in full).
 
     Args:
         errors: ``RequestValidationError.errors()`` / ``ValidationError.errors()``.
     """
     if not errors:
-        return error_body("invalid request")
+        return ErrorInfo(message="invalid request", type="invalid_request_error")
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return error_body(f"request body is not valid JSON: {first.get('msg', '')}",
-                          code="invalid_json")
+        return ErrorInfo(message=f"request body is not valid JSON: {first.get('msg', '')}",
+                         type="invalid_request_error", code="invalid_json")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # loc = field path, then (for unions) member tags such as "str" or "list[int]"
     param = loc[0] if loc else None
@@ -364,7 +357,8 @@ def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
     text = f"{path}: {msg}" if path else msg
     if len(errors) > 1:
         text += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return error_body(text, param=param, code="invalid_value")
+    return ErrorInfo(message=text, type="invalid_request_error", param=param,
+                     code="invalid_value")
 
 
 def _is_type_tag(part: str) -> bool:

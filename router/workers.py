@@ -1,30 +1,19 @@
 """The router's view of its workers: registry, cache-event pollers, and the internal calls.
 
 Workers register with ``POST /internal/register`` (and again after a restart); the router
-reads ``GET /internal/info`` and then keeps one poller per worker that pulls
-``GET /internal/cache_events?after=SEQ`` into the ``GlobalIndex`` (``GET /internal/cache_state``
-on a new epoch or a gap) and doubles as the health check: ``unhealthy_after`` failed pulls in
-a row mark the worker unhealthy (placement skips it), one success marks it healthy again.
+reads ``GET /internal/info`` (:class:`~k3serve.messages.WorkerInfo`) and then keeps one poller
+per worker that pulls ``GET /internal/cache_events?after=SEQ`` into the ``GlobalIndex``
+(``GET /internal/cache_state`` on a new epoch or a gap) and doubles as the health check:
+``unhealthy_after`` failed pulls in a row mark the worker unhealthy (placement skips it), one
+success marks it healthy again.
 
-Every internal call carries the cluster token in ``CLUSTER_TOKEN_HEADER``.
+Every internal call carries the cluster token in ``CLUSTER_TOKEN_HEADER``; every body is a
+model of :mod:`k3serve.messages` (the request lifecycle: :mod:`k3serve.protocol`, steps 1–10).
 
-Internal calls (draft protocol; ``k3serve/protocol.py`` pins it)::
-
-    decode  POST /internal/reserve  {request_id, prompt_token_ids, sampling, n, cache_salt}
-                                    → {ticket, bootstrap_addr}
-    prefill POST /internal/prefill  {request_id, prompt_token_ids, sampling, ticket,
-                                     bootstrap_addr, snapshot_at, cache_salt}
-                                    → {token_id, logprob, top_logprobs, num_cached_tokens,
-                                       cached_source, text}
-    decode  POST /internal/stream   {request_id, token_id, logprob} (token #1 from the
-                                    prefill: a failed transfer's fallback continues from it)
-                                    → SSE of {token_ids, text, logprobs, finish_reason}
-    both    POST /internal/abort    {request_id}
-    both    GET  /internal/info     → {role, model, fingerprint, block_size, capacity, ...}
-
-Load figures the placement needs are the router's own account of what it sent: a prefill
-worker's queued tokens (predicted uncached tokens of prefills not answered yet), a decode
-worker's running requests and reserved tokens (prompt + max new tokens).
+Load figures the placement needs are the router's own account of what it sent
+(:meth:`Worker.load` changes them, and nothing else does): a prefill worker's queued tokens
+(predicted uncached tokens of prefills not answered yet), a decode worker's running requests
+and reserved tokens (prompt + max new tokens).
 """
 
 from __future__ import annotations
@@ -33,17 +22,30 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, TypeVar
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from httpx_sse import SSEError, aconnect_sse
+from pydantic import BaseModel, ValidationError
 
+from k3serve.messages import (
+    AbortRequest,
+    PrefillRequest,
+    PrefillResponse,
+    ReserveRequest,
+    ReserveResponse,
+    StreamEvent,
+    StreamRequest,
+    WorkerInfo,
+)
 from k3serve.protocol import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER  # noqa: F401 - re-exported
 from router.index import GlobalIndex, PrefixMatch, ResyncNeeded
 
 log = logging.getLogger("k3serve.router")
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class WorkerError(RuntimeError):
@@ -63,52 +65,6 @@ class WorkerError(RuntimeError):
         self.worker = worker
         self.retryable = retryable or busy
         self.busy = busy
-
-
-class CapacityInfo(BaseModel):
-    """Cache capacity of a worker (``/internal/info`` ``capacity`` as an object)."""
-
-    model_config = ConfigDict(extra="ignore")
-    num_pages: int = Field(ge=0)
-    num_slots: int = Field(default=1 << 30, ge=0)
-    num_snapshots: int = Field(default=0, ge=0)
-
-
-class WorkerInfo(BaseModel):
-    """``GET /internal/info`` of a worker.
-
-    Attributes:
-        role: ``prefill`` or ``decode``.
-        model: Served model name (must equal the router's).
-        fingerprint: Layout fingerprint = the block-hash salt base.
-        block_size: Tokens per cache block.
-        capacity: MLA cache capacity, in tokens (int) or as pages/slots/snapshots.
-        max_model_len: Longest sequence (prompt + output) in tokens, when the worker says.
-        worker_id: The worker's own name (defaults to its URL).
-        prefill_rate: Prefill throughput in tokens/s, when the worker says (TTFT estimate).
-    """
-
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["prefill", "decode"]
-    model: str
-    fingerprint: str = Field(min_length=1)
-    block_size: int = Field(ge=1)
-    capacity: int | CapacityInfo = 0
-    max_model_len: int | None = Field(default=None, ge=1)
-    worker_id: str | None = None
-    prefill_rate: float | None = Field(default=None, gt=0)
-
-    @property
-    def capacity_tokens(self) -> int:
-        """MLA cache capacity in tokens."""
-        c = self.capacity
-        return c if isinstance(c, int) else c.num_pages * self.block_size
-
-    @property
-    def num_slots(self) -> int:
-        """KDA state slots (concurrent sequences); unbounded when not reported."""
-        c = self.capacity
-        return c.num_slots if isinstance(c, CapacityInfo) else 1 << 30
 
 
 @dataclass
@@ -133,6 +89,26 @@ class Worker:
     @property
     def role(self) -> str:
         return self.info.role
+
+    @contextlib.contextmanager
+    def load(self, *, running: int = 0, reserved_tokens: int = 0,
+             queued_tokens: int = 0) -> Iterator[None]:
+        """Count load on this worker while the block runs; the only place the counters change.
+
+        Args:
+            running: Decode requests to add (reserved, not finished).
+            reserved_tokens: Tokens those requests may occupy (prompt + max new tokens).
+            queued_tokens: Prefill tokens sent and not answered yet (predicted uncached).
+        """
+        self.running += running
+        self.reserved_tokens += reserved_tokens
+        self.queued_tokens += queued_tokens
+        try:
+            yield
+        finally:
+            self.running -= running
+            self.reserved_tokens -= reserved_tokens
+            self.queued_tokens -= queued_tokens
 
 
 class WorkerPool:
@@ -189,7 +165,7 @@ class WorkerPool:
             ValueError: it serves another model, or changed role under the same URL.
         """
         url = url.rstrip("/")
-        info = parse_info(await self._get_json(url, "/internal/info"), url)
+        info = _parse(WorkerInfo, url, "/internal/info", await self._get(url, "/internal/info"))
         if info.model != self.model:
             raise ValueError(f"worker {url} serves model {info.model!r}, router serves "
                              f"{self.model!r}")
@@ -237,25 +213,28 @@ class WorkerPool:
     async def sync(self, w: Worker) -> None:
         """Pull a worker's cache events once (until caught up), resyncing when needed.
 
+        The index parses the answers (``CacheEvents``, ``CacheState``).
+
         Raises:
             WorkerError: the worker did not answer properly.
         """
         for _ in range(64):  # a long backlog arrives in pages; bounded per call
             _epoch, after = self.index.cursor(w.url)
-            body = await self._get_json(w.url, "/internal/cache_events", {"after": after},
-                                        timeout=self.poll_timeout_s)
+            body = await self._get(w.url, "/internal/cache_events", {"after": after},
+                                   timeout=self.poll_timeout_s)
             try:
-                self.index.apply_events(w.url, body)
+                events = self.index.parse_events(w.url, body)
+                self.index.apply_events(w.url, events)
             except ResyncNeeded as e:
                 log.info("resync %s: %s", w.url, e)
-                state = await self._get_json(w.url, "/internal/cache_state")
+                state = await self._get(w.url, "/internal/cache_state")
                 try:
                     self.index.load_state(w.url, state)
                 except ValueError as e2:
                     raise WorkerError(w.url, str(e2)) from None
                 w.resyncs += 1
                 return
-            if self.index.cursor(w.url)[1] >= int(body.get("last_seq", -1)):
+            if self.index.cursor(w.url)[1] >= events.last_seq:
                 return
 
     async def _poll_loop(self, w: Worker) -> None:
@@ -281,8 +260,8 @@ class WorkerPool:
         w.failures = max(w.failures, self.unhealthy_after)
 
     # ------------------------------------------------------------------ calls
-    async def _get_json(self, url: str, path: str, params: Mapping[str, Any] | None = None,
-                        timeout: float | None = None) -> dict[str, Any]:
+    async def _get(self, url: str, path: str, params: Mapping[str, Any] | None = None,
+                   timeout: float | None = None) -> Any:
         try:
             r = await self.client.get(url + path, params=params,
                                       timeout=httpx.USE_CLIENT_DEFAULT if timeout is None
@@ -291,74 +270,77 @@ class WorkerPool:
             raise WorkerError(url, f"GET {path}: {e!r}", retryable=True) from None
         return _json_body(url, path, r)
 
-    async def post(self, w: Worker, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        """POST a JSON body to a worker and return its JSON answer.
-
-        Raises:
-            WorkerError: connection failure or timeout, non-2xx status, non-object JSON.
-        """
+    async def _post(self, w: Worker, path: str, body: BaseModel, answer: type[M]) -> M:
         try:
-            r = await self.client.post(w.url + path, json=body)
+            r = await self.client.post(w.url + path, json=body.model_dump(mode="json"))
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             raise WorkerError(w.url, f"POST {path}: {e!r}", retryable=True) from None
         except httpx.HTTPError as e:
             raise WorkerError(w.url, f"POST {path}: {e!r}") from None
-        return _json_body(w.url, path, r)
+        return _parse(answer, w.url, path, _json_body(w.url, path, r))
+
+    async def reserve(self, w: Worker, body: ReserveRequest) -> ReserveResponse:
+        """``POST /internal/reserve`` on a decode worker.
+
+        Raises:
+            WorkerError: connection failure or timeout, non-2xx status (``busy`` set for a
+                503 ``busy``), malformed answer.
+        """
+        return await self._post(w, "/internal/reserve", body, ReserveResponse)
+
+    async def prefill(self, w: Worker, body: PrefillRequest) -> PrefillResponse:
+        """``POST /internal/prefill`` on a prefill worker: token #1.
+
+        Raises:
+            WorkerError: as :meth:`reserve`.
+        """
+        return await self._post(w, "/internal/prefill", body, PrefillResponse)
 
     async def abort(self, w: Worker, request_id: str) -> None:
         """Best-effort ``POST /internal/abort`` (errors are logged, never raised)."""
         try:
-            await self.client.post(w.url + "/internal/abort", json={"request_id": request_id},
+            await self.client.post(w.url + "/internal/abort",
+                                   json=AbortRequest(request_id=request_id).model_dump(),
                                    timeout=5.0)
         except Exception as e:  # noqa: BLE001 - best effort
             log.info("abort %s on %s failed: %r", request_id, w.url, e)
 
-    async def stream(self, w: Worker, request_id: str, token_id: int,
-                     logprob: float | None) -> AsyncIterator[dict[str, Any]]:
-        """``POST /internal/stream``: yield each SSE ``data:`` event as a dict.
+    async def stream(self, w: Worker, body: StreamRequest) -> AsyncIterator[StreamEvent]:
+        """``POST /internal/stream``: yield each SSE ``data:`` event as a ``StreamEvent``.
 
         Args:
             w: The decode worker.
-            request_id: The request it reserved.
-            token_id: Token #1 as the prefill worker answered it (the decode worker continues
-                from it when the transfer failed).
-            logprob: Its logprob (``None``: unknown or not finite).
+            body: The reserved request and token #1 as the prefill worker answered it (the
+                decode worker continues from it when the transfer failed).
 
-        Ends after an event with a ``finish_reason``, a ``data: [DONE]`` line, or the end of
+        Ends after an event with a ``finish_reason``, a ``data: [DONE]`` event, or the end of
         the body; the caller tells from the events whether the stream finished.
 
         Raises:
             WorkerError: connection failure, non-2xx status, malformed or error event.
         """
-        body = {"request_id": request_id, "token_id": token_id, "logprob": logprob}
         try:
-            async with self.client.stream("POST", w.url + "/internal/stream", json=body) as r:
+            async with aconnect_sse(self.client, "POST", w.url + "/internal/stream",
+                                    json=body.model_dump(mode="json")) as source:
+                r = source.response
                 if r.status_code // 100 != 2:
                     await r.aread()
                     raise WorkerError(w.url, f"stream: HTTP {r.status_code}: {r.text[:200]}",
                                       retryable=r.status_code == 503)
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                async for sse in source.aiter_sse():
+                    if sse.data.strip() == "[DONE]":
                         return
-                    try:
-                        ev = json.loads(data)
-                    except json.JSONDecodeError:
-                        raise WorkerError(w.url, f"stream: bad event {data[:200]!r}") from None
-                    if not isinstance(ev, dict):
-                        raise WorkerError(w.url, f"stream: bad event {data[:200]!r}")
-                    if "error" in ev and not ev.get("token_ids"):
-                        raise WorkerError(w.url, f"stream: {ev['error']}")
+                    ev = _parse_json(StreamEvent, w.url, "stream", sse.data)
+                    if ev.error is not None and not ev.token_ids:
+                        raise WorkerError(w.url, f"stream: {ev.error}")
                     yield ev
-                    if ev.get("finish_reason"):
+                    if ev.finish_reason:
                         return
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, SSEError) as e:
             raise WorkerError(w.url, f"stream: {e!r}") from None
 
 
-def _json_body(url: str, path: str, r: httpx.Response) -> dict[str, Any]:
+def _json_body(url: str, path: str, r: httpx.Response) -> Any:
     if r.status_code // 100 != 2:
         busy = False
         if r.status_code == 503:
@@ -368,21 +350,31 @@ def _json_body(url: str, path: str, r: httpx.Response) -> dict[str, Any]:
         raise WorkerError(url, f"{path}: HTTP {r.status_code}: {r.text[:300]}",
                           retryable=r.status_code == 503, busy=busy)
     try:
-        body = r.json()
+        return r.json()
     except (json.JSONDecodeError, ValueError):
         raise WorkerError(url, f"{path}: answer is not JSON") from None
-    if not isinstance(body, dict):
-        raise WorkerError(url, f"{path}: answer is not a JSON object")
-    return body
 
 
-def parse_info(body: Mapping[str, Any], url: str) -> WorkerInfo:
-    """Validate an ``/internal/info`` body.
+def _parse(model: type[M], url: str, path: str, body: Any) -> M:
+    """Validate an internal answer with its message model.
 
     Raises:
-        WorkerError: malformed info.
+        WorkerError: the answer does not fit the model (the first error is named).
     """
     try:
-        return WorkerInfo.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as e:
-        raise WorkerError(url, f"/internal/info: {e.errors()[0].get('msg')}") from None
+        raise WorkerError(url, f"{path}: malformed {model.__name__}: {_first(e)}") from None
+
+
+def _parse_json(model: type[M], url: str, path: str, text: str) -> M:
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as e:
+        raise WorkerError(url, f"{path}: malformed {model.__name__}: {_first(e)}") from None
+
+
+def _first(e: ValidationError) -> str:
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err.get("loc", ()))
+    return f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))

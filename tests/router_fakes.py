@@ -1,4 +1,7 @@
-"""In-process fake prefill/decode workers speaking the router's internal protocol (draft).
+"""In-process fake prefill/decode workers speaking the router's internal protocol.
+
+Every body they take and answer is a model of :mod:`k3serve.messages` (FastAPI validates
+the requests; the answers are built from the models), exactly as the real workers'.
 
 They run the real cache bookkeeping (``k3serve.cache.manager.CacheManager``: prefix hits,
 snapshots, cache events) but a toy "model" (``toy_next``) instead of the network, so router
@@ -11,7 +14,6 @@ Servers run with uvicorn in background threads (``ServerThread``).
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import socket
 import threading
@@ -23,13 +25,30 @@ from typing import Any
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
 
 from k3serve.cache.manager import CacheManager
 from k3serve.cache.specs import CacheConfig
-from k3serve.tokenizer.detok import IncrementalDetokenizer
+from k3serve.messages import (
+    AbortRequest,
+    AbortResponse,
+    CacheEvents,
+    CacheState,
+    Capacity,
+    ErrorBody,
+    PrefillRequest,
+    PrefillResponse,
+    ReserveRequest,
+    ReserveResponse,
+    StreamEvent,
+    StreamRequest,
+    TokenLogprob,
+    WorkerInfo,
+)
 from k3serve.sampling import SamplingParams
 from k3serve.tokenizer import get_tokenizer
+from k3serve.tokenizer.detok import IncrementalDetokenizer
 from router.workers import CLUSTER_TOKEN_HEADER
 
 MODEL = "k3-tiny"
@@ -45,9 +64,9 @@ def toy_next(context: list[int], seed: int | None, temperature: float) -> int:
     return 97 + base
 
 
-def toy_logprobs(tok: int, k: int | None) -> tuple[float, list[list[float]]]:
-    top = [[tok, -0.25], [97 + (tok - 96) % 26, -1.5], [32, -3.0]]
-    return -0.25, top[: (k or 0)]
+def toy_logprobs(tok: int, k: int | None) -> TokenLogprob:
+    top = [(tok, -0.25), (97 + (tok - 96) % 26, -1.5), (32, -3.0)]
+    return TokenLogprob(logprob=-0.25, top_logprobs=top[: (k or 0)])
 
 
 def toy_generate(prompt: list[int], sp: SamplingParams) -> tuple[list[int], str, str]:
@@ -69,11 +88,13 @@ class FakeState:
     cm: CacheManager = field(init=False)
     url: str = ""
     fail_prefill: int = 0  # answer this many prefills with 503
+    busy_reserves: int = 0  # answer this many reservations with 503 "busy" (no decode room)
     reservations: dict[str, dict[str, Any]] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
+    # validated /internal/prefill bodies as dicts, "_cached": the tokens the fake reused
     prefills: list[dict[str, Any]] = field(default_factory=list)
     unauthorized: int = 0
-    token_delay_s: float = 0.0
+    hang_after: int | None = None  # a decode stream stalls after this many tokens until aborted
     streams: list[dict[str, Any]] = field(default_factory=list)  # /internal/stream bodies
     # end each decode stream after this many tokens with this finish_reason (None: no finish
     # event at all, only ``[DONE]``): a decode worker that aborts, or stops at its own limit
@@ -98,47 +119,47 @@ def make_worker_app(state: FakeState) -> FastAPI:
         if state.cluster_token and request.url.path.startswith("/internal") \
                 and request.headers.get(CLUSTER_TOKEN_HEADER) != state.cluster_token:
             state.unauthorized += 1
-            return JSONResponse({"error": "forbidden"}, status_code=403)
+            return JSONResponse(ErrorBody(error="forbidden").model_dump(), status_code=403)
         return await call_next(request)
 
     @app.get("/internal/info")
-    async def info() -> dict[str, Any]:
-        return {"role": state.role, "model": MODEL, "fingerprint": FINGERPRINT,
-                "block_size": state.block_size, "max_model_len": 4096,
-                "worker_id": f"{state.role}@{state.url.rsplit(':', 1)[-1]}",
-                "capacity": {"num_pages": 256, "num_slots": 8, "num_snapshots": 16}}
+    async def info() -> WorkerInfo:
+        return WorkerInfo(role=state.role, model=MODEL, fingerprint=FINGERPRINT,
+                          block_size=state.block_size, max_model_len=4096,
+                          worker_id=f"{state.role}@{state.url.rsplit(':', 1)[-1]}",
+                          capacity=Capacity(num_pages=256, num_slots=8, num_snapshots=16))
 
     @app.get("/internal/cache_events")
-    async def events(after: int = 0) -> dict[str, Any]:
-        return state.cm.events_since(after)
+    async def events(after: int = 0) -> CacheEvents:
+        return CacheEvents.model_validate(state.cm.events_since(after))
 
     @app.get("/internal/cache_state")
-    async def cache_state() -> dict[str, Any]:
-        return state.cm.cache_state()
+    async def cache_state() -> CacheState:
+        return CacheState.model_validate(state.cm.cache_state())
 
     @app.post("/internal/abort")
-    async def abort(request: Request) -> dict[str, Any]:
-        body = await request.json()
-        state.aborted.append(body["request_id"])
-        r = state.reservations.get(body["request_id"])
+    async def abort(body: AbortRequest) -> AbortResponse:
+        state.aborted.append(body.request_id)
+        r = state.reservations.get(body.request_id)
         if r:
             r["aborted"] = True
             r["ready"].set()
-        return {"ok": True}
+            r["abort_ev"].set()
+        return AbortResponse(found=r is not None)
 
     # ---------------- prefill
-    @app.post("/internal/prefill")
-    async def prefill(request: Request) -> JSONResponse:
+    @app.post("/internal/prefill", response_model=None)
+    async def prefill(b: PrefillRequest) -> PrefillResponse | JSONResponse:
         if state.fail_prefill > 0:
             state.fail_prefill -= 1
-            return JSONResponse({"error": "overloaded"}, status_code=503)
-        b = await request.json()
-        state.prefills.append(b)
-        sp = SamplingParams.from_dict(b["sampling"])
-        ids = [int(t) for t in b["prompt_token_ids"]]
+            return JSONResponse(ErrorBody(error="overloaded").model_dump(), status_code=503)
+        rec = b.model_dump()
+        state.prefills.append(rec)
+        sp = b.sampling.to_params()
+        ids = list(b.prompt_token_ids)
         seq = next(rid_counter)
         cm = state.cm
-        cm.add(seq, ids, cache_salt=b.get("cache_salt"), snapshot_at=b.get("snapshot_at") or (),
+        cm.add(seq, ids, cache_salt=b.cache_salt, snapshot_at=b.snapshot_at,
                snapshot_on_finish=False)
         hit = cm.match(seq)
         first = hit.chunk_end - hit.num_tokens
@@ -149,26 +170,31 @@ def make_worker_app(state: FakeState) -> FastAPI:
             cm.allocate(seq, n)
             cm.commit(seq, ids, n)
         cm.finish(seq)
-        b["_cached"] = hit.num_tokens
+        rec["_cached"] = hit.num_tokens
         tok = toy_next(ids, sp.seed, sp.temperature)
-        lp, top = toy_logprobs(tok, sp.logprobs)
+        lp = toy_logprobs(tok, sp.logprobs)
         async with httpx.AsyncClient() as c:  # the "transfer" to the decode worker
-            r = await c.post(b["bootstrap_addr"] + "/fake/transfer",
-                             json={"ticket": b["ticket"], "token_id": tok})
+            r = await c.post(b.bootstrap_addr + "/fake/transfer",
+                             json={"ticket": b.ticket, "token_id": tok})
             r.raise_for_status()
-        return JSONResponse({"token_id": tok, "logprob": lp, "top_logprobs": top,
-                             "num_cached_tokens": hit.num_tokens, "cached_source": "local",
-                             "text": TOKENIZER.decode([tok])})
+        return PrefillResponse(request_id=b.request_id, token_id=tok, logprob=lp.logprob,
+                               top_logprobs=lp.top_logprobs, num_cached_tokens=hit.num_tokens,
+                               cached_source="local", text=TOKENIZER.decode([tok]),
+                               position=len(ids), seed=sp.seed or 0)
 
     # ---------------- decode
-    @app.post("/internal/reserve")
-    async def reserve(request: Request) -> dict[str, Any]:
-        b = await request.json()
+    @app.post("/internal/reserve", response_model=None)
+    async def reserve(b: ReserveRequest) -> ReserveResponse | JSONResponse:
+        if state.busy_reserves > 0:
+            state.busy_reserves -= 1
+            return JSONResponse(ErrorBody(error="busy", message="no free slot").model_dump(),
+                                status_code=503)
         ticket = uuid.uuid4().hex
-        state.reservations[b["request_id"]] = {
-            "prompt": b["prompt_token_ids"], "sampling": SamplingParams.from_dict(b["sampling"]),
-            "ticket": ticket, "ready": asyncio.Event(), "first": None, "aborted": False}
-        return {"ticket": ticket, "bootstrap_addr": state.url}
+        state.reservations[b.request_id] = {
+            "prompt": list(b.prompt_token_ids), "sampling": b.sampling.to_params(),
+            "ticket": ticket, "ready": asyncio.Event(), "first": None, "aborted": False,
+            "abort_ev": asyncio.Event()}
+        return ReserveResponse(request_id=b.request_id, ticket=ticket, bootstrap_addr=state.url)
 
     @app.post("/fake/transfer")
     async def transfer(request: Request) -> dict[str, Any]:
@@ -181,10 +207,9 @@ def make_worker_app(state: FakeState) -> FastAPI:
         return JSONResponse({"error": "unknown ticket"}, status_code=404)
 
     @app.post("/internal/stream")
-    async def stream(request: Request) -> StreamingResponse:
-        b = await request.json()
-        state.streams.append(b)
-        r = state.reservations[b["request_id"]]
+    async def stream(b: StreamRequest) -> EventSourceResponse:
+        state.streams.append(b.model_dump())
+        r = state.reservations[b.request_id]
         await asyncio.wait_for(r["ready"].wait(), 10)
         sp: SamplingParams = r["sampling"]
 
@@ -194,23 +219,22 @@ def make_worker_app(state: FakeState) -> FastAPI:
             detok.step(r["first"])
             sent = 0
             while not detok.finished and not r["aborted"]:
-                if state.token_delay_s:
-                    await asyncio.sleep(state.token_delay_s)
                 t = toy_next(ctx, sp.seed, sp.temperature)
                 ctx.append(t)
                 o = detok.step(t)
-                lp, top = toy_logprobs(t, sp.logprobs)
                 sent += 1
                 cut = state.cut_stream is not None and sent == state.cut_stream[0]
-                ev = {"token_ids": [t], "text": o.new_text,
-                      "logprobs": [{"logprob": lp, "top_logprobs": top}],
-                      "finish_reason": state.cut_stream[1] if cut else o.finish_reason}
-                yield f"data: {json.dumps(ev)}\n\n"
+                ev = StreamEvent(token_ids=[t], text=o.new_text,
+                                 logprobs=[toy_logprobs(t, sp.logprobs)],
+                                 finish_reason=state.cut_stream[1] if cut else o.finish_reason)
+                yield ev.model_dump_json()
                 if cut:
                     break
-            yield "data: [DONE]\n\n"
+                if state.hang_after is not None and sent >= state.hang_after:
+                    await r["abort_ev"].wait()
+            yield "[DONE]"
 
-        return StreamingResponse(gen(), media_type="text/event-stream")
+        return EventSourceResponse(gen(), sep="\n")
 
     return app
 

@@ -1,8 +1,8 @@
 """Router app end to end over HTTP: the real ``openai`` client, fake workers (router_fakes).
 
-Covers issue 5 must-show 1 (against fake workers; the live ``k3serve serve`` run is the
-launcher's test), 4 (bad input → 400/401/404/405 with an OpenAI-style body, no worker → 503,
-never a 500), cache hits (exact ``cached_tokens`` on a repeated prompt, predicted = actual),
+Covers the OpenAI API end to end with the ``openai`` client (against fake workers; the live
+``k3serve serve`` run is the launcher's test), bad input → 400/401/404/405 with an
+OpenAI-style body, no worker → 503 (never a 500), cache hits (exact ``cached_tokens`` on a repeated prompt, predicted = actual),
 metrics by scraping ``/metrics``, registration with the cluster token, resync after a worker
 restart, retry on a failing prefill worker, and aborts when the client goes away.
 """
@@ -31,9 +31,10 @@ B = 16  # the fake workers' block size
 
 class Stack:
     def __init__(self, num_prefill: int = 2, num_decode: int = 1, api_key: str | None = API_KEY,
-                 policy: str = "cache_aware") -> None:
+                 policy: str = "cache_aware", busy_wait_s: float = 60.0) -> None:
         self.app = create_app(RouterConfig(model=MODEL, policy=policy, api_key=api_key,
-                                           cluster_token=TOKEN, poll_interval_s=0.02))
+                                           cluster_token=TOKEN, poll_interval_s=0.02,
+                                           busy_wait_s=busy_wait_s))
         self.router = self.app.state.router
         self.srv = ServerThread(self.app).start()
         self.url = self.srv.url
@@ -447,7 +448,7 @@ def test_client_disconnect_aborts_on_the_decode_worker():
     s = Stack(num_prefill=1, num_decode=1, api_key=None)
     try:
         dec = s.decode[0][0]
-        dec.token_delay_s = 0.05
+        dec.hang_after = 1  # the stream stalls after one token until the router aborts it
         body = {"model": MODEL, "prompt": "slow", "max_tokens": 200, "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
             assert r.status_code == 200
@@ -464,5 +465,38 @@ def test_client_disconnect_aborts_on_the_decode_worker():
                 time.monotonic() < deadline:
             time.sleep(0.02)
         assert s.router.pool.workers[dec.url].running == 0
+    finally:
+        s.close()
+
+
+def test_busy_decode_is_waited_for_then_503_and_load_counters_return_to_zero():
+    """A decode worker answering ``busy`` stays healthy: the reservation is retried (tenacity
+    policy) until it gets room; past ``busy_wait_s`` the request is a 503. Whatever happens,
+    the router's load account of every worker ends at zero (Worker.load owns it)."""
+    s = Stack(num_prefill=1, num_decode=1, api_key=None, busy_wait_s=1.0)
+    try:
+        dec = s.decode[0][0]
+        body = {"model": MODEL, "prompt": "room please " * 3, "max_tokens": 3,
+                "temperature": 0}
+        dec.busy_reserves = 3
+        r = s.post("/v1/completions", body, key=None)
+        assert r.status_code == 200, r.text
+        assert dec.busy_reserves == 0 and s.health()["num_decode_healthy"] == 1
+        dec.busy_reserves = 1 << 30  # never room
+        r = s.post("/v1/completions", body, key=None)
+        assert r.status_code == 503, r.text
+        assert "room" in r.json()["error"]["message"]
+        assert s.health()["num_decode_healthy"] == 1
+        dec.busy_reserves = 0
+        (pre, _), = s.prefill
+        pre.fail_prefill = 1  # a failed prefill is placed again (and aborted on D)
+        assert s.post("/v1/completions", body, key=None).status_code == 503  # only one P
+        deadline = time.monotonic() + 10  # P's next successful poll makes it healthy again
+        while s.health()["num_prefill_healthy"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        r = s.post("/v1/completions", {**body, "stream": True}, key=None)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+        for w in s.router.pool.workers.values():
+            assert (w.running, w.reserved_tokens, w.queued_tokens) == (0, 0, 0), w
     finally:
         s.close()

@@ -1,0 +1,155 @@
+"""Router configuration and command line: :class:`RouterConfig` (frozen) and :func:`main`.
+
+Run: ``python -m router.app --host 127.0.0.1 --port 8000 --model k3-tiny [--api-key KEY]``
+(``router.app`` calls :func:`main`); the cluster token comes from ``$K3SERVE_CLUSTER_TOKEN``
+(``k3serve serve`` sets it), the API key from ``--api-key`` or ``$K3SERVE_API_KEY``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+
+from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
+from router.placement import POLICIES, PlacementParams
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything the router is configured with (read once, in ``main``).
+
+    Attributes:
+        model: Served model name (preset or checkpoint folder); requests must name it.
+        policy: Prefill placement policy, a key of ``router.placement.POLICIES``.
+        api_key: Bearer token required on ``/v1/*``; ``None`` leaves the API open.
+        cluster_token: Token exchanged with workers on every internal call.
+        tokenizer: Tokenizer name or folder; ``None`` = the model's.
+        add_bos: Prepend BOS to text prompts of ``/v1/completions`` (token-id prompts and
+            chat templates are used as given).
+        poll_interval_s: Seconds between cache-event pulls of each worker.
+        poll_timeout_s: Timeout of one cache-event pull, seconds: ``unhealthy_after`` slow
+            pulls in a row take a stuck (alive but unresponsive) worker out of placement.
+        unhealthy_after: Failed pulls in a row that take a worker out of placement.
+        timeout_s: Timeout of one internal call, seconds (a stream: between two events).
+        max_model_len: Longest prompt + output in tokens; ``None`` = the workers' (or the
+            model config's) value.
+        prefill_rate: Prefill tokens/s assumed for workers that do not report one.
+        busy_wait_s: How long a request waits for room while every decode worker answers
+            ``busy`` (no free slot or pages) before it fails with 503, seconds.
+        placement: Cache-aware policy knobs.
+
+    Raises:
+        ValueError: an unknown policy or a non-positive poll interval / timeout (named).
+    """
+
+    model: str = "k3-tiny"
+    policy: str = "cache_aware"
+    api_key: str | None = None
+    cluster_token: str | None = None
+    tokenizer: str | None = None
+    add_bos: bool = True
+    poll_interval_s: float = 0.1
+    poll_timeout_s: float = 10.0
+    unhealthy_after: int = 3
+    timeout_s: float = 600.0
+    max_model_len: int | None = None
+    prefill_rate: float = 10_000.0
+    busy_wait_s: float = 60.0
+    placement: PlacementParams = field(default_factory=PlacementParams)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: {self.policy!r} is not one of {sorted(POLICIES)}")
+        if self.poll_interval_s <= 0:
+            raise ValueError("poll_interval_s: must be > 0")
+        if self.poll_timeout_s <= 0:
+            raise ValueError("poll_timeout_s: must be > 0")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``python -m router.app`` (the launcher passes ``--host --port --model
+    --policy`` and optionally ``--api-key --poll-timeout``)."""
+    ap = argparse.ArgumentParser(prog="python -m router.app",
+                                 description="k3serve router: OpenAI-compatible front of the "
+                                             "prefill/decode cluster")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--model", default="k3-tiny")
+    ap.add_argument("--policy", default="cache_aware", choices=sorted(POLICIES))
+    ap.add_argument("--api-key", default=None,
+                    help=f"bearer token for /v1/* (default: ${API_KEY_ENV}, else open)")
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--no-bos", action="store_true", help="do not prepend BOS to text prompts")
+    ap.add_argument("--poll-interval", type=float, default=0.1, help="seconds")
+    ap.add_argument("--poll-timeout", type=float, default=10.0,
+                    help="seconds one cache-event pull may take before it counts as failed")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--prefill-rate", type=float, default=10_000.0, help="tokens/s")
+    ap.add_argument("--log-level", default="warning")
+    return ap
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The :class:`RouterConfig` of parsed flags and the two environment variables."""
+    return RouterConfig(
+        model=args.model, policy=args.policy,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        cluster_token=os.environ.get(CLUSTER_TOKEN_ENV) or None, tokenizer=args.tokenizer,
+        add_bos=not args.no_bos, poll_interval_s=args.poll_interval,
+        poll_timeout_s=args.poll_timeout,
+        max_model_len=args.max_model_len, prefill_rate=args.prefill_rate)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound, listening TCP socket for the router (uvicorn serves on it).
+
+    Raises:
+        OSError: the address cannot be bound (taken port, unknown host, no permission).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m router.app``: parse flags, bind the port, serve until stopped.
+
+    Returns:
+        0 after a clean stop; 1 when the port cannot be bound (one line on stderr, no
+        traceback).
+    """
+    import uvicorn
+
+    from router.app import create_app
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = config_from_args(args)
+    try:
+        sock = listen(args.host, args.port)
+    except OSError as e:
+        why = ("address already in use" if e.errno == errno.EADDRINUSE
+               else e.strerror or str(e))
+        print(f"k3serve router: cannot listen on {args.host}:{args.port}: {why}",
+              file=sys.stderr)
+        return 1
+    server = uvicorn.Server(uvicorn.Config(create_app(config), log_level=args.log_level))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0

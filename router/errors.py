@@ -1,0 +1,81 @@
+"""OpenAI-style errors of the router: :class:`APIError` and the app's exception handlers.
+
+Every error answer is ``{"error": {"message", "type", "param", "code"}}``
+(:class:`router.schemas.ErrorResponse`): bad input 400, bad API key 401, wrong cluster token
+403, unknown route or model 404, no healthy worker or a worker failure 503 — never a 500
+(an unexpected exception is logged and answered 503).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.schemas import ErrorInfo, ErrorResponse, validation_error_info
+
+log = logging.getLogger("k3serve.router")
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {...}}`` with an HTTP status.
+
+    Args:
+        status: HTTP status.
+        message / type / param / code: the OpenAI error fields.
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+
+    @classmethod
+    def invalid(cls, errors: list[Any]) -> APIError:
+        """A 400 for pydantic validation errors (``ValidationError.errors()``)."""
+        i = validation_error_info(errors)
+        return cls(400, i.message, i.type, i.param, i.code)  # type: ignore[arg-type]
+
+    @property
+    def message(self) -> str:
+        return self.info.message
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body."""
+        return ErrorResponse(error=self.info).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def unavailable(message: str) -> APIError:
+    """503 ``service_unavailable`` (no healthy worker, no decode room)."""
+    return APIError(503, message, "server_error", code="service_unavailable")
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Answer every error of ``app`` OpenAI-style (see the module docstring)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        return APIError.invalid(list(e.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found" if e.status_code == 404 else None
+        return APIError(e.status_code, str(e.detail), code=kind).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error: %r", e)
+        return APIError(503, f"internal error: {type(e).__name__}", "server_error",
+                        code="internal_error").response()

@@ -1,0 +1,355 @@
+"""The choice pipeline: place → reserve on D → prefill on P (token #1) → stream from D.
+
+Steps 2–10 of the request lifecycle, router side (:mod:`k3serve.protocol` numbers them).
+:class:`Router` owns the worker pool, the metrics and the per-choice driver; the load counters
+of the chosen workers are held by :meth:`router.workers.Worker.load` for exactly as long as
+the request occupies them, and retries (a failed worker, a busy decode worker) are
+:mod:`tenacity` policies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from typing import TYPE_CHECKING
+
+import httpx
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_fixed,
+)
+
+from k3serve.messages import (
+    PrefillRequest,
+    ReserveRequest,
+    SamplingSpec,
+)
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.placement import (
+    DecodeWorkerState,
+    NoWorkerAvailable,
+    Placement,
+    PlacementRequest,
+    PrefillWorkerState,
+    place,
+)
+from router.preprocess import Preprocessor, PromptJob, prompt_hashes
+from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.stream import END, Placed, stream_choice
+from router.workers import Worker, WorkerError, WorkerPool
+
+if TYPE_CHECKING:
+    from k3serve.sampling import SamplingParams
+
+log = logging.getLogger("k3serve.router")
+
+#: Pause before a choice that found every decode worker busy retries its reservation; waiting
+#: choices take turns, so at most 1 / BUSY_RETRY_S such retries per second leave the router.
+BUSY_RETRY_S = 0.005
+
+def _failover(e: BaseException) -> bool:
+    """Nothing was computed: the choice may be placed again elsewhere (once)."""
+    return isinstance(e, WorkerError) and e.retryable and not e.busy
+
+
+def _busy(e: BaseException) -> bool:
+    """A decode worker had no room for the reservation now."""
+    return isinstance(e, WorkerError) and e.busy
+
+
+class Router:
+    """Request pipeline, worker pool and metrics of one router process.
+
+    Args:
+        config: The router's configuration.
+        transport: httpx transport for internal calls (tests route them in-process).
+    """
+
+    def __init__(self, config: RouterConfig,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        from k3serve.tokenizer import get_tokenizer
+
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.pool = WorkerPool(config.model, config.cluster_token, config.poll_interval_s,
+                               config.unhealthy_after, config.timeout_s, transport,
+                               on_worker=lambda w: self.metrics.add_worker(w.name, w.role),
+                               poll_timeout_s=config.poll_timeout_s)
+        self.tokenizer = get_tokenizer(config.tokenizer or config.model)
+        self.pre = Preprocessor(self.tokenizer, config.add_bos)
+        self._seq = itertools.count()
+        self._background: set[asyncio.Task] = set()
+        self._model_len: int | None = None
+        # Choices waiting for decode room retry one at a time, in turn (FIFO): a crowd of them
+        # must not flood the decode workers with reservation attempts.
+        self._busy_gate = asyncio.Lock()
+
+    async def close(self) -> None:
+        for t in list(self._background):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(t, 5.0)
+        await self.pool.close()
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+
+    def _abort(self, w: Worker, sub: str) -> None:
+        """Abort ``sub`` on ``w`` in the background (best effort)."""
+        self._spawn(self.pool.abort(w, sub))
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output, tokens: config, else the smallest a worker reports, else
+        the model config's ``max_position_embeddings``."""
+        if self.config.max_model_len:
+            return self.config.max_model_len
+        reported = [w.info.max_model_len for w in self.pool.workers.values()
+                    if w.info.max_model_len]
+        if reported:
+            return min(reported)
+        if self._model_len is None:
+            from k3serve.config import load_config
+
+            try:
+                self._model_len = load_config(self.config.model).max_position_embeddings
+            except (ValueError, OSError):
+                self._model_len = 1 << 20
+        return self._model_len
+
+    # ------------------------------------------------------------------ placement
+    def place(self, ids: list[int], cache_salt: str | None, max_new: int,
+              exclude: frozenset[str] = frozenset()) -> tuple[Placement, Worker, Worker]:
+        """Score the healthy workers and choose (prefill, decode) for one choice.
+
+        Raises:
+            NoWorkerAvailable: no healthy prefill or decode worker.
+        """
+        prefill = [w for w in self.pool.live("prefill") if w.url not in exclude]
+        decode = [w for w in self.pool.live("decode") if w.url not in exclude]
+        if not prefill or not decode or self.pool.layout is None:
+            raise NoWorkerAvailable(
+                f"no healthy {'prefill' if not prefill else 'decode'} worker")
+        fingerprint, bs = self.pool.layout
+        req = PlacementRequest(len(ids), bs, seq=next(self._seq), max_new_tokens=max_new)
+        match = self.pool.match(prompt_hashes(ids, bs, fingerprint, cache_salt),
+                                req.max_cached_blocks)
+        pstates = []
+        for w in prefill:
+            m = match.get(w.url)
+            pstates.append(PrefillWorkerState(
+                w.url, m.usable_blocks if m else 0, m.mla_blocks if m else 0, w.queued_tokens,
+                w.info.prefill_rate or self.config.prefill_rate))
+        dstates = []
+        for w in decode:
+            cap = w.info.capacity_tokens
+            dstates.append(DecodeWorkerState(
+                w.url, cap - w.reserved_tokens if cap else 1 << 62,
+                w.info.capacity.num_slots - w.running, w.running))
+        p = place(req, pstates, dstates, self.config.policy, self.config.placement)
+        return p, self.pool.workers[p.prefill], self.pool.workers[p.decode]
+
+    # ------------------------------------------------------------------ token #1
+    async def _busy_turn(self, seconds: float, deadline: float) -> None:
+        """Wait for this choice's turn to retry a reservation that found no decode room
+        (the turn lasts ``seconds``; never past ``deadline``, monotonic seconds)."""
+        async def turn() -> None:
+            async with self._busy_gate:
+                await asyncio.sleep(seconds)
+
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(turn(), max(0.0, deadline - time.monotonic()))
+
+    def _no_room(self, _: RetryCallState) -> None:
+        raise NoWorkerAvailable(f"no decode worker had room for the request within "
+                                f"{self.config.busy_wait_s:g} s")
+
+    async def _reserve(self, job: PromptJob, spec: SamplingSpec, cache_salt: str | None,
+                       sub: str, exclude: frozenset[str]
+                       ) -> tuple[Placement, Worker, Worker, str, str, ExitStack]:
+        """Place the choice and reserve on its decode worker D, waiting (up to
+        ``busy_wait_s``) while every D is busy. The returned stack holds D's load."""
+        need = len(job.token_ids) + job.max_new
+        deadline = time.monotonic() + self.config.busy_wait_s
+        async for attempt in AsyncRetrying(
+                retry=retry_if_exception(_busy), stop=stop_after_delay(self.config.busy_wait_s),
+                wait=wait_fixed(BUSY_RETRY_S), retry_error_callback=self._no_room,
+                sleep=lambda s: self._busy_turn(s, deadline)):
+            with attempt:
+                p, P, D = self.place(job.token_ids, cache_salt, job.max_new, exclude)
+                with ExitStack() as hold:
+                    hold.enter_context(D.load(running=1, reserved_tokens=need))
+                    try:
+                        res = await self.pool.reserve(D, ReserveRequest(
+                            request_id=sub, prompt_token_ids=job.token_ids, sampling=spec,
+                            cache_salt=cache_salt))
+                    except asyncio.CancelledError:
+                        self._abort(D, sub)
+                        raise
+                    hold = hold.pop_all()
+        return p, P, D, res.ticket, res.bootstrap_addr, hold
+
+    async def _first_token(self, job: PromptJob, spec: SamplingSpec, cache_salt: str | None,
+                           sub: str, exclude: frozenset[str]) -> Placed:
+        """Reserve on D, then prefill on P: token #1. On failure D's reservation is aborted."""
+        p, P, D, ticket, addr, hold = await self._reserve(job, spec, cache_salt, sub, exclude)
+        with hold:
+            uncached = len(job.token_ids) - p.predicted_cached_tokens
+            try:
+                with P.load(queued_tokens=uncached), \
+                        self.metrics.waiting.labels(P.name).track_inprogress():
+                    first = await self.pool.prefill(P, PrefillRequest(
+                        request_id=sub, prompt_token_ids=job.token_ids, sampling=spec,
+                        ticket=ticket, bootstrap_addr=addr, snapshot_at=list(p.snapshot_at),
+                        cache_salt=cache_salt))
+                if not 0 <= first.num_cached_tokens <= len(job.token_ids):
+                    raise WorkerError(P.url, f"prefill: malformed answer: num_cached_tokens "
+                                             f"{first.num_cached_tokens}")
+            except BaseException as e:
+                self._abort(D, sub)
+                if isinstance(e, asyncio.CancelledError):
+                    self._abort(P, sub)
+                raise
+            return Placed(sub, p, P, D, first, hold.pop_all())
+
+    # ------------------------------------------------------------------ one choice
+    async def run_choice(self, job: PromptJob, index: int, choice: int,
+                         sampling: SamplingParams, cache_salt: str | None, rid: str,
+                         arrival: float, out: asyncio.Queue) -> Worker:
+        """Run one choice through reserve → prefill → stream, pushing ``Delta``s to ``out``.
+
+        A worker that cannot be reached before anything was computed is marked unhealthy and
+        the choice is placed once more elsewhere. A decode worker that answers ``busy`` (no
+        free slot or pages) stays healthy: the choice is placed again after a short backoff,
+        for up to ``RouterConfig.busy_wait_s``. Cancelling the task aborts the request on
+        both workers.
+
+        The router's detokenizer decides stops and ``max_tokens``; when D's stream ends
+        before it did, the held-back text (a partial character, the possible start of a stop
+        string) is released by ``IncrementalDetokenizer.finish`` and the choice ends with:
+
+        * D's ``finish_reason`` when D sent one: ``"length"`` (D's own model length, below
+          what the router allowed: only with ``--max-model-len`` above a worker's),
+          ``"stop"``, or ``"abort"`` (D aborted the request: the output is truncated);
+        * with no ``finish_reason`` at all (``[DONE]`` or the body ended early):
+          ``"length"`` when the prompt plus the tokens received reach D's model length (D
+          cannot go on), else ``"abort"``; D is told to abort.
+
+        A broken connection, a non-2xx status or an error event is a worker failure
+        (``WorkerError``: 503, or an error event mid-stream); the released text is delivered
+        before it.
+
+        Returns:
+            The prefill worker that ran it.
+
+        Raises:
+            NoWorkerAvailable: no healthy worker.
+            WorkerError: a worker failed.
+        """
+        spec = SamplingSpec.of(sampling)
+        tried: set[str] = set()
+
+        def exclude_failed(state: RetryCallState) -> None:
+            e = state.outcome.exception() if state.outcome else None
+            if isinstance(e, WorkerError) and e.worker in self.pool.workers:
+                self.pool.mark_failed(self.pool.workers[e.worker])
+                tried.add(e.worker)
+
+        async for attempt in AsyncRetrying(retry=retry_if_exception(_failover),
+                                           stop=stop_after_attempt(2), reraise=True,
+                                           before_sleep=exclude_failed):
+            with attempt:
+                n = attempt.retry_state.attempt_number
+                sub = f"{rid}-{index}" + (f"-r{n - 1}" if n > 1 else "")
+                placed = await self._first_token(job, spec, cache_salt, sub, frozenset(tried))
+        with placed.hold:
+            if choice == 0:
+                job.cached_tokens = placed.first.num_cached_tokens
+                job.prefill, job.decode = placed.prefill, placed.decode
+            await stream_choice(placed, len(job.token_ids), index, sampling, out,
+                                self.pool, self.metrics, self.tokenizer, self._abort,
+                                ttft_since=arrival if choice == 0 and job.prompt_index == 0
+                                else None)
+        return placed.prefill
+
+    # ------------------------------------------------------------------ one prompt
+    async def run_prompt(self, req: CompletionRequest | ChatCompletionRequest, job: PromptJob,
+                         rid: str, arrival: float, out: asyncio.Queue) -> None:
+        """Run the ``n`` choices of one prompt; every choice ends with ``END`` in ``out``.
+
+        Choice 0 goes first; once its prefill answered (token #1 is out) and that prefill
+        worker's cache events are pulled, choices 1..n-1 start together and find the prompt
+        cached. An exception is put in ``out`` in place of a choice's ``END``.
+        """
+        base_seed = req.seed if req.seed is not None else secrets.randbits(63)
+        n = req.n
+        first_out: asyncio.Queue = asyncio.Queue()
+        relay_done = asyncio.Event()
+
+        async def relay() -> None:
+            """Forward choice 0's deltas; wake the other choices at its first token."""
+            while True:
+                item = await first_out.get()
+                await out.put(item)
+                relay_done.set()
+                if item is END or isinstance(item, BaseException):
+                    return
+
+        async def choice(j: int) -> Worker | None:
+            q = first_out if j == 0 else out
+            try:
+                return await self.run_choice(
+                    job, job.prompt_index * n + j, j,
+                    self.pre.sampling(req, job.max_new, j, base_seed), req.cache_salt, rid,
+                    arrival, q)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - delivered to the consumer
+                await q.put(e)
+                return None
+            finally:
+                await q.put(END)
+
+        relay_task = asyncio.create_task(relay())
+        first = asyncio.create_task(choice(0))
+        others: list[asyncio.Task] = []
+        try:
+            if n > 1:
+                await relay_done.wait()
+                if job.prefill is not None:  # pull its events: the prompt is indexed now
+                    with contextlib.suppress(WorkerError):
+                        await self.pool.sync(job.prefill)
+                others = [asyncio.create_task(choice(j)) for j in range(1, n)]
+            await asyncio.gather(first, relay_task, *others)
+        finally:
+            for t in (first, relay_task, *others):
+                t.cancel()
+
+    def execute(self, req: CompletionRequest | ChatCompletionRequest, jobs: list[PromptJob],
+                rid: str, arrival: float) -> tuple[asyncio.Queue, list[asyncio.Task], int]:
+        """Start every prompt of a request; return (delta queue, tasks, number of choices)."""
+        out: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self.run_prompt(req, job, rid, arrival, out))
+                 for job in jobs]
+        return out, tasks, len(jobs) * req.n
+
+
+async def cancel(tasks: Sequence[asyncio.Task]) -> None:
+    """Cancel tasks and wait for them to end (their errors are dropped)."""
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(BaseException):
+            await t

@@ -1,0 +1,175 @@
+"""OpenAI rendering: choice deltas → completions / chat objects, stream chunks and usage.
+
+The router's internal view of a logprob is ``float | None`` (``None``: not a finite number,
+as it travels between processes, :func:`k3serve.messages.finite`); the public API always
+renders a number, :func:`public_logprob`, the one place that maps ``None`` to OpenAI's
+``-9999.0``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.preprocess import PromptJob
+from router.schemas import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    PromptTokensDetails,
+    TopLogprob,
+    Usage,
+    now,
+)
+from router.stream import Delta, TokenLogprob
+
+#: What the public API shows for a logprob that is not a finite number (vLLM does the same).
+NOT_FINITE_LOGPROB = -9999.0
+
+
+def public_logprob(lp: float | None) -> float:
+    """A logprob as the public API renders it: ``None`` (not finite) → ``-9999.0``."""
+    return NOT_FINITE_LOGPROB if lp is None else lp
+
+
+@dataclass
+class ChoiceAcc:
+    """Everything one choice produced (non-streaming response, usage)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)  # text completed by each token
+    finish_reason: str | None = None
+
+    def absorb(self, d: Delta) -> None:
+        self.text += d.text
+        self.token_ids += d.token_ids
+        self.logprobs += d.logprobs
+        self.token_texts += token_texts(d)
+        self.finish_reason = d.finish_reason or self.finish_reason
+
+
+def token_texts(d: Delta) -> list[str]:
+    """Text attributed per token: a delta's text goes to its last token."""
+    return [d.text if k == len(d.token_ids) - 1 else "" for k in range(len(d.token_ids))]
+
+
+class Render:
+    """Turns deltas into OpenAI objects (completions or chat) of one request.
+
+    Args:
+        tokenizer: The model's tokenizer (token strings and bytes).
+        model: The served model name.
+        req: The validated request.
+        rid: The response id.
+    """
+
+    def __init__(self, tokenizer, model: str, req: CompletionRequest | ChatCompletionRequest,
+                 rid: str) -> None:
+        self.tok, self.model, self.req, self.rid = tokenizer, model, req, rid
+        self.chat = isinstance(req, ChatCompletionRequest)
+        self.created = now()
+        self._offset: dict[int, int] = {}
+
+    def token_str(self, t: int) -> str:
+        b = self.tok.decode_bytes([t], skip_special_tokens=False)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return "".join(f"bytes:\\x{x:02x}" for x in b)
+
+    def token_bytes(self, t: int) -> list[int]:
+        return list(self.tok.decode_bytes([t], skip_special_tokens=False))
+
+    def want_logprobs(self) -> bool:
+        if isinstance(self.req, ChatCompletionRequest):
+            return self.req.logprobs
+        return self.req.logprobs is not None
+
+    def completion_logprobs(self, index: int, lps: list[TokenLogprob],
+                            texts: list[str]) -> CompletionLogprobs:
+        off = self._offset.get(index, 0)
+        res = CompletionLogprobs()
+        for lp, piece in zip(lps, texts, strict=True):
+            res.tokens.append(self.token_str(lp.token_id))
+            res.token_logprobs.append(public_logprob(lp.logprob))
+            res.top_logprobs.append({self.token_str(t): public_logprob(v) for t, v in lp.top}
+                                    if lp.top or self.req.logprobs else None)
+            res.text_offset.append(off)
+            off += len(piece)
+        self._offset[index] = off
+        return res
+
+    def chat_logprobs(self, lps: list[TokenLogprob]) -> ChatLogprobs:
+        return ChatLogprobs(content=[
+            ChatTokenLogprob(
+                token=self.token_str(lp.token_id), logprob=public_logprob(lp.logprob),
+                bytes=self.token_bytes(lp.token_id),
+                top_logprobs=[TopLogprob(token=self.token_str(t), logprob=public_logprob(v),
+                                         bytes=self.token_bytes(t)) for t, v in lp.top])
+            for lp in lps])
+
+    def chunk(self, d: Delta, first: bool) -> dict[str, Any]:
+        """One SSE chunk for a delta (``first``: the choice's first chunk)."""
+        lp_on = self.want_logprobs() and d.logprobs
+        if self.chat:
+            delta = DeltaMessage(role="assistant" if first else None, content=d.text
+                                 if (d.text or first) else None)
+            c = ChatChunkChoice(index=d.index, delta=delta,
+                                logprobs=self.chat_logprobs(d.logprobs) if lp_on else None,
+                                finish_reason=d.finish_reason)
+            return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model,
+                                       choices=[c]).model_dump(exclude_none=True)
+        c = CompletionChoice(
+            index=d.index, text=d.text, finish_reason=d.finish_reason,
+            logprobs=self.completion_logprobs(d.index, d.logprobs, token_texts(d))
+            if lp_on else None)
+        return CompletionChunk(id=self.rid, created=self.created, model=self.model,
+                               choices=[c]).model_dump(exclude_none=True)
+
+    def usage(self, jobs: list[PromptJob], accs: dict[int, ChoiceAcc]) -> Usage:
+        prompt = sum(len(j.token_ids) for j in jobs)
+        completion = sum(len(a.token_ids) for a in accs.values())
+        return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(
+                         cached_tokens=sum(j.cached_tokens for j in jobs)))
+
+    def usage_chunk(self, jobs: list[PromptJob], accs: dict[int, ChoiceAcc]) -> dict[str, Any]:
+        """The final chunk of a stream with ``stream_options.include_usage``."""
+        cls = ChatCompletionChunk if self.chat else CompletionChunk
+        return cls(id=self.rid, created=self.created, model=self.model, choices=[],
+                   usage=self.usage(jobs, accs)).model_dump()
+
+    def full(self, jobs: list[PromptJob], accs: dict[int, ChoiceAcc]) -> dict[str, Any]:
+        """The non-streaming response."""
+        usage = self.usage(jobs, accs)
+        if self.chat:
+            choices = [ChatChoice(
+                index=i, message=ChatResponseMessage(content=a.text),
+                logprobs=self.chat_logprobs(a.logprobs) if self.want_logprobs() else None,
+                finish_reason=a.finish_reason) for i, a in sorted(accs.items())]
+            return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model,
+                                          choices=choices, usage=usage).model_dump()
+        choices = []
+        for i, a in sorted(accs.items()):
+            lp = None
+            if self.want_logprobs():
+                self._offset[i] = 0
+                lp = self.completion_logprobs(i, a.logprobs, a.token_texts)
+            choices.append(CompletionChoice(index=i, text=a.text, logprobs=lp,
+                                            finish_reason=a.finish_reason))
+        return CompletionResponse(id=self.rid, created=self.created, model=self.model,
+                                  choices=choices, usage=usage).model_dump()

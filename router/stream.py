@@ -1,0 +1,157 @@
+"""One choice after its token #1: token #1 and the decode worker's events as text deltas.
+
+Steps 6 and 10 of the request lifecycle, router side (:mod:`k3serve.protocol`): token #1 is
+counted and sent at once (TTFT), then ``POST /internal/stream`` on D yields
+:class:`~k3serve.messages.StreamEvent` s that the engine's incremental detokenizer turns into
+text (stop strings, stop tokens and ``max_tokens`` decided here exactly as offline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from k3serve.messages import PrefillResponse, StreamRequest, finite
+from router.metrics import RouterMetrics
+from router.placement import Placement
+from router.workers import Worker, WorkerError, WorkerPool
+
+if TYPE_CHECKING:
+    from k3serve.messages import TokenLogprob as WireLogprob
+    from k3serve.sampling import SamplingParams
+
+log = logging.getLogger("k3serve.router")
+
+END = object()  # a choice's last queue item
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one generated token and its top alternatives (token id, logprob);
+    ``None``: not a finite number (:func:`k3serve.messages.finite`)."""
+
+    token_id: int
+    logprob: float | None
+    top: list[tuple[int, float | None]]
+
+    @classmethod
+    def of(cls, token_id: int, wire: WireLogprob | PrefillResponse | None) -> TokenLogprob:
+        """From a worker's logprob message (``None``: none sent)."""
+        if wire is None:
+            return cls(token_id, None, [])
+        return cls(token_id, finite(wire.logprob),
+                   [(t, finite(lp)) for t, lp in wire.top_logprobs or ()])
+
+
+@dataclass
+class Delta:
+    """New output of one choice: text, token ids, their logprobs, and the finish."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Placed:
+    """A choice whose token #1 is back: its workers, placement, answer and held load
+    (``hold`` exits :meth:`router.workers.Worker.load` of D when the choice ends)."""
+
+    sub: str
+    placement: Placement
+    prefill: Worker
+    decode: Worker
+    first: PrefillResponse
+    hold: ExitStack
+
+
+async def stream_choice(c: Placed, prompt_len: int, index: int, sampling: SamplingParams,
+                        out: asyncio.Queue, pool: WorkerPool, metrics: RouterMetrics,
+                        tokenizer, abort: Callable[[Worker, str], None],
+                        ttft_since: float | None = None) -> None:
+    """Put token #1 and then D's tokens #2.. into ``out`` as :class:`Delta` s.
+
+    Args:
+        c: The placed choice.
+        prompt_len: Prompt length L, tokens.
+        index: The choice's index in the response.
+        sampling: Its sampling parameters (stops, ``max_tokens``).
+        out: Where the deltas go.
+        pool / metrics / tokenizer: the router's.
+        abort: Aborts a request on a worker in the background.
+        ttft_since: Arrival time (monotonic s) when this is the request's first token.
+
+    Ends (see :meth:`router.pipeline.Router.run_choice` for the finish reasons) when the
+    detokenizer or D finished, or the stream ended without a finish (``length`` at D's model
+    length, else ``abort``).
+
+    Raises:
+        WorkerError: D failed (the held-back text is delivered first).
+    """
+    from k3serve.tokenizer.detok import IncrementalDetokenizer
+
+    P, D, first, sub = c.prefill, c.decode, c.first, c.sub
+    metrics.observe_prefill(P.name, prompt_len, {first.cached_source: first.num_cached_tokens},
+                            c.placement.predicted_cached_tokens)
+    if ttft_since is not None:
+        metrics.ttft.labels(P.name).observe(time.monotonic() - ttft_since)
+    detok = IncrementalDetokenizer(tokenizer, sampling, eos_token_id=tokenizer.eos_token_id)
+    o = detok.step(first.token_id)
+    await out.put(Delta(index, o.new_text, [first.token_id],
+                        [TokenLogprob.of(first.token_id, first)], o.finish_reason))
+    if o.finished:
+        abort(D, sub)
+        return
+
+    itl = metrics.itl.labels(D.name)
+    last = time.monotonic()
+    n_out = 1
+    body = StreamRequest(request_id=sub, token_id=first.token_id, logprob=finite(first.logprob))
+    with metrics.running.labels(D.name).track_inprogress():
+        try:
+            async for ev in pool.stream(D, body):
+                t = time.monotonic()
+                for _ in ev.token_ids:
+                    itl.observe((t - last) / len(ev.token_ids))
+                last = t
+                d = Delta(index)
+                for k, tok in enumerate(ev.token_ids):
+                    o = detok.step(tok)
+                    d.token_ids.append(tok)
+                    d.logprobs.append(TokenLogprob.of(
+                        tok, ev.logprobs[k] if k < len(ev.logprobs) else None))
+                    d.text += o.new_text
+                    if o.finished:
+                        break
+                n_out += len(d.token_ids)
+                if not detok.finished and ev.finish_reason:  # D ended it first
+                    d.text += detok.finish(ev.finish_reason).new_text
+                d.finish_reason = detok.finish_reason
+                if d.token_ids or d.text or d.finish_reason:
+                    await out.put(d)
+                if d.finish_reason:
+                    if not ev.finish_reason:  # the router saw the stop first
+                        abort(D, sub)
+                    break
+            if not detok.finished:  # the stream ended without a finish_reason
+                cap = D.info.max_model_len
+                reason = "length" if cap and prompt_len + n_out >= cap else "abort"
+                log.warning("request %s: the decode stream of %s ended without a finish "
+                            "after %d tokens; finishing with %r", sub, D.name, n_out, reason)
+                abort(D, sub)
+                await out.put(Delta(index, detok.finish(reason).new_text,
+                                    finish_reason=reason))
+        except BaseException as e:
+            abort(D, sub)
+            if isinstance(e, WorkerError) and not detok.finished:
+                rest = detok.finish("abort").new_text  # deliver the held-back text first
+                if rest:
+                    await out.put(Delta(index, rest))
+            raise
