@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from decode.state import TRANSITIONS as DECODE_TRANSITIONS
 from decode.state import DecodePhase, DecodeState
-from decode.worker import DecodeWorker, transfer_metadata
+from decode.worker import DecodeWorker
 from k3serve import messages
 from prefill.state import TRANSITIONS as PREFILL_TRANSITIONS
 from prefill.state import PrefillPhase, PrefillState
@@ -196,10 +196,13 @@ def test_transfer_metadata_is_typed_on_the_decode_side():
     meta = messages.TransferMetadata(
         request_id="r", prompt_token_ids=[1, 2], token_id=3, logprob=None,
         top_logprobs=[(3, -0.1), (4, None)], sampling=messages.SamplingSpec(seed=5), position=2)
-    wire = meta.model_dump(mode="json")  # what kvstore carries
-    assert transfer_metadata(wire) == meta and transfer_metadata(meta) is meta
+    done = messages.StatusMessage(ticket="t", sender="s", kind="done", metadata=meta)
+    wire = done.model_dump_json()  # what kvstore carries (TE notification or HTTP body)
+    assert messages.StatusMessage.model_validate_json(wire).metadata == meta
+    bad = done.model_dump(mode="json")
+    bad["metadata"]["token_id"] = "three"
     with pytest.raises(ValueError, match="token_id"):
-        transfer_metadata({**wire, "token_id": "three"})
+        messages.StatusMessage.model_validate(bad)
 
 
 # ============================================================================ engine thread
