@@ -1,150 +1,86 @@
-"""The engine's public contract: request lifecycle and the typed values that cross it.
+"""The request lifecycle, numbered in the order the code runs it, and the engine's values.
 
-Torch-free (dataclasses only): the router, prefill/ and decode/ import it without the model.
+This is the one description of the request path; docstrings elsewhere point here. Every body
+that crosses a process boundary is a model of :mod:`k3serve.messages` (named in brackets);
+docs/ARCHITECTURE.md maps the packages and who owns which state. Torch-free (dataclasses
+only): the router, the workers and kvstore import it without the model.
 
-Request lifecycle (DESIGN.md §1), in the order the code runs:
+1. **router/app.py → router/preprocess.py** ``parse_request`` validates the OpenAI body
+   (router/schemas.py); ``Preprocessor`` tokenizes (chat template for chat requests), splits
+   ``n > 1`` into one :class:`~router.preprocess.PromptJob` choice each with derived seeds, and
+   ``prompt_hashes`` chain-hashes the prompt's full blocks
+   (:func:`k3serve.cache.hashing.block_hashes`, salted with the workers' layout fingerprint and
+   the request's ``cache_salt``).
+2. **router/pipeline.py** ``Router.place`` asks the global index
+   (:class:`router.index.GlobalIndex`, fed by every worker's cache events — ``CacheEvents`` /
+   ``CacheState`` — by the pollers of router/workers.py) which prefix each worker can reuse, and
+   calls the pure cost function :func:`router.placement.place`: a prefill worker P, a decode
+   worker D, the predicted hit, and ``snapshot_at`` (:func:`router.placement.branch_snapshot`:
+   the boundary where this prompt diverges from cached ones). ``Worker.load(...)`` is the one
+   context manager that owns the load counters of P and D for the request's lifetime.
+3. **decode D** ``POST /internal/reserve`` [``ReserveRequest`` → ``ReserveResponse``]:
+   decode/worker.py → ``LLMEngine.reserve`` → :meth:`k3serve.engine.connector.DisaggConnector.reserve`
+   takes a KDA state slot and pages for the prompt's latents (:class:`CacheHandle`); a full cache
+   raises :class:`k3serve.cache.allocator.CacheFullError` → 503 ``busy`` and the router retries
+   or picks another D. D's kvstore registers the handle behind a transfer ticket
+   (:class:`kvstore.receiver.KVReceiver`, kvstore/tickets.py); the answer carries the ticket and
+   D's bootstrap ``host:port`` (no memory addresses).
+4. **prefill P** ``POST /internal/prefill`` [``PrefillRequest``]: prefill/worker.py →
+   ``LLMEngine.add_prefill_request`` → ``DisaggConnector.add_prefill_request``. At admission P
+   looks up its prefix cache (usable hit = deepest block boundary with every MLA block AND a KDA
+   snapshot, :func:`k3serve.cache.prefix.usable_prefix_blocks`), loads the snapshot into a fresh
+   slot, takes pages for the whole prompt (``KVConnector.admit_tokens``) and hands the
+   :class:`CacheHandle` to the sender (``KVConnector.on_admit``): a
+   :class:`kvstore.sender.KVSender` pairs with D's bootstrap server [``PairRequest`` →
+   ``PairResponse``; a layout mismatch is refused naming every differing field].
+5. P computes the rest of the prompt in chunks (interleaved with other requests; chunk ends on
+   snapshot points). Every forward goes through ``ModelRunner.execute(RunBatch)``
+   (k3serve/engine/runner.py); ``KVConnector.layer_hook`` runs after each layer wrote its cache,
+   so the sender's writes of layer l go out while layer l+1 computes.
+6. P samples token #1 (randomness keyed on (seed, choice, position)); ``KVConnector.on_sampled``
+   holds the request (``SeqStatus.HELD``) and ``LLMEngine.step()`` returns a
+   :class:`RequestOutput` whose ``handle`` carries :class:`FirstToken`. P answers the router at
+   once [``PrefillResponse``: token #1, logprobs, ``num_cached_tokens``, ``cached_source``] —
+   TTFT is measured here — and keeps slot and pages until ``LLMEngine.release`` after the
+   transfer's last write.
+7. **kvstore** writes the KDA + conv states and the prompt's MLA latents into D's reservation
+   through the Mooncake Transfer Engine (kvstore/writes.py, layer by layer), then reports
+   ``done`` [``StatusMessage`` with the per-layer byte manifest and ``TransferMetadata``: prompt
+   ids, token #1 + logprobs, sampling with the resolved seed, position] as a TE notification.
+   D's ticket succeeds only if every layer's bytes equal what it expects.
+8. **router → decode D** ``POST /internal/stream`` [``StreamRequest``: token #1 as P answered
+   it]. On success D ``LLMEngine.admit`` → ``DisaggConnector.admit``: the prompt's full blocks are
+   indexed in D's cache and the request joins the decode batch at token #2. On a failed or
+   expired transfer D frees the reservation once no sender can still write into it and runs the
+   request itself from P's token #1: ``LLMEngine.add_request(rid, prompt, params,
+   output_token_ids=[token #1])`` prefills prompt + token #1 and samples from position ``L + 1``
+   on (token #1 is never re-sampled; counted in ``k3serve:kv_transfer_fallbacks_total``). D
+   streams tokens #2… [SSE of ``StreamEvent``, decode/stream.py].
+9. Finish (stop token, stop string, ``max_tokens``, model length) or ``POST /internal/abort``
+   [``AbortRequest``] at any point frees the slot and pages (``KVConnector.on_abort``); a
+   finished request's end-of-request KDA snapshot (prompt + answer, minus the last sampled token,
+   rounded down to a block) is indexed so the conversation's next turn hits on this worker (not
+   when the request found the rolling snapshot cap, ``EngineConfig.rolling_snapshot_fraction``
+   of the snapshot budget); every index change becomes a cache event.
+10. **router/stream.py** ``stream_choice`` turns token #1 then D's events into text
+    (incremental detokenizer with stop strings); router/render.py renders OpenAI chunks / the
+    full response; ``usage.prompt_tokens_details.cached_tokens`` is P's ``num_cached_tokens``.
+    When D's stream ends before the router's detokenizer finished, its held-back text is
+    released and the choice ends with D's reason, else ``length`` at D's model length, else
+    ``abort``.
 
-1. **router/app** tokenizes the prompt, chain-hashes its blocks
-   (:func:`k3serve.cache.hashing.block_hashes` salted with the workers' layout fingerprint and
-   the request's ``cache_salt``) and marks ``snapshot_at`` where the prompt diverges from
-   cached ones.
-2. **router/placement** picks a prefill worker P (its cached prefix, from the cache events it
-   replays with :class:`k3serve.cache.events.EventIndex`, against its queue) and a decode
-   worker D; it counts the predicted hit.
-3. **decode D** reserves: ``LLMEngine.reserve(request_id, prompt_token_ids)`` takes a KDA
-   state slot and pages for the prompt's latents and returns a :class:`CacheHandle` (slot,
-   pages, ``num_tokens``). Raises :class:`k3serve.cache.allocator.CacheFullError` when it
-   cannot: D answers "busy" and the router retries or picks another D. D's kvstore registers
-   the handle behind a transfer ticket.
-4. **prefill P** ``LLMEngine.add_prefill_request(request_id, prompt_token_ids, params,
-   cache_salt=, snapshot_at=, on_admit=, layer_hook=)``. At admission P looks up its prefix
-   cache (usable hit = deepest block boundary with every MLA block AND a KDA snapshot), loads
-   the snapshot into a fresh slot, allocates pages for the whole prompt and calls
-   ``on_admit(CacheHandle)`` (no token yet) so the sender knows its source.
-5. P computes the rest of the prompt in chunks (interleaved with other requests; chunk ends
-   are placed on snapshot points) and calls ``layer_hook(layer, upto_tokens)`` after each
-   layer of each chunk has written its cache, so the sender overlaps the transfer with compute.
-6. P samples token #1 (randomness keyed on (seed, choice, position)); ``LLMEngine.step()``
-   returns a :class:`RequestOutput` whose ``handle`` carries the slot, the pages, and
-   :class:`FirstToken`; P returns token #1 to the router at once (TTFT). P keeps the slot and
-   pages until ``LLMEngine.release(request_id)`` (after the transfer's last write).
-7. **kvstore** moves the KDA + conv states and the prompt's MLA latents into D's reservation,
-   then notifies D with the metadata: prompt ids, token #1 + logprobs, sampling params with
-   the seed, position.
-8. **decode D** ``LLMEngine.admit(request_id, output_token_ids=[token #1], params=...)``: the
-   prompt's full blocks are indexed in D's cache, the request joins the decode batch at
-   token #2; ``step()`` streams tokens #2… back. On a failed transfer D aborts the
-   reservation (``abort_request``) and runs the request itself from P's token #1 (which the
-   router passes when it opens D's stream): ``add_request(request_id, prompt, params,
-   output_token_ids=[token #1])`` prefills prompt + token #1 and samples from position
-   ``L + 1`` on, token #1 counted as output #1 and never re-sampled — the client's token #1
-   and D's continuation always agree, and no request is lost.
-9. Finish (stop token, stop string, ``max_tokens``, model length) or ``abort_request`` at any
-   point frees the slot and pages; a finished request's end-of-request KDA snapshot (prompt +
-   answer, minus the last sampled token, rounded down to a block) is indexed so the
-   conversation's next turn hits on this worker (not when the request found the rolling
-   snapshot cap, ``EngineConfig.rolling_snapshot_fraction`` of the snapshot budget, taken at
-   its last block boundary); every index change becomes a cache event.
-10. **router/app** streams token #1 then D's tokens (SSE); ``usage.prompt_tokens_details.
-    cached_tokens`` is P's :attr:`RequestOutput.num_cached_tokens`. When D's stream ends
-    before the router's detokenizer finished, its held-back text is released
-    (``IncrementalDetokenizer.finish``) and the choice ends with D's reason, else ``length``
-    at D's model length, else ``abort`` (``router.app.Router.run_choice``).
+Offline (one process, both roles): ``k3serve.LLM(...).generate(prompts, params)`` runs steps 4–9
+without the hand-off (``LLMEngine.add_request``; ``LLMEngine.connector is None``).
 
-Offline (one process, both roles): ``k3serve.LLM(...).generate(prompts, params)`` runs
-steps 4–9 without the hand-off (``LLMEngine.add_request``).
-
-Internal HTTP API (router ↔ workers; prefill/worker.py, decode/worker.py, router/workers.py)
-──────────────────────────────────────────────────────────────────────────────────────────────
-JSON over HTTP. Every ``/internal/*`` call carries ``X-K3serve-Cluster-Token:
-$K3SERVE_CLUSTER_TOKEN`` when the cluster has a token (403 otherwise); ``/health`` and
-``/metrics`` are open. Worker errors answer ``{"error": CODE, "message": TEXT}`` with 400 (bad
-body or ids: ``invalid_request``, ``invalid_sampling``), 403, 404 ``unknown_request``, 409
-(``fingerprint_mismatch``, ``ticket_refused``, ``aborted``, ``stream_taken``), 502
-(``transfer_pairing_failed``, ``transfer_setup_failed``), 503 ``busy`` (no cache for a
-reservation now: retry elsewhere), 504 ``timeout``, 500 ``internal_error`` (a bug) or
-``engine_error`` (the prefill engine's step failed). ``sampling`` is
-``SamplingParams.to_dict()`` with ``n == 1`` (the router splits ``n > 1`` into sub-requests
-with derived seeds; set ``seed``: a decode-side fallback then samples tokens #2… exactly as
-after a successful transfer). Logprobs that are not finite travel as ``null``.
-
-Both roles::
-
-    GET  /internal/info → {role: "prefill"|"decode", model, fingerprint (hash salt base:
-            model layout, block size, pool dtypes and weights identity; equal fingerprints =
-            interchangeable caches), weights_id, block_size, capacity: {num_pages,
-            num_slots, num_snapshots}, max_model_len, worker_id, enable_prefix_caching,
-            kv_layout_hash,
-            usage: {pages_used, pages_cached, slots_used, snapshots_used, snapshots_cached,
-                    num_running, num_waiting, num_engine_requests, num_reserved, ...}}
-            (decode adds bootstrap_addr and usage.{open_tickets, unreleased_tickets,
-            num_transfers_pending, num_requests_tracked}; prefill adds
-            num_transfers_pending)
-    GET  /internal/cache_events?after=SEQ[&limit=N] → {epoch, last_seq, events: [{seq, type:
-            "stored"|"removed", block_hashes, snapshot}]}   (LLMEngine.cache_events)
-    GET  /internal/cache_state → {epoch, last_seq, blocks, snapshots}   (on a gap / new epoch)
-    GET  /internal/requests[?request_id=ID] → {requests: {ID: {...state...}}}   (debugging)
-    POST /internal/abort {request_id} → {ok: true, found: bool}   (idempotent)
-    GET  /health → 200 {status: "ok", role, worker_id} | 503 when the engine thread died
-    GET  /metrics → Prometheus text (DESIGN.md §6 worker names, labels worker + role)
-
-Decode worker::
-
-    POST /internal/reserve {request_id, prompt_token_ids: [L ints], sampling, n: 1,
-            cache_salt: str|null}
-        → 200 {request_id, ticket, bootstrap_addr: "host:port"}      503 busy · 400
-        Takes a slot + pages for L tokens and registers them behind the ticket with the
-        kvstore bootstrap server (the prefill worker's kvstore pairs there; only kvstore sees
-        addresses). The ticket waits up to K3SERVE_KV_PAIR_TIMEOUT_S (default 600 s) for
-        the prefill worker to pair (it pairs when it admits the request, which may queue
-        there first), then times out K3SERVE_KV_RECEIVER_TIMEOUT_S (default 60 s) after
-        pairing. The router aborts the reservation when its prefill call fails.
-    POST /internal/stream {request_id, token_id: int, logprob: float|null}
-        token_id / logprob: token #1 as the prefill worker answered it (the router has it
-        before it opens the stream). After a failed transfer the decode worker continues
-        from exactly this token (never from one it samples itself); with a successful
-        transfer the transferred metadata's token #1 is used (they agree).
-        → text/event-stream, one ``data: {json}`` per engine step from token #2 on:
-            {"token_ids": [int], "text": str, "logprobs": [{"logprob": float|null,
-             "top_logprobs": [[id, logprob], ...]|null}] (aligned with token_ids),
-             "finish_reason": null|"stop"|"length"|"abort"}
-          a failure is {"error": str, "token_ids": [], "finish_reason": "abort"}; the stream
-          ends after the event with a finish_reason with ``data: [DONE]``. One stream per
-          request (409 for a second one); 404 for an unknown request. Closing the stream
-          early aborts the request.
-        Token #1 is never streamed (the router has it from the prefill worker). The decode
-        worker's own stop checks use the same params, so it stops no later than the router.
-    Transfer failure (after the sender's retries, or the ticket's timeout): the decode worker
-    recomputes the prefill itself — ``add_request`` with the reserved prompt and params and
-    ``output_token_ids=[token_id]`` from the stream request, so it continues from the
-    prefill worker's token #1; counted in ``k3serve:kv_transfer_fallbacks_total`` — and
-    streams from token #2 as usual. A failure before the stream is opened waits for it
-    (holding nothing; given up after ``decode.worker.FIRST_TOKEN_TTL_S``). The reservation
-    is freed once no sender can still write into it.
-
-Prefill worker::
-
-    POST /internal/prefill {request_id, prompt_token_ids, sampling, ticket, bootstrap_addr,
-            snapshot_at: [int], cache_salt: str|null}
-        → 200 {request_id, token_id, logprob, top_logprobs: [[id, logprob]]|null,
-               num_cached_tokens, cached_source: "local", text, position (= L), seed}
-          answered as soon as token #1 is sampled and the sender has paired (at most 2 s
-          more while pairing is slow); the cache keeps flowing to the decode worker after the
-          answer, then the metadata {request_id, prompt_token_ids, token_id, logprob,
-          top_logprobs, sampling (seed resolved), position, num_cached_tokens} (kvstore
-          ``KVSender.finish``); the slot and pages are released when the send ended.
-        → 409 fingerprint_mismatch (message names every differing field: block_size, dtypes,
-          shapes, layers, model, ``extra.*``: the model's cache-layout fields and weights) ·
-          409 ticket_refused (unknown / closed ticket: the decode side aborted) · 502
-          transfer_pairing_failed (decode bootstrap unreachable): nothing was kept. A transfer
-          that fails after pairing still answers token #1 (the decode worker falls back).
-        Test hook (only with K3SERVE_TEST_HOOKS=1): ``debug_fail_transfer_n: int`` makes the
-        first n write submissions of this request's sender fail (kvstore ``fail_first_n``);
-        K3SERVE_KV_FAIL_FIRST_N does the same for every request.
-
-Registration: a worker started with ``--router-url`` POSTs ``{router}/internal/register
-{"url": "http://host:port"}`` (with the cluster token) and, every 2 s, re-registers when the
-router's ``GET /health?detail=1`` no longer lists its URL (router restart).
+Internal HTTP API: JSON over HTTP, the bodies are the models of :mod:`k3serve.messages` (its
+docstring lists every route with its request and answer). Every ``/internal/*`` and ``/kv/*``
+call carries ``X-K3serve-Cluster-Token`` when the cluster has a token (403 otherwise);
+``/health`` and ``/metrics`` are open. Errors answer ``ErrorBody`` (codes listed there).
+Workers register with ``POST {router}/internal/register`` [``RegisterRequest``] and re-register
+whenever the router's ``GET /health?detail=1`` [``RouterHealth``] no longer lists them (router
+restart). Test hook (only with ``K3SERVE_TEST_HOOKS=1``): ``PrefillRequest.debug_fail_transfer_n``
+makes the first n write submissions of that request's sender fail; ``K3SERVE_KV_FAIL_FIRST_N``
+does the same for every request.
 """
 
 from __future__ import annotations

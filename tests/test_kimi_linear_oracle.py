@@ -1,4 +1,4 @@
-"""Issue 2 must-show 1: k3serve runs Kimi Linear exactly like transformers' KimiLinearForCausalLM.
+"""k3serve runs Kimi Linear exactly like transformers' KimiLinearForCausalLM (same logits, same greedy tokens).
 
 A tiny random KimiLinear (float32) is saved with ``save_pretrained`` and loaded through
 ``k3serve.model.hf_import``. Prefill logits of several prompts (one varlen batch on our side) must

@@ -1,4 +1,4 @@
-"""The router never imports torch or model code (issue 5; STYLE.md import direction)."""
+"""The router never imports torch or model code (STYLE.md import direction)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sampling params, the batched sampler and incremental detokenization (issue 3, Sampler)."""
+"""Sampling params, the batched sampler and incremental detokenization."""
 
 from __future__ import annotations
 
