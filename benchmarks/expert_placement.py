@@ -94,7 +94,8 @@ def main() -> int:
     counts = planner.load_counts(args.counts)
     r = run(counts, args.ranks, args.redundant, args.max_moves)
     s0 = (len(counts[0])) // args.ranks
-    print(f"{len(counts[0])} experts x {len(counts)} layers on {args.ranks} ranks; max/mean rank load")
+    print(f"{len(counts[0])} experts x {len(counts)} layers on {args.ranks} ranks; "
+          "max/mean rank load")
     print(f"{'layer':>5} | {'contig':>7} {'R=' + str(args.redundant):>7} | {'R=0':>7} {'LPT':>7} | "
           f"{'shifted':>7} {'keep':>7} {'replan':>7} {'moves':>5}")
     for i in range(len(counts)):

@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--counts", required=True,
                     help="JSON: per-expert token counts, or a list of such lists (per layer)")
     pp.add_argument("--ranks", type=int, required=True, help="expert-parallel ranks N")
-    pp.add_argument("--redundant", type=int, default=0,
+    pp.add_argument("--redundant", type=int, required=True,
                     help="extra expert copies R (experts + R must be a multiple of ranks)")
     pp.add_argument("--previous", default=None, help="plan JSON in service: re-plan from it")
     pp.add_argument("--max-moves", type=int, default=None,

@@ -174,7 +174,9 @@ class EPExperts:
         return torch.cat(parts, 0)[:t]
 
 
-def routed_reference(moe, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+def routed_reference(
+    moe, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
+) -> torch.Tensor:
     """Plain-torch reference of the routed sum, one token-choice at a time (float32).
 
     Shapes as ``EPExperts.__call__``.

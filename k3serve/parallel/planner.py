@@ -562,7 +562,7 @@ def plan(
     Args:
         counts: per layer, ``[E]`` tokens per expert.
         num_ranks: N.
-        redundant: R (ignored when ``previous`` is given: its slot layout is kept).
+        redundant: R (with ``previous``: must equal its R, whose slot layout is kept).
         previous: placement in service; with it each layer moves ≤ ``max_moves`` copies.
         max_moves: per layer budget (required with ``previous``).
 
@@ -572,7 +572,7 @@ def plan(
 
     Raises:
         ValueError: as the per-layer functions, or ``previous`` with a different layer count /
-            rank count, or ``max_moves`` missing with ``previous``.
+            rank count / R, or ``max_moves`` missing with ``previous``.
     """
     cs = [_check_counts(x) for x in counts]
     if previous is None:
@@ -592,6 +592,11 @@ def plan(
         )
     if previous.layers[0].num_ranks != num_ranks:
         raise ValueError(f"ranks: {num_ranks} != previous plan's {previous.layers[0].num_ranks}")
+    prev_r = previous.layers[0].slots.size - len(cs[0])
+    if prev_r != redundant:
+        raise ValueError(
+            f"redundant: {redundant} != the previous plan's {prev_r} (its slots are kept)"
+        )
     before = [p.max_over_mean(x) for p, x in zip(previous.layers, cs)]
     res = [replan_layer(x, p, max_moves) for x, p in zip(cs, previous.layers)]
     return Plan([p for p, _ in res], before, [p.max_over_mean(x) for (p, _), x in zip(res, cs)],
