@@ -123,11 +123,48 @@ def mla_decode_absorbed_paged(q_lat, latent_pool, block_table, seq_lens, kv_lora
     return ref(q_lat, latent_pool, block_table, seq_lens, kv_lora, scale)
 
 
+def routed_experts(z, w13, w2, topk_ids, topk_weights, act, beta=4.0, beta_l=25.0, packed=None):
+    """Routed-expert sum ``Σ_j w[t, j] E_{ids[t, j]}(z[t])`` as grouped GEMMs (no host sync).
+
+    Args:
+        z: ``[T, W]`` expert inputs. w13: ``[E, 2I, W]`` gate then up rows; w2: ``[E, W, I]``
+            (dense, any float dtype; cast to ``z.dtype``).
+        topk_ids: ``[T, k]`` int64; topk_weights: ``[T, k]`` float32.
+        act: ``"situ"`` or ``"silu"``; beta, beta_l: the SiTU-GLU bounds.
+        packed: optional MXFP4 ``(w13 uint8 [E, 2I, W/2], s13 [E, 2I, W/32], w2 [E, W, I/2],
+            s2 [E, W, I/32])``: the Triton path reads these instead of the dense weights.
+
+    Returns:
+        ``[T, W]`` float32. Triton (:mod:`k3serve.kernels.moe.grouped_triton`) when
+        :func:`use_triton` allows and ``z`` is bf16/fp16/fp32, else the torch grouped path
+        (:mod:`k3serve.kernels.moe.grouped`); reference: ``k3serve.kernels.moe.naive``.
+    """
+    if use_triton(z.device) and z.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        from k3serve.kernels.moe.grouped_triton import TritonExperts, routed_experts_triton
+
+        if packed is not None:
+            experts = TritonExperts(packed[0], packed[2], packed[1], packed[3])
+        else:
+            experts = TritonExperts(w13.to(z.dtype), w2.to(z.dtype))
+        return routed_experts_triton(z, experts, topk_ids, topk_weights, act, beta, beta_l)
+    from k3serve.kernels.moe.grouped import routed_experts_grouped
+    from k3serve.model.layers import situ_glu, swiglu
+
+    if act == "situ":
+        fn = functools.partial(situ_glu, beta=beta, beta_l=beta_l)
+    elif act == "silu":
+        fn = swiglu
+    else:
+        raise ValueError(f"act: {act!r} is not 'situ' or 'silu'")
+    return routed_experts_grouped(z, w13, w2, topk_ids, topk_weights, fn)
+
+
 __all__ = [
     "causal_conv_step",
     "chunk_kda",
     "fused_recurrent_kda_step",
     "kernel_backend",
     "mla_decode_absorbed_paged",
+    "routed_experts",
     "use_triton",
 ]

@@ -5,7 +5,12 @@ by ``k3serve.kernels.dispatch``)."""
 
 from __future__ import annotations
 
-from k3serve.kernels.moe.grouped import ExpertSort, grouped_mm, routed_experts_grouped, sort_by_expert
+from k3serve.kernels.moe.grouped import (
+    ExpertSort,
+    grouped_mm,
+    routed_experts_grouped,
+    sort_by_expert,
+)
 from k3serve.kernels.moe.naive import routed_experts_loop
 
 __all__ = [

@@ -59,8 +59,9 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> ExpertSort:
         ValueError: ``topk_ids`` not 2-D integer, or ``num_experts < 1``.
     """
     if topk_ids.dim() != 2 or topk_ids.is_floating_point():
-        raise ValueError(f"topk_ids: expected an integer [T, k], got {topk_ids.dtype} "
-                         f"{tuple(topk_ids.shape)}")
+        raise ValueError(
+            f"topk_ids: expected an integer [T, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}"
+        )
     if num_experts < 1:
         raise ValueError(f"num_experts: must be >= 1, got {num_experts}")
     flat = topk_ids.reshape(-1)
@@ -86,7 +87,10 @@ def _has_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def grouped_mm(
-    a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, capacity: int | None = None,
+    a: torch.Tensor,
+    w: torch.Tensor,
+    ends: torch.Tensor,
+    capacity: int | None = None,
     sorted_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row-grouped ``a Wᵀ``: rows ``[ends[e-1], ends[e])`` of ``a`` times ``w[e]ᵀ``.
