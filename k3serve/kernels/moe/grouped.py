@@ -158,7 +158,7 @@ def routed_experts_grouped(
     y = grouped_mm(h, w2.to(z.dtype), s.ends, t, s.sorted_ids).float()
     y = y * topk_weights.reshape(-1).float().index_select(0, s.order)[:, None]
     out = torch.empty_like(y).index_copy_(0, s.order, y)
-    return out.view(t, k, -1).sum(1)
+    return out.view(t, k, w2.shape[1]).sum(1)
 
 
 __all__ = ["ExpertSort", "grouped_mm", "routed_experts_grouped", "sort_by_expert"]

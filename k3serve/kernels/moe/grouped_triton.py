@@ -277,6 +277,8 @@ def routed_experts_triton(
         raise ValueError("experts: MXFP4 needs uint8 w13/w2 and both scale tensors")
     z = z.contiguous()
     m = t * topk
+    if m == 0:
+        return torch.zeros(t, width, dtype=torch.float32, device=z.device)
     bm, bn, warps, stages = _config(m, num_e)
     lay = align_blocks(topk_ids, num_e, bm)
     p_len = lay.slot_assign.numel()
