@@ -131,7 +131,7 @@ def test_loop_reference_equals_per_token_sum() -> None:
 # ------------------------------------------------------------------ Triton (interpreter on CPU)
 triton = pytest.importorskip("triton")
 
-from k3serve.kernels.moe.grouped_triton import (  # noqa: E402
+from k3serve.kernels.moe.grouped_triton import (
     TritonExperts,
     align_blocks,
     routed_experts_triton,
@@ -283,7 +283,10 @@ def test_moe_mxfp4_bytes_drive_the_triton_path(monkeypatch: pytest.MonkeyPatch) 
     got = m(x)
     assert m.use_packed
     st = m.stacked_experts()
-    assert m.experts[2].w3.weight_packed.data_ptr() == st.packed[0][2, cfg.moe_intermediate_size :].data_ptr()
+    assert (
+        m.experts[2].w3.weight_packed.data_ptr()
+        == st.packed[0][2, cfg.moe_intermediate_size :].data_ptr()
+    )
     assert rel_err(got, ref) < 1e-4
     # corrupt the bytes: the output must change (the dense weights are NOT what was read)
     st.packed[0].zero_()

@@ -45,23 +45,23 @@ class OpCounter(TorchDispatchMode):
         self.ops: Counter[str] = Counter()
         self._saved: dict[str, object] = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func.overloadpacket.__name__)] += 1
         return func(*args, **(kwargs or {}))
 
-    def __enter__(self):  # noqa: ANN204
+    def __enter__(self):
         for name in _HOST_READS:
             orig = getattr(torch.Tensor, name)
             self._saved[name] = orig
 
-            def wrapped(t, *a, _orig=orig, _name=name, **kw):  # noqa: ANN001, ANN002, ANN003
+            def wrapped(t, *a, _orig=orig, _name=name, **kw):
                 self.ops[f"Tensor.{_name}"] += 1
                 return _orig(t, *a, **kw)
 
             setattr(torch.Tensor, name, wrapped)
         return super().__enter__()
 
-    def __exit__(self, *exc):  # noqa: ANN002
+    def __exit__(self, *exc):
         for name, orig in self._saved.items():
             setattr(torch.Tensor, name, orig)
         return super().__exit__(*exc)

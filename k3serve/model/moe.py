@@ -127,6 +127,7 @@ class MoE(nn.Module):
             self.routed_expert_norm = RMSNorm(width, cfg.rms_norm_eps, dtype=dtype)
             self.routed_expert_up_proj = nn.Linear(width, d, bias=False, dtype=dtype)
         self.expert_impl = "auto"
+        self.prefer_packed = True  # read MXFP4 bytes when attached (``use_packed``)
         self._stacked: StackedExperts | None = None
         self.experts = nn.ModuleList(
             Expert(width, cfg.moe_intermediate_size, dtype) for _ in range(cfg.n_routed_experts)
@@ -210,11 +211,12 @@ class MoE(nn.Module):
     @property
     def use_packed(self) -> bool:
         """Whether the grouped path reads the MXFP4 bytes (``cfg.expert_quant == "mxfp4"``, the
-        bytes attached by the checkpoint loader, and a Triton device: the torch path computes
-        on the dense weights, which equal the dequantised bytes)."""
+        bytes attached by the checkpoint loader, ``prefer_packed``, and a Triton device: the
+        torch path computes on the dense weights, which equal the dequantised bytes)."""
         st = self._stacked
         return (
-            self.cfg.expert_quant == "mxfp4"
+            self.prefer_packed
+            and self.cfg.expert_quant == "mxfp4"
             and st is not None
             and st.packed is not None
             and dispatch.use_triton(st.w13.device)

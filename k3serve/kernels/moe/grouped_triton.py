@@ -102,7 +102,8 @@ def _load_wt(
         offs_b = k0 // 2 + tl.arange(0, BK // 2)
         pk = tl.load(
             w_ptr + e * s_we + offs_n[:, None] * s_wn + offs_b[None, :],
-            mask=mask_n[:, None], other=0,
+            mask=mask_n[:, None],
+            other=0,
         ).to(tl.int32)
         codes = tl.reshape(tl.join(pk & 15, pk >> 4), (BN, BK))
         ex = (codes >> 1) & 3
@@ -112,7 +113,8 @@ def _load_wt(
         offs_s = k0 // 32 + tl.arange(0, BK // 32)
         sc = tl.load(
             s_ptr + e * s_se + offs_n[:, None] * s_sn + offs_s[None, :],
-            mask=mask_n[:, None], other=127,
+            mask=mask_n[:, None],
+            other=127,
         ).to(tl.float32)
         sc = tl.exp2(sc - 127.0)
         sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, BK // 32, 32)), (BN, BK))
@@ -121,7 +123,8 @@ def _load_wt(
         offs_k = k0 + tl.arange(0, BK)
         w = tl.load(
             w_ptr + e * s_we + offs_n[:, None] * s_wn + offs_k[None, :],
-            mask=mask_n[:, None], other=0.0,
+            mask=mask_n[:, None],
+            other=0.0,
         ).to(DT)
     return tl.trans(w)
 
@@ -163,7 +166,8 @@ def _gate_up_kernel(
         out = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(
         h + offs_p.to(tl.int64)[:, None] * s_hp + offs_n[None, :],
-        out.to(DT), mask=m_row[:, None] & m_n[None, :],
+        out.to(DT),
+        mask=m_row[:, None] & m_n[None, :],
     )
 
 
@@ -190,14 +194,17 @@ def _down_kernel(
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)
         a = tl.load(
-            h + offs_p.to(tl.int64)[:, None] * s_hp + offs_k[None, :], mask=m_row[:, None], other=0.0
+            h + offs_p.to(tl.int64)[:, None] * s_hp + offs_k[None, :],
+            mask=m_row[:, None],
+            other=0.0,
         )
         wt = _load_wt(w, ws, e, offs_n, m_n, k0, s_we, s_wn, s_se, s_sn, BN, BK, MXFP4, DT)
         acc = tl.dot(a, wt, acc, input_precision=PREC)
     rw = tl.load(tw + a_idx, mask=m_row, other=0.0).to(tl.float32)
     tl.store(
         y + a_idx.to(tl.int64)[:, None] * s_ym + offs_n[None, :],
-        acc * rw[:, None], mask=m_row[:, None] & m_n[None, :],
+        acc * rw[:, None],
+        mask=m_row[:, None] & m_n[None, :],
     )
 
 
@@ -208,16 +215,18 @@ def _pick_bk(k: int) -> int:
     raise ValueError(f"expert width {k}: must be a multiple of 32")
 
 
-def _config(m: int, num_experts: int) -> tuple[int, int, int, int]:
-    """``(BM, BN, num_warps, num_stages)`` from the mean rows per expert (decode: small BM)."""
+def _config(m: int, num_experts: int) -> tuple[int, int, int, int, int]:
+    """``(BM, BN, BK cap, num_warps, num_stages)`` from the mean rows per expert: decode gets
+    small row blocks and narrow column tiles (more programs streaming the weights); shared
+    memory per stage (``BM·BK + 2·BN·BK`` elements in the gate/up kernel) stays under ~80 KB."""
     per_expert = m / max(num_experts, 1)
     if per_expert <= 16:
-        return 16, 64, 4, 4
+        return 16, 32, 128, 4, 4
     if per_expert <= 64:
-        return 32, 64, 4, 4
+        return 32, 64, 128, 4, 3
     if per_expert <= 256:
-        return 64, 128, 4, 3
-    return 128, 128, 8, 3
+        return 64, 128, 64, 4, 3
+    return 128, 128, 64, 8, 3
 
 
 class TritonExperts(NamedTuple):
@@ -279,7 +288,7 @@ def routed_experts_triton(
     m = t * topk
     if m == 0:
         return torch.zeros(t, width, dtype=torch.float32, device=z.device)
-    bm, bn, warps, stages = _config(m, num_e)
+    bm, bn, bk_cap, warps, stages = _config(m, num_e)
     lay = align_blocks(topk_ids, num_e, bm)
     p_len = lay.slot_assign.numel()
     h = torch.empty(p_len, inter, dtype=z.dtype, device=z.device)
@@ -296,7 +305,7 @@ def routed_experts_triton(
         m, num_e, inter, width, topk,
         z.stride(0), w13.stride(0), w13.stride(1), sse13, ssn13, h.stride(0),
         float(beta), float(beta_l),
-        BM=bm, BN=bn, BK=_pick_bk(width), MXFP4=mx, ACT=ACTS[act], PREC=prec,
+        BM=bm, BN=bn, BK=min(bk_cap, _pick_bk(width)), MXFP4=mx, ACT=ACTS[act], PREC=prec,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     tw = topk_weights.reshape(-1).float().contiguous()
@@ -304,7 +313,7 @@ def routed_experts_triton(
         h, w2, s2, lay.slot_assign, lay.block_expert, tw, y,
         m, num_e, width, inter,
         h.stride(0), w2.stride(0), w2.stride(1), sse2, ssn2, y.stride(0),
-        BM=bm, BN=bn, BK=_pick_bk(inter), MXFP4=mx, PREC=prec,
+        BM=bm, BN=bn, BK=min(bk_cap, _pick_bk(inter)), MXFP4=mx, PREC=prec,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y.view(t, topk, width).sum(1)
