@@ -192,7 +192,8 @@ def test_triton_bf16_close_to_loop() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=BF16_INTERP)])
-def test_triton_mxfp4_equals_dequantised(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("split", [True, False], ids=["split", "interleave"])
+def test_triton_mxfp4_equals_dequantised(dtype: torch.dtype, split: bool) -> None:
     """Packed experts dequantised inside the kernel == the loop on ``unpack_mxfp4`` weights."""
     w13, w2 = weights(8, 64, 32, seed=3)
     p13, s13 = pack_mxfp4(w13)
@@ -202,7 +203,9 @@ def test_triton_mxfp4_equals_dequantised(dtype: torch.dtype) -> None:
     z = torch.randn(19, 64)
     ref = routed_experts_loop(z.to(dtype).float(), d13, d2, ids, w, situ_glu)
     ex = TritonExperts(p13.to(DEV), p2.to(DEV), s13.to(DEV), s2.to(DEV))
-    got = routed_experts_triton(z.to(DEV, dtype), ex, ids.to(DEV), w.to(DEV), "situ")
+    got = routed_experts_triton(
+        z.to(DEV, dtype), ex, ids.to(DEV), w.to(DEV), "situ", mx_split=split
+    )
     assert rel_err(got, ref) < (1e-4 if dtype == torch.float32 else 3e-2)
 
 

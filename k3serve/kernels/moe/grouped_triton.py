@@ -39,6 +39,10 @@ import triton.language as tl
 
 from k3serve.kernels.moe.grouped import sort_by_expert
 
+MX_SPLIT = True
+"""Default MXFP4 tile form (see ``routed_experts_triton``'s ``mx_split``), set from
+``benchmarks/RESULTS_gpu_moe.md``."""
+
 ACTS = {"situ": 0, "silu": 1}
 """GLU codes of the fused epilogue: ``situ`` (K3 SiTU-GLU) and ``silu`` (SwiGLU)."""
 
@@ -93,32 +97,44 @@ def _tanh(x):
 
 
 @triton.jit
+def _e2m1(c):
+    """e2m1 codes (int32, low 4 bits) → float32 values × 2⁻¹⁴, by placing sign, the two exponent
+    bits and the mantissa bit into an fp16 (bits 15, 11–10, 9): the e2m1 subnormal (E = 0) lands
+    on the fp16 subnormal, so every code converts exactly (0.5 → 2⁻¹⁵) with no table or select.
+    """
+    bits = ((c & 8) << 12) | ((c & 7) << 9)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _scales(s_ptr, e, offs_n, mask_n, k0, s_se, s_sn, BN: tl.constexpr, BK: tl.constexpr,
+            REP: tl.constexpr):  # fmt: skip
+    """E8M0 bytes of the tile as ``2^(s − 127) · 2¹⁴`` (undoing :func:`_e2m1`'s 2⁻¹⁴), each
+    repeated ``REP`` times along K: ``[BN, BK / 32 · REP]``."""
+    offs_s = k0 // 32 + tl.arange(0, BK // 32)
+    sc = tl.load(
+        s_ptr + e * s_se + offs_n[:, None] * s_sn + offs_s[None, :], mask=mask_n[:, None], other=0
+    ).to(tl.float32)
+    sc = tl.exp2(sc - 113.0)
+    return tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, BK // 32, REP)), (BN, BK // 32 * REP))
+
+
+@triton.jit
 def _load_wt(
     w_ptr, s_ptr, e, offs_n, mask_n, k0, s_we, s_wn, s_se, s_sn,
-    BN: tl.constexpr, BK: tl.constexpr, MXFP4: tl.constexpr, DT: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, MX: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
-    """Weight tile ``[BK, BN]`` (transposed) of expert ``e``, rows ``offs_n``, cols ``k0 + [0, BK)``."""
-    if MXFP4:
+    """Weight tile ``[BK, BN]`` (transposed) of expert ``e``, rows ``offs_n``, cols ``k0 + [0, BK)``;
+    ``MX = 1``: dequantised from MXFP4 (nibbles interleaved back into K order)."""
+    if MX == 1:
         offs_b = k0 // 2 + tl.arange(0, BK // 2)
         pk = tl.load(
             w_ptr + e * s_we + offs_n[:, None] * s_wn + offs_b[None, :],
             mask=mask_n[:, None],
             other=0,
         ).to(tl.int32)
-        codes = tl.reshape(tl.join(pk & 15, pk >> 4), (BN, BK))
-        ex = (codes >> 1) & 3
-        man = (codes & 1).to(tl.float32)
-        mag = tl.where(ex == 0, 0.5 * man, tl.exp2((ex - 1).to(tl.float32)) * (1.0 + 0.5 * man))
-        val = tl.where((codes & 8) != 0, -mag, mag)
-        offs_s = k0 // 32 + tl.arange(0, BK // 32)
-        sc = tl.load(
-            s_ptr + e * s_se + offs_n[:, None] * s_sn + offs_s[None, :],
-            mask=mask_n[:, None],
-            other=127,
-        ).to(tl.float32)
-        sc = tl.exp2(sc - 127.0)
-        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, BK // 32, 32)), (BN, BK))
-        w = (val * sc).to(DT)
+        val = _e2m1(tl.reshape(tl.join(pk & 15, pk >> 4), (BN, BK)))
+        w = (val * _scales(s_ptr, e, offs_n, mask_n, k0, s_se, s_sn, BN, BK, 32)).to(DT)
     else:
         offs_k = k0 + tl.arange(0, BK)
         w = tl.load(
@@ -130,13 +146,31 @@ def _load_wt(
 
 
 @triton.jit
+def _load_wt_split(
+    w_ptr, s_ptr, e, offs_n, mask_n, k0, s_we, s_wn, s_se, s_sn,
+    BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    """MXFP4 tile as two ``[BK/2, BN]`` halves: elements ``k0 + 2j`` (low nibbles) and
+    ``k0 + 2j + 1`` (high nibbles). The caller multiplies them by the even and odd columns of
+    its input (a K permutation leaves the dot product unchanged), so no interleave is needed."""
+    offs_b = k0 // 2 + tl.arange(0, BK // 2)
+    pk = tl.load(
+        w_ptr + e * s_we + offs_n[:, None] * s_wn + offs_b[None, :], mask=mask_n[:, None], other=0
+    ).to(tl.int32)
+    sc = _scales(s_ptr, e, offs_n, mask_n, k0, s_se, s_sn, BN, BK, 16)
+    lo = (_e2m1(pk & 15) * sc).to(DT)
+    hi = (_e2m1(pk >> 4) * sc).to(DT)
+    return tl.trans(lo), tl.trans(hi)
+
+
+@triton.jit
 def _gate_up_kernel(
     z, w, ws, slot, bexp, h,
     M, E, N, K, TOPK,
     s_zt, s_we, s_wn, s_se, s_sn, s_hp,
     beta, beta_l,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    MXFP4: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
+    MX: tl.constexpr, ACT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -153,13 +187,27 @@ def _gate_up_kernel(
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        a = tl.load(z + tok[:, None] * s_zt + offs_k[None, :], mask=m_row[:, None], other=0.0)
-        a = a.to(DT)
-        wg = _load_wt(w, ws, e, offs_n, m_n, k0, s_we, s_wn, s_se, s_sn, BN, BK, MXFP4, DT)
-        wu = _load_wt(w, ws, e, offs_n + N, m_n, k0, s_we, s_wn, s_se, s_sn, BN, BK, MXFP4, DT)
-        acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
-        acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
+        if MX == 2:
+            offs_k = k0 + 2 * tl.arange(0, BK // 2)
+            p_a = z + tok[:, None] * s_zt + offs_k[None, :]
+            a_e = tl.load(p_a, mask=m_row[:, None], other=0.0).to(DT)
+            a_o = tl.load(p_a + 1, mask=m_row[:, None], other=0.0).to(DT)
+            g_lo, g_hi = _load_wt_split(w, ws, e, offs_n, m_n, k0, s_we, s_wn, s_se, s_sn,
+                                        BN, BK, DT)  # fmt: skip
+            u_lo, u_hi = _load_wt_split(w, ws, e, offs_n + N, m_n, k0, s_we, s_wn, s_se, s_sn,
+                                        BN, BK, DT)  # fmt: skip
+            acc_g = tl.dot(a_e, g_lo, acc_g, input_precision=PREC)
+            acc_g = tl.dot(a_o, g_hi, acc_g, input_precision=PREC)
+            acc_u = tl.dot(a_e, u_lo, acc_u, input_precision=PREC)
+            acc_u = tl.dot(a_o, u_hi, acc_u, input_precision=PREC)
+        else:
+            offs_k = k0 + tl.arange(0, BK)
+            a = tl.load(z + tok[:, None] * s_zt + offs_k[None, :], mask=m_row[:, None], other=0.0)
+            a = a.to(DT)
+            wg = _load_wt(w, ws, e, offs_n, m_n, k0, s_we, s_wn, s_se, s_sn, BN, BK, MX, DT)
+            wu = _load_wt(w, ws, e, offs_n + N, m_n, k0, s_we, s_wn, s_se, s_sn, BN, BK, MX, DT)
+            acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
     if ACT == 0:
         out = beta * _tanh(acc_g / beta) * tl.sigmoid(acc_g) * (beta_l * _tanh(acc_u / beta_l))
     else:
@@ -177,7 +225,7 @@ def _down_kernel(
     M, E, N, K,
     s_hp, s_we, s_wn, s_se, s_sn, s_ym,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    MXFP4: tl.constexpr, PREC: tl.constexpr,
+    MX: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -191,15 +239,21 @@ def _down_kernel(
     m_n = offs_n < N
     DT = h.dtype.element_ty
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    p_h = h + offs_p.to(tl.int64)[:, None] * s_hp
     for k0 in range(0, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        a = tl.load(
-            h + offs_p.to(tl.int64)[:, None] * s_hp + offs_k[None, :],
-            mask=m_row[:, None],
-            other=0.0,
-        )
-        wt = _load_wt(w, ws, e, offs_n, m_n, k0, s_we, s_wn, s_se, s_sn, BN, BK, MXFP4, DT)
-        acc = tl.dot(a, wt, acc, input_precision=PREC)
+        if MX == 2:
+            offs_k = k0 + 2 * tl.arange(0, BK // 2)
+            a_e = tl.load(p_h + offs_k[None, :], mask=m_row[:, None], other=0.0)
+            a_o = tl.load(p_h + offs_k[None, :] + 1, mask=m_row[:, None], other=0.0)
+            w_lo, w_hi = _load_wt_split(w, ws, e, offs_n, m_n, k0, s_we, s_wn, s_se, s_sn,
+                                        BN, BK, DT)  # fmt: skip
+            acc = tl.dot(a_e, w_lo, acc, input_precision=PREC)
+            acc = tl.dot(a_o, w_hi, acc, input_precision=PREC)
+        else:
+            offs_k = k0 + tl.arange(0, BK)
+            a = tl.load(p_h + offs_k[None, :], mask=m_row[:, None], other=0.0)
+            wt = _load_wt(w, ws, e, offs_n, m_n, k0, s_we, s_wn, s_se, s_sn, BN, BK, MX, DT)
+            acc = tl.dot(a, wt, acc, input_precision=PREC)
     rw = tl.load(tw + a_idx, mask=m_row, other=0.0).to(tl.float32)
     tl.store(
         y + a_idx.to(tl.int64)[:, None] * s_ym + offs_n[None, :],
@@ -253,6 +307,7 @@ def routed_experts_triton(
     act: str,
     beta: float = 4.0,
     beta_l: float = 25.0,
+    mx_split: bool | None = None,
 ) -> torch.Tensor:
     """Weighted expert sum ``Σ_j w[t, j] E_{ids[t, j]}(z[t])`` in two Triton launches.
 
@@ -263,6 +318,9 @@ def routed_experts_triton(
         topk_weights: ``[T, k]`` float32.
         act: ``"situ"`` or ``"silu"``.
         beta, beta_l: SiTU-GLU bounds (``cfg.situ_beta``, ``cfg.situ_beta_linear``).
+        mx_split: MXFP4 only: multiply low / high nibbles by the even / odd input columns
+            (two half-K dots, no register interleave) instead of re-interleaving the tile;
+            None: the module's :data:`MX_SPLIT`.
 
     Returns:
         ``[T, W]`` float32.
@@ -286,6 +344,7 @@ def routed_experts_triton(
         raise ValueError("experts: MXFP4 needs uint8 w13/w2 and both scale tensors")
     z = z.contiguous()
     m = t * topk
+    mx_mode = 0 if not mx else 2 if (MX_SPLIT if mx_split is None else mx_split) else 1
     if m == 0:
         return torch.zeros(t, width, dtype=torch.float32, device=z.device)
     bm, bn, bk_cap, warps, stages = _config(m, num_e)
@@ -305,7 +364,7 @@ def routed_experts_triton(
         m, num_e, inter, width, topk,
         z.stride(0), w13.stride(0), w13.stride(1), sse13, ssn13, h.stride(0),
         float(beta), float(beta_l),
-        BM=bm, BN=bn, BK=min(bk_cap, _pick_bk(width)), MXFP4=mx, ACT=ACTS[act], PREC=prec,
+        BM=bm, BN=bn, BK=min(bk_cap, _pick_bk(width)), MX=mx_mode, ACT=ACTS[act], PREC=prec,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     tw = topk_weights.reshape(-1).float().contiguous()
@@ -313,7 +372,7 @@ def routed_experts_triton(
         h, w2, s2, lay.slot_assign, lay.block_expert, tw, y,
         m, num_e, width, inter,
         h.stride(0), w2.stride(0), w2.stride(1), sse2, ssn2, y.stride(0),
-        BM=bm, BN=bn, BK=min(bk_cap, _pick_bk(inter)), MXFP4=mx, PREC=prec,
+        BM=bm, BN=bn, BK=min(bk_cap, _pick_bk(inter)), MX=mx_mode, PREC=prec,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y.view(t, topk, width).sum(1)
