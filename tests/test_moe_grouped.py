@@ -294,3 +294,47 @@ def test_moe_mxfp4_bytes_drive_the_triton_path(monkeypatch: pytest.MonkeyPatch) 
     # corrupt the bytes: the output must change (the dense weights are NOT what was read)
     st.packed[0].zero_()
     assert rel_err(m(x), ref) > 1e-2
+
+
+# ------------------------------------------------------------------ fused elementwise kernels
+from k3serve.kernels.fused_triton import glu_triton, rms_norm_triton
+from k3serve.model.layers import rms_norm
+
+
+@pytest.mark.parametrize("shape", [(1, 128), (5, 3, 96), (0, 64)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_fused_rms_norm_equals_reference(shape: tuple[int, ...], gated: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape, generator=gen) * 3
+    w = torch.randn(shape[-1], generator=gen)
+    g = torch.randn(*shape, generator=gen) if gated else None
+    ref = rms_norm(x, w, 1e-5)
+    if gated:
+        ref = ref * torch.sigmoid(g)
+    got = rms_norm_triton(x.to(DEV), w.to(DEV), 1e-5, None if g is None else g.to(DEV))
+    assert got.shape == x.shape
+    assert rel_err(got, ref) < 1e-5
+
+
+@pytest.mark.parametrize("act", ["situ", "silu"])
+def test_fused_glu_equals_reference(act: str) -> None:
+    gen = torch.Generator().manual_seed(2)
+    g, u = torch.randn(7, 300, generator=gen) * 8, torch.randn(7, 300, generator=gen) * 40
+    ref = situ_glu(g, u, 4.0, 25.0) if act == "situ" else swiglu(g, u)
+    got = glu_triton(g.to(DEV), u.to(DEV), act)
+    assert rel_err(got, ref) < 1e-5
+    with pytest.raises(ValueError, match="act"):
+        glu_triton(g, u, "gelu")
+
+
+@torch.no_grad()
+def test_moe_layer_with_every_triton_kernel_equals_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole MoE layer (fused norm + GLU + grouped experts) against the torch path."""
+    m = random_moe(TINY).to(DEV)
+    x = torch.randn(6, TINY.hidden_size, device=DEV)
+    monkeypatch.setenv("K3SERVE_KERNELS", "torch")
+    m.expert_impl = "loop"
+    ref = m(x)
+    monkeypatch.setenv("K3SERVE_KERNELS", "triton")
+    m.expert_impl = "grouped"
+    assert rel_err(m(x), ref) < 1e-4
