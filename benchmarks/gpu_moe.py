@@ -5,7 +5,10 @@ up-projection, shared expert; bf16 activations):
 * ``loop``      — per-expert Python loop with a ``.tolist()`` host sync (the reference);
 * ``torch-gmm`` — sort by expert + ``torch._grouped_mm`` (``K3SERVE_KERNELS=torch``);
 * ``tri-bf16``  — sort + two Triton grouped-GEMM launches, bf16 experts;
-* ``tri-mxfp4`` — the same kernels reading MXFP4 experts (dequantised in registers);
+* ``tri-mxfp4`` — the same kernels reading MXFP4 experts (dequantised in registers; even/odd
+  K split), ``tri-mxfp4-join`` the same with the nibbles re-interleaved in registers;
+* ``tri-bf16-nofuse`` — ``tri-bf16`` with the torch RMSNorm / GLU instead of the fused kernels;
+* ``routed …`` — the routed experts alone (sort + grouped GEMMs + k-sum), from a CUDA graph;
 * ``…+graph``   — the grouped paths replayed from a CUDA graph (they are sync-free; the loop
   cannot be captured).
 
@@ -39,10 +42,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from k3serve.config import PRESETS
 from k3serve.kernels import dispatch
+from k3serve.kernels.moe import grouped_triton
 from k3serve.kernels.mxfp4 import pack_mxfp4, unpack_mxfp4
 from k3serve.model.moe import MoE
 
+FUSED = (dispatch.rms_norm, dispatch.glu)
 TOKENS = (1, 64, 256, 8192)
+PATHS = ("loop", "torch-gmm", "tri-bf16-nofuse", "tri-bf16", "tri-mxfp4", "tri-mxfp4-join")
 MX_BPP = 0.5 + 1 / 32
 
 
@@ -120,10 +126,29 @@ def main():
     other = d * e_n + d * w_lat + w_lat * d + 3 * d * cfg.n_shared_experts * inter + w_lat
     expert_params = 3 * w_lat * inter
 
+    fused = FUSED
+
+    def unfused_norm(x, weight, eps, gate=None):
+        os.environ["K3SERVE_KERNELS"] = "torch"
+        try:
+            return fused[0](x, weight, eps, gate)
+        finally:
+            os.environ["K3SERVE_KERNELS"] = "triton"
+
+    def unfused_glu(*a):
+        os.environ["K3SERVE_KERNELS"] = "torch"
+        try:
+            return fused[1](*a)
+        finally:
+            os.environ["K3SERVE_KERNELS"] = "triton"
+
     def set_path(name):
-        os.environ["K3SERVE_KERNELS"] = "torch" if name == "torch-gmm" else "triton"
+        os.environ["K3SERVE_KERNELS"] = "torch" if name in ("loop", "torch-gmm") else "triton"
         m.expert_impl = "loop" if name == "loop" else "grouped"
-        m.prefer_packed = name == "tri-mxfp4"
+        m.prefer_packed = name.startswith("tri-mxfp4")
+        grouped_triton.MX_SPLIT = name != "tri-mxfp4-join"
+        nofuse = name.endswith("-nofuse")
+        dispatch.rms_norm, dispatch.glu = (unfused_norm, unfused_glu) if nofuse else fused
 
     rows, checks = [], []
     for t in TOKENS:
@@ -131,7 +156,7 @@ def main():
         with torch.inference_mode():
             want = ref32(x.float())
             outs = {}
-            for name in ("loop", "torch-gmm", "tri-bf16", "tri-mxfp4"):
+            for name in PATHS:
                 set_path(name)
                 outs[name] = m(x)
                 checks.append({"T": t, "path": name, "rel_err_vs_fp32_loop": rel(outs[name], want)})
@@ -141,13 +166,44 @@ def main():
             st = m.stacked_experts()
             os.environ["K3SERVE_KERNELS"] = "triton"
             r_bf = dispatch.routed_experts(z, st.w13, st.w2, ids, w, cfg.hidden_act)
-            r_mx = dispatch.routed_experts(z, st.w13, st.w2, ids, w, cfg.hidden_act,
-                                           packed=st.packed)  # fmt: skip
-            checks.append({"T": t, "path": "routed mxfp4 vs bf16 experts", "rel_err": rel(r_mx, r_bf),
-                           "max_abs": float((r_mx - r_bf).abs().max())})  # fmt: skip
+            for split in (True, False):
+                grouped_triton.MX_SPLIT = split
+                r_mx = dispatch.routed_experts(z, st.w13, st.w2, ids, w, cfg.hidden_act,
+                                               packed=st.packed)  # fmt: skip
+                checks.append({"T": t, "path": f"routed mxfp4 ({'split' if split else 'join'}) "
+                               "vs bf16 experts", "rel_err": rel(r_mx, r_bf),
+                               "max_abs": float((r_mx - r_bf).abs().max())})  # fmt: skip
             touched = int(torch.unique(ids).numel())
+        # the routed experts alone (sort + 2 Triton launches + k-sum, or torch grouped_mm)
+        e_bytes = {"bf16": touched * expert_params * 2, "mx": touched * expert_params * MX_BPP}
+        e_flops = 2 * t * k * expert_params
+        for name, kw, env, split in (
+            ("routed torch-gmm", {}, "torch", True),
+            ("routed tri-bf16", {}, "triton", True),
+            ("routed tri-mxfp4", {"packed": st.packed}, "triton", True),
+            ("routed tri-mxfp4-join", {"packed": st.packed}, "triton", False),
+        ):
+            os.environ["K3SERVE_KERNELS"] = env
+            grouped_triton.MX_SPLIT = split
+
+            def rstep(z=z, ids=ids, w=w, kw=kw, st=st):
+                with torch.inference_mode():
+                    dispatch.routed_experts(z, st.w13, st.w2, ids, w, cfg.hidden_act, **kw)
+
+            try:
+                ms = bench(rstep, graph=True)
+            except Exception as exc:  # noqa: BLE001
+                log(f"T={t} {name}: {type(exc).__name__}: {exc}")
+                continue
+            nbytes = e_bytes["mx" if "mxfp4" in name else "bf16"]
+            roof = max(nbytes / bw, e_flops / rate) * 1e3
+            row = {"T": t, "path": name + "+graph", "ms": ms, "roofline_ms": roof,
+                   "x_roofline": ms / roof, "experts_touched": touched, "MB": nbytes / 1e6,
+                   "GFLOP": e_flops / 1e9, "TFLOP/s": e_flops / (ms * 1e-3) / 1e12}  # fmt: skip
+            rows.append(row)
+            log(json.dumps(row))
         flops = 2 * t * other + 2 * t * k * expert_params
-        for name in ("loop", "torch-gmm", "tri-bf16", "tri-mxfp4"):
+        for name in PATHS:
             for graph in (False, True):
                 if graph and name == "loop":
                     continue
@@ -162,7 +218,7 @@ def main():
                 except Exception as exc:  # noqa: BLE001 — a benchmark row, not a crash
                     log(f"T={t} {name} graph={graph}: {type(exc).__name__}: {exc}")
                     continue
-                bpp = MX_BPP if name == "tri-mxfp4" else 2.0
+                bpp = MX_BPP if name.startswith("tri-mxfp4") else 2.0
                 nbytes = touched * expert_params * bpp + other * 2 + 2 * t * d * 2
                 roof = max(nbytes / bw, flops / rate) * 1e3
                 row = {"T": t, "path": name + ("+graph" if graph else ""), "ms": ms,
@@ -204,8 +260,57 @@ def main():
     with open(os.path.join(args.out, "RESULTS_gpu_moe.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     log("\n".join(lines))
+    try:
+        extra = model_check()
+    except Exception as exc:  # noqa: BLE001 — report, keep the layer results
+        extra = [f"whole-model check failed: {type(exc).__name__}: {exc}"]
+    with open(os.path.join(args.out, "RESULTS_gpu_moe.md"), "a") as f:
+        f.write("\n".join(extra) + "\n")
+    log("\n".join(extra))
     log(f"total {time.time() - t0:.0f}s")
     return 0
+
+
+def model_check(b=2, t=512):
+    """Whole k3-mini ``forward_train`` (random init, bf16) on ``[b, t]`` tokens: Triton kernels +
+    grouped MoE vs the all-torch path with the per-expert loop, both against float32 torch."""
+    from k3serve.model.model import K3ForCausalLM
+
+    dispatch.rms_norm, dispatch.glu = FUSED  # undo any ``-nofuse`` patch
+    cfg = PRESETS["k3-mini"]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = K3ForCausalLM(cfg, torch.bfloat16).eval()
+    moes = [mod for mod in model.modules() if isinstance(mod, MoE)]
+    ids = torch.randint(0, cfg.vocab_size, (b, t), device="cuda")
+
+    def run(kernels, impl):
+        os.environ["K3SERVE_KERNELS"] = kernels
+        for mod in moes:
+            mod.expert_impl = impl
+        with torch.inference_mode():
+            return model.forward_train(ids)
+
+    fast = run("triton", "grouped")
+    ref = run("torch", "loop")
+    t_fast = bench(lambda: run("triton", "grouped"))
+    t_ref = bench(lambda: run("torch", "loop"))
+    model.float()
+    truth = run("torch", "loop")
+    out = [
+        "",
+        f"Whole k3-mini `forward_train` ({b} × {t} tokens, random init, bf16), logits:",
+        "",
+        "| path | max abs err vs fp32 torch | rel err | ms |",
+        "|---|---|---|---|",
+    ]
+    for name, y, ms in (("Triton + grouped MoE", fast, t_fast), ("torch + per-expert loop", ref,
+                                                                  t_ref)):  # fmt: skip
+        out.append(f"| {name} | {float((y - truth).abs().max()):.3e} | {rel(y, truth):.2e} | "
+                   f"{ms:.1f} |")  # fmt: skip
+    out.append(f"| Triton vs torch (bf16 both) | {float((fast - ref).abs().max()):.3e} | "
+               f"{rel(fast, ref):.2e} | |")  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":
