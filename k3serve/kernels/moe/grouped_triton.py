@@ -39,7 +39,7 @@ import triton.language as tl
 
 from k3serve.kernels.moe.grouped import sort_by_expert
 
-MX_SPLIT = True
+MX_SPLIT = False
 """Default MXFP4 tile form (see ``routed_experts_triton``'s ``mx_split``), set from
 ``benchmarks/RESULTS_gpu_moe.md``."""
 
