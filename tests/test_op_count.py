@@ -8,18 +8,32 @@ of experts (8 and 32), and no op may read a tensor back to the host
 (``aten::_local_scalar_dense`` is what ``.item()``, ``.tolist()``, ``bool(t)`` and
 ``torch.bincount`` on CUDA dispatch). The per-expert loop (the reference) fails both checks;
 ``test_the_guard_catches_the_loop`` keeps the guard honest.
+
+``test_whole_model_decode_step…`` runs one decode step of a 4-layer k3-tiny (KDA recurrent
+step, absorbed paged MLA decode, grouped MoE, fused norms) with the Triton kernels in the
+interpreter on CPU — the GPU's code path; the interpreter's own per-launch argument copies are
+counted too, a constant per launch — and asserts the same two properties over batch sizes 2 / 8 and 8 / 16 experts. (Batch 1 is
+left out: size-1 dims make some ``.contiguous()`` calls no-ops, 6 fewer ops.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the @triton.jit definitions
+
+from k3serve.cache.pools import KVPools
 from k3serve.config import PRESETS
+from k3serve.model.batch import make_batch
+from k3serve.model.model import K3ForCausalLM
 from k3serve.model.moe import MoE
 
 torch.set_num_threads(1)
@@ -113,3 +127,39 @@ def test_the_guard_catches_the_loop() -> None:
     assert syncs(ops1)
     assert sum(ops16.values()) > sum(ops1.values())
     assert sum(count(moe(32, "loop"), 16).values()) > sum(ops16.values())
+
+
+def decode_ops(num_experts: int, batch: int) -> Counter[str]:
+    """Ops of one decode step (5 cached tokens per sequence) of a 4-layer k3-tiny."""
+    cfg = dataclasses.replace(
+        TINY, num_layers=4, mla_layers=(3,), attn_res_block_layers=2, n_routed_experts=num_experts
+    )
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg).eval()
+    bs = 4
+    pools = KVPools(cfg, num_slots=batch, num_pages=batch * 2 + 2, block_size=bs)
+    ids = torch.randint(0, cfg.vocab_size, (batch,))
+    tables = [[2 * i, 2 * i + 1] for i in range(batch)]
+    step = make_batch([1] * batch, [5] * batch, list(range(batch)), tables, bs)
+    with torch.inference_mode():
+        for mod in model.modules():
+            if isinstance(mod, MoE):
+                mod.stacked_experts()  # load-time work
+        with OpCounter() as c:
+            model(ids, step, pools)
+    return c.ops
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(HAS_CUDA, reason="CPU check: the Triton kernels run in the interpreter")
+def test_whole_model_decode_step_has_fixed_op_count_and_no_sync(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("triton")
+    monkeypatch.setenv("K3SERVE_KERNELS", "triton")
+    runs = {(e, b): decode_ops(e, b) for e, b in ((8, 2), (8, 8), (16, 8))}
+    for key, ops in runs.items():
+        assert not syncs(ops), f"experts, batch = {key}: host sync ops {syncs(ops)}"
+    base = runs[(8, 2)]
+    for key, ops in runs.items():
+        assert ops == base, f"{key}: {dict(ops - base)} more, {dict(base - ops)} fewer than (8, 2)"
