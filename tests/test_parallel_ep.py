@@ -69,9 +69,9 @@ def _one(rank: int, world: int, out_dir: str, plan: planner.LayerPlan | None) ->
     with torch.no_grad():
         for name, idx in _routings(CFG.n_routed_experts, CFG.num_experts_per_tok).items():
             got = epx(z, w, idx)
-            res[name] = (got, moe.routed(z, w, idx), epx.last_recv_slots)
+            res[name] = (got, moe.routed_loop(z, w, idx), epx.last_recv_slots)
         res["ref"] = ep.routed_reference(moe, z[:4], w[:4], _routings(8, 2)["uniform"][:4])
-        res["ref_fast"] = moe.routed(z[:4], w[:4], _routings(8, 2)["uniform"][:4])
+        res["ref_fast"] = moe.routed_loop(z[:4], w[:4], _routings(8, 2)["uniform"][:4])
     res["copies_of_3"] = sum(3 in row for row in _rows(plan, world))
     tag = "replicated" if plan is not None else "contiguous"
     torch.save(res, os.path.join(out_dir, f"{tag}{rank}.pt"))

@@ -82,8 +82,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         # the kernel wants one operand dtype. The output keeps v's dtype as the torch path does.
         out_dtype = v.dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
-        o, final = chunk_kda_triton(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                    cu_seqlens)
+        o, final = chunk_kda_triton(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens
+        )
         return o.to(out_dtype), final
     from k3serve.kernels.kda.chunk import chunk_kda as ref
 
@@ -117,17 +118,94 @@ def mla_decode_absorbed_paged(q_lat, latent_pool, block_table, seq_lens, kv_lora
     if use_triton(q_lat.device) and latent_pool.dtype != torch.float64:
         from k3serve.kernels.mla.decode_triton import mla_decode_absorbed_paged_triton
 
-        return mla_decode_absorbed_paged_triton(q_lat, latent_pool, block_table, seq_lens, kv_lora, scale)
+        return mla_decode_absorbed_paged_triton(
+            q_lat, latent_pool, block_table, seq_lens, kv_lora, scale
+        )
     from k3serve.kernels.mla.naive import mla_decode_absorbed_paged as ref
 
     return ref(q_lat, latent_pool, block_table, seq_lens, kv_lora, scale)
+
+
+def rms_norm(x, weight, eps, gate=None):
+    """RMSNorm (× ``σ(gate)`` when given): :func:`k3serve.model.layers.rms_norm` contract, in
+    ``x.dtype``. One fused Triton launch (:mod:`k3serve.kernels.fused_triton`) when
+    :func:`use_triton` allows and no gradient is needed, else the torch reference."""
+    if (
+        use_triton(x.device)
+        and x.is_floating_point()
+        and x.dtype != torch.float64
+        and not _needs_grad(x, weight, gate)
+    ):
+        from k3serve.kernels.fused_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, gate)
+    from k3serve.model.layers import rms_norm as ref
+
+    if gate is None:
+        return ref(x, weight, eps)
+    return (ref(x.float(), weight, eps) * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+def glu(gate, up, act, beta=4.0, beta_l=25.0):
+    """SiTU-GLU / SwiGLU (:func:`k3serve.model.layers.glu_act` contract); one fused Triton
+    launch when :func:`use_triton` allows and no gradient is needed, else the torch reference."""
+    if use_triton(gate.device) and gate.dtype != torch.float64 and not _needs_grad(gate, up):
+        from k3serve.kernels.fused_triton import glu_triton
+
+        return glu_triton(gate, up, act, beta, beta_l)
+    from k3serve.model.layers import situ_glu, swiglu
+
+    if act == "situ":
+        return situ_glu(gate, up, beta, beta_l)
+    if act == "silu":
+        return swiglu(gate, up)
+    raise ValueError(f"hidden_act: {act!r} is not 'situ' or 'silu'")
+
+
+def routed_experts(z, w13, w2, topk_ids, topk_weights, act, beta=4.0, beta_l=25.0, packed=None):
+    """Routed-expert sum ``Σ_j w[t, j] E_{ids[t, j]}(z[t])`` as grouped GEMMs (no host sync).
+
+    Args:
+        z: ``[T, W]`` expert inputs. w13: ``[E, 2I, W]`` gate then up rows; w2: ``[E, W, I]``
+            (dense, any float dtype; cast to ``z.dtype``).
+        topk_ids: ``[T, k]`` int64; topk_weights: ``[T, k]`` float32.
+        act: ``"situ"`` or ``"silu"``; beta, beta_l: the SiTU-GLU bounds.
+        packed: optional MXFP4 ``(w13 uint8 [E, 2I, W/2], s13 [E, 2I, W/32], w2 [E, W, I/2],
+            s2 [E, W, I/32])``: the Triton path reads these instead of the dense weights.
+
+    Returns:
+        ``[T, W]`` float32. Triton (:mod:`k3serve.kernels.moe.grouped_triton`) when
+        :func:`use_triton` allows and ``z`` is bf16/fp16/fp32, else the torch grouped path
+        (:mod:`k3serve.kernels.moe.grouped`); reference: ``k3serve.kernels.moe.naive``.
+    """
+    if use_triton(z.device) and z.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        from k3serve.kernels.moe.grouped_triton import TritonExperts, routed_experts_triton
+
+        if packed is not None:
+            experts = TritonExperts(packed[0], packed[2], packed[1], packed[3])
+        else:
+            experts = TritonExperts(w13.to(z.dtype), w2.to(z.dtype))
+        return routed_experts_triton(z, experts, topk_ids, topk_weights, act, beta, beta_l)
+    from k3serve.kernels.moe.grouped import routed_experts_grouped
+    from k3serve.model.layers import situ_glu, swiglu
+
+    if act == "situ":
+        fn = functools.partial(situ_glu, beta=beta, beta_l=beta_l)
+    elif act == "silu":
+        fn = swiglu
+    else:
+        raise ValueError(f"act: {act!r} is not 'situ' or 'silu'")
+    return routed_experts_grouped(z, w13, w2, topk_ids, topk_weights, fn)
 
 
 __all__ = [
     "causal_conv_step",
     "chunk_kda",
     "fused_recurrent_kda_step",
+    "glu",
     "kernel_backend",
     "mla_decode_absorbed_paged",
+    "rms_norm",
+    "routed_experts",
     "use_triton",
 ]

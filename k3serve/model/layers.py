@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3serve.config import ModelConfig
+from k3serve.kernels import dispatch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -50,8 +51,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., D]`` → ``[..., D]`` in ``x.dtype``."""
-        return rms_norm(x, self.weight, self.eps)
+        """``x [..., D]`` → ``[..., D]`` in ``x.dtype`` (one fused launch on a Triton device)."""
+        return dispatch.rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -80,8 +81,7 @@ class GatedRMSNorm(nn.Module):
         """
         if gate.shape != x.shape:
             raise ValueError(f"gate: shape {tuple(gate.shape)} != x shape {tuple(x.shape)}")
-        y = rms_norm(x.float(), self.weight, self.eps) * torch.sigmoid(gate.float())
-        return y.to(x.dtype)
+        return dispatch.rms_norm(x, self.weight, self.eps, gate)
 
 
 def situ_glu(
@@ -145,8 +145,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., D]`` → ``[..., D]``."""
-        return self.down_proj(glu_act(self.cfg, self.gate_proj(x), self.up_proj(x)))
+        """``x [..., D]`` → ``[..., D]`` (the GLU is one fused launch on a Triton device)."""
+        cfg = self.cfg
+        h = dispatch.glu(
+            self.gate_proj(x), self.up_proj(x), cfg.hidden_act, cfg.situ_beta, cfg.situ_beta_linear
+        )
+        return self.down_proj(h)
 
 
 __all__ = ["MLP", "GatedRMSNorm", "RMSNorm", "glu_act", "rms_norm", "situ_glu", "swiglu"]

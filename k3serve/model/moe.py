@@ -19,13 +19,36 @@ Expert weights are per-expert parameters ``experts.{e}.w1.weight`` (gate), ``w3`
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from k3serve.config import ModelConfig
+from k3serve.kernels import dispatch
 from k3serve.model.layers import MLP, RMSNorm, glu_act
+
+CPU_GROUPED_MAX_TOKENS = 64
+"""On CPU, ``expert_impl="auto"`` takes the grouped path up to this many tokens (decode) and the
+per-expert loop above it (measured; see ``MoE.routed_experts``)."""
+
+
+class StackedExperts(NamedTuple):
+    """Routed-expert weights stacked for the grouped GEMMs (views shared with the parameters).
+
+    Fields:
+        w13: ``[E, 2I, W]`` gate rows ``[0, I)``, up rows ``[I, 2I)``.
+        w2: ``[E, W, I]``.
+        packed: ``None`` or MXFP4 ``(w13 uint8 [E, 2I, W/2], s13 uint8 [E, 2I, W/32],
+            w2 uint8 [E, W, I/2], s2 uint8 [E, W, I/32])``.
+        key: data pointers the stack was built from (staleness check).
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+    key: tuple[int, ...]
 
 
 class _Weight(nn.Module):
@@ -104,6 +127,9 @@ class MoE(nn.Module):
             self.routed_expert_down_proj = nn.Linear(d, width, bias=False, dtype=dtype)
             self.routed_expert_norm = RMSNorm(width, cfg.rms_norm_eps, dtype=dtype)
             self.routed_expert_up_proj = nn.Linear(width, d, bias=False, dtype=dtype)
+        self.expert_impl = "auto"
+        self.prefer_packed = True  # read MXFP4 bytes when attached (``use_packed``)
+        self._stacked: StackedExperts | None = None
         self.experts = nn.ModuleList(
             Expert(width, cfg.moe_intermediate_size, dtype) for _ in range(cfg.n_routed_experts)
         )
@@ -115,11 +141,52 @@ class MoE(nn.Module):
         self.register_buffer(
             "expert_load", torch.zeros(cfg.n_routed_experts, dtype=torch.int64), persistent=False
         )
-        # expert parallelism: ``routed``'s replacement (k3serve.parallel.ep.EPExperts) or None
+        # expert parallelism: ``routed_experts``' replacement (k3serve.parallel.ep.EPExperts) or None
         self.ep: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
-    def routed(self, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Weighted expert sum: tokens sorted by expert, one matmul group per active expert.
+    # ------------------------------------------------------------------ routed experts
+    def routed_experts(
+        self, x_latent: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Weighted routed-expert sum ``Σ_j w[t, j] E_{ids[t, j]}(z[t])`` — the one swap point
+        for the expert compute (expert parallelism replaces this method).
+
+        Path (``self.expert_impl``): ``"grouped"`` — tokens sorted by expert on the device and one
+        grouped GEMM per projection (Triton with MXFP4 or bf16 experts on CUDA, the torch
+        grouped path elsewhere; :func:`k3serve.kernels.dispatch.routed_experts`), static shapes,
+        no host sync; ``"loop"`` — :meth:`routed_loop`, the plain-torch reference; ``"auto"``
+        (default) — grouped on CUDA; on CPU grouped for decode-sized batches
+        (``T ≤ CPU_GROUPED_MAX_TOKENS``) and the loop above, as measured
+        (``benchmarks/RESULTS_gpu_moe.md``, CPU section).
+
+        Args:
+            x_latent: ``[T, W]`` expert inputs (the latent ``z`` of a latent MoE, else ``x``).
+            topk_ids: ``[T, k]`` int64 expert ids.
+            topk_weights: ``[T, k]`` float32 routing weights.
+
+        Returns:
+            ``[T, W]`` float32.
+        """
+        impl = self.expert_impl
+        if impl == "auto":
+            on_cpu = x_latent.device.type == "cpu"
+            impl = "loop" if on_cpu and x_latent.shape[0] > CPU_GROUPED_MAX_TOKENS else "grouped"
+        if impl == "loop":
+            return self.routed_loop(x_latent, topk_weights, topk_ids)
+        if impl != "grouped":
+            raise ValueError(f"expert_impl: {impl!r} is not 'auto', 'grouped' or 'loop'")
+        st = self.stacked_experts()
+        cfg = self.cfg
+        return dispatch.routed_experts(
+            x_latent, st.w13, st.w2, topk_ids, topk_weights, cfg.hidden_act,
+            cfg.situ_beta, cfg.situ_beta_linear, packed=st.packed if self.use_packed else None,
+        )  # fmt: skip
+
+    def routed_loop(
+        self, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
+    ) -> torch.Tensor:
+        """Reference weighted expert sum: tokens sorted by expert, one matmul group per active
+        expert, one Python iteration each (reads the per-expert counts back to the host).
 
         Args:
             z: ``[T, W]`` expert inputs.
@@ -146,21 +213,100 @@ class MoE(nn.Module):
             start += n
         return out
 
+    routed = routed_loop  # the name earlier code used
+
+    @property
+    def use_packed(self) -> bool:
+        """Whether the grouped path reads the MXFP4 bytes (``cfg.expert_quant == "mxfp4"``, the
+        bytes attached by the checkpoint loader, ``prefer_packed``, and a Triton device: the
+        torch path computes on the dense weights, which equal the dequantised bytes)."""
+        st = self._stacked
+        return (
+            self.prefer_packed
+            and self.cfg.expert_quant == "mxfp4"
+            and st is not None
+            and st.packed is not None
+            and dispatch.use_triton(st.w13.device)
+        )
+
+    def stacked_experts(self) -> StackedExperts:
+        """The expert weights stacked for the grouped GEMMs, built once and then shared.
+
+        The per-expert parameters (``experts.{e}.w1.weight`` …, the checkpoint names) are
+        re-pointed to views of ``w13 [E, 2I, W]`` / ``w2 [E, W, I]`` (and MXFP4 bytes, when
+        attached, to views of the stacked packed tensors), so memory is not doubled and an
+        in-place load (``copy_``, ``load_state_dict``) updates both. The stack is rebuilt when
+        the first or last expert's tensor is no longer the view (``model.to``, a fresh
+        ``register_buffer`` by the loader). Call it once after loading / moving the model and
+        before capturing CUDA graphs (building it allocates). After replacing a single middle
+        expert's tensor by assignment, call :meth:`invalidate_stacked`.
+        """
+        st = self._stacked
+        if st is not None and st.key == self._stack_key():
+            return st
+        self._stacked = st = self._build_stack()
+        return st
+
+    def invalidate_stacked(self) -> None:
+        """Drop the cached stack (the next grouped call rebuilds it from the parameters)."""
+        self._stacked = None
+
+    def _stack_key(self) -> tuple[int, ...]:
+        first, last = self.experts[0], self.experts[-1]
+        key = (first.w1.weight.data_ptr(), last.w2.weight.data_ptr())
+        p1, p2 = first.w1._buffers.get("weight_packed"), last.w2._buffers.get("weight_packed")
+        if p1 is not None and p2 is not None:
+            key += (p1.data_ptr(), p2.data_ptr())
+        return key
+
+    def _build_stack(self) -> StackedExperts:
+        ex = list(self.experts)
+        inter = self.cfg.moe_intermediate_size
+        # normal tensors even when first called under inference_mode: the loader copies into them
+        with torch.inference_mode(False), torch.no_grad():
+            w13 = torch.stack([torch.cat((e.w1.weight, e.w3.weight)) for e in ex])
+            w2 = torch.stack([e.w2.weight for e in ex])
+            for i, e in enumerate(ex):
+                e.w1.weight.data = w13[i, :inter]
+                e.w3.weight.data = w13[i, inter:]
+                e.w2.weight.data = w2[i]
+            packed = None
+            names = ("weight_packed", "weight_scale")
+            if all(n in e.w1._buffers and n in e.w2._buffers and n in e.w3._buffers
+                   for e in ex for n in names):  # fmt: skip
+                stacks = []
+                for n in names:
+                    s13 = torch.stack([torch.cat((e.w1._buffers[n], e.w3._buffers[n])) for e in ex])
+                    s2 = torch.stack([e.w2._buffers[n] for e in ex])
+                    for i, e in enumerate(ex):
+                        e.w1._buffers[n] = s13[i, :inter]
+                        e.w3._buffers[n] = s13[i, inter:]
+                        e.w2._buffers[n] = s2[i]
+                    stacks.append((s13, s2))
+                packed = (stacks[0][0], stacks[1][0], stacks[0][1], stacks[1][1])
+        st = StackedExperts(w13, w2, packed, ())
+        return st._replace(key=self._stack_key())
+
+    def _routed(self, z: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The local routed experts, or the expert-parallel group's when ``self.ep`` is set."""
+        if self.ep is not None:
+            return self.ep(z, weights, idx)
+        return self.routed_experts(z, idx, weights)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, d]`` → ``[T, d]`` in ``x.dtype``."""
         weights, idx = self.gate(x)
         flat = idx.reshape(-1)
         self.expert_load.index_add_(0, flat, torch.ones_like(flat))  # on device, no host sync
-        routed = self.routed if self.ep is None else self.ep
         if self.cfg.moe_latent_size is not None:
             z = self.routed_expert_down_proj(x)
-            r = routed(z, weights, idx).to(x.dtype)
+            r = self._routed(z, idx, weights).to(x.dtype)
             y = self.routed_expert_up_proj(self.routed_expert_norm(r))
         else:
-            y = routed(x, weights, idx).to(x.dtype)
+            y = self._routed(x, idx, weights).to(x.dtype)
         if self.cfg.n_shared_experts > 0:
             y = y + self.shared_experts(x)
         return y
 
 
-__all__ = ["Expert", "MoE", "Router"]
+__all__ = ["CPU_GROUPED_MAX_TOKENS", "Expert", "MoE", "Router", "StackedExperts"]

@@ -92,7 +92,7 @@ class PlacementTables:
 
 
 class EPExperts:
-    """The routed-expert sum of one MoE layer over an EP group; a drop-in for ``MoE.routed``.
+    """The routed-expert sum of one MoE layer over an EP group; a drop-in for ``MoE.routed_experts`` (arguments as ``MoE.routed_loop``).
 
     Args:
         moe: the layer's ``k3serve.model.moe.MoE`` (its ``experts[e].run`` computes expert e;
@@ -125,7 +125,7 @@ class EPExperts:
     def __call__(
         self, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor
     ) -> torch.Tensor:
-        """``Σ_e w_e E_e(z)`` for all T tokens, on every rank (same as ``MoE.routed``).
+        """``Σ_e w_e E_e(z)`` for all T tokens, on every rank (same as ``MoE.routed_loop``).
 
         Args:
             z: ``[T, W]`` expert inputs (identical on every rank).
