@@ -102,7 +102,7 @@ class RankRunner:
         from k3serve.model.checkpoint import load_model
 
         self.spec, self.rank = spec, rank
-        model, cfg = load_model(spec.model, device=device, random_init=spec.random_init)
+        model, cfg, _ = load_model(spec.model, device=device, random_init=spec.random_init)
         self.cfg: ModelConfig = cfg
         self.local_cfg = tp_mod.local_config(cfg, spec.tp)
         tp_mod.shard_model(model, rank if spec.tp > 1 else 0, spec.tp)
