@@ -288,3 +288,10 @@ def place(req: PlacementRequest, prefill: Sequence[PrefillWorkerState],
         shared = max(w.mla_blocks for w in prefill)
         snaps = branch_snapshot(req, chosen, shared)
     return Placement(chosen.worker_id, dec, cached, snaps, policy)
+
+
+# Policies of router/policies (prefix_home, approx_radix) register themselves here; imported
+# last because they import this module's classes.
+from router.policies import register_all as _register_more  # noqa: E402
+
+_register_more()
