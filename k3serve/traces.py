@@ -349,15 +349,18 @@ def _row(ts_ms: float, ids: list[int], last_tokens: int, out_len: int) -> dict:
             "output_length": out_len, "hash_ids": list(ids)}
 
 
-def conversation_trace(num_requests: int = 4000, seed: int = 0, *, num_system: int = 24,
-                       rate_per_s: float = 4.0) -> list[dict]:
-    """A conversation-shaped trace: multi-turn chats over a few shared system prompts.
+def conversation_trace(num_requests: int = 4000, seed: int = 0, *, num_orgs: int = 8,
+                       apps_per_org: int = 16, rate_per_s: float = 4.0) -> list[dict]:
+    """A conversation-shaped trace: multi-turn chats over a hierarchy of shared system prompts.
 
-    Each conversation starts from one of ``num_system`` system prompts (Zipf-popular, 2–12
-    blocks) plus a first user message (1–6 blocks); each later turn is the previous prompt +
-    the answer (1–3 blocks) + a new message (1–4 blocks), so turn ``k+1`` extends turn ``k``.
-    Conversations arrive as a Poisson process (``rate_per_s`` new turns/s overall), think
-    time between turns 5–60 s, 1–12 turns each; some conversations are abandoned.
+    ``num_orgs`` organisation preambles (4–16 blocks) each carry ``apps_per_org`` app prompts
+    (1–8 more blocks); both levels are Zipf-popular, so prompts diverge at two depths. A
+    conversation starts from an app prompt plus a first user message (1–6 blocks); each later
+    turn is the previous prompt (its partial last block completed, hence a new id) + the
+    answer (1–3 blocks) + a new message (1–4 blocks). One turn in ten is a regeneration: the
+    user edits the last message, so the prompt forks right after the previous answer (where no
+    prompt-end snapshot exists). Conversations arrive Poisson (``rate_per_s`` turns/s overall),
+    think time 5–60 s, 1–12 turns each.
 
     Returns:
         Rows (dicts of the trace's JSONL kind), timestamps non-decreasing.
@@ -371,25 +374,30 @@ def conversation_trace(num_requests: int = 4000, seed: int = 0, *, num_system: i
         next_id += k
         return ids
 
-    systems = [fresh(rng.randint(2, 12)) for _ in range(num_system)]
-    weights = [1.0 / (i + 1) for i in range(num_system)]
+    orgs = [fresh(rng.randint(4, 16)) for _ in range(num_orgs)]
+    apps = [[o + fresh(rng.randint(1, 8)) for _ in range(apps_per_org)] for o in orgs]
+    w_org = [1.0 / (i + 1) for i in range(num_orgs)]
+    w_app = [1.0 / (i + 1) ** 0.7 for i in range(apps_per_org)]
     events: list[tuple[float, int, list[int], int, int]] = []  # (t, tie, ids, last, out)
     t = 0.0
-    conv = 0
     while len(events) < num_requests:
-        t += rng.expovariate(rate_per_s / 4.0)
-        sysp = rng.choices(systems, weights)[0]
-        ids = sysp + fresh(rng.randint(1, 6))
+        t += rng.expovariate(rate_per_s / 5.0)
+        app = rng.choices(apps[rng.choices(range(num_orgs), w_org)[0]], w_app)[0]
+        base = list(app)  # the conversation so far, up to the last answer
+        msg = fresh(rng.randint(1, 6))
         tt = t
         for _turn in range(rng.randint(1, 12)):
+            ids = base + msg
             last = rng.randint(1, TRACE_BLOCK)
-            out = rng.randint(20, 1200)
-            events.append((tt, len(events), list(ids), last, out))
-            ids = ids + fresh(rng.randint(1, 3)) + fresh(rng.randint(1, 4))
+            events.append((tt, len(events), ids, last, rng.randint(20, 1200)))
             tt += rng.uniform(5.0, 60.0)
-            if len(ids) > 240:
+            if rng.random() < 0.1:  # regenerate: same history, edited message
+                msg = fresh(rng.randint(1, 4))
+                continue
+            base = ids[:-1] + fresh(1) + fresh(rng.randint(1, 3))  # completed block + answer
+            msg = fresh(rng.randint(1, 4))
+            if len(base) > 240:
                 break
-        conv += 1
     events.sort()
     return [_row(e[0] * 1000.0, e[2], e[3], e[4]) for e in events[:num_requests]]
 
@@ -398,10 +406,12 @@ def agent_trace(num_requests: int = 4000, seed: int = 0, *, num_tools: int = 8,
                 rate_per_s: float = 6.0) -> list[dict]:
     """A tool-and-agent trace: long shared tool preambles, agent loops that grow fast.
 
-    ``num_tools`` tool/agent preambles (16–48 blocks, Zipf-popular) are shared by many tasks;
-    a task runs 2–20 steps in quick succession (0.5–8 s apart), each step's prompt = the
-    previous one + a tool result (1–10 blocks) + the model's call (1 block); a few tasks fork
-    (two branches continue from the same step). Tasks arrive Poisson (``rate_per_s`` steps/s).
+    ``num_tools`` tool/agent preambles (16–48 blocks, Zipf-popular) are shared by many tasks,
+    each task adding its own instructions (1–4 blocks); a task runs 2–20 steps 0.5–8 s apart,
+    each step's prompt = the previous one (last block completed: new id) + a tool result
+    (1–10 blocks) + the model's call (1 block). One step in twelve retries from an earlier
+    step (the agent backtracks: the prompt forks mid-context), and 5 % of steps fork a
+    parallel branch. Tasks arrive Poisson (``rate_per_s`` steps/s overall).
 
     Returns:
         Rows (dicts of the trace's JSONL kind), timestamps non-decreasing.
@@ -421,18 +431,23 @@ def agent_trace(num_requests: int = 4000, seed: int = 0, *, num_tools: int = 8,
     t = 0.0
     while len(events) < num_requests:
         t += rng.expovariate(rate_per_s / 8.0)
-        branches = [(t, tools[rng.choices(range(num_tools), weights)[0]] + fresh(rng.randint(1, 4)))]
-        steps = rng.randint(2, 20)
-        for _ in range(steps):
+        start = tools[rng.choices(range(num_tools), weights)[0]] + fresh(rng.randint(1, 4))
+        branches = [(t, start, [len(start)])]  # (time, ids, earlier step lengths)
+        for _ in range(rng.randint(2, 20)):
             nxt = []
-            for tt, ids in branches:
-                last = rng.randint(1, TRACE_BLOCK)
-                events.append((tt, len(events), list(ids), last, rng.randint(10, 200)))
-                grown = ids + fresh(rng.randint(1, 10)) + fresh(1)
+            for tt, ids, marks in branches:
+                events.append((tt, len(events), list(ids), rng.randint(1, TRACE_BLOCK),
+                               rng.randint(10, 200)))
+                if rng.random() < 1 / 12 and len(marks) > 1:  # backtrack to an earlier step
+                    cut = rng.choice(marks[:-1])
+                    grown = ids[:cut] + fresh(rng.randint(1, 10)) + fresh(1)
+                else:
+                    grown = ids[:-1] + fresh(1) + fresh(rng.randint(1, 10)) + fresh(1)
                 if len(grown) <= 260:
-                    nxt.append((tt + rng.uniform(0.5, 8.0), grown))
+                    nxt.append((tt + rng.uniform(0.5, 8.0), grown, marks + [len(grown)]))
                 if rng.random() < 0.05 and len(branches) < 3:
-                    nxt.append((tt + rng.uniform(0.5, 8.0), ids + fresh(rng.randint(1, 6))))
+                    nxt.append((tt + rng.uniform(0.5, 8.0), ids[:-1] + fresh(rng.randint(1, 6)),
+                                marks + [len(ids)]))
             branches = nxt
             if not branches:
                 break

@@ -91,7 +91,7 @@ class SimConfig:
     store_snapshot_interval: int | None = None
     worker_snapshot_interval: int = 0
     poll_s: float = 0.05
-    util_horizon_s: float = 2.0
+    util_horizon_s: float = 10.0
     calibration: Calibration = field(default_factory=Calibration)
     params: PlacementParams = field(default_factory=PlacementParams)
     fingerprint: str = DEFAULT_FINGERPRINT
