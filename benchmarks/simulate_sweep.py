@@ -40,8 +40,8 @@ def main() -> None:
         t = time.time()
         r = replay(reqs, pol, cfg, facts)
         print(f"  {pol:13s} of-oracle {r.of_oracle:.4f} (store {r.store_hit_rate:.3f}) "
-              f"load {r.load_max_over_mean:.3f} ttft p50 {r.ttft_p50_s:.3f} "
-              f"p99 {r.ttft_p99_s:.3f} agree {r.agreement:.3f} [{time.time() - t:.1f}s]",
+              f"load {r.load_max_over_mean:.3f} ttft p50 {r.ttft_p50_s*1e3:.2f}ms "
+              f"p99 {r.ttft_p99_s*1e3:.0f}ms agree {r.agreement:.3f} [{time.time() - t:.1f}s]",
               flush=True)
 
 

@@ -295,3 +295,6 @@ def place(req: PlacementRequest, prefill: Sequence[PrefillWorkerState],
 from router.policies import register_all as _register_more  # noqa: E402
 
 _register_more()
+
+DEFAULT_POLICY = "prefix_home"
+"""The policy the simulator's comparison found best (issue 12; ``k3serve simulate``)."""

@@ -199,6 +199,7 @@ class _Worker:
     router_queued: int = 0  # router's account: predicted uncached tokens not finished
     sent_recent: float = 0.0  # router's decayed account of predicted uncached tokens sent
     sent_at: float = 0.0
+    reqs_recent: float = 0.0  # router's decayed count of requests sent
     running: int = 0  # requests sent and not finished (SGLang-style load)
 
 
@@ -419,7 +420,9 @@ def replay(reqs: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig
         hz = cfg.util_horizon_s
         for i, w in enumerate(workers):
             if w.sent_at != t:
-                w.sent_recent *= math.exp(-(t - w.sent_at) / hz)
+                decay = math.exp(-(t - w.sent_at) / hz)
+                w.sent_recent *= decay
+                w.reqs_recent *= decay
                 w.sent_at = t
             m = match.get(w.name)
             use, mla = (m.usable_blocks, m.mla_blocks) if m else (0, 0)
@@ -427,7 +430,7 @@ def replay(reqs: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig
                 w.name, max(use, s_use), max(mla, s_mla), w.router_queued, rate,
                 local_blocks=use, store_blocks=s_use,
                 store_tokens_per_s=cal.store_tokens_per_s if store is not None else 0.0,
-                util=w.sent_recent / hz, running=w.running, approx_blocks=radix[i], tree_blocks=view.tree_size(i)))
+                util=w.sent_recent / hz, request_rate=w.reqs_recent / hz, running=w.running, approx_blocks=radix[i], tree_blocks=view.tree_size(i)))
         dstates = [DecodeWorkerState(f"d{i}", running=decode_running[i])
                    for i in range(cfg.decode_workers)]
         req = PlacementRequest(r.num_tokens, B, seq=seq, max_new_tokens=r.output_tokens)
@@ -437,6 +440,7 @@ def replay(reqs: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig
         w.router_queued += r.num_tokens - p.predicted_cached_tokens
         w.running += 1
         w.sent_recent += (r.num_tokens - p.predicted_cached_tokens) / rate
+        w.reqs_recent += 1.0
         view.record(widx[w.name], r.hashes, cap)
         w.queue.append((seq, p.snapshot_at))
         if not w.busy:

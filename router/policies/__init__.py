@@ -36,6 +36,8 @@ class WorkerView(PrefillWorkerState):
         store_tokens_per_s: latent tokens per second a store load delivers (0: no store).
         util: the worker's recent busy fraction by the router's account (predicted uncached
             tokens sent, decayed, over the prefill rate), in ``[0, ∞)``; 0 when unknown.
+        request_rate: requests per second the router sent to the worker recently (decayed
+            over the same horizon as ``util``); 0 when unknown.
         running: requests sent and not finished.
         approx_blocks: depth matched in the router's approximate tree of what it routed here.
         tree_blocks: size of that tree, blocks.
@@ -45,6 +47,7 @@ class WorkerView(PrefillWorkerState):
     store_blocks: int = 0
     store_tokens_per_s: float = 0.0
     util: float = 0.0
+    request_rate: float = 0.0
     running: int = 0
     approx_blocks: int = 0
     tree_blocks: int = 0

@@ -55,9 +55,11 @@ class HomeParams(PlacementParams):
     """
 
     dup_weight: float = 3.0
-    balance_slack: float = 0.20
+    balance_slack: float = 0.05
     util_horizon_s: float = 10.0
     overload_seconds: float = 2.0
+    balance_weight: float = 10.0
+    ext_weight: float = 1.0
 
 
 _DEFAULT = HomeParams()
@@ -85,11 +87,15 @@ def prefix_home(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
         if q > qbound and not (best > 0 and c == best and q < hp.overload_seconds):
             continue
         compute = (L - c * B) / w.prefill_rate
+        cost = q + compute + hp.dup_weight * (best - c) * B / w.prefill_rate
+        cost += hp.ext_weight * getattr(w, "request_rate", 0.0) * compute * compute / 2
         if bounded:
             x = compute / H
-            if util[i] + x > (1 + hp.balance_slack) * (total_util + x) / n:  # type: ignore
-                continue
-        cost = q + compute + hp.dup_weight * (best - c) * B / w.prefill_rate
+            excess = util[i] + x - (1 + hp.balance_slack) * (total_util + x) / n  # type: ignore
+            if excess > 0:
+                if not hp.balance_weight:
+                    continue
+                cost += hp.balance_weight * excess * H
         loc = min(local_depth(w), cap)
         sr = getattr(w, "store_tokens_per_s", 0.0)
         if c > loc and sr > 0:
