@@ -60,6 +60,7 @@ class HomeParams(PlacementParams):
     overload_seconds: float = 2.0
     balance_weight: float = 10.0
     ext_weight: float = 1.0
+    queue_weight: float = 1.0
 
 
 _DEFAULT = HomeParams()
@@ -87,7 +88,7 @@ def prefix_home(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
         if q > qbound and not (best > 0 and c == best and q < hp.overload_seconds):
             continue
         compute = (L - c * B) / w.prefill_rate
-        cost = q + compute + hp.dup_weight * (best - c) * B / w.prefill_rate
+        cost = (1 + hp.queue_weight) * q + compute + hp.dup_weight * (best - c) * B / w.prefill_rate
         cost += hp.ext_weight * getattr(w, "request_rate", 0.0) * compute * compute / 2
         if bounded:
             x = compute / H
