@@ -16,9 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from k3serve.simulate.engine import SimConfig, replay, trace_facts  # noqa: E402
-from k3serve.traces import load_trace  # noqa: E402
-from router.policies.home import HomeParams  # noqa: E402
+from k3serve.simulate.engine import SimConfig, replay, trace_facts
+from k3serve.traces import load_trace
+from router.policies.home import HomeParams
 
 _T: dict = {}
 

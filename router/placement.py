@@ -292,7 +292,7 @@ def place(req: PlacementRequest, prefill: Sequence[PrefillWorkerState],
 
 # Policies of router/policies (prefix_home, approx_radix) register themselves here; imported
 # last because they import this module's classes.
-from router.policies import register_all as _register_more  # noqa: E402
+from router.policies import register_all as _register_more
 
 _register_more()
 

@@ -68,7 +68,8 @@ class SimConfig:
         cache_fraction: each prefill worker's cache holds this fraction ``F`` of the trace's
             working set (distinct blocks, distinct prompt-end snapshots), in ``(0, ∞)``.
         load: arrivals are rescaled so the prefill pool would be this busy without caching
-            (``U`` in ``(0, ∞)``; total prompt tokens / (P · rate · span) = U).
+            (``U`` in ``(0, ∞)``; total prompt tokens / (P · rate · span) = U); ``None``
+            keeps the trace's own timestamps.
         store_fraction: the store holds ``S`` × the working set's bytes (blocks + prompt-end
             snapshots); 0 = no store.
         store_snapshot_interval: store-only snapshots every k blocks; ``None`` = chosen from
@@ -86,7 +87,7 @@ class SimConfig:
     prefill_workers: int = 32
     decode_workers: int = 32
     cache_fraction: float = 1 / 16
-    load: float = 0.75
+    load: float | None = 0.75
     store_fraction: float = 0.0
     store_snapshot_interval: int | None = None
     worker_snapshot_interval: int = 0
@@ -103,6 +104,8 @@ class SimConfig:
             raise ValueError(f"decode_workers: must be an int ≥ 0, got {self.decode_workers!r}")
         for f in ("cache_fraction", "load"):
             v = getattr(self, f)
+            if v is None and f == "load":
+                continue
             if not v > 0 or not math.isfinite(v):
                 raise ValueError(f"{f}: must be a finite number > 0, got {v!r}")
         if not self.store_fraction >= 0 or not math.isfinite(self.store_fraction):
@@ -258,14 +261,14 @@ def _pct(xs: Sequence[float], q: float) -> float:
     if not s:
         return 0.0
     pos = (len(s) - 1) * q
-    lo = int(math.floor(pos))
+    lo = math.floor(pos)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def time_scale(facts: TraceFacts, cfg: SimConfig) -> float:
     """Factor on arrival times so the pool is ``load`` busy without caching (1.0 if span 0)."""
-    if facts.span_s <= 0:
+    if facts.span_s <= 0 or cfg.load is None:
         return 1.0
     target = facts.total_tokens / (cfg.prefill_workers * cfg.calibration.prefill_tokens_per_s
                                    * cfg.load)
@@ -381,7 +384,7 @@ def replay(reqs: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig
 
     def run_until(t: float) -> None:
         while heap and heap[0][0] <= t:
-            tt, kind, _o, ref, payload = heapq.heappop(heap)
+            tt, _kind, _o, ref, payload = heapq.heappop(heap)
             if ref >= 0:  # prefill finished on worker ref
                 w = workers[ref]
                 rid, snaps = payload  # type: ignore[misc]

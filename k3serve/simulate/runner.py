@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue as _queue
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 
@@ -23,7 +24,7 @@ def _one(policy: str) -> PolicyResult:
                   progress=(q.put if q is not None else None))
 
 
-def run(reqs: Sequence[TraceRequest], policies: Sequence[str], cfg: SimConfig = SimConfig(),
+def run(reqs: Sequence[TraceRequest], policies: Sequence[str], cfg: SimConfig | None = None,
         jobs: int | None = None, progress: bool = True,
         facts: TraceFacts | None = None) -> list[PolicyResult]:
     """Replay ``reqs`` under each policy; results in the order of ``policies``.
@@ -31,7 +32,7 @@ def run(reqs: Sequence[TraceRequest], policies: Sequence[str], cfg: SimConfig = 
     Args:
         reqs: the scaled trace.
         policies: names in ``router.placement.POLICIES`` (checked before anything runs).
-        cfg: the deployment.
+        cfg: the deployment (``None``: ``SimConfig()``).
         jobs: worker processes (default: ``min(len(policies), os.cpu_count())``; 1 = inline).
         progress: show a tqdm bar over requests × policies (on stderr).
         facts: :func:`trace_facts` of ``reqs`` when already computed.
@@ -46,6 +47,7 @@ def run(reqs: Sequence[TraceRequest], policies: Sequence[str], cfg: SimConfig = 
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"policy: {p!r} is not one of {sorted(POLICIES)}")
+    cfg = cfg or SimConfig()
     facts = facts or trace_facts(reqs)
     jobs = jobs or min(len(policies), os.cpu_count() or 1)
     bar = None
@@ -69,8 +71,8 @@ def run(reqs: Sequence[TraceRequest], policies: Sequence[str], cfg: SimConfig = 
             while bar is not None and not all(f.done() for f in futs):
                 try:
                     bar.update(queue.get(timeout=0.2))
-                except Exception:  # queue.Empty: poll the futures again
-                    pass
+                except _queue.Empty:  # nothing new: poll the futures again
+                    continue
             return [f.result() for f in futs]
     finally:
         if bar is not None:
