@@ -1,36 +1,43 @@
 """``prefix_home``: placement that values where a prefix lives (issue 12).
 
-Preference. Cost of sending request *r* (prompt ``L`` tokens, at most ``⌊(L−1)/B⌋`` blocks
-reusable) to prefill worker *w*, in seconds::
+Cost of sending request *r* (prompt ``L`` tokens, at most ``⌊(L−1)/B⌋`` blocks reusable) to
+prefill worker *w*, in seconds (``rate``: the worker's prefill tokens/s)::
 
-    cost_w = queued_w / rate_w                       # wait behind the worker's queue
-           + (L − c_w·B) / rate_w                    # its own compute (c_w: usable blocks)
+    compute_w = (L − c_w·B) / rate                   # its own compute (c_w: usable blocks)
+    cost_w = (1 + queue_weight) · queued_w / rate    # wait, and the wait it adds behind it
+           + compute_w
            + store_w                                 # store load, when the store supplies it
-           + dup_weight · (c* − c_w)·B / rate_w      # pool work wasted vs the best holder
+           + dup_weight · (c* − c_w)·B / rate        # pool work wasted vs the best holder
+           + ext_weight · λ_w · compute_w² / 2       # delay this compute imposes on arrivals
+           + balance_weight · H · max(0, excess_w)   # bounded load (below)
 
 ``c*`` is the best usable depth on any worker. The duplication term is what makes the policy
 not myopic: a request sent away from the worker holding its prefix recomputes (and caches a
 second copy of) blocks the pool already has — work every later request queues behind — and
-splits that prefix's later traffic over two homes.
+splits that prefix's later traffic over two homes. The externality term is the M/G/1 view
+of the same thing for the chosen worker: requests arrive there at ``λ_w``
+(``WorkerView.request_rate``), and ``λ·s²/2`` of them-seconds wait behind a job of ``s``
+seconds, so long cold prompts keep away from busy homes.
 
-Bounded load (consistent hashing with bounded loads, Mirrokni et al. 2018, applied to
-prefixes): each worker may carry at most ``(1 + balance_slack)`` × the pool's mean recent
-load, counting this request. ``util_w`` (``WorkerView.util``) is the worker's recent busy
-fraction by the router's own account (predicted uncached compute sent, decayed over a
-horizon ``H`` seconds); this request adds ``x_w = compute_w / H``. A worker over the bound is
-skipped, so a hot prefix spills to the next-cheapest worker — typically one holding part of
-it — which becomes a second home: hot prefixes are replicated just as much as their load
-needs, cold ones stay single. That is the only way a holder of the best prefix loses the
-request besides a real queue (below); when no worker is within the bound, the least loaded
-one takes it.
+Bounded load (consistent hashing with bounded loads, Mirrokni, Thorup & Zadimoghaddam 2018,
+applied to prefixes, as a soft bound): ``util_w`` (``WorkerView.util``) is the worker's
+recent busy fraction by the router's own account (predicted uncached compute sent, decayed
+over ``H = util_horizon_s``); with this request's ``x_w = compute_w / H``,
+``excess_w = util_w + x_w − (1 + balance_slack) · (Σ util + x_w) / n``. A worker past its
+share pays for the excess, so a hot prefix spills to the next-cheapest worker — typically one
+holding part of it — which becomes a second home: hot prefixes get replicated just as much as
+their load needs, cold ones stay single. Requests whose move would waste the most (deep hits,
+small compute) stay; cold-ish ones move first.
 
 Queue guard (never remove every holder of the best prefix unless truly overloaded): a worker
 whose queued work exceeds ``guard_factor × least + guard_seconds`` (the ``cache_aware``
 guard) is skipped unless it holds the best prefix and its queue is below
 ``overload_seconds``. Ties → less queued, then a rotation by ``seq``.
 
-On plain ``PrefillWorkerState`` objects (the live router's today: no store, no ``util``) the
-bound is inactive and the policy is the cost above under the queue guard.
+On plain ``PrefillWorkerState`` objects (the live router's today: no store, ``util``,
+``request_rate``) the bound and the externality are inactive: the policy is the cost above
+under the queue guard. Knobs: :class:`HomeParams` (chosen with
+benchmarks/simulate_grid.py on three traces; see the issue-12 report).
 """
 
 from __future__ import annotations
@@ -52,13 +59,18 @@ class HomeParams(PlacementParams):
         util_horizon_s: the horizon ``H`` the caller's ``util`` is decayed over, seconds.
         overload_seconds: a holder of the best prefix stays eligible while its queued work
             is below this many seconds.
+        balance_weight: seconds of cost per second of work past the load bound (0: a hard
+            bound: workers past it are skipped).
+        ext_weight: weight of the externality ``λ_w · compute_w² / 2``.
+        queue_weight: extra weight of the worker's queue (the wait this request adds behind
+            it for the requests that follow).
     """
 
     dup_weight: float = 3.0
-    balance_slack: float = 0.05
+    balance_slack: float = 0.10
     util_horizon_s: float = 10.0
     overload_seconds: float = 2.0
-    balance_weight: float = 10.0
+    balance_weight: float = 20.0
     ext_weight: float = 1.0
     queue_weight: float = 1.0
 
