@@ -174,7 +174,7 @@ def store_capacity_blocks(facts: TraceFacts, cfg: SimConfig) -> float:
                                  + facts.working_snapshots * snapshot_blocks(cfg.calibration))
 
 
-def auto_store_interval(facts: TraceFacts, cfg: SimConfig, budget_share: float = 0.25) -> int:
+def auto_store_interval(facts: TraceFacts, cfg: SimConfig, budget_share: float = 0.5) -> int:
     """Densest store-only snapshot interval the store's bytes afford (0: none).
 
     Interval snapshots every k blocks number about ``distinct blocks / k``; the interval is
