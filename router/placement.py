@@ -288,3 +288,13 @@ def place(req: PlacementRequest, prefill: Sequence[PrefillWorkerState],
         shared = max(w.mla_blocks for w in prefill)
         snaps = branch_snapshot(req, chosen, shared)
     return Placement(chosen.worker_id, dec, cached, snaps, policy)
+
+
+# Policies of router/policies (prefix_home, approx_radix) register themselves here; imported
+# last because they import this module's classes.
+from router.policies import register_all as _register_more
+
+_register_more()
+
+DEFAULT_POLICY = "prefix_home"
+"""The policy the simulator's comparison found best (issue 12; ``k3serve simulate``)."""

@@ -1,0 +1,62 @@
+"""Run a grid of (trace, store fraction, policy, prefix_home knobs) through the simulator in
+parallel processes; one line per run (for choosing the default policy's knobs, issue 12).
+
+Usage: ``python benchmarks/simulate_grid.py --traces A B --store 0 1 --policy P ...
+[--grid "dup_weight=1,3;ext_weight=0,1"] [--jobs N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from k3serve.simulate.engine import SimConfig, replay, trace_facts
+from k3serve.traces import load_trace
+from router.policies.home import HomeParams
+
+_T: dict = {}
+
+
+def _job(args):
+    trace, store, policy, kw = args
+    if trace not in _T:
+        reqs = load_trace(trace)
+        _T[trace] = (reqs, trace_facts(reqs))
+    reqs, facts = _T[trace]
+    t = time.time()
+    r = replay(reqs, policy, SimConfig(store_fraction=store, params=HomeParams(**kw)), facts)
+    return (f"{Path(trace).stem[:12]:12s} S={store:g} {policy:12s} {kw} of-oracle "
+            f"{r.of_oracle:.4f} load {r.load_max_over_mean:.3f} p50 {r.ttft_p50_s * 1e3:.2f}ms "
+            f"p99 {r.ttft_p99_s * 1e3:.0f}ms mean {r.ttft_mean_s * 1e3:.1f}ms "
+            f"[{time.time() - t:.0f}s]")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--traces", nargs="+", required=True)
+    ap.add_argument("--store", nargs="+", type=float, default=[0.0])
+    ap.add_argument("--policy", nargs="+", default=["prefix_home"])
+    ap.add_argument("--grid", default="", help='"field=v1,v2;field2=v3"')
+    ap.add_argument("--jobs", type=int, default=None)
+    a = ap.parse_args()
+    axes = [(k, [float(x) for x in v.split(",")])
+            for k, v in (g.split("=") for g in a.grid.split(";") if g)]
+    kws = [dict(zip([k for k, _ in axes], vals, strict=True))
+           for vals in itertools.product(*[v for _, v in axes])] or [{}]
+    jobs = []
+    for tr, s, p in itertools.product(a.traces, a.store, a.policy):
+        for kw in (kws if p == "prefix_home" else [{}]):
+            jobs.append((tr, s, p, kw))
+    with ProcessPoolExecutor(a.jobs) as ex:
+        for line in ex.map(_job, jobs):
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

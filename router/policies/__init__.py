@@ -1,0 +1,143 @@
+"""Placement policies beyond router/placement.py's four, and the richer worker view they read.
+
+``router.placement.place`` passes each policy the ``PrefillWorkerState`` objects it was given;
+the policies here accept plain ones (the live router's) and read more when the caller passes
+a :class:`WorkerView` (a ``PrefillWorkerState`` subclass; the simulator fills every field):
+where the usable prefix lives (own cache vs the shared store), the worker's recent
+utilisation, in-flight request count, and the router's approximate radix tree (SGLang kind,
+:class:`RouterView`).
+
+Policies (registered in ``router.placement.POLICIES`` when this package is imported):
+
+* ``prefix_home`` (:mod:`router.policies.home`): values where a prefix lives.
+* ``approx_radix`` (:mod:`router.policies.radix`): SGLang-router's cache-aware policy.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.placement import PrefillWorkerState
+
+
+@dataclass(frozen=True)
+class WorkerView(PrefillWorkerState):
+    """A prefill worker as the richer policies see it (all extra fields optional).
+
+    ``cached_blocks`` / ``mla_blocks`` are the *effective* depths (the deeper of the worker's
+    own cache and the store), so every policy predicts the hit it will get.
+
+    Attributes:
+        local_blocks: usable depth in the worker's own cache, blocks (−1: unknown, take
+            ``cached_blocks``).
+        store_blocks: usable depth in the shared store, blocks (0: no store / no hit).
+        store_tokens_per_s: latent tokens per second a store load delivers (0: no store).
+        util: the worker's recent busy fraction by the router's account (predicted uncached
+            tokens sent, decayed, over the prefill rate), in ``[0, ∞)``; 0 when unknown.
+        request_rate: requests per second the router sent to the worker recently (decayed
+            over the same horizon as ``util``); 0 when unknown.
+        running: requests sent and not finished.
+        approx_blocks: depth matched in the router's approximate tree of what it routed here.
+        tree_blocks: size of that tree, blocks.
+    """
+
+    local_blocks: int = -1
+    store_blocks: int = 0
+    store_tokens_per_s: float = 0.0
+    util: float = 0.0
+    request_rate: float = 0.0
+    running: int = 0
+    approx_blocks: int = 0
+    tree_blocks: int = 0
+
+
+def local_depth(w: PrefillWorkerState) -> int:
+    """Usable blocks in the worker's own cache (``cached_blocks`` for a plain state)."""
+    lb = getattr(w, "local_blocks", -1)
+    return w.cached_blocks if lb < 0 else lb
+
+
+class RouterView:
+    """The router's approximate radix tree: per worker, the block chains it routed there.
+
+    SGLang's router keeps, per worker, a tree of the prompts it sent (not what the worker
+    really caches) and evicts it LRU beyond a size; this is that, over block hashes: one
+    ``hash → worker bitmask`` dict (a chain match walks it once for every worker) and one
+    LRU per worker capped at ``capacity_blocks``.
+
+    Args:
+        num_workers: workers, addressed by index ``0 … num_workers − 1``.
+        capacity_blocks: tree size kept per worker (blocks, ≥ 1).
+
+    Raises:
+        ValueError: ``num_workers`` < 1 or ``capacity_blocks`` < 1.
+    """
+
+    def __init__(self, num_workers: int, capacity_blocks: int):
+        if num_workers < 1:
+            raise ValueError(f"num_workers: must be ≥ 1, got {num_workers}")
+        if capacity_blocks < 1:
+            raise ValueError(f"capacity_blocks: must be ≥ 1, got {capacity_blocks}")
+        self.n = num_workers
+        self.capacity = capacity_blocks
+        self._mask: dict[str, int] = {}
+        self._lru: list[OrderedDict[str, None]] = [OrderedDict() for _ in range(num_workers)]
+
+    def record(self, worker: int, hashes: Sequence[str], max_blocks: int | None = None) -> None:
+        """Insert (or refresh) a routed prompt's chain in ``worker``'s tree, evicting LRU."""
+        lru = self._lru[worker]
+        bit = 1 << worker
+        mask = self._mask
+        for h in hashes:
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                mask[h] = mask.get(h, 0) | bit
+        while len(lru) > self.capacity:
+            h, _ = lru.popitem(last=False)
+            m = mask[h] & ~bit
+            if m:
+                mask[h] = m
+            else:
+                del mask[h]
+
+    def match(self, hashes: Sequence[str]) -> list[int]:
+        """Matched depth (blocks) of a chain in every worker's tree, one pass."""
+        out = [0] * self.n
+        mask = (1 << self.n) - 1
+        get = self._mask.get
+        for i, h in enumerate(hashes):
+            m = mask & get(h, 0)
+            gone = mask & ~m
+            while gone:
+                low = gone & -gone
+                out[low.bit_length() - 1] = i
+                gone ^= low
+            mask = m
+            if not mask:
+                return out
+        while mask:
+            low = mask & -mask
+            out[low.bit_length() - 1] = len(hashes)
+            mask ^= low
+        return out
+
+    def tree_size(self, worker: int) -> int:
+        """Blocks in ``worker``'s tree."""
+        return len(self._lru[worker])
+
+
+def register_all() -> None:
+    """Register this package's policies in ``router.placement.POLICIES`` (idempotent)."""
+    from router.placement import register_policy
+    from router.policies.home import prefix_home
+    from router.policies.radix import approx_radix
+
+    register_policy("prefix_home", prefix_home)
+    register_policy("approx_radix", approx_radix)
+
+
+__all__ = ["RouterView", "WorkerView", "local_depth", "register_all"]

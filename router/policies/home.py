@@ -1,0 +1,123 @@
+"""``prefix_home``: placement that values where a prefix lives (issue 12).
+
+Cost of sending request *r* (prompt ``L`` tokens, at most ``⌊(L−1)/B⌋`` blocks reusable) to
+prefill worker *w*, in seconds (``rate``: the worker's prefill tokens/s)::
+
+    compute_w = (L − c_w·B) / rate                   # its own compute (c_w: usable blocks)
+    cost_w = (1 + queue_weight) · queued_w / rate    # wait, and the wait it adds behind it
+           + compute_w
+           + store_w                                 # store load, when the store supplies it
+           + dup_weight · (c* − c_w)·B / rate        # pool work wasted vs the best holder
+           + ext_weight · λ_w · compute_w² / 2       # delay this compute imposes on arrivals
+           + balance_weight · H · max(0, excess_w)   # bounded load (below)
+
+``c*`` is the best usable depth on any worker. The duplication term is what makes the policy
+not myopic: a request sent away from the worker holding its prefix recomputes (and caches a
+second copy of) blocks the pool already has — work every later request queues behind — and
+splits that prefix's later traffic over two homes. The externality term is the M/G/1 view
+of the same thing for the chosen worker: requests arrive there at ``λ_w``
+(``WorkerView.request_rate``), and ``λ·s²/2`` of them-seconds wait behind a job of ``s``
+seconds, so long cold prompts keep away from busy homes.
+
+Bounded load (consistent hashing with bounded loads, Mirrokni, Thorup & Zadimoghaddam 2018,
+applied to prefixes, as a soft bound): ``util_w`` (``WorkerView.util``) is the worker's
+recent busy fraction by the router's own account (predicted uncached compute sent, decayed
+over ``H = util_horizon_s``); with this request's ``x_w = compute_w / H``,
+``excess_w = util_w + x_w − (1 + balance_slack) · (Σ util + x_w) / n``. A worker past its
+share pays for the excess, so a hot prefix spills to the next-cheapest worker — typically one
+holding part of it — which becomes a second home: hot prefixes get replicated just as much as
+their load needs, cold ones stay single. Requests whose move would waste the most (deep hits,
+small compute) stay; cold-ish ones move first.
+
+Queue guard (never remove every holder of the best prefix unless truly overloaded): a worker
+whose queued work exceeds ``guard_factor × least + guard_seconds`` (the ``cache_aware``
+guard) is skipped unless it holds the best prefix and its queue is below
+``overload_seconds``. Ties → less queued, then a rotation by ``seq``.
+
+On plain ``PrefillWorkerState`` objects (the live router's today: no store, ``util``,
+``request_rate``) the bound and the externality are inactive: the policy is the cost above
+under the queue guard. Knobs: :class:`HomeParams` (chosen with
+benchmarks/simulate_grid.py on three traces; see the issue-12 report).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.placement import PlacementParams, PlacementRequest, PrefillWorkerState
+from router.policies import local_depth
+
+
+@dataclass(frozen=True)
+class HomeParams(PlacementParams):
+    """Knobs of ``prefix_home`` (a ``PlacementParams``; other policies ignore the extras).
+
+    Attributes:
+        dup_weight: seconds of cost per second of pool work a placement duplicates.
+        balance_slack: ε of the bounded-load rule (a worker may carry (1 + ε) × mean).
+        util_horizon_s: the horizon ``H`` the caller's ``util`` is decayed over, seconds.
+        overload_seconds: a holder of the best prefix stays eligible while its queued work
+            is below this many seconds.
+        balance_weight: seconds of cost per second of work past the load bound (0: a hard
+            bound: workers past it are skipped).
+        ext_weight: weight of the externality ``λ_w · compute_w² / 2``.
+        queue_weight: extra weight of the worker's queue (the wait this request adds behind
+            it for the requests that follow).
+    """
+
+    dup_weight: float = 3.0
+    balance_slack: float = 0.10
+    util_horizon_s: float = 10.0
+    overload_seconds: float = 2.0
+    balance_weight: float = 20.0
+    ext_weight: float = 1.0
+    queue_weight: float = 1.0
+
+
+_DEFAULT = HomeParams()
+
+
+def prefix_home(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
+                params: PlacementParams) -> int:
+    """Least ``cost_w`` over the workers within the load bound and the queue guard."""
+    hp = params if isinstance(params, HomeParams) else _DEFAULT
+    n = len(workers)
+    B, L, cap = req.block_size, req.num_prompt_tokens, req.max_cached_blocks
+    depth = [min(w.cached_blocks, cap) for w in workers]
+    best = max(depth)
+    queued = [w.queued_tokens / w.prefill_rate for w in workers]
+    least = min(queued)
+    qbound = params.guard_factor * least + params.guard_seconds
+    util = [getattr(w, "util", None) for w in workers]
+    bounded = all(u is not None for u in util)
+    total_util = sum(util) if bounded else 0.0  # type: ignore[arg-type]
+    H = hp.util_horizon_s
+    best_i, best_key = -1, None
+    for i, w in enumerate(workers):
+        q = queued[i]
+        c = depth[i]
+        if q > qbound and not (best > 0 and c == best and q < hp.overload_seconds):
+            continue
+        compute = (L - c * B) / w.prefill_rate
+        cost = (1 + hp.queue_weight) * q + compute + hp.dup_weight * (best - c) * B / w.prefill_rate
+        cost += hp.ext_weight * getattr(w, "request_rate", 0.0) * compute * compute / 2
+        if bounded:
+            x = compute / H
+            excess = util[i] + x - (1 + hp.balance_slack) * (total_util + x) / n  # type: ignore
+            if excess > 0:
+                if not hp.balance_weight:
+                    continue
+                cost += hp.balance_weight * excess * H
+        loc = min(local_depth(w), cap)
+        sr = getattr(w, "store_tokens_per_s", 0.0)
+        if c > loc and sr > 0:
+            cost += (c - loc) * B / sr
+        key = (cost, q, (i - req.seq) % n)
+        if best_key is None or key < best_key:
+            best_i, best_key = i, key
+    if best_i < 0:  # nobody within the bounds: the least loaded
+        key_of = (lambda i: (util[i], queued[i], (i - req.seq) % n)) if bounded else \
+            (lambda i: (queued[i], (i - req.seq) % n))
+        best_i = min(range(n), key=key_of)
+    return best_i
