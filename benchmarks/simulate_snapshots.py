@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from k3serve.simulate.calibration import Calibration
-from k3serve.simulate.engine import (
+from simulate.calibration import Calibration
+from simulate.engine import (
     SimConfig,
     auto_store_interval,
     replay,

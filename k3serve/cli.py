@@ -71,13 +71,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(argv: list[str]) -> int:
-    """``k3serve serve [flags]``: becomes ``python -m deploy [flags]`` (the launcher; exec, so
-    the process, its PID and its signals stay the same). The flags are defined there only."""
+def _exec_module(module: str, argv: list[str]) -> int:
+    """Become ``python -m MODULE ARGV`` (exec: the process, its PID and its signals stay the
+    same). Packages above the core (deploy/, simulate/) define their own flags, and the core
+    imports none of them."""
     import os
 
-    os.execv(sys.executable, [sys.executable, "-m", "deploy", *argv])
+    os.execv(sys.executable, [sys.executable, "-m", module, *argv])
     return 1  # pragma: no cover - execv does not return
+
+
+def cmd_serve(argv: list[str]) -> int:
+    """``k3serve serve [flags]``: becomes ``python -m deploy [flags]`` (the launcher)."""
+    return _exec_module("deploy", argv)
 
 
 def cmd_experts_plan(args: argparse.Namespace) -> int:
@@ -102,51 +108,6 @@ def cmd_experts_plan(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(plan.to_dict(), f)
-    return 0
-
-
-def _workers(spec: str) -> tuple[int, int]:
-    """``P:D`` (or ``P``) → (prefill, decode) worker counts."""
-    parts = spec.split(":")
-    try:
-        p = int(parts[0])
-        d = int(parts[1]) if len(parts) > 1 else p
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--workers: expected P:D, got {spec!r}") from None
-    if len(parts) > 2 or p < 1 or d < 0:
-        raise argparse.ArgumentTypeError(f"--workers: expected P:D with P ≥ 1, D ≥ 0, got {spec!r}")
-    return p, d
-
-
-def cmd_simulate(args: argparse.Namespace) -> int:
-    from k3serve.simulate import SimConfig, load_calibration, run, trace_facts
-    from k3serve.simulate.report import plot, table, to_json, write_json
-    from k3serve.traces import load_trace
-    from router.placement import DEFAULT_POLICY, POLICIES
-    from router.policies.home import HomeParams
-
-    cal = load_calibration(args.calibration).with_rate(args.rate)
-    p, d = args.workers
-    cfg = SimConfig(prefill_workers=p, decode_workers=d, cache_fraction=args.cache_fraction,
-                    load=args.load, store_fraction=args.store_fraction,
-                    store_snapshot_interval=args.store_snapshot_interval, calibration=cal,
-                    params=HomeParams())
-    reqs = load_trace(args.trace)
-    facts = trace_facts(reqs)
-    policies = args.policy or sorted(POLICIES, key=lambda n: (n != DEFAULT_POLICY, n))
-    results = run(reqs, policies, cfg, jobs=args.jobs, progress=not args.no_progress,
-                  facts=facts)
-    print(f"trace {args.trace}: {facts.num_requests} requests, {facts.total_tokens:,} tokens "
-          f"(block {facts.block_size}); {p} prefill × cache {args.cache_fraction:g} of the "
-          f"working set ({facts.working_blocks} blocks, {facts.working_snapshots} prompt-end "
-          f"snapshots); {cal.prefill_tokens_per_s:g} tokens/s; load {args.load:g}; store "
-          f"{args.store_fraction:g}" + (f" (snapshot every {results[0].store_interval} blocks)"
-                                        if args.store_fraction else ""))
-    print(table(results, DEFAULT_POLICY))
-    if args.json:
-        write_json(to_json(results, DEFAULT_POLICY, cfg, facts, str(args.trace)), args.json)
-    if args.plot:
-        plot(results, reqs, facts, args.plot, default=DEFAULT_POLICY)
     return 0
 
 
@@ -190,30 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--json", default=None, help="write the plan JSON here")
     pp.set_defaults(fn=cmd_experts_plan)
 
-    pm = sub.add_parser("simulate", formatter_class=fmt,
-                        help="replay a trace through the router's placement (no model)")
-    pm.add_argument("--trace", required=True, help="JSONL trace (Mooncake format)")
-    pm.add_argument("--workers", type=_workers, default=(32, 32), metavar="P:D",
-                    help="prefill:decode workers")
-    pm.add_argument("--cache-fraction", type=float, default=1 / 16,
-                    help="each prefill worker's cache as a fraction of the working set")
-    pm.add_argument("--rate", type=float, default=None,
-                    help="prefill tokens/s per worker (default: the calibration's, 8000)")
-    pm.add_argument("--load", type=float, default=0.75,
-                    help="pool busy fraction without caching (rescales arrivals)")
-    pm.add_argument("--store-fraction", type=float, default=0.0,
-                    help="shared store size as a fraction of the working set (0: none)")
-    pm.add_argument("--store-snapshot-interval", type=int, default=None,
-                    help="store-only KDA snapshots every N blocks (default: from the bytes)")
-    pm.add_argument("--policy", nargs="+", default=None,
-                    help="policies to compare (default: every registered one)")
-    pm.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
-    pm.add_argument("--plot", default=None, metavar="PNG", help="plot hit rate over time")
-    pm.add_argument("--calibration", default=None, metavar="FILE",
-                    help="cost-model file (docs/calibration.md; default: CPU k3-tiny)")
-    pm.add_argument("--jobs", type=int, default=None, help="parallel processes")
-    pm.add_argument("--no-progress", action="store_true", help="no progress bar")
-    pm.set_defaults(fn=cmd_simulate)
+    sub.add_parser("simulate", add_help=False,
+                   help="replay a trace through the router's placement, no model "
+                        "(k3serve simulate --help lists its flags)")
     return p
 
 
@@ -221,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:  # its flags belong to the launcher (deploy/launcher.py)
         return cmd_serve(argv[1:])
+    if argv[:1] == ["simulate"]:  # the simulator sits above router/ and the core (simulate/)
+        return _exec_module("simulate", argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)

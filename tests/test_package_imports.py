@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("k3serve", "router", "worker", "prefill", "decode", "kvstore", "deploy")
+PACKAGES = ("k3serve", "router", "worker", "prefill", "decode", "kvstore", "deploy", "simulate")
 
 
 def _imports(path: Path, root: Path = ROOT) -> set[str]:

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from k3serve.cache.hashing import block_hashes, make_salt
-from k3serve.simulate import SimConfig, load_calibration, replay, run, trace_facts
-from k3serve.simulate.calibration import SCHEMA, Calibration
-from k3serve.simulate.engine import auto_store_interval, snapshot_blocks
-from k3serve.simulate.store import SimStore
+from simulate import SimConfig, load_calibration, replay, run, trace_facts
+from simulate.calibration import SCHEMA, Calibration
+from simulate.engine import auto_store_interval, snapshot_blocks
+from simulate.store import SimStore
 from k3serve.traces import (
     DEFAULT_FINGERPRINT,
     agent_trace,
@@ -242,10 +242,10 @@ def test_router_view_matches_and_evicts():
 
 # ----------------------------------------------------------------------------- CLI, runner
 def test_cli_writes_the_json_schema_and_plot(tmp_path, capsys):
-    from k3serve.cli import main
+    from simulate.cli import main
 
     out, png = tmp_path / "sim.json", tmp_path / "sim.png"
-    rc = main(["simulate", "--trace", str(SLICE), "--workers", "4:2", "--cache-fraction",
+    rc = main(["--trace", str(SLICE), "--workers", "4:2", "--cache-fraction",
                "0.25", "--policy", DEFAULT_POLICY, "cache_aware", "--json", str(out),
                "--plot", str(png), "--no-progress", "--jobs", "1"])
     assert rc == 0
@@ -262,8 +262,17 @@ def test_cli_writes_the_json_schema_and_plot(tmp_path, capsys):
         assert 0 < p["hit_rate"] < p["oracle_hit_rate"] < 1
     assert doc["setup"]["prefill_workers"] == 4 and doc["setup"]["decode_workers"] == 2
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
-    assert main(["simulate", "--trace", str(SLICE), "--policy", "nope",
-                 "--no-progress"]) == 2
+    assert main(["--trace", str(SLICE), "--policy", "nope", "--no-progress"]) == 2
+
+
+def test_k3serve_simulate_is_the_simulator_cli():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "k3serve.cli", "simulate", "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "usage: k3serve simulate" in r.stdout and "--store-fraction" in r.stdout
 
 
 def test_runner_parallel_equals_inline(slice_reqs):

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from k3serve.simulate.engine import PolicyResult, SimConfig, TraceFacts
+from simulate.engine import PolicyResult, SimConfig, TraceFacts
 from k3serve.traces import TraceRequest
 
 COLUMNS = ("policy", "hit", "/oracle", "store", "oracle", "ceiling", "TTFT p50 ms",

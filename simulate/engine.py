@@ -10,9 +10,9 @@ usable-hit rule, the event log). The simulator adds only time and the store tier
 * A prefill worker is a FIFO server. A request's prefix lookup happens when it starts (so the
   router's prediction, made at arrival from events pulled every ``poll_s``, is wrong when
   queued work evicts what it counted on); its service time comes from the
-  :class:`~k3serve.simulate.calibration.Calibration` (uncached tokens at the prefill rate, a
+  :class:`~simulate.calibration.Calibration` (uncached tokens at the prefill rate, a
   store load priced by latency + bytes).
-* The store (``store_fraction`` > 0, :class:`~k3serve.simulate.store.SimStore`) receives every
+* The store (``store_fraction`` > 0, :class:`~simulate.store.SimStore`) receives every
   computed block and snapshot when the prefill finishes; a worker whose own usable hit is
   shallower than what the store can complete loads the difference (and the snapshot).
   ``store_snapshot_interval`` adds store-only KDA snapshots every k blocks (written through
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field, replace
 
 from k3serve.cache.manager import CacheManager
 from k3serve.cache.specs import CacheConfig
-from k3serve.simulate.calibration import Calibration
-from k3serve.simulate.store import STORE_ID, SimStore
+from simulate.calibration import Calibration
+from simulate.store import STORE_ID, SimStore
 from k3serve.traces import (
     DEFAULT_FINGERPRINT,
     TRACE_BLOCK,

@@ -3,7 +3,7 @@
 A calibration file is JSON (schema ``k3serve.calibration/1``) describing one model on one
 device: how fast a prefill worker computes prompt tokens, how big an MLA block and a KDA
 snapshot are, and how fast the shared store moves them. The CPU defaults for k3-tiny ship as
-``k3serve/simulate/calibration_cpu_k3-tiny.json``; ``benchmarks/`` writes GPU ones.
+``simulate/calibration_cpu_k3-tiny.json``; ``benchmarks/`` writes GPU ones.
 
 Cost of one prefill (seconds), for a prompt of ``L`` tokens that reuses ``h_local`` tokens
 from the worker's own cache and loads ``h_store`` more from the store::
