@@ -1,4 +1,4 @@
-"""k3serve command line: info, generate, serve.
+"""k3serve command line: info, generate, plan, serve.
 
 Heavy modules (torch, the model, the engine, the servers) are imported inside the commands, so
 ``k3serve info`` answers without loading torch.
@@ -71,7 +71,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from deploy.plan import PlanError, load_deploy_config, make_plan
+
+    try:
+        plan = make_plan(load_deploy_config(args.config))
+    except PlanError as e:
+        print(f"k3serve plan: refused: {e}", file=sys.stderr)
+        return 1
+    print(plan.format())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(plan.to_dict(), f, indent=2)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        if not args.config:
+            raise ValueError("--config: `serve --ray` needs a deployment config "
+                             "(deploy/configs/*.yaml)")
+        from deploy.ray_backend import serve_ray
+
+        return serve_ray(args)
+    if args.config:
+        raise ValueError("--config: only used with --ray (the local backend takes flags)")
     from k3serve.launcher import serve
 
     return serve(args)
@@ -109,7 +133,23 @@ def build_parser() -> argparse.ArgumentParser:
                     help="placement policy: cache_aware | round_robin | least_load | random")
     ps.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
     ps.add_argument("--device", default="cpu", help="worker device (cpu or cuda)")
+    ps.add_argument("--ray", action="store_true",
+                    help="run every instance as a Ray actor (needs --config; `pip install "
+                         "-e .[ray]`)")
+    ps.add_argument("--config", default=None,
+                    help="deployment config for --ray (deploy/configs/*.yaml); its model, "
+                         "pools and router replace --model/--prefill/--decode/--policy")
+    ps.add_argument("--ray-address", default=None,
+                    help="join this Ray cluster (default: start a local one on loopback)")
+    ps.add_argument("--sd-dir", default=None,
+                    help="write Prometheus file-SD targets here (see deploy/prometheus)")
     ps.set_defaults(fn=cmd_serve)
+
+    pp = sub.add_parser("plan", formatter_class=fmt,
+                        help="memory plan of a deployment config; refuses what cannot fit")
+    pp.add_argument("--config", required=True, help="deploy/configs/*.yaml")
+    pp.add_argument("--json", default=None, metavar="OUT", help="also write the plan as JSON")
+    pp.set_defaults(fn=cmd_plan)
     return p
 
 
