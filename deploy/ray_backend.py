@@ -41,7 +41,6 @@ node-address lookup return 127.0.0.1), with a small object store and no dashboar
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import re
@@ -69,12 +68,13 @@ PINNED_PORT_ENV = ("K3SERVE_KV_BOOTSTRAP_PORT",)  # a restarted worker must pick
 
 
 # ============================================================================ actors
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: SIGTERM this child when the actor process dies (even by SIGKILL)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+# Runs first in the child: PR_SET_PDEATHSIG (1) = SIGTERM, kept across the exec that follows,
+# so the kernel ends the program when the actor process dies (even by SIGKILL). A prelude
+# instead of Popen's preexec_fn, which is unsafe in a process with threads (a Ray worker).
+_PDEATHSIG_PRELUDE = ("import ctypes, os, sys\n"
+                      "try:\n    ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, 15)\n"
+                      "except OSError:\n    pass\n"
+                      "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n")
 
 
 def _free_port(host: str) -> int:
@@ -118,8 +118,8 @@ class ProcessActor:
         self._stopping = False
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
-            [sys.executable, *argv], env=child_env, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, bufsize=1, preexec_fn=_die_with_parent)
+            [sys.executable, "-c", _PDEATHSIG_PRELUDE, *argv], env=child_env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         self.url = f"http://{host}:{port}" if ready == "health" else ""
         got_url = threading.Event()
         threading.Thread(target=self._pump, args=(got_url,), daemon=True).start()
