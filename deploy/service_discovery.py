@@ -114,6 +114,12 @@ class TargetWriter:
             if self._targets.pop(name, None) is not None:
                 self._flush()
 
+    def replace_all(self, targets: list[ScrapeTarget]) -> None:
+        """Make ``targets`` the whole set (one rewrite)."""
+        with self._lock:
+            self._targets = {t.name: t for t in targets}
+            self._flush()
+
     def clear(self) -> None:
         """Forget every target (the stack stopped): both files become empty lists."""
         with self._lock:
