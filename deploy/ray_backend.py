@@ -311,6 +311,10 @@ def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
            placeholders: bool = False, ready_timeout: float = 300.0) -> RayStack:
     """Start a deployment on the Ray cluster this process is connected to (``ray.init`` first).
 
+    The Ray workers must import this repository (``pip install -e .`` on every node, or
+    ``ray.init(runtime_env={"env_vars": {"PYTHONPATH": ...}})``, as :func:`serve_ray` does when
+    it joins a cluster); a local Ray started from this process inherits its ``PYTHONPATH``.
+
     Args:
         config: a ``deploy/configs/*.yaml`` path or a :class:`DeployConfig`.
         api_key: bearer token the router requires on its public API.
@@ -346,7 +350,6 @@ def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
     token = secrets.token_hex(16)
     env = {CLUSTER_TOKEN_ENV: token, "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    runtime_env = {"env_vars": {"PYTHONPATH": env["PYTHONPATH"]}}
     rank_opts = {"num_cpus": c.cpus_per_rank, "num_gpus": 1 if c.resource == "GPU" else 0}
     Proc = ray.remote(ProcessActor)
     Rank = ray.remote(RankActor)
@@ -362,7 +365,6 @@ def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
             renv = {**env, **({API_KEY_ENV: api_key} if api_key else {})}
             stack.router = Proc.options(
                 name=f"k3serve-{dc.name}-router", num_cpus=0, max_restarts=dc.max_restarts,
-                runtime_env=runtime_env,
             ).remote("router", rargs, renv, ready="health", ready_timeout=ready_timeout)
             rinfo = ray.get(stack.router.info.remote(), timeout=ready_timeout)
             router_url = rinfo["url"]
@@ -378,14 +380,12 @@ def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
                 pgs[s.group], placement_group_bundle_index=s.bundle))
             if s.rank == 0 and not placeholders:
                 h = Proc.options(name=f"k3serve-{dc.name}-{s.instance}",
-                                 max_restarts=dc.max_restarts, runtime_env=runtime_env,
-                                 **opts).remote(
+                                 max_restarts=dc.max_restarts, **opts).remote(
                     s.instance, _worker_argv(dc, by_name[s.instance], router_url), env,
                     ready_timeout=ready_timeout)
                 stack.workers[s.instance] = h
             else:
-                h = Rank.options(max_restarts=dc.max_restarts, runtime_env=runtime_env,
-                                 **opts).remote(s.instance, s.rank)
+                h = Rank.options(max_restarts=dc.max_restarts, **opts).remote(s.instance, s.rank)
             stack.ranks.setdefault(s.instance, []).append(h)
         if not placeholders:
             stack.refresh(timeout=ready_timeout)
@@ -417,14 +417,20 @@ def _wait_registered(stack: RayStack, timeout: float) -> None:
 
 
 def init_local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None) -> None:
-    """Start a one-node Ray on loopback: small object store, no dashboard, logical CPUs."""
+    """Start a one-node Ray on loopback: small object store, no dashboard, logical CPUs.
+
+    Its processes inherit this process' environment, ``PYTHONPATH`` with this repository
+    included, so actors import :mod:`deploy.ray_backend` and children run ``python -m …``.
+    """
     os.environ[LOOPBACK_ENV] = "0"
+    path = os.environ.get("PYTHONPATH", "")
+    if str(ROOT) not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), path) if p)
     import ray
 
     ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
              object_store_memory=OBJECT_STORE_BYTES, _node_ip_address="127.0.0.1",
-             _temp_dir=temp_dir, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+             _temp_dir=temp_dir, log_to_driver=False)
 
 
 def serve_ray(args: Any) -> int:
@@ -442,7 +448,7 @@ def serve_ray(args: Any) -> int:
         init_local_ray(num_cpus=max(1.0, c.cpus_per_rank * c.accelerators_per_node),
                        num_gpus=c.accelerators_per_node if c.resource == "GPU" else 0)
     else:
-        ray.init(address=args.ray_address)
+        ray.init(address=args.ray_address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     api_key = args.api_key or os.environ.get(API_KEY_ENV)
     stack = deploy(dc, api_key=api_key, sd_dir=args.sd_dir)
     stopping = False

@@ -106,8 +106,12 @@ def test_supernode_64_actors_land_where_the_config_says():
                 per_node[i["node_id"]].update(i["gpu_ids"])
             assert all(len(g) == 8 for g in per_node.values())
         pgs = [p for p in list_placement_groups(detail=True) if p.name.startswith("k3serve-")]
-        assert len(pgs) == 4 and all(
-            p.strategy == "STRICT_SPREAD" and p.state == "CREATED" for p in pgs)
+        assert len(pgs) == 4 and all(p.state == "CREATED" for p in pgs)
+        table = ray.util.placement_group_table()
+        for p in pgs:
+            t = table[p.placement_group_id]
+            assert t["strategy"] == "STRICT_SPREAD"
+            assert len(set(t["bundles_to_node_id"].values())) == 2  # two whole nodes
         stack.stop()
     finally:
         ray.shutdown()
