@@ -157,14 +157,19 @@ def plot_hit_rate(prom_url: str, start: float, end: float, out: str | Path,
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4.2), dpi=110)
+    colors: dict[str, str] = {}
+    palette = iter(plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4)
     for label, expr in HIT_RATE_QUERIES.items():
         for series in query_range(prom_url, expr, start, end, step):
             t = [(float(x) - start) / 60 for x, _ in series["values"]]
             v = [100 * float(y) for _, y in series["values"]]
-            name = label.format(worker=series["metric"].get("worker", ""))
+            worker = series["metric"].get("worker", "")
             overall = "all workers" in label
-            ax.plot(t, v, label=name, lw=2.4 if overall else 1.2,
-                    ls="--" if label.startswith("predicted") else "-")
+            color = "black" if overall else colors.setdefault(worker, next(palette))
+            predicted = label.startswith("predicted")
+            ax.plot(t, v, label=label.format(worker=worker), color=color,
+                    lw=(2.6 if overall else 1.6) if not predicted else 1.2,
+                    ls=":" if predicted else "-", alpha=0.6 if overall and not predicted else 1)
     ax.set_xlabel("minutes into the run")
     ax.set_ylabel("prompt tokens reused (%)")
     ax.set_ylim(0, 100)
