@@ -284,12 +284,13 @@ class RayStack:
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        procs = [*self.workers.values(), self.router]
+        router = [self.router] if self.router is not None else []
+        procs = [*self.workers.values(), *router]
         try:
             ray.get([h.stop.remote() for h in procs], timeout=timeout)
         except Exception as e:  # noqa: BLE001 - an actor may already be gone
             log.warning("stopping children: %r", e)
-        for handles in [*self.ranks.values(), [self.router]]:
+        for handles in [*self.ranks.values(), router]:
             for h in handles:
                 ray.kill(h, no_restart=True)
         for pg in self.placement_groups:
