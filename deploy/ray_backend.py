@@ -423,7 +423,7 @@ def init_local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = No
     Its processes inherit this process' environment, ``PYTHONPATH`` with this repository
     included, so actors import :mod:`deploy.ray_backend` and children run ``python -m …``.
     """
-    os.environ[LOOPBACK_ENV] = "0"
+    os.environ[LOOPBACK_ENV] = "0"  # read when ray is first imported: see the check below
     path = os.environ.get("PYTHONPATH", "")
     if str(ROOT) not in path.split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), path) if p)
@@ -432,10 +432,17 @@ def init_local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = No
     ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
              object_store_memory=OBJECT_STORE_BYTES, _node_ip_address="127.0.0.1",
              _temp_dir=temp_dir, log_to_driver=False)
+    addrs = {n["NodeManagerAddress"] for n in ray.nodes()}
+    if addrs != {"127.0.0.1"}:
+        ray.shutdown()
+        raise RuntimeError(f"Ray bound to {sorted(addrs)}, not loopback: ray was imported before "
+                           f"{LOOPBACK_ENV}=0 was set (set it first, or import ray later)")
 
 
 def serve_ray(args: Any) -> int:
     """Entry point of ``k3serve serve --ray --config FILE``: run until Ctrl-C / SIGTERM."""
+    if args.ray_address is None:
+        os.environ[LOOPBACK_ENV] = "0"  # before ray's first import (see init_local_ray)
     import ray
 
     dc = load_deploy_config(args.config)
