@@ -3,13 +3,14 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-APT_PKGS := libibverbs1 librdmacm1 libnuma1
+# prometheus: promtool for the rule tests, the server for `make dashboards` and its test
+APT_PKGS := libibverbs1 librdmacm1 libnuma1 prometheus
 HOST ?= 127.0.0.1
 PORT ?= 8000
 # Extra flags for `k3serve serve`, e.g. make serve ARGS="--prefill 1 --decode 2 --api-key KEY"
 ARGS ?=
 
-.PHONY: install sysdeps serve test bench clean
+.PHONY: install sysdeps serve test bench dashboards plan clean
 
 sysdeps:
 	@missing=""; for p in $(APT_PKGS); do \
@@ -23,13 +24,25 @@ sysdeps:
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[cpu,dev]'
+	$(PIP) install -q -e '.[cpu,dev,ray]'
 	@touch $@
 
 install: sysdeps $(VENV)/.installed
 
 serve: install
 	$(VENV)/bin/k3serve serve --host $(HOST) --port $(PORT) $(ARGS)
+
+# Prometheus (+ Grafana where grafana-server is installed) against a running stack, e.g. one
+# started by `make serve`: targets from the router's worker list, dashboard deploy/grafana.
+ROUTER_URL ?= http://$(HOST):$(PORT)
+PROM_PORT ?= 9090
+dashboards: install
+	$(PY) -m deploy.monitoring up --router-url $(ROUTER_URL) --port $(PROM_PORT)
+
+# Memory plan of a deployment config, e.g. make plan CONFIG=deploy/configs/supernode-64.yaml
+CONFIG ?= deploy/configs/supernode-64.yaml
+plan: install
+	$(VENV)/bin/k3serve plan --config $(CONFIG)
 
 test: install
 	$(PY) -m pytest -q -ra tests

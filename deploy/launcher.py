@@ -142,6 +142,7 @@ def start_stack(
     ready_timeout: float = 180.0,
     log_dir: str | None = None,
     launch: LaunchBackend | None = None,
+    sd_dir: str | None = None,
 ) -> Stack:
     """Start router + workers and wait until the router sees every worker healthy.
 
@@ -151,6 +152,8 @@ def start_stack(
         ready_timeout: seconds to wait for all workers to register.
         log_dir: per-component log files (local backend; ``launch`` given: ignored).
         launch: the backend (default: local processes).
+        sd_dir: write Prometheus file-based service discovery for the router and every worker
+            here (deploy/service_discovery.py; the same files the Ray backend writes).
 
     Returns:
         A :class:`Stack`; call ``stop()`` to end it.
@@ -192,6 +195,14 @@ def start_stack(
                 "--device", device, "--worker-id", f"{role}-{i}", *(extra_worker_args or [])],
                 env))
         wait_ready(stack, num_prefill + num_decode, ready_timeout)
+        if sd_dir:
+            from deploy.service_discovery import ScrapeTarget, TargetWriter
+
+            names = ["router"] + [f"{r}-{i}" for r, i in workers]
+            TargetWriter(sd_dir, "local").replace_all(
+                [ScrapeTarget("router", stack.url, "router")]
+                + [ScrapeTarget(n, u, "worker", n.split("-")[0])
+                   for n, u in zip(names[1:], stack.worker_urls)])
     except BaseException:
         stack.stop()
         raise
@@ -239,16 +250,38 @@ def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
                    help="placement policy: cache_aware | round_robin | least_load | random")
     p.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
     p.add_argument("--device", default="cpu", help="worker device (cpu or cuda)")
+    p.add_argument("--ray", action="store_true",
+                   help="run every instance as a Ray actor (needs --config; `pip install -e .[ray]`)")
+    p.add_argument("--config", default=None,
+                   help="deployment config for --ray (deploy/configs/*.yaml); its model, pools "
+                        "and router replace --model/--prefill/--decode/--policy")
+    p.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (default: start a local one on loopback)")
+    p.add_argument("--sd-dir", default=None,
+                   help="write Prometheus file-SD targets here (see deploy/prometheus)")
     return p
 
 
 def serve(args: argparse.Namespace) -> int:
     """Run the stack of ``args`` (:func:`build_parser`) until Ctrl-C / SIGTERM or a component
-    dies; returns the exit status."""
+    dies; returns the exit status. ``--ray`` runs it on the Ray backend (deploy/ray_backend.py).
+
+    Raises:
+        ValueError: ``--ray`` without ``--config``, or ``--config`` without ``--ray``.
+    """
+    if args.ray:
+        if not args.config:
+            raise ValueError("--config: `serve --ray` needs a deployment config "
+                             "(deploy/configs/*.yaml)")
+        from deploy.ray_backend import serve_ray
+
+        return serve_ray(args)
+    if args.config:
+        raise ValueError("--config: only used with --ray (the local backend takes flags)")
     stack = start_stack(
         model=args.model, host=args.host, port=args.port, num_prefill=args.prefill,
         num_decode=args.decode, api_key=args.api_key, policy=args.policy,
-        block_size=args.block_size, device=args.device,
+        block_size=args.block_size, device=args.device, sd_dir=args.sd_dir,
     )
     stopping = False
 

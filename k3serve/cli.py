@@ -1,4 +1,4 @@
-"""k3serve command line: info, generate, serve, simulate, experts plan.
+"""k3serve command line: info, generate, serve, plan, simulate, experts plan.
 
 Heavy modules (torch, the model, the engine, the servers) are imported inside the commands, so
 ``k3serve info`` answers without loading torch.
@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--json", default=None, help="write the plan JSON here")
     pp.set_defaults(fn=cmd_experts_plan)
 
+    sub.add_parser("plan", add_help=False,
+                   help="memory plan of a deployment config; refuses what cannot fit "
+                        "(k3serve plan --help lists its flags)")
     sub.add_parser("simulate", add_help=False,
                    help="replay a trace through the router's placement, no model "
                         "(k3serve simulate --help lists its flags)")
@@ -161,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:  # its flags belong to the launcher (deploy/launcher.py)
         return cmd_serve(argv[1:])
+    if argv[:1] == ["plan"]:  # deployment configs belong to deploy/
+        return _exec_module("deploy.plan", argv[1:])
     if argv[:1] == ["simulate"]:  # the simulator sits above router/ and the core (simulate/)
         return _exec_module("simulate", argv[1:])
     args = build_parser().parse_args(argv)

@@ -1,4 +1,5 @@
-"""deploy/: the Grafana dashboard and Prometheus config reference metrics that really exist."""
+"""deploy/: the Grafana dashboard and the Prometheus config reference metrics that really exist
+(exposed by the router or the workers, or recorded by deploy/prometheus/rules)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from router.metrics import RouterMetrics
 from worker.metrics import WorkerMetrics
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
-NAME = re.compile(r"k3serve:[a-z0-9_]+")
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "k3serve.json"
+NAME = re.compile(r"k3serve:[a-z0-9_:]+[a-z0-9_]")
 
 
 def _exposed() -> set[str]:
@@ -27,25 +30,63 @@ def _exposed() -> set[str]:
     return names
 
 
-def test_dashboard_first_panel_is_the_cache_hit_rate():
-    dash = json.loads((DEPLOY / "grafana" / "k3serve-dashboard.json").read_text())
-    first = min(dash["panels"], key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"]))
-    assert [t["expr"] for t in first["targets"]] == ["k3serve:cache_hit_rate"]
+def _recorded() -> dict[str, str]:
+    doc = yaml.safe_load((DEPLOY / "prometheus" / "rules" / "k3serve.rules.yml").read_text())
+    return {r["record"]: r["expr"] for g in doc["groups"] for r in g["rules"]}
 
 
-def test_every_dashboard_metric_is_exposed():
-    dash = json.loads((DEPLOY / "grafana" / "k3serve-dashboard.json").read_text())
-    used = {m for p in dash["panels"] for t in p["targets"] for m in NAME.findall(t["expr"])}
-    assert len(used) >= 12
-    exposed = _exposed()
+def _panels() -> list[dict]:
+    dash = json.loads(DASHBOARD.read_text())
+    return [p for p in dash["panels"] if p["type"] != "row"]
+
+
+def _exposed_or_histogram(m: str, exposed: set[str]) -> bool:
     # histogram series (_bucket/_sum/_count) appear once a labelled child observed a value;
     # the family's TYPE line is there from the start
-    base = {m: re.sub(r"_(bucket|sum|count)$", "", m) for m in used}
-    missing = sorted(m for m in used if m not in exposed and base[m] not in exposed)
-    assert not missing, f"dashboard uses metrics nobody exposes: {missing}"
+    return m in exposed or re.sub(r"_(bucket|sum|count)$", "", m) in exposed
 
 
-@pytest.mark.parametrize("job", ["k3serve-router", "k3serve-workers"])
-def test_prometheus_config_scrapes_router_and_workers(job):
-    text = (DEPLOY / "prometheus.yml").read_text()
-    assert f"job_name: {job}" in text and "metrics_path: /metrics" in text
+def test_dashboard_first_row_is_the_cache_hit_rate_actual_vs_predicted_by_worker():
+    dash = json.loads(DASHBOARD.read_text())
+    rows = sorted((p for p in dash["panels"] if p["type"] == "row"),
+                  key=lambda p: p["gridPos"]["y"])
+    assert [r["title"] for r in rows] == ["Cache hit rate", "Latency", "Throughput and queues",
+                                          "Transfers", "Store and cache"]
+    first = min(_panels(), key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"]))
+    exprs = [t["expr"] for t in first["targets"]]
+    assert exprs[:2] == ["k3serve:cache_hit_ratio:worker_rate1m",
+                         "k3serve:predicted_hit_ratio:worker_rate1m"]
+    assert "sum by (worker)" in _recorded()[exprs[0]]
+
+
+def test_every_dashboard_metric_is_exposed_or_recorded():
+    used = {m for p in _panels() for t in p["targets"] for m in NAME.findall(t["expr"])}
+    assert len(used) >= 20
+    exposed, recorded = _exposed(), _recorded()
+    missing = sorted(m for m in used if m not in recorded and not _exposed_or_histogram(m, exposed))
+    assert not missing, f"dashboard uses metrics nobody exposes or records: {missing}"
+    # and every recording rule reads exposed metrics only
+    for name, expr in recorded.items():
+        bad = [m for m in NAME.findall(expr) if not _exposed_or_histogram(m, exposed)]
+        assert not bad, f"rule {name} reads {bad}"
+
+
+@pytest.mark.parametrize("job,file", [("k3serve-router", "targets/router*.json"),
+                                      ("k3serve-workers", "targets/workers*.json")])
+def test_prometheus_config_scrapes_router_and_workers_through_file_sd(job, file):
+    cfg = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    assert jobs[job]["metrics_path"] == "/metrics"
+    assert jobs[job]["file_sd_configs"][0]["files"] == [file]
+    assert cfg["rule_files"] == ["rules/*.rules.yml"]
+
+
+def test_grafana_provisioning_points_at_the_dashboard_folder():
+    prov = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "dashboards" / "k3serve.yml").read_text())
+    folder = DEPLOY.parent / prov["providers"][0]["options"]["path"]
+    assert (folder / "k3serve.json").exists()
+    ds = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "datasources" / "k3serve.yml").read_text())
+    uids = {p["datasource"]["uid"] for p in _panels()}
+    assert uids == {ds["datasources"][0]["uid"]}

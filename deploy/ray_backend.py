@@ -1,0 +1,489 @@
+"""The Ray backend: every prefill / decode instance a Ray actor per rank, placed by placement
+groups from the memory plan; the router an actor too. ``k3serve serve --ray --config FILE`` and,
+for Ray users, :func:`deploy` (after their own ``ray.init``).
+
+What runs where (one deployment)::
+
+    driver (k3serve serve --ray / deploy())           plan → placement groups → actors
+      ├─ router actor   ProcessActor: python -m router.app --host H --port P --policy NAME
+      ├─ prefill-k      rank 0: ProcessActor: python -m prefill.worker --port 0 --router-url …
+      │                 ranks 1..R-1: RankActor (holds its accelerator; see below)
+      └─ decode-k       the same with decode.worker
+
+Placement (``deploy/plan.py`` decides the shapes):
+
+* an instance that fits one node: one bundle ``{GPU: ranks}`` per instance in one placement
+  group per pool, strategy ``PACK`` (``placement: pack``) or ``SPREAD`` (``spread``);
+* an instance spanning nodes (K3: 16 ranks): its own placement group of one whole-node bundle
+  ``{GPU: 8}`` per node, ``STRICT_SPREAD`` — its ranks on exactly as many nodes as its memory
+  needs, 8 ranks per node.
+
+Restarts: each ProcessActor runs its command as a **child process it supervises**, not in the
+actor's own process. The workers and the router are complete programs (their own uvicorn loop,
+signal handling, engine thread, Mooncake engine); their command line is the stable interface
+while their insides move, and a child can be killed and replaced whole. When the child exits
+on its own the actor exits too (``os._exit``); when the actor dies (a node failure,
+``ray.kill``) the kernel ends the child (``PR_SET_PDEATHSIG``). Either way Ray restarts the
+actor (``max_restarts`` from the config), whose ``__init__`` starts a fresh child with
+``--port 0``: the worker binds new HTTP, bootstrap and Mooncake ports (nothing pins them; the
+launcher removes ``K3SERVE_KV_BOOTSTRAP_PORT`` from the child's environment), prints
+``listening on URL``, and registers with the router under its old ``--worker-id``, so peers
+never keep talking to a dead endpoint. The driver's :meth:`RayStack.refresh` reads the new URL
+and rewrites the Prometheus targets.
+
+Ranks above 0: the engine serves an instance from one process today, so ranks 1..R-1 are
+:class:`RankActor` placeholders that hold their accelerator and report where they landed;
+a tensor/expert-parallel engine would start its rank processes there.
+
+On one machine Ray binds to loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes Ray's
+node-address lookup return 127.0.0.1), with a small object store and no dashboard.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from deploy.plan import DeployConfig, InstancePlan, Plan, load_deploy_config, make_plan
+from deploy.service_discovery import ScrapeTarget, TargetWriter
+from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
+
+log = logging.getLogger("k3serve.ray")
+ROOT = Path(__file__).resolve().parents[1]
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's node IP lookup → 127.0.0.1
+OBJECT_STORE_BYTES = 80 * 2**20  # Ray's minimum is 75 MiB
+LISTENING = re.compile(r"listening on (https?://\S+)")
+PINNED_PORT_ENV = ("K3SERVE_KV_BOOTSTRAP_PORT",)  # a restarted worker must pick fresh ports
+
+
+# ============================================================================ actors
+# Runs first in the child: PR_SET_PDEATHSIG (1) = SIGTERM, kept across the exec that follows,
+# so the kernel ends the program when the actor process dies (even by SIGKILL). A prelude
+# instead of Popen's preexec_fn, which is unsafe in a process with threads (a Ray worker).
+_PDEATHSIG_PRELUDE = ("import ctypes, os, sys\n"
+                      "try:\n    ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, 15)\n"
+                      "except OSError:\n    pass\n"
+                      "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ProcessActor:
+    """A Ray actor that runs one k3serve program as a supervised child process.
+
+    Args:
+        name: ``"router"``, ``"prefill-0"``, …
+        argv: the command after ``python`` (``["-m", "decode.worker", …]``); the text
+            ``{port}`` is replaced by a free port on this node (the router), and ``{host}`` by
+            this node's IP.
+        env: variables added to the inherited environment (cluster token, API key).
+        ready: ``"listening"`` — wait for the child's ``listening on URL`` line;
+            ``"health"`` — wait until ``GET {url}/health`` answers (the router).
+        ready_timeout: seconds.
+
+    Raises:
+        RuntimeError: the child exited or was not ready within ``ready_timeout`` (the actor's
+            creation fails; Ray retries it while restarts remain).
+    """
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], ready: str = "listening",
+                 ready_timeout: float = 240.0) -> None:
+        import ray
+
+        self.name = name
+        ctx = ray.get_runtime_context()
+        self.node_id = ctx.get_node_id()
+        self.restarted = bool(ctx.was_current_actor_reconstructed)
+        host = ray.util.get_node_ip_address()
+        port = _free_port(host) if any("{port}" in a for a in argv) else 0
+        argv = [a.replace("{port}", str(port)).replace("{host}", host) for a in argv]
+        child_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+        for k in PINNED_PORT_ENV:
+            child_env.pop(k, None)
+        self._stopping = False
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _PDEATHSIG_PRELUDE, *argv], env=child_env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.url = f"http://{host}:{port}" if ready == "health" else ""
+        got_url = threading.Event()
+        threading.Thread(target=self._pump, args=(got_url,), daemon=True).start()
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = "\n".join(self.lines[-20:])
+                raise RuntimeError(f"{name}: exited with {self.proc.returncode}:\n{tail}")
+            if ready == "listening" and got_url.wait(0.2):
+                break
+            if ready == "health" and self._healthy():
+                break
+        else:
+            self.proc.kill()
+            raise RuntimeError(f"{name}: not ready after {ready_timeout:.0f} s")
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _pump(self, got_url: threading.Event) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.lines = (self.lines + [line])[-200:]
+            print(f"[{self.name}] {line}", flush=True)  # Ray's per-actor log file
+            m = LISTENING.search(line)
+            if m and not got_url.is_set():
+                self.url = m.group(1)
+                got_url.set()
+
+    def _healthy(self) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1.0, trust_env=False).status_code in (
+                200, 503)
+        except httpx.HTTPError:
+            time.sleep(0.2)
+            return False
+
+    def _watch(self) -> None:
+        self.proc.wait()
+        if not self._stopping:  # the child died on its own: die too, so Ray restarts us
+            os._exit(1)
+
+    def info(self) -> dict[str, Any]:
+        """``{name, url, pid, node_id, restarted, gpu_ids}`` of this incarnation."""
+        import ray
+
+        return {"name": self.name, "url": self.url, "pid": self.proc.pid,
+                "node_id": self.node_id, "restarted": self.restarted,
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM the child, SIGKILL it after ``timeout`` s; its exit code."""
+        self._stopping = True
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+class RankActor:
+    """A rank of an instance that holds its accelerator(s) and reports where it landed."""
+
+    def __init__(self, name: str, rank: int) -> None:
+        self.name, self.rank = name, rank
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"name": self.name, "rank": self.rank, "node_id": ctx.get_node_id(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+
+
+# ============================================================================ placement
+@dataclass(frozen=True)
+class RankSlot:
+    """Where one rank goes: placement group index, bundle index and its resources."""
+
+    instance: str
+    rank: int
+    group: int
+    bundle: int
+
+
+def placement_layout(plan: Plan) -> tuple[list[tuple[list[dict[str, float]], str]],
+                                          list[RankSlot]]:
+    """Placement groups (bundles, strategy) and every rank's slot in them (pure: no Ray).
+
+    Returns:
+        ``(groups, slots)``: ``groups[g] = (bundles, strategy)``; ``slots`` one per rank of
+        every instance, in plan order.
+    """
+    c = plan.config.cluster
+    res = c.resource
+
+    def bundle(ranks: int) -> dict[str, float]:
+        b: dict[str, float] = {res: float(ranks)} if res == "GPU" else {}
+        cpus = c.cpus_per_rank * ranks
+        if cpus or not b:
+            b["CPU"] = float(cpus) if cpus else 0.001  # Ray rejects empty bundles
+        return b
+
+    groups: list[tuple[list[dict[str, float]], str]] = []
+    slots: list[RankSlot] = []
+    for role in ("prefill", "decode"):
+        insts = plan.pool(role)
+        if not insts:
+            continue
+        pool = plan.config.pools[role]
+        if insts[0].nodes == 1:
+            g = len(groups)
+            groups.append(([bundle(i.ranks) for i in insts],
+                           "PACK" if pool.placement == "pack" else "SPREAD"))
+            for k, inst in enumerate(insts):
+                slots += [RankSlot(inst.name, r, g, k) for r in range(inst.ranks)]
+        else:
+            for inst in insts:
+                g = len(groups)
+                groups.append(([bundle(inst.ranks_per_node)] * inst.nodes, "STRICT_SPREAD"))
+                slots += [RankSlot(inst.name, r, g, r // inst.ranks_per_node)
+                          for r in range(inst.ranks)]
+    return groups, slots
+
+
+# ============================================================================ the stack
+@dataclass
+class RayStack:
+    """Handles of a running Ray deployment (from :func:`deploy`); ``stop()`` ends it."""
+
+    url: str
+    api_key: str | None
+    cluster_token: str
+    plan: Plan
+    router: Any
+    workers: dict[str, Any]  # instance name → rank-0 ProcessActor handle
+    ranks: dict[str, list[Any]]  # instance name → all rank handles (rank 0 first)
+    placement_groups: list[Any]
+    sd: TargetWriter | None = None
+    urls: dict[str, str] = field(default_factory=dict)
+
+    def refresh(self, timeout: float = 60.0) -> dict[str, str]:
+        """Read every worker's current URL (a restarted one has a new one) and rewrite the
+        Prometheus targets; returns ``{instance: url}``."""
+        import ray
+
+        infos = ray.get([h.info.remote() for h in self.workers.values()], timeout=timeout)
+        for name, inf in zip(self.workers, infos, strict=True):
+            if self.urls.get(name) != inf["url"]:
+                self.urls[name] = inf["url"]
+                if self.sd is not None:
+                    self.sd.set(ScrapeTarget(name, inf["url"], "worker", name.split("-")[0]))
+        return dict(self.urls)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop every child process, kill the actors (no restart), remove the placement
+        groups and clear the Prometheus targets."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        router = [self.router] if self.router is not None else []
+        procs = [*self.workers.values(), *router]
+        try:
+            ray.get([h.stop.remote() for h in procs], timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - an actor may already be gone
+            log.warning("stopping children: %r", e)
+        for handles in [*self.ranks.values(), router]:
+            for h in handles:
+                ray.kill(h, no_restart=True)
+        for pg in self.placement_groups:
+            remove_placement_group(pg)
+        if self.sd is not None:
+            self.sd.clear()
+
+
+def _worker_argv(dc: DeployConfig, inst: InstancePlan, router_url: str) -> list[str]:
+    return ["-m", f"{inst.role}.worker", "--host", "{host}", "--port", "0",
+            "--model", dc.model, "--router-url", router_url, "--worker-id", inst.name,
+            "--block-size", str(dc.block_size), "--num-pages", str(inst.num_pages),
+            "--num-slots", str(inst.num_slots), "--num-snapshots", str(inst.num_snapshots),
+            "--device", dc.device, "--dtype", dc.dtype, *dc.worker_args]
+
+
+def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
+           router_port: int | None = None, sd_dir: str | Path | None = None,
+           placeholders: bool = False, ready_timeout: float = 300.0) -> RayStack:
+    """Start a deployment on the Ray cluster this process is connected to (``ray.init`` first).
+
+    The Ray workers must import this repository (``pip install -e .`` on every node, or
+    ``ray.init(runtime_env={"env_vars": {"PYTHONPATH": ...}})``, as :func:`serve_ray` does when
+    it joins a cluster); a local Ray started from this process inherits its ``PYTHONPATH``.
+
+    Args:
+        config: a ``deploy/configs/*.yaml`` path or a :class:`DeployConfig`.
+        api_key: bearer token the router requires on its public API.
+        router_port: overrides ``router.port`` (0: a free port on the router's node).
+        sd_dir: write Prometheus file-SD targets there (``deploy/prometheus/targets``).
+        placeholders: place every rank as a :class:`RankActor` and start no programs (a
+            placement check of a config whose model cannot run here, e.g. K3 on CPUs).
+        ready_timeout: seconds to wait for the placement groups and for each program.
+
+    Returns:
+        A :class:`RayStack`.
+
+    Raises:
+        deploy.plan.PlanError: the config does not fit (before anything starts).
+        TimeoutError: the cluster cannot hold the placement groups within ``ready_timeout``.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    dc = config if isinstance(config, DeployConfig) else load_deploy_config(config)
+    plan = make_plan(dc)
+    groups, slots = placement_layout(plan)
+    pgs = [placement_group(b, strategy=s, name=f"k3serve-{dc.name}-{i}")
+           for i, (b, s) in enumerate(groups)]
+    ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=ready_timeout)
+    if len(ready) < len(pgs):
+        for pg in pgs:
+            remove_placement_group(pg)
+        raise TimeoutError(f"the cluster cannot hold the placement groups of {dc.name} within "
+                           f"{ready_timeout:.0f} s ({len(ready)} of {len(pgs)} placed)")
+    c = dc.cluster
+    token = secrets.token_hex(16)
+    env = {CLUSTER_TOKEN_ENV: token, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    rank_opts = {"num_cpus": c.cpus_per_rank, "num_gpus": 1 if c.resource == "GPU" else 0}
+    Proc = ray.remote(ProcessActor)
+    Rank = ray.remote(RankActor)
+    stack = RayStack(url="", api_key=api_key, cluster_token=token, plan=plan, router=None,
+                     workers={}, ranks={}, placement_groups=pgs)
+    try:
+        router_url = ""
+        if not placeholders:
+            rport = dc.router.port if router_port is None else router_port
+            rargs = ["-m", "router.app", "--host", dc.router.host,
+                     "--port", str(rport) if rport else "{port}", "--policy", dc.router.policy,
+                     "--model", dc.model]
+            renv = {**env, **({API_KEY_ENV: api_key} if api_key else {})}
+            stack.router = Proc.options(
+                name=f"k3serve-{dc.name}-router", num_cpus=0, max_restarts=dc.max_restarts,
+            ).remote("router", rargs, renv, ready="health", ready_timeout=ready_timeout)
+            rinfo = ray.get(stack.router.info.remote(), timeout=ready_timeout)
+            router_url = rinfo["url"]
+            if dc.router.host not in ("0.0.0.0", "127.0.0.1") and rport:
+                router_url = f"http://{dc.router.host}:{rport}"
+            stack.url = router_url
+            if sd_dir is not None:
+                stack.sd = TargetWriter(sd_dir, dc.name)
+                stack.sd.set(ScrapeTarget("router", router_url, "router"))
+        by_name = {i.name: i for i in plan.instances}
+        for s in slots:
+            opts = dict(rank_opts, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pgs[s.group], placement_group_bundle_index=s.bundle))
+            if s.rank == 0 and not placeholders:
+                h = Proc.options(name=f"k3serve-{dc.name}-{s.instance}",
+                                 max_restarts=dc.max_restarts, **opts).remote(
+                    s.instance, _worker_argv(dc, by_name[s.instance], router_url), env,
+                    ready_timeout=ready_timeout)
+                stack.workers[s.instance] = h
+            else:
+                h = Rank.options(max_restarts=dc.max_restarts, **opts).remote(s.instance, s.rank)
+            stack.ranks.setdefault(s.instance, []).append(h)
+        if not placeholders:
+            stack.refresh(timeout=ready_timeout)
+            _wait_registered(stack, ready_timeout)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def _wait_registered(stack: RayStack, timeout: float) -> None:
+    """Until the router lists every worker's current URL as healthy."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            body = httpx.get(f"{stack.url}/health", params={"detail": 1}, timeout=2.0,
+                             trust_env=False).json()
+            healthy = {w["url"] for w in body.get("workers", ()) if w.get("healthy")}
+            if set(stack.urls.values()) <= healthy:
+                return
+            last = str(body)
+        except (httpx.HTTPError, ValueError) as e:
+            last = repr(e)
+        time.sleep(0.3)
+    raise RuntimeError(f"workers not registered after {timeout:.0f} s (last health: {last})")
+
+
+def init_local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None) -> None:
+    """Start a one-node Ray on loopback: small object store, no dashboard, logical CPUs.
+
+    Its processes inherit this process' environment, ``PYTHONPATH`` with this repository
+    included, so actors import :mod:`deploy.ray_backend` and children run ``python -m …``.
+    """
+    os.environ[LOOPBACK_ENV] = "0"  # read when ray is first imported: see the check below
+    path = os.environ.get("PYTHONPATH", "")
+    if str(ROOT) not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), path) if p)
+    import ray
+
+    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+             object_store_memory=OBJECT_STORE_BYTES, _node_ip_address="127.0.0.1",
+             _temp_dir=temp_dir, log_to_driver=False)
+    addrs = {n["NodeManagerAddress"] for n in ray.nodes()}
+    if addrs != {"127.0.0.1"}:
+        ray.shutdown()
+        raise RuntimeError(f"Ray bound to {sorted(addrs)}, not loopback: ray was imported before "
+                           f"{LOOPBACK_ENV}=0 was set (set it first, or import ray later)")
+
+
+def serve_ray(args: Any) -> int:
+    """Entry point of ``k3serve serve --ray --config FILE``: run until Ctrl-C / SIGTERM."""
+    if args.ray_address is None:
+        os.environ[LOOPBACK_ENV] = "0"  # before ray's first import (see init_local_ray)
+    import ray
+
+    dc = load_deploy_config(args.config)
+    if args.port != 8000 or args.host != "127.0.0.1":  # explicit flags override the config
+        dc = replace(dc, router=replace(dc.router, host=args.host, port=args.port))
+    plan = make_plan(dc)
+    print(plan.format(), flush=True)
+    started = args.ray_address is None
+    if started:
+        c = dc.cluster
+        init_local_ray(num_cpus=max(1.0, c.cpus_per_rank * c.accelerators_per_node),
+                       num_gpus=c.accelerators_per_node if c.resource == "GPU" else 0)
+    else:
+        ray.init(address=args.ray_address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
+    stack = deploy(dc, api_key=api_key, sd_dir=args.sd_dir)
+    stopping = False
+
+    def _stop(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    n = {r: len(plan.pool(r)) for r in ("prefill", "decode")}
+    print(f"k3serve: serving {dc.model} at {stack.url}/v1 on Ray ({n['prefill']} prefill + "
+          f"{n['decode']} decode instances; Ctrl-C stops)", flush=True)
+    try:
+        while not stopping:
+            try:
+                stack.refresh(timeout=5.0)  # a restarted worker: new URL → new SD target
+            except Exception as e:  # noqa: BLE001 - an actor restarting: try again
+                log.info("refresh: %r", e)
+            time.sleep(2.0)
+    finally:
+        stack.stop()
+        if started:
+            ray.shutdown()
+    print("k3serve: stopped", flush=True)
+    return 0
+
+
+__all__ = ["ProcessActor", "RankActor", "RankSlot", "RayStack", "deploy", "init_local_ray",
+           "placement_layout", "serve_ray"]
