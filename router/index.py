@@ -253,7 +253,7 @@ class GlobalIndex:
         """Prefix match of a block-hash chain on every indexed worker, in one pass.
 
         The bit-parallel form of :func:`k3serve.cache.prefix.usable_prefix_blocks` (the one hit
-        rule; :meth:`cached_depth` calls it, and tests/test_placement.py pins that both agree on
+        rule; :meth:`cached_depth` calls it, and tests/router/test_placement.py pins that both agree on
         every worker): one walk answers for all workers at once, where calling the rule per
         worker costs workers × depth predicate calls (17 ms instead of 0.3 ms for 2048 blocks
         held by 32 workers).

@@ -1,6 +1,6 @@
 """``k3serve simulate``: replay a trace through the router's real placement at cluster scale.
 
-The replay harness of tests/test_placement.py, moved into the product (issue 12) and grown a
+The replay harness of tests/router/test_placement.py, moved into the product (issue 12) and grown a
 store tier, a cost model (:mod:`simulate.calibration`) and reports:
 
 * :mod:`simulate.engine` — the discrete-event replay (:func:`replay`), one policy at

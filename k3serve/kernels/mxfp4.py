@@ -19,7 +19,7 @@ for a weight ``W [out, in]`` with ``in % 32 == 0``:
 
 So one row of ``in`` weights costs ``in / 2 + in / 32`` bytes (4.25 bits per weight).
 ``compressed-tensors`` (``MXFP4PackedCompressor.decompress``) is the test oracle for this
-layout; ``tests/test_mxfp4.py`` checks it.
+layout; ``tests/kernels/test_mxfp4.py`` checks it.
 
 Everything here runs on any device; the GPU path will keep weights packed and dequantise
 inside the expert matmul, which :func:`mxfp4_linear` mirrors tile by tile.

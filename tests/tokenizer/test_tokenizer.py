@@ -23,7 +23,7 @@ from k3serve.tokenizer import (
     get_tokenizer,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TEXTS = [
     "",

@@ -86,7 +86,7 @@ def test_block_hashes_deterministic_across_processes():
 def _repo_root():
     import pathlib
 
-    return str(pathlib.Path(__file__).resolve().parents[1])
+    return str(pathlib.Path(__file__).resolve().parents[2])
 
 
 def test_hashing_imports_without_torch():

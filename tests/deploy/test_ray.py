@@ -29,7 +29,7 @@ from deploy.plan import (
 )
 from deploy.ray_backend import deploy, init_local_ray, placement_layout
 
-CONFIGS = Path(__file__).resolve().parents[1] / "deploy" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
 SMALL_STORE = 80 * 2**20
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 B = 16
 KEY = "sk-e2e-test"
 MODEL = "k3-tiny"

@@ -23,7 +23,7 @@ from k3serve.engine.sampler import (
 )
 from k3serve.sampling import SamplingParams
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _logits(n: int, v: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:

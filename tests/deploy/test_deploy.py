@@ -13,7 +13,7 @@ import yaml
 from router.metrics import RouterMetrics
 from worker.metrics import WorkerMetrics
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "k3serve.json"
 NAME = re.compile(r"k3serve:[a-z0-9_:]+[a-z0-9_]")
 

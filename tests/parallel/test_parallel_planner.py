@@ -13,7 +13,7 @@ import pytest
 
 from k3serve.parallel import planner
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COUNTS = os.path.join(ROOT, "tests", "data", "expert_load_zipf_896x12.json")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 

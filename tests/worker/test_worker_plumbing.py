@@ -3,7 +3,7 @@ the frozen WorkerConfig and its environment, the request lifecycles' transition 
 
 The apps are built around a worker object that has a config but no engine (``__new__``):
 building the app and its schema, validating bodies and checking the token need nothing more;
-the engine-backed behaviour is tests/test_disagg.py's.
+the engine-backed behaviour is tests/worker/test_disagg.py's.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from k3serve.model import k3_names as names
 from k3serve.model.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
 from k3serve.model.model import K3ForCausalLM
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LIST_FILE = ROOT / "tests" / "data" / "k3_tensors.json"
 TINY = PRESETS["k3-tiny"]
 IDS = torch.tensor([[256, 100, 101, 102, 32, 40, 41, 58]])

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from router.app import RouterConfig, create_app
 from router.workers import CLUSTER_TOKEN_HEADER
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "k3-tiny"
 
 

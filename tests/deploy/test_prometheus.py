@@ -14,7 +14,7 @@ import pytest
 
 from deploy.service_discovery import ScrapeTarget, TargetWriter
 
-PROM = Path(__file__).resolve().parents[1] / "deploy" / "prometheus"
+PROM = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool missing: `make sysdeps` installs Debian's prometheus")

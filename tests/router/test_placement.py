@@ -45,7 +45,7 @@ from router.placement import (
     place,
 )
 
-TRACE = Path(__file__).parent / "data" / "trace_3000_3399.jsonl"
+TRACE = Path(__file__).parents[1] / "data" / "trace_3000_3399.jsonl"
 BLOCK = 64  # tokens per cache block
 TRACE_BLOCK = 512  # tokens per trace block
 SCALE = TRACE_BLOCK // BLOCK  # one trace block → one cache block

@@ -13,7 +13,7 @@ import pytest
 
 from deploy.plan import PlanError, load_deploy_config, make_plan, parse_deploy_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "deploy" / "configs"
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from deploy.local import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _taken_port():

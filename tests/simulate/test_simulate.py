@@ -36,7 +36,7 @@ from router.placement import DEFAULT_POLICY, POLICIES, PlacementRequest, place
 from router.policies import RouterView, WorkerView
 from router.policies.home import HomeParams
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 SLICE = DATA / "trace_3000_3399.jsonl"
 SMALL = SimConfig(prefill_workers=4, decode_workers=2, cache_fraction=1 / 4)
 
@@ -64,7 +64,7 @@ def test_block_tokens_deterministic_and_distinct():
 
 
 def test_prompt_tokens_and_scaled_length_match_the_replay_rule():
-    # tests/test_placement.py's rule: token i = 64·ids[i // 64] + i % 64, last block ⌈last/8⌉
+    # tests/router/test_placement.py's rule: token i = 64·ids[i // 64] + i % 64, last block ⌈last/8⌉
     ids = (46, 47, 48)
     n = scaled_length(2 * 512 + 137, 3)
     assert n == 128 + math.ceil(137 / 8)

@@ -53,7 +53,7 @@ from kvstore.engine import MAX_NOTIFY_BYTES
 from kvstore.loopback import fill_pools, make_pools, pool_layout, request_digest
 from kvstore.retry import RetryBudget
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = PRESETS["k3-tiny"]
 B = 16  # small pages: more page boundaries per prompt
 
