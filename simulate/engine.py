@@ -352,17 +352,7 @@ def replay(reqs: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig
         local = cm.index.match(r.hashes, cap)[0] if store_depth else 0
         if store_depth > local:
             want.add(store_depth * B)  # the loaded snapshot becomes the worker's own
-        cm.add(rid, toks, snapshot_at=tuple(sorted(want)), snapshot_on_finish=False)
-        hit = cm.match(rid)
-        first = hit.chunk_end - hit.num_tokens
-        cm.admit(rid, hit, first)
-        cm.commit(rid, toks, first)
-        while cm.num_computed(rid) < len(toks):
-            k = cm.chunk_end(rid) - cm.num_computed(rid)
-            cm.allocate(rid, k)
-            cm.commit(rid, toks, k)
-        cm.finish(rid)
-        h_local = hit.num_tokens
+        h_local = cm.run_prefill(rid, toks, snapshot_at=tuple(sorted(want)))
         h_store = max(0, store_depth * B - h_local)
         work = r.num_tokens - h_local - h_store
         w.computed += work

@@ -159,18 +159,8 @@ def make_worker_app(state: FakeState) -> FastAPI:
         ids = list(b.prompt_token_ids)
         seq = next(rid_counter)
         cm = state.cm
-        cm.add(seq, ids, cache_salt=b.cache_salt, snapshot_at=b.snapshot_at,
-               snapshot_on_finish=False)
-        hit = cm.match(seq)
-        first = hit.chunk_end - hit.num_tokens
-        cm.admit(seq, hit, first)
-        cm.commit(seq, ids, first)
-        while cm.num_computed(seq) < len(ids):
-            n = cm.chunk_end(seq) - cm.num_computed(seq)
-            cm.allocate(seq, n)
-            cm.commit(seq, ids, n)
-        cm.finish(seq)
-        rec["_cached"] = hit.num_tokens
+        rec["_cached"] = cm.run_prefill(seq, ids, cache_salt=b.cache_salt,
+                                        snapshot_at=b.snapshot_at)
         tok = toy_next(ids, sp.seed, sp.temperature)
         lp = toy_logprobs(tok, sp.logprobs)
         async with httpx.AsyncClient() as c:  # the "transfer" to the decode worker
@@ -178,7 +168,7 @@ def make_worker_app(state: FakeState) -> FastAPI:
                              json={"ticket": b.ticket, "token_id": tok})
             r.raise_for_status()
         return PrefillResponse(request_id=b.request_id, token_id=tok, logprob=lp.logprob,
-                               top_logprobs=lp.top_logprobs, num_cached_tokens=hit.num_tokens,
+                               top_logprobs=lp.top_logprobs, num_cached_tokens=rec["_cached"],
                                cached_source="local", text=TOKENIZER.decode([tok]),
                                position=len(ids), seed=sp.seed or 0)
 

@@ -572,6 +572,45 @@ class CacheManager:
         self.remove(seq_id)
         return pos
 
+    def run_prefill(
+        self,
+        seq_id: Hashable,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        snapshot_at: Iterable[int] = (),
+    ) -> int:
+        """The cache bookkeeping of one whole prefill-only request, without tensors: register,
+        look up the prefix, admit, then commit the rest in chunks that end at the snapshot
+        points (as the engine's chunked prefill does), and finish.
+
+        For the simulator and the fake workers of the tests: what a prefill worker's cache
+        holds afterwards is what a real one would hold.
+
+        Args:
+            seq_id: unique id.
+            token_ids: ``[L]`` prompt tokens.
+            cache_salt: tenant salt.
+            snapshot_at: extra snapshot positions (tokens), as in :meth:`add`.
+
+        Returns:
+            The reused prefix in tokens (the request's ``cached_tokens``).
+
+        Raises:
+            CacheFullError: the pools cannot hold the request.
+        """
+        self.add(seq_id, token_ids, cache_salt=cache_salt, snapshot_at=snapshot_at,
+                 snapshot_on_finish=False)
+        hit = self.match(seq_id)
+        first = hit.chunk_end - hit.num_tokens
+        self.admit(seq_id, hit, first)
+        self.commit(seq_id, token_ids, first)
+        while self.num_computed(seq_id) < len(token_ids):
+            n = self.chunk_end(seq_id) - self.num_computed(seq_id)
+            self.allocate(seq_id, n)
+            self.commit(seq_id, token_ids, n)
+        self.finish(seq_id)
+        return hit.num_tokens
+
     def release(self, seq_id: Hashable) -> None:
         """Free every page, slot and snapshot the sequence holds; keep it registered (preempted).
 

@@ -1,29 +1,18 @@
-"""Placement policies: unit checks, and a trace replay showing cache-aware placement beats
-round robin on hit rate at a balanced load.
+"""Placement policies: unit checks, the global index, and a trace replay showing cache-aware
+placement beats round robin on hit rate at a balanced load.
 
-The replay feeds rows 3000–3399 of the shared Mooncake trace (``tests/data``) through the
-router's real decision path — ``block_hashes`` of the prompt's tokens, ``GlobalIndex`` fed by
-the workers' INTERFACES.md §4 cache events, then ``place`` — onto 2 simulated prefill workers
-that run the real cache bookkeeping (``k3serve.cache.manager.CacheManager``: paged MLA blocks
-with LRU eviction, a budget of KDA snapshots at ``⌊(L−1)/B⌋·B`` and ``snapshot_at``, the
-usable-hit rule, the event log). Each worker's cache holds about a quarter of the slice's
-working set (blocks and prompt-end snapshots).
-
-Scaling: one 512-token trace block becomes one 64-token cache block (tokens ÷ 8); trace block
-id ``x`` becomes tokens ``64·x … 64·x + 63`` (equal ids = equal content), the last, partial
-trace block keeps its share (rounded up).
-
-Prefill workers are FIFO servers computing the uncached tokens at a fixed rate (tokens/s); a
-request's prefix lookup happens when it starts, so the router's prediction (made at arrival,
-from events pulled every ``poll_s``) is wrong when queued work evicts what it counted on.
+The replay feeds rows 3000–3399 of the Mooncake trace (``tests/data``) through the product's
+simulator (``simulate``): the router's real decision path — the prompt's block hashes,
+``GlobalIndex`` fed by the workers' cache events, then ``place`` — onto 2 simulated prefill
+workers that run the real cache bookkeeping (``k3serve.cache.manager.CacheManager``). Each
+worker's cache holds a quarter of the slice's working set; one 512-token trace block becomes
+one 64-token cache block (``k3serve.traces``). The router's prediction is made at arrival from
+events pulled every ``poll_s``, so it is wrong when queued work evicts what it counted on.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -33,6 +22,7 @@ from k3serve.cache.hashing import block_hashes, make_salt
 from k3serve.cache.manager import CacheManager
 from k3serve.cache.prefix import usable_prefix_blocks
 from k3serve.cache.specs import CacheConfig
+from k3serve.traces import load_trace, token_oracle
 from router.index import GlobalIndex, ResyncNeeded
 from router.placement import (
     POLICIES,
@@ -44,244 +34,72 @@ from router.placement import (
     branch_snapshot,
     place,
 )
+from simulate import SimConfig, replay
+from simulate.calibration import Calibration
 
 TRACE = Path(__file__).parents[1] / "data" / "trace_3000_3399.jsonl"
-BLOCK = 64  # tokens per cache block
-TRACE_BLOCK = 512  # tokens per trace block
-SCALE = TRACE_BLOCK // BLOCK  # one trace block → one cache block
+BLOCK = 64  # tokens per cache block (one 512-token trace block → one cache block)
 FINGERPRINT = "replay-k3"  # the workers' layout fingerprint (hash salt)
 SALT = make_salt(FINGERPRINT)
 
 
-# ----------------------------------------------------------------------------- trace
-@dataclass(frozen=True)
-class TraceRequest:
-    """One trace row, scaled: arrival (s), prompt token ids, the router's block hashes."""
-
-    arrival: float
-    tokens: tuple[int, ...]
-    hashes: tuple[str, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-
-def load_trace(path: Path = TRACE) -> list[TraceRequest]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    t0 = rows[0]["timestamp"]
-    out = []
-    for r in rows:
-        ids, n_in = r["hash_ids"], r["input_length"]
-        last = n_in - (len(ids) - 1) * TRACE_BLOCK  # tokens in the last trace block, 1..512
-        n = (len(ids) - 1) * BLOCK + math.ceil(last / SCALE)
-        tokens = tuple(BLOCK * ids[i // BLOCK] + i % BLOCK for i in range(n))
-        out.append(TraceRequest((r["timestamp"] - t0) / 1000.0, tokens,
-                                tuple(block_hashes(tokens, BLOCK, SALT))))
-    return out
-
-
-def token_oracle(reqs: list[TraceRequest]) -> float:
-    """Infinite cache, one pool, exact prefix at block granularity (one token always computed)."""
-    seen: set[str] = set()
-    hit = total = 0
-    for r in reqs:
-        m = 0
-        for h in r.hashes:
-            if h not in seen:
-                break
-            m += 1
-        hit += min(m, (r.num_tokens - 1) // BLOCK) * BLOCK
-        total += r.num_tokens
-        seen.update(r.hashes)
-    return hit / total
-
-
-def working_set(reqs: list[TraceRequest]) -> tuple[int, int]:
-    """Distinct full blocks, distinct prompt-end snapshot boundaries of the slice."""
-    blocks = {h for r in reqs for h in r.hashes}
-    ends = {r.hashes[(r.num_tokens - 1) // BLOCK - 1] for r in reqs
-            if (r.num_tokens - 1) // BLOCK > 0}
-    return len(blocks), len(ends)
-
-
-# ----------------------------------------------------------------------------- worker model
-def run_prefill(cm: CacheManager, rid: int, tokens: tuple[int, ...],
-                snapshot_at: tuple[int, ...]) -> int:
-    """Drive one prefill-only request through the cache bookkeeping; return cached tokens.
-
-    Chunks end at the manager's snapshot points (``chunk_end``), as the engine's do.
-    """
-    cm.add(rid, tokens, snapshot_at=snapshot_at, snapshot_on_finish=False)
-    hit = cm.match(rid)
-    first = hit.chunk_end - hit.num_tokens
-    cm.admit(rid, hit, first)
-    cm.commit(rid, tokens, first)
-    while cm.num_computed(rid) < len(tokens):
-        n = cm.chunk_end(rid) - cm.num_computed(rid)
-        cm.allocate(rid, n)
-        cm.commit(rid, tokens, n)
-    cm.finish(rid)
-    return hit.num_tokens
-
-
-@dataclass
-class SimWorker:
-    """FIFO prefill server over a ``CacheManager``; computes uncached tokens at ``rate``/s.
-
-    ``queue`` holds (request, snapshot_at, predicted cached tokens); ``done`` holds
-    (request, predicted, actual, finish time) in start order.
-    """
-
-    name: str
-    cm: CacheManager
-    rate: float
-    free_at: float = 0.0
-    queue: deque = field(default_factory=deque)
-    done: list = field(default_factory=list)
-    computed: int = 0
-
-    def advance(self, t: float) -> None:
-        """Start (look up, compute, store) every queued request that starts by time t."""
-        while self.queue and self.free_at <= t:
-            req, snaps, predicted = self.queue.popleft()
-            actual = run_prefill(self.cm, len(self.done), req.tokens, snaps)
-            work = req.num_tokens - actual
-            self.computed += work
-            self.free_at = max(self.free_at, req.arrival) + work / self.rate
-            self.done.append((req, predicted, actual, self.free_at))
-
-    def router_queued_tokens(self, t: float) -> int:
-        """The router's account: predicted uncached tokens of prefills not answered by t."""
-        q = sum(r.num_tokens - p for r, _, p in self.queue)
-        if self.done and self.done[-1][3] > t:
-            r, p, _, _ = self.done[-1]
-            q += r.num_tokens - p
-        return q
-
-
-# ----------------------------------------------------------------------------- replay
-@dataclass
-class ReplayResult:
-    policy: str
-    hit_rate: float
-    load: list[int]
-    predicted: int
-    actual: int
-    agreed: int  # Σ min(predicted, actual) over requests
-
-    @property
-    def balance(self) -> float:
-        return max(self.load) / (sum(self.load) / len(self.load))
-
-
-def replay(reqs: list[TraceRequest], policy: str, *, workers: int = 2, capacity_blocks: int,
-           capacity_snapshots: int, rate: float, poll_s: float = 0.05,
-           params: PlacementParams | None = None) -> ReplayResult:
-    """Replay arrivals through ``GlobalIndex`` + ``place`` onto simulated prefill workers.
-
-    The router's queued-token figure per worker is its own account: the predicted uncached
-    tokens of requests sent and not finished (what router/app.py keeps).
-    """
-    cfg = CacheConfig(num_pages=capacity_blocks, num_slots=2, num_snapshots=capacity_snapshots,
-                      block_size=BLOCK)
-    sims = [SimWorker(f"p{i}", CacheManager(cfg, FINGERPRINT), rate) for i in range(workers)]
-    index = GlobalIndex()
-    for w in sims:
-        index.add_worker(w.name)
-        index.load_state(w.name, w.cm.cache_state())
-    last_poll = -math.inf
-    for seq, r in enumerate(reqs):
-        t = r.arrival
-        for w in sims:
-            w.advance(t)
-        if t - last_poll >= poll_s:
-            for w in sims:
-                index.apply_events(w.name, w.cm.events_since(index.cursor(w.name)[1]))
-            last_poll = t
-        match = index.match(r.hashes, (r.num_tokens - 1) // BLOCK)
-        states = []
-        for w in sims:
-            m = match.get(w.name)
-            states.append(PrefillWorkerState(
-                w.name, m.usable_blocks if m else 0, m.mla_blocks if m else 0,
-                w.router_queued_tokens(t), rate))
-        p = place(PlacementRequest(r.num_tokens, BLOCK, seq=seq), states, policy=policy,
-                  params=params or PlacementParams())
-        w = next(w for w in sims if w.name == p.prefill)
-        w.queue.append((r, p.snapshot_at, p.predicted_cached_tokens))
-        w.advance(t)
-    for w in sims:
-        w.advance(math.inf)
-    done = [d for w in sims for d in w.done]
-    total = sum(r.num_tokens for r in reqs)
-    actual = sum(a for _, _, a, _ in done)
-    predicted = sum(p for _, p, _, _ in done)
-    agreed = sum(min(p, a) for _, p, a, _ in done)
-    return ReplayResult(policy, actual / total, [w.computed for w in sims], predicted, actual,
-                        agreed)
-
-
 # ----------------------------------------------------------------------------- trace replay
+# The replay is the product's simulator (simulate/): the real GlobalIndex fed by cache events,
+# the real ``place`` and one real CacheManager per prefill worker, FIFO prefill at a fixed rate.
 REPLAY_RATE = 8_000.0  # scaled tokens/s per prefill worker: ~50 % busy under cache_aware
 
 
+def _replay(reqs, policy: str, rate: float = REPLAY_RATE, **params):
+    cfg = SimConfig(prefill_workers=2, decode_workers=0, cache_fraction=1 / 4, load=None,
+                    calibration=Calibration().with_rate(rate), fingerprint=FINGERPRINT,
+                    params=PlacementParams(**params))
+    return replay(reqs, policy, cfg)
+
+
 @pytest.fixture(scope="module")
-def trace() -> list[TraceRequest]:
-    return load_trace()
+def trace():
+    return load_trace(TRACE, fingerprint=FINGERPRINT)
 
 
 def test_trace_slice_is_rows_3000_to_3399(trace):
     assert len(trace) == 400
     first = json.loads(TRACE.read_text().splitlines()[0])
-    assert first["timestamp"] == 782145  # row 3000 of shared/traces (0-based)
+    assert first["timestamp"] == 782145  # row 3000 of traces/mooncake_synthetic_trace.jsonl
     assert all(r.num_tokens >= 1 for r in trace)
     assert all(len(r.hashes) == r.num_tokens // BLOCK for r in trace)
 
 
 @pytest.mark.parametrize("rate", [REPLAY_RATE, 6_000.0], ids=["util50", "util70"])
 def test_replay_cache_aware_beats_round_robin_balanced(trace, rate, capsys):
-    nb, ns = working_set(trace)
-    cfg = {"capacity_blocks": nb // 4, "capacity_snapshots": ns // 4, "rate": rate}
     oracle = token_oracle(trace)
-    rr = replay(trace, "round_robin", **cfg)
-    ca = replay(trace, "cache_aware", **cfg)
-    others = {p: replay(trace, p, **cfg) for p in ("least_load", "random")}
+    res = {p: _replay(trace, p, rate) for p in ("cache_aware", "round_robin", "least_load",
+                                                "random")}
+    ca, rr = res["cache_aware"], res["round_robin"]
     with capsys.disabled():
-        print(f"\n[replay rate={rate:.0f} tok/s, cache {nb // 4}/{nb} blocks "
-              f"{ns // 4}/{ns} snapshots per worker] token oracle {oracle:.4f}")
-        for res in (ca, rr, *others.values()):
-            print(f"  {res.policy:12s} hit {res.hit_rate:.4f} max/mean load {res.balance:.3f} "
-                  f"agreement {res.agreed / max(1, res.actual):.4f}")
+        print(f"\n[replay rate={rate:.0f} tok/s, cache 1/4 of the working set per worker] "
+              f"token oracle {oracle:.4f}")
+        for r in res.values():
+            print(f"  {r.policy:12s} hit {r.hit_rate:.4f} max/mean load "
+                  f"{r.load_max_over_mean:.3f} agreement {r.agreement:.4f}")
     assert 0.40 < oracle < 0.42
     assert ca.hit_rate >= 1.5 * rr.hit_rate
-    assert ca.balance <= 1.15
+    assert ca.load_max_over_mean <= 1.15
     assert ca.hit_rate < oracle
     # predicted and actual agree on ≥ 99 % of the actual hit tokens
-    assert ca.agreed >= 0.99 * ca.actual
+    assert ca.agreement >= 0.99
     assert ca.actual > 0
 
 
-def test_replay_deterministic_and_index_matches_worker_caches(trace):
-    nb, ns = working_set(trace)
-    a = replay(trace[:150], "cache_aware", capacity_blocks=nb // 4, capacity_snapshots=ns // 4,
-               rate=REPLAY_RATE)
-    b = replay(trace[:150], "cache_aware", capacity_blocks=nb // 4, capacity_snapshots=ns // 4,
-               rate=REPLAY_RATE)
-    assert a == b
-    r1 = replay(trace[:150], "random", capacity_blocks=nb // 4, capacity_snapshots=ns // 4,
-                rate=REPLAY_RATE, params=PlacementParams(seed=1))
-    r2 = replay(trace[:150], "random", capacity_blocks=nb // 4, capacity_snapshots=ns // 4,
-                rate=REPLAY_RATE, params=PlacementParams(seed=2))
+def test_replay_deterministic_and_seeded(trace):
+    assert _replay(trace[:150], "cache_aware") == _replay(trace[:150], "cache_aware")
+    r1 = _replay(trace[:150], "random", seed=1)
+    r2 = _replay(trace[:150], "random", seed=2)
     assert r1.load != r2.load
 
 
 def test_branch_snapshots_help(trace):
-    nb, ns = working_set(trace)
-    cfg = {"capacity_blocks": nb // 4, "capacity_snapshots": ns // 4, "rate": REPLAY_RATE}
-    on = replay(trace, "cache_aware", **cfg)
-    off = replay(trace, "cache_aware", **cfg,
-                 params=PlacementParams(snapshot_branch_points=False))
+    on = _replay(trace, "cache_aware")
+    off = _replay(trace, "cache_aware", snapshot_branch_points=False)
     assert on.hit_rate > off.hit_rate
 
 
@@ -397,7 +215,7 @@ def test_index_replay_equals_worker_caches_random():
         tokens = tuple(stem[: rng.randrange(1, 12 * B)]
                        + [rng.randrange(1000) for _ in range(rng.randrange(0, 6 * B))])
         k = rng.randrange(len(workers))
-        run_prefill(workers[k], step, tokens, (rng.randrange(1, len(tokens) + 1),))
+        workers[k].run_prefill(step, tokens, snapshot_at=(rng.randrange(1, len(tokens) + 1),))
         if step % 7:
             continue
         for i, cm in enumerate(workers):
