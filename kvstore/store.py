@@ -64,7 +64,7 @@ class StoreConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=STORE_ENV_PREFIX, extra="ignore", frozen=True)
 
     url: str | None = None
-    segment_mb: int = Field(default=256, ge=1)
+    segment_mb: int = Field(default=256, ge=16)  # Mooncake needs ≥ 16 MiB
     local_buffer_mb: int = Field(default=64, ge=1)
     protocol: str = "tcp"
     hostname: str = "127.0.0.1"
