@@ -141,7 +141,7 @@ def test_prefix_from_worker_1_hits_from_the_store_on_worker_2(stack, nocache):
     P1, P2, D = (stack["procs"][k] for k in ("P1", "P2", "D"))
     rng = random.Random(2)
     base = _ids(rng, 300)
-    t1, f1 = _run(P1, D, "x-1", base)
+    t1, _f1 = _run(P1, D, "x-1", base)
     _wait_store_puts(P1.url, 8)  # 4 blocks + snapshots at 64, 128, 192, 256
     q = base[:270] + _ids(rng, 30)
     before = _metric(P2.url, "k3serve:prefix_cache_hits_total", source="store")
@@ -200,7 +200,7 @@ def test_master_killed_then_restarted(stack, nocache):
     m.kill()
     m.wait()
     a = _ids(rng, 200)
-    ta, fa = _run(P1, D, "dead-a", a)
+    ta, _fa = _run(P1, D, "dead-a", a)
     q = a[:150] + _ids(rng, 20)
     tq, fq = _run(P2, D, "dead-q", q)  # P2 holds nothing of it; the store is gone
     assert fq["num_cached_tokens"] == 0 and ta == nocache(a) and tq == nocache(q)

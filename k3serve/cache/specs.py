@@ -372,11 +372,11 @@ def auto_dense_snapshot_blocks(mla: MLALatentSpec, kda: KDAStateSpec) -> int:
 
 
 __all__ = [
-    "auto_dense_snapshot_blocks",
     "CacheConfig",
     "CacheDtypes",
     "KDAStateSpec",
     "MLALatentSpec",
+    "auto_dense_snapshot_blocks",
     "dtype_bytes",
     "layout_fingerprint",
 ]

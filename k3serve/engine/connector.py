@@ -418,7 +418,7 @@ class StoreBridge:
     def view(self, token_ids: Sequence[int], cache_salt: str | None) -> LocalView:
         """The local part of a prompt's reusable prefix (read-only)."""
         cm = self.engine.cm
-        hashes, cap = cm.prefix_hashes(token_ids, cache_salt)
+        hashes, _cap = cm.prefix_hashes(token_ids, cache_salt)
         idx = cm.index
         return LocalView(
             tuple(hashes),
