@@ -34,6 +34,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -117,6 +118,12 @@ def snapshot_key(fingerprint: str, h: str) -> str:
     return f"k3s/{fingerprint[:16]}/s/{h}"
 
 
+def _parse_key(key: str) -> tuple[str, bool]:
+    """``(hash, is_snapshot)`` of a :func:`block_key` / :func:`snapshot_key`."""
+    _, _, kind, h = key.split("/", 3)
+    return h, kind == "s"
+
+
 class KVStore:
     """One worker's client of the shared Mooncake Store (module docstring).
 
@@ -150,6 +157,9 @@ class KVStore:
         self._next_probe = 0.0
         self._idle = threading.Event()
         self._idle.set()
+        #: ``(hash, is_snapshot)`` of values now in the store (put or found), for the router's
+        #: index; drained by :meth:`drain_committed` (bounded: the oldest are dropped).
+        self._committed: deque[tuple[str, bool]] = deque(maxlen=100_000)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> KVStore:
@@ -232,6 +242,14 @@ class KVStore:
         """Queue the snapshot at the boundary after block ``h``. Never blocks."""
         return self._enqueue(snapshot_key(self.fingerprint, h), data)
 
+    def drain_committed(self) -> list[tuple[str, bool]]:
+        """``(hash, is_snapshot)`` of the values the store took since the last call."""
+        out = []
+        with contextlib.suppress(IndexError):
+            while True:
+                out.append(self._committed.popleft())
+        return out
+
     def _enqueue(self, key: str, data: Any) -> bool:
         n = memoryview(data).nbytes
         with self._lock:
@@ -291,6 +309,7 @@ class KVStore:
         for (key, data, n), ex in zip(batch, exist, strict=True):
             if ex == 1:
                 self.stats.put_skipped += 1
+                self._committed.append(_parse_key(key))
                 continue
             try:
                 rc = self._client.put(key, data)
@@ -300,6 +319,7 @@ class KVStore:
             if rc == 0:
                 self.stats.puts += 1
                 self.stats.put_bytes += n
+                self._committed.append(_parse_key(key))
                 if self.state is StoreState.FULL:
                     self._set_state(StoreState.UP)
             elif rc in _NO_SPACE:

@@ -62,6 +62,12 @@ class StoreTier:
             self.bridge.export_new(self.store)
         else:  # skip what was stored while down: the log moves on, nothing is queued
             self.bridge.export_new(_Discard())
+        done = self.store.drain_committed()
+        log_ = self.engine.cm.log
+        for snap in (False, True):  # the router learns what the store holds
+            hs = [h for h, s in done if s is snap]
+            if hs:
+                log_.append("stored", hs, snapshot=snap, source="store")
         return False
 
     def _import(self, rid: str, view: LocalView, fetched: tuple) -> bool:

@@ -395,7 +395,7 @@ class StoreBridge:
         n = 0
         for ev in batch["events"]:
             self._after = ev["seq"]
-            if ev["type"] != "stored":
+            if ev["type"] != "stored" or ev.get("source") == "store":  # not ours to put again
                 continue
             snap = bool(ev["snapshot"])
             for h in ev["block_hashes"]:
