@@ -30,13 +30,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from deploy.local import start_store_master  # noqa: E402
-from k3serve.cache.pools import KVPools  # noqa: E402
-from k3serve.config import PRESETS  # noqa: E402
-from kvstore import KVEngine  # noqa: E402
-from kvstore.store import KVStore, StoreConfig  # noqa: E402
+from deploy.local import start_store_master
+from k3serve.cache.pools import KVPools
+from k3serve.config import PRESETS
+from kvstore import KVEngine
+from kvstore.store import KVStore, StoreConfig
 
 _PEER = r"""
 import sys, numpy as np

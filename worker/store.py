@@ -61,7 +61,7 @@ class StoreTier:
         if self.store.available:
             self.bridge.export_new(self.store)
         else:  # skip what was stored while down: the log moves on, nothing is queued
-            self.bridge.export_new(_Discard())
+            self.bridge.export_new(None)
         done = self.store.drain_committed()
         log_ = self.engine.cm.log
         for snap in (False, True):  # the router learns what the store holds
@@ -153,14 +153,6 @@ class StoreTier:
         up = GaugeMetricFamily("k3serve:store_up", "1 while the store answers.", labels=names)
         up.add_metric(vals, 1.0 if self.store.available else 0.0)
         return [ops, by, up]
-
-
-class _Discard:
-    def put_block(self, h: str, data: Any) -> bool:
-        return False
-
-    def put_snapshot(self, h: str, data: Any) -> bool:
-        return False
 
 
 __all__ = ["StoreTier"]

@@ -381,8 +381,9 @@ class StoreBridge:
         self.num_imported_blocks = 0
         self.num_imported_snapshots = 0
 
-    def export_new(self, sink: StoreSink) -> int:
-        """Hand every block / snapshot stored since the last call to ``sink``.
+    def export_new(self, sink: StoreSink | None) -> int:
+        """Hand every block / snapshot stored since the last call to ``sink`` (``None``: skip
+        them — the store is down; nothing is copied).
 
         Returns:
             Entries handed over.
@@ -393,6 +394,9 @@ class StoreBridge:
             self._epoch, self._after = batch["epoch"], 0
             batch = cm.events_since(0)
         n = 0
+        if sink is None:
+            self._after = batch["events"][-1]["seq"] if batch["events"] else self._after
+            return 0
         for ev in batch["events"]:
             self._after = ev["seq"]
             if ev["type"] != "stored" or ev.get("source") == "store":  # not ours to put again
