@@ -102,7 +102,7 @@ def check_port_free(host: str, port: int) -> None:
 @dataclass
 class Stack:
     """Handles of a running stack (used by ``serve`` and by tests). ``procs``: the router
-    first, then the prefill workers, then the decode workers."""
+    first, then the store's master (``store=True``), the prefill workers, the decode workers."""
 
     url: str
     api_key: str | None
@@ -143,6 +143,7 @@ def start_stack(
     log_dir: str | None = None,
     launch: LaunchBackend | None = None,
     sd_dir: str | None = None,
+    store: bool = False,
 ) -> Stack:
     """Start router + workers and wait until the router sees every worker healthy.
 
@@ -154,6 +155,8 @@ def start_stack(
         launch: the backend (default: local processes).
         sd_dir: write Prometheus file-based service discovery for the router and every worker
             here (deploy/service_discovery.py; the same files the Ray backend writes).
+        store: also start a ``mooncake_master`` on loopback (the shared store below the
+            workers; :func:`deploy.local.start_store_master`) and make every worker a client.
 
     Returns:
         A :class:`Stack`; call ``stop()`` to end it.
@@ -183,6 +186,7 @@ def start_stack(
         stack.procs.append(launch.spawn("router", "router.app", [
             "--host", host, "--port", str(port), "--policy", policy, "--model", model,
             *(extra_router_args or [])], env))
+        extra_worker_args = [*(extra_worker_args or []), *_store_args(stack, store, log_dir)]
         workers = [("prefill", i) for i in range(num_prefill)] + [
             ("decode", i) for i in range(num_decode)]
         ihost = launch.internal_host
@@ -207,6 +211,21 @@ def start_stack(
         stack.stop()
         raise
     return stack
+
+
+def _store_args(stack: Stack, store: bool, log_dir: str | None) -> list[str]:
+    """Start the store's master (appended to ``stack.procs``, so ``stop`` ends it after the
+    workers) and return the workers' ``--store-url`` flag; ``[]`` without a store."""
+    if not store:
+        return []
+    from deploy.local import start_store_master
+
+    log = os.path.join(log_dir, "mooncake_master.log") if log_dir else None
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+    proc, url = start_store_master(log_path=log)
+    stack.procs.append(proc)
+    return ["--store-url", url]
 
 
 def wait_ready(stack: Stack, num_workers: int, timeout: float, poll_s: float = 0.3) -> None:
@@ -259,6 +278,9 @@ def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
                    help="join this Ray cluster (default: start a local one on loopback)")
     p.add_argument("--sd-dir", default=None,
                    help="write Prometheus file-SD targets here (see deploy/prometheus)")
+    p.add_argument("--store", action="store_true",
+                   help="start a mooncake_master on loopback: a shared DRAM store below the "
+                        "workers (prefixes cross workers; turn 2 hits after PD)")
     return p
 
 
@@ -282,6 +304,7 @@ def serve(args: argparse.Namespace) -> int:
         model=args.model, host=args.host, port=args.port, num_prefill=args.prefill,
         num_decode=args.decode, api_key=args.api_key, policy=args.policy,
         block_size=args.block_size, device=args.device, sd_dir=args.sd_dir,
+        store=args.store,
     )
     stopping = False
 

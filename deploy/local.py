@@ -75,4 +75,57 @@ class LocalBackend:
                 out.close()
 
 
-__all__ = ["LocalBackend", "free_port"]
+def mooncake_master_path() -> str:
+    """The ``mooncake_master`` executable of the installed Mooncake wheel (next to the python
+    that runs us, or inside the ``mooncake`` package).
+
+    Raises:
+        FileNotFoundError: no ``mooncake_master`` found.
+    """
+    cand = [os.path.join(os.path.dirname(sys.executable), "mooncake_master")]
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("mooncake")
+        if spec is not None and spec.origin:
+            cand.append(os.path.join(os.path.dirname(spec.origin), "mooncake_master"))
+    except (ImportError, ValueError):
+        pass
+    for c in cand:
+        if os.access(c, os.X_OK):
+            return c
+    raise FileNotFoundError(f"mooncake_master: not found (looked at {cand})")
+
+
+def start_store_master(port: int = 0, host: str = "127.0.0.1",
+                       log_path: str | None = None) -> tuple[subprocess.Popen, str]:
+    """Start a ``mooncake_master`` (the shared store's metadata service, no etcd) bound to
+    ``host`` (loopback by default: its RPC and metrics ports never listen on other
+    interfaces, DESIGN.md §7).
+
+    Args:
+        port: its RPC port (0: a free one).
+        host: bind address of the RPC and metrics servers.
+        log_path: its stdout + stderr go there (``None``: discarded).
+
+    Returns:
+        ``(process, "host:port")`` — the address workers take as ``--store-url``.
+
+    Raises:
+        FileNotFoundError: no ``mooncake_master``; OSError: it could not start.
+    """
+    port = port or free_port(host)
+    out = open(log_path, "a") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    pre = _die_with_parent if sys.platform.startswith("linux") else None
+    try:
+        p = subprocess.Popen(
+            [mooncake_master_path(), f"--rpc_address={host}", f"--rpc_port={port}",
+             f"--metrics_host={host}", f"--metrics_port={free_port(host)}", "--client_ttl=5"],
+            stdout=out, stderr=subprocess.STDOUT, preexec_fn=pre)  # noqa: PLW1509
+    finally:
+        if log_path:
+            out.close()  # type: ignore[union-attr]
+    return p, f"{host}:{port}"
+
+
+__all__ = ["LocalBackend", "free_port", "mooncake_master_path", "start_store_master"]

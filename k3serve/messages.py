@@ -309,13 +309,15 @@ class CacheEvent(Message):
     """One change of a worker's prefix index (:class:`k3serve.cache.events.EventLog`).
 
     ``snapshot: false``: MLA blocks stored/removed; ``snapshot: true``: a KDA snapshot at the
-    boundary after the named block(s).
+    boundary after the named block(s). ``source: "store"``: the worker put these into the
+    shared store (the router indexes them under the store, not under the worker).
     """
 
     seq: StrictInt = Field(ge=1)
     type: Literal["stored", "removed"]
     block_hashes: list[str] = Field(min_length=1)
     snapshot: bool = False
+    source: Literal["local", "store"] = "local"
 
 
 class CacheEvents(Message):

@@ -73,6 +73,7 @@ class PrefillWorker(BaseWorker):
         super().__init__(config, engine)
         self.client = BootstrapClient()
         self.reqs: dict[str, PrefillState] = {}
+        self.cached_source: dict[str, str] = {}  # rid → "local" | "store", until answered
 
     def close(self) -> None:
         super().close()
@@ -108,7 +109,7 @@ class PrefillWorker(BaseWorker):
             return
         r.to(PrefillPhase.COMPUTING)
         r.num_cached = h.num_cached_tokens
-        self.metrics.prefix_query(h.num_tokens, h.num_cached_tokens)
+        self._count_hit(r, h)
         c = self.kv_config
         try:
             r.sender = KVSender(
@@ -121,6 +122,16 @@ class PrefillWorker(BaseWorker):
             log.warning("prefill %s: cannot start the transfer: %s", r.rid, e)
             self._abort(r, Failure(502, "transfer_setup_failed",
                                    f"cannot start the transfer: {e}"))
+
+    def _count_hit(self, r: PrefillState, h: CacheHandle) -> None:
+        """Count the prefix query, splitting the hit by source (local pools | shared store)."""
+        src, local, store = "local", h.num_cached_tokens, 0
+        if self.store is not None:
+            src, local, store = self.store.source(r.rid, h.num_cached_tokens)
+        self.cached_source[r.rid] = src
+        self.metrics.prefix_query(h.num_tokens, local)
+        if store:
+            self.metrics.prefix_query(0, store, source="store")
 
     def _layer_hook(self, r: PrefillState, layer: int, upto: int) -> None:
         s = r.sender
@@ -190,7 +201,8 @@ class PrefillWorker(BaseWorker):
         r.to(PrefillPhase.ANSWERED)
         self.resolve(r.fut, PrefillResponse(
             request_id=r.rid, token_id=ft.token_id, logprob=logprob, top_logprobs=top,
-            num_cached_tokens=r.num_cached, cached_source="local", text=self._text(ft.token_id),
+            num_cached_tokens=r.num_cached, cached_source=self.cached_source.pop(r.rid, "local"),
+            text=self._text(ft.token_id),
             position=ft.position, seed=ft.seed))
 
     def _text(self, tok: int) -> str:
@@ -213,6 +225,9 @@ class PrefillWorker(BaseWorker):
                 r.to(PrefillPhase.ENDED)
         if r.phase is PrefillPhase.ENDED:
             self.reqs.pop(r.rid, None)
+            self.cached_source.pop(r.rid, None)
+            if self.store is not None:
+                self.store.local_before.pop(r.rid, None)
 
     def abort(self, rid: str, reason: str) -> bool:
         r = self.reqs.get(rid)
@@ -256,6 +271,9 @@ class PrefillWorker(BaseWorker):
                 raise Failure(400, "invalid_request",
                               "debug_fail_transfer_n needs K3SERVE_TEST_HOOKS=1")
             fut = asyncio.get_running_loop().create_future()
+            if worker.store is not None:  # a deeper prefix from the shared store, if any
+                await worker.store.fetch(body.request_id, list(body.prompt_token_ids),
+                                         body.cache_salt)
             try:
                 await worker.loop.call(worker._add, body, params, fut)
             except ValueError as e:

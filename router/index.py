@@ -55,6 +55,11 @@ class PrefixMatch(NamedTuple):
 NO_MATCH = PrefixMatch(0, 0)
 
 
+#: The holder name under which the shared store's content is indexed (workers report their
+#: store puts as cache events with ``source: "store"``).
+STORE = "store"
+
+
 class ResyncNeeded(Exception):
     """A worker's event stream cannot be applied (new epoch, sequence gap, bad payload).
 
@@ -189,12 +194,25 @@ class GlobalIndex:
         if not parsed and batch.last_seq > cur.last_seq:  # the log moved on, sent nothing new
             raise ResyncNeeded(f"{worker_id}: events up to {batch.last_seq} announced, none sent")
         for ev in parsed:
+            target = cur if ev.source == "local" else self._store_cursor()
             if ev.type == "stored":
-                self._add(cur, ev.block_hashes, ev.snapshot)
+                self._add(target, ev.block_hashes, ev.snapshot)
             else:
-                self._remove(cur, ev.block_hashes, ev.snapshot)
+                self._remove(target, ev.block_hashes, ev.snapshot)
         cur.last_seq = max(cur.last_seq, expect - 1)
         return len(parsed)
+
+    def _store_cursor(self) -> _Cursor:
+        """The shared store's holder (added on its first event; never resynced: the store's
+        own evictions are not reported, so its entries are a prediction the worker checks)."""
+        if STORE not in self._cursors:
+            self.add_worker(STORE)
+            self._cursors[STORE].epoch = STORE
+        return self._cursors[STORE]
+
+    def store_depth(self, hashes: Sequence[str], max_blocks: int | None = None) -> int:
+        """Usable depth (blocks) of a prompt in the shared store alone (0: nothing known)."""
+        return self.cached_depth(hashes, STORE, max_blocks) if STORE in self._cursors else 0
 
     def load_state(self, worker_id: str, state: CacheState | Mapping[str, Any]) -> None:
         """Replace a worker's content with a ``GET /internal/cache_state`` dump.

@@ -35,6 +35,7 @@ from k3serve.messages import (
     SamplingSpec,
 )
 from router.config import RouterConfig
+from router.index import STORE
 from router.metrics import RouterMetrics
 from router.placement import (
     DecodeWorkerState,
@@ -147,11 +148,13 @@ class Router:
         match = self.pool.match(prompt_hashes(ids, bs, fingerprint, cache_salt),
                                 req.max_cached_blocks)
         pstates = []
+        store = match.get(STORE)  # the shared store's content, if workers report puts
         for w in prefill:
             m = match.get(w.url)
             pstates.append(PrefillWorkerState(
                 w.url, m.usable_blocks if m else 0, m.mla_blocks if m else 0, w.queued_tokens,
-                w.info.prefill_rate or self.config.prefill_rate))
+                w.info.prefill_rate or self.config.prefill_rate,
+                store_blocks=store.usable_blocks if store else 0))
         dstates = []
         for w in decode:
             cap = w.info.capacity_tokens

@@ -85,6 +85,8 @@ class PrefillWorkerState:
         queued_tokens: Prefill tokens sent to the worker and not finished yet.
         prefill_rate: Prefill throughput in tokens per second (only ratios matter).
         healthy: Whether the worker may receive requests.
+        store_blocks: Usable depth (blocks) the worker can reach by fetching from the shared
+            store (≥ ``cached_blocks`` when the store holds more; 0: no store / nothing).
     """
 
     worker_id: str
@@ -93,6 +95,7 @@ class PrefillWorkerState:
     queued_tokens: int = 0
     prefill_rate: float = 10_000.0
     healthy: bool = True
+    store_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,12 +127,17 @@ class PlacementParams:
         guard_seconds: Absolute slack of the load guard, in seconds of queued prefill.
         seed: Seed of the ``random`` policy.
         snapshot_branch_points: Whether to request ``snapshot_at`` at branch points.
+        store_token_cost: What a token fetched from the shared store costs, as a fraction of
+            computing it (a store hit is priced below a local one, above a miss). Measured on
+            one CPU box (benchmarks/store.py): a k3-tiny block of 64 tokens (41 kB) arrives in
+            well under 1 ms against ~8 ms to prefill it; 0.1 leaves room for a cluster.
     """
 
     guard_factor: float = 1.5
     guard_seconds: float = 0.5
     seed: int = 0
     snapshot_branch_points: bool = True
+    store_token_cost: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -156,8 +164,13 @@ class Placement:
 PrefillPolicy = Callable[[PlacementRequest, Sequence[PrefillWorkerState], PlacementParams], int]
 
 
-def _uncached(req: PlacementRequest, w: PrefillWorkerState) -> int:
-    return req.num_prompt_tokens - min(w.cached_blocks, req.max_cached_blocks) * req.block_size
+def _uncached(req: PlacementRequest, w: PrefillWorkerState,
+              store_cost: float = 1.0) -> float:
+    """Tokens of work left on ``w``: the prompt minus its local hit, with the part only the
+    store holds charged at ``store_cost`` of a computed token."""
+    local = min(w.cached_blocks, req.max_cached_blocks)
+    store = max(0, min(w.store_blocks, req.max_cached_blocks) - local)
+    return req.num_prompt_tokens - (local + store * (1.0 - store_cost)) * req.block_size
 
 
 def cache_aware(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
@@ -173,7 +186,7 @@ def cache_aware(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
         queued_s = w.queued_tokens / w.prefill_rate
         if queued_s > bound:
             continue
-        ttft = queued_s + _uncached(req, w) / w.prefill_rate
+        ttft = queued_s + _uncached(req, w, params.store_token_cost) / w.prefill_rate
         key = (ttft, queued_s, (i - req.seq) % len(workers))
         if best_key is None or key < best_key:
             best, best_key = i, key

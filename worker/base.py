@@ -82,8 +82,25 @@ class BaseWorker(abc.ABC):
         self.layout = PoolLayout.from_kvpools(self.engine.pools,
                                               extra=self.engine.fingerprint_fields)
         self.kv.register_layout(self.layout)
-        self.loop = EngineLoop(self.engine, self.tick, self.on_outputs, self.fail_all)
+        self.loop = EngineLoop(self.engine, self._tick_all, self.on_outputs, self.fail_all)
         self.aloop: asyncio.AbstractEventLoop | None = None
+        self.store = self._store_tier()
+
+    def _store_tier(self) -> Any:
+        """The shared-store tier (:mod:`worker.store`), or ``None`` without ``--store-url``."""
+        if not self.config.store.enabled:
+            return None
+        from worker.store import StoreTier
+
+        tier = StoreTier(self.config.store, self.engine, self.loop, self.metrics.labels)
+        self.metrics.registry.register(_Collector(tier.collect))
+        return tier
+
+    def _tick_all(self) -> bool:  # engine thread
+        active = self.tick()
+        if self.store is not None:
+            self.store.export()
+        return active
 
     # ------------------------------------------------------------------ role hooks
     def tick(self) -> bool:  # engine thread
@@ -113,11 +130,15 @@ class BaseWorker(abc.ABC):
 
     def start(self) -> None:
         """Start the engine thread (and role services)."""
+        if self.store is not None:
+            self.store.start()
         self.loop.start()
 
     def close(self) -> None:
         """Stop the engine thread and release the transfer engine."""
         self.loop.stop()
+        if self.store is not None:
+            self.store.close()
         with contextlib.suppress(Exception):
             self.kv.unregister_layout(self.layout)
         with contextlib.suppress(Exception):
@@ -181,6 +202,13 @@ class BaseWorker(abc.ABC):
             "num_requests_running": len(self.engine.scheduler.running),
             "num_requests_waiting": self.num_waiting(),
         }
+
+
+class _Collector:
+    """A prometheus-client custom collector around a ``collect()`` function."""
+
+    def __init__(self, fn: Any) -> None:
+        self.collect = fn
 
 
 __all__ = ["BaseWorker", "Failure", "sampling_params"]

@@ -7,6 +7,7 @@
     K3SERVE_WORKER_THREADS   torch intra-op threads (default 1: processes share the CPU)
     K3SERVE_TEST_HOOKS       ``1``/``true`` accepts per-request test hooks
     K3SERVE_KV_*             kvstore's transfer settings (:meth:`kvstore.KVConfig.from_env`)
+    K3SERVE_STORE_*          the shared Mooncake Store client (:class:`kvstore.store.StoreConfig`)
 
 Components receive the config (or the narrowest part of it) and never mutate it.
 """
@@ -22,6 +23,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from k3serve.protocol import CLUSTER_TOKEN_ENV
 from kvstore import KVConfig
+from kvstore.store import StoreConfig
 
 Role = Literal["prefill", "decode"]
 
@@ -74,6 +76,9 @@ class WorkerConfig:
         cluster_token: the token internal calls must carry (``None``: no check).
         test_hooks: accept per-request test hooks.
         kv: kvstore's transfer settings.
+        store: the shared store client (``store.url`` unset: no store).
+        dense_snapshot_blocks: log-spaced prompt snapshots (``-1``: chosen from the byte
+            arithmetic, ``k3serve.cache.specs.auto_dense_snapshot_blocks``; 0: off).
     """
 
     role: Role
@@ -97,6 +102,8 @@ class WorkerConfig:
     cluster_token: str | None = None
     test_hooks: bool = False
     kv: KVConfig = field(default_factory=KVConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    dense_snapshot_blocks: int = -1
 
     @property
     def url_host(self) -> str:
@@ -151,7 +158,22 @@ def _parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=env.worker_threads,
                     help=f"torch threads (default ${THREADS_ENV} or 1)")
     ap.add_argument("--log-level", default="warning")
+    _store_flags(ap)
     return ap
+
+
+def _store_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--store-url", default=None,
+                    help="mooncake_master RPC address host:port of the shared store "
+                         "(default $K3SERVE_STORE_URL; unset: no store)")
+    ap.add_argument("--dense-snapshot-blocks", type=int, default=-1,
+                    help="log-spaced prompt snapshots: every block up to this many blocks, "
+                         "then doubling spacings (-1: from the byte arithmetic; 0: off)")
+
+
+def _store_config(a: argparse.Namespace) -> StoreConfig:
+    env = StoreConfig()
+    return env.model_copy(update={"url": a.store_url}) if a.store_url else env
 
 
 def parse_config(role: Role, argv: list[str] | None = None,
@@ -177,7 +199,8 @@ def parse_config(role: Role, argv: list[str] | None = None,
         num_snapshots=a.num_snapshots, max_num_batched_tokens=a.max_num_batched_tokens,
         enable_prefix_caching=not a.no_prefix_caching, device=a.device, dtype=a.dtype,
         seed=a.seed, threads=max(1, a.threads), log_level=a.log_level,
-        cluster_token=env.cluster_token, test_hooks=env.test_hooks, kv=KVConfig.from_env())
+        cluster_token=env.cluster_token, test_hooks=env.test_hooks, kv=KVConfig.from_env(),
+        store=_store_config(a), dense_snapshot_blocks=a.dense_snapshot_blocks)
 
 
 __all__ = ["TEST_HOOKS_ENV", "THREADS_ENV", "WorkerConfig", "WorkerEnv", "parse_config"]

@@ -49,8 +49,10 @@ def build_engine(config: WorkerConfig) -> Any:
         block_size=config.block_size, num_pages=config.num_pages, num_slots=config.num_slots,
         num_snapshots=config.num_snapshots,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        dense_snapshot_blocks=config.dense_snapshot_blocks,
     )
     return llm.engine
+
 
 
 class EngineLoop:

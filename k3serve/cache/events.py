@@ -46,8 +46,12 @@ class EventLog:
         self.last_seq = 0
         self._events: deque[dict[str, Any]] = deque(maxlen=max_events)
 
-    def append(self, type_: str, block_hashes: Sequence[str], snapshot: bool) -> int:
-        """Log one event.
+    def append(
+        self, type_: str, block_hashes: Sequence[str], snapshot: bool, source: str = "local"
+    ) -> int:
+        """Log one event (``source="store"``: put into the shared store by this worker; the
+        event then carries ``"source": "store"``, and readers of the worker's own content skip
+        it).
 
         Returns:
             Its ``seq``.
@@ -59,15 +63,18 @@ class EventLog:
             raise ValueError(f"type: must be one of {EVENT_TYPES}, got {type_!r}")
         if not block_hashes:
             raise ValueError("block_hashes: empty")
+        if source not in ("local", "store"):
+            raise ValueError(f"source: 'local' or 'store', got {source!r}")
         self.last_seq += 1
-        self._events.append(
-            {
-                "seq": self.last_seq,
-                "type": type_,
-                "block_hashes": list(block_hashes),
-                "snapshot": bool(snapshot),
-            }
-        )
+        ev: dict[str, Any] = {
+            "seq": self.last_seq,
+            "type": type_,
+            "block_hashes": list(block_hashes),
+            "snapshot": bool(snapshot),
+        }
+        if source == "store":
+            ev["source"] = "store"
+        self._events.append(ev)
         return self.last_seq
 
     def since(self, after: int = 0, limit: int | None = None) -> dict[str, Any]:
@@ -141,6 +148,8 @@ class EventIndex:
         t = ev.get("type")
         if t not in EVENT_TYPES or "block_hashes" not in ev:
             raise ValueError(f"event: malformed {dict(ev)!r}")
+        if ev.get("source", "local") == "store":  # the shared store's content, not the worker's
+            return
         target = self.snapshots if ev.get("snapshot") else self.blocks
         if t == "stored":
             target.update(ev["block_hashes"])

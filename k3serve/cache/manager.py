@@ -42,7 +42,7 @@ from typing import Any
 from k3serve.cache.allocator import CacheFullError, RefPool, SlotPool
 from k3serve.cache.events import EventLog, make_state
 from k3serve.cache.hashing import block_hashes, make_salt
-from k3serve.cache.prefix import PrefixIndex, max_hit_blocks
+from k3serve.cache.prefix import PrefixIndex, log_snapshot_points, max_hit_blocks
 from k3serve.cache.specs import CacheConfig
 
 
@@ -107,6 +107,28 @@ class ForkPlan:
     src_slot: int
     dst_slot: int
     page_copies: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class ImportPlan:
+    """Ids taken for a prefix fetched from the shared store (:meth:`CacheManager.begin_import`).
+
+    The engine copies the fetched bytes into ``pages`` / ``snapshot``, then calls
+    :meth:`CacheManager.end_import` (index them) or :meth:`CacheManager.abort_import`.
+
+    Attributes:
+        pages: ``(block hash, page)`` to fill, in prefix order.
+        snapshot: ``(boundary hash, snapshot id)`` to fill, or ``None`` (held locally).
+        pinned: local pages of the same prefix, referenced meanwhile so that taking the new
+            ids cannot evict them.
+        pinned_snapshot: the local snapshot at the boundary, if one exists (pinned likewise).
+    """
+
+    pages: tuple[tuple[str, int], ...]
+    snapshot: tuple[str, int] | None
+    pinned: tuple[int, ...] = ()
+    pinned_snapshot: int | None = None
+    order: tuple[int, ...] = ()  # every page above, in prefix order (released deepest first)
 
 
 @dataclass(frozen=True)
@@ -327,6 +349,7 @@ class CacheManager:
         k = self.config.snapshot_interval_blocks
         if k:
             pts.update(range(k * B, p0 + 1, k * B))
+        pts.update(log_snapshot_points(p0, B, self.config.dense_snapshot_blocks))
         return sorted(q for q in pts if q > hit)
 
     def _pages_needed(self, s: _Seq, num_tokens: int) -> int:
@@ -391,6 +414,82 @@ class CacheManager:
             self.stats.query_tokens += s.num_prompt
             self.stats.hit_tokens += hit.num_tokens
         return Admission(s.slot, hit.snapshot, hit.num_tokens)
+
+    # ================================================================== shared store
+    def prefix_hashes(
+        self, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> tuple[list[str], int]:
+        """Hashes of a prompt's reusable blocks and the cap (read-only; store lookups).
+
+        Returns:
+            ``(hashes of the first ⌊(L-1)/B⌋ blocks, that cap)``; ``([], 0)`` without caching.
+        """
+        if not self.caching or len(token_ids) == 0:
+            return [], 0
+        cap = max_hit_blocks(len(token_ids), self.block_size)
+        salt = make_salt(self.fingerprint, cache_salt)
+        return block_hashes(token_ids[: cap * self.block_size], self.block_size, salt), cap
+
+    def begin_import(
+        self, prefix: Sequence[str], blocks: Sequence[str], snapshot: str | None
+    ) -> ImportPlan | None:
+        """Take pages (and a snapshot id) for blocks fetched from the store.
+
+        Args:
+            prefix: hashes of the whole prefix ``[0, j)`` the import completes.
+            blocks: the hashes of ``prefix`` fetched (not indexed here).
+            snapshot: boundary hash of the fetched snapshot (``prefix[-1]``), or ``None``.
+
+        Returns:
+            :class:`ImportPlan`, or ``None`` when the pools cannot take it now (nothing taken;
+            the prefix is then computed as usual) or a needed local entry went missing.
+        """
+        idx = self.index
+        fetched = set(blocks)
+        if not prefix or any(h not in fetched and not idx.has_block(h) for h in prefix):
+            return None
+        if snapshot is None and not idx.has_snapshot(prefix[-1]):
+            return None
+        pinned = tuple(idx.page_of(h) for h in prefix if idx.has_block(h))  # type: ignore[misc]
+        new_blocks = [h for h in prefix if not idx.has_block(h)]
+        want_snap = snapshot is not None and not idx.has_snapshot(snapshot)
+        pinned_snap = None if want_snap else idx.snapshot_of(prefix[-1])
+        # ids about to be pinned leave the LRU: count only what stays free
+        free_pages = self.pages.num_free - sum(1 for p in pinned if self.pages.in_lru(p))
+        free_snaps = self.snapshots.num_free - (
+            1 if pinned_snap is not None and self.snapshots.in_lru(pinned_snap) else 0)
+        if len(new_blocks) > free_pages or (want_snap and free_snaps < 1):
+            return None
+        for p in pinned:
+            self.pages.incref(p)
+        if pinned_snap is not None:
+            self.snapshots.incref(pinned_snap)
+        pages = tuple((h, self.pages.allocate()) for h in new_blocks)
+        snap = (snapshot, self.snapshots.allocate()) if want_snap else None  # type: ignore[arg-type]
+        new = dict(pages)
+        order = tuple(new[h] if h in new else idx.page_of(h) for h in prefix)
+        return ImportPlan(pages, snap, pinned, pinned_snap, order)  # type: ignore[arg-type]
+
+    def end_import(self, plan: ImportPlan) -> None:
+        """Index an import whose bytes the engine has written (``stored`` events follow); the
+        new entries become unreferenced cached (LRU), deepest first to go."""
+        if plan.pages:
+            self.index.register_blocks([h for h, _ in plan.pages], [p for _, p in plan.pages])
+        if plan.snapshot is not None:
+            self.index.register_snapshot(*plan.snapshot)
+        self._unpin(plan)
+
+    def abort_import(self, plan: ImportPlan) -> None:
+        """Give an import's ids back without indexing them (a fetch failed)."""
+        self._unpin(plan)
+
+    def _unpin(self, plan: ImportPlan) -> None:
+        for p in reversed(plan.order):
+            self.pages.decref(p)
+        if plan.snapshot is not None:
+            self.snapshots.decref(plan.snapshot[1])
+        if plan.pinned_snapshot is not None:
+            self.snapshots.decref(plan.pinned_snapshot)
 
     # ================================================================== running
     def chunk_end(self, seq_id: Hashable) -> int:
@@ -736,6 +835,7 @@ __all__ = [
     "CacheStats",
     "CacheUsage",
     "ForkPlan",
+    "ImportPlan",
     "PrefixHit",
     "SnapshotSave",
 ]

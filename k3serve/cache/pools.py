@@ -125,5 +125,66 @@ class KVPools:
         self.kda_state[:, slot].copy_(self.snap_state[:, snap_id])
         self.conv_state[:, slot].copy_(self.snap_conv[:, snap_id])
 
+    # ------------------------------------------------------------------ bytes (shared store)
+    @staticmethod
+    def _raw(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().reshape(-1).view(torch.uint8).cpu()
+
+    def block_nbytes(self) -> int:
+        """Bytes of one page over all MLA layers (``[L_mla, B, D]``)."""
+        return self.mla_latent[:, 0].numel() * self.mla_latent.element_size()
+
+    def snapshot_nbytes(self) -> int:
+        """Bytes of one snapshot (``[L_kda, H, K, V]`` float32 + ``[L_kda, W-1, C]``)."""
+        return (self.snap_state[:, 0].numel() * 4
+                + self.snap_conv[:, 0].numel() * self.snap_conv.element_size())
+
+    def block_bytes(self, page: int) -> torch.Tensor:
+        """A copy of page ``page`` of every MLA layer as ``[block_nbytes]`` uint8 (CPU).
+
+        Layout: ``mla_latent[:, page]`` (``[L_mla, B, D]``, row-major, the pool dtype).
+        """
+        self._check("page", page, self.num_pages)
+        return self._raw(self.mla_latent[:, page])
+
+    def load_block(self, page: int, data: bytes | torch.Tensor) -> None:
+        """Write :meth:`block_bytes` output into page ``page``. Mutates the page.
+
+        Raises:
+            ValueError: ``page`` out of range or ``data`` of the wrong size.
+        """
+        self._check("page", page, self.num_pages)
+        dst = self.mla_latent[:, page]
+        src = self._from_bytes(data, self.block_nbytes(), "block")
+        dst.copy_(src.view(dst.dtype).view(dst.shape))
+
+    def snapshot_bytes(self, snap_id: int) -> torch.Tensor:
+        """A copy of snapshot ``snap_id`` as ``[snapshot_nbytes]`` uint8 (CPU): the KDA states
+        ``snap_state[:, id]`` then the conv states ``snap_conv[:, id]``."""
+        self._check("snap_id", snap_id, self.num_snapshots)
+        return torch.cat([self._raw(self.snap_state[:, snap_id]),
+                          self._raw(self.snap_conv[:, snap_id])])
+
+    def load_snapshot_bytes(self, snap_id: int, data: bytes | torch.Tensor) -> None:
+        """Write :meth:`snapshot_bytes` output into snapshot ``snap_id``. Mutates it.
+
+        Raises:
+            ValueError: ``snap_id`` out of range or ``data`` of the wrong size.
+        """
+        self._check("snap_id", snap_id, self.num_snapshots)
+        src = self._from_bytes(data, self.snapshot_nbytes(), "snapshot")
+        st, cv = self.snap_state[:, snap_id], self.snap_conv[:, snap_id]
+        n = st.numel() * 4
+        st.copy_(src[:n].view(torch.float32).view(st.shape))
+        cv.copy_(src[n:].view(cv.dtype).view(cv.shape))
+
+    @staticmethod
+    def _from_bytes(data: bytes | torch.Tensor, n: int, what: str) -> torch.Tensor:
+        t = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data),
+                                                                            dtype=torch.uint8)
+        if t.dtype != torch.uint8 or t.numel() != n:
+            raise ValueError(f"data: a {what} is {n} bytes, got {t.numel()} ({t.dtype})")
+        return t
+
 
 __all__ = ["KVPools"]

@@ -70,6 +70,67 @@ def usable_prefix_blocks(
     return 0
 
 
+def fetch_plan(
+    hashes: Sequence[str],
+    max_blocks: int,
+    has_block: Callable[[str], bool],
+    has_snapshot: Callable[[str], bool],
+    store_block: Callable[[str], bool],
+    store_snapshot: Callable[[str], bool],
+) -> tuple[int, list[str], str | None]:
+    """The deepest usable prefix over the local cache AND the shared store, and what to fetch.
+
+    Same rule as :func:`usable_prefix_blocks`, with a block (snapshot) usable when either tier
+    holds it::
+
+        block     0     1     2     3        local: blocks 0-1, snapshot @2·B
+        local    [x]   [x]    .     .        store: blocks 0-3, snapshot @4·B
+        store    [x]   [x]   [x]   [x] @4    → j = 4: fetch blocks 2, 3 and the snapshot @4·B
+
+    Returns:
+        ``(j, block hashes to fetch (in prefix order), snapshot hash to fetch or None)``;
+        ``j = 0``: no usable prefix in either tier.
+    """
+    j = usable_prefix_blocks(
+        hashes,
+        max_blocks,
+        lambda h: has_block(h) or store_block(h),
+        lambda h: has_snapshot(h) or store_snapshot(h),
+    )
+    if j == 0:
+        return 0, [], None
+    blocks = [h for h in hashes[:j] if not has_block(h)]
+    snap = None if has_snapshot(hashes[j - 1]) else hashes[j - 1]
+    return j, blocks, snap
+
+
+def log_snapshot_points(p0: int, block_size: int, dense_blocks: int) -> list[int]:
+    """Log-spaced snapshot points in ``(0, p0]`` (the first-divergence policy, DESIGN.md §3).
+
+    Every block boundary up to ``dense_blocks·B``; from there the spacing doubles each time
+    the position reaches ``dense_blocks`` spacings. With ``B = 64``, ``dense_blocks = 4``::
+
+        64 128 192 256 | 384 512 | 768 1024 | 1536 2048 | 3072 4096 …
+        spacing 64       128       256        512         1024
+
+    A prompt that first diverges from a cached one at depth ``d`` then reuses at least
+    ``d − spacing(d) ≥ d/2`` tokens (all of them below ``dense_blocks·B``), at a cost of
+    ``dense_blocks + 2·log2(p0 / (dense_blocks·B))`` snapshots per prompt instead of ``p0/B``.
+
+    Returns:
+        Ascending positions, multiples of ``block_size``; ``[]`` when ``dense_blocks == 0``.
+    """
+    if dense_blocks <= 0 or p0 < block_size:
+        return []
+    pts, q, step = [], block_size, block_size
+    while q <= p0:
+        pts.append(q)
+        if q >= dense_blocks * step:
+            step *= 2
+        q += step
+    return pts
+
+
 class PrefixIndex:
     """The worker's hash maps over its page and snapshot pools, with an event log.
 
@@ -217,4 +278,10 @@ class PrefixIndex:
                     raise AssertionError(f"{pool.name} {i}: cached flag disagrees with the index")
 
 
-__all__ = ["PrefixIndex", "max_hit_blocks", "usable_prefix_blocks"]
+__all__ = [
+    "PrefixIndex",
+    "fetch_plan",
+    "log_snapshot_points",
+    "max_hit_blocks",
+    "usable_prefix_blocks",
+]

@@ -251,6 +251,10 @@ class CacheConfig:
             ``num_snapshots`` (rounded down; in ``[0, 1]``). The rest stays for prompt
             snapshots: without a cap, ``num_snapshots`` concurrent decodes would pin the whole
             budget and every new prompt's snapshots would be skipped.
+        dense_snapshot_blocks: log-spaced prompt snapshots (``prefix.log_snapshot_points``):
+            every block up to this many blocks, then doubling spacings, so the first prompt
+            that diverges from a cached one still hits; 0 = off. :func:`auto_dense_snapshot_blocks`
+            picks it from the byte arithmetic.
 
     Raises:
         ValueError: a field out of range (named).
@@ -263,6 +267,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     snapshot_interval_tokens: int = 0
     rolling_snapshot_fraction: float = 0.5
+    dense_snapshot_blocks: int = 0
 
     def __post_init__(self) -> None:
         frac = self.rolling_snapshot_fraction
@@ -276,6 +281,7 @@ class CacheConfig:
             ("num_snapshots", 0),
             ("block_size", 1),
             ("snapshot_interval_tokens", 0),
+            ("dense_snapshot_blocks", 0),
         ):
             v = getattr(self, f)
             if not isinstance(v, int) or v < lo:
@@ -332,11 +338,45 @@ class CacheConfig:
         )  # type: ignore[arg-type]
 
 
+#: :func:`auto_dense_snapshot_blocks`: log-spaced snapshots while one snapshot costs at most
+#: this many blocks of latents.
+MAX_DENSE_SNAPSHOT_COST_BLOCKS = 64
+
+
+def auto_dense_snapshot_blocks(mla: MLALatentSpec, kda: KDAStateSpec) -> int:
+    """The first-divergence snapshot policy chosen from the byte arithmetic (DESIGN.md §3).
+
+    ``r`` = one snapshot's bytes / one page's bytes (blocks of latents a snapshot costs). Log-
+    spaced snapshots (``dense_snapshot_blocks = 4``: every block to 256 tokens at ``B = 64``,
+    then doubling spacings) take ``4 + 2·log2(L/256)`` snapshots per prompt — 10 for a
+    2,048-token prompt, i.e. ``10·r`` blocks of memory in the snapshot budget (own LRU) and in
+    the shared store:
+
+    ========  =====================  ======  ====================================
+    preset    snapshot               r       10 snapshots of a 2k prompt
+    ========  =====================  ======  ====================================
+    k3-tiny   0.45 MB                11–20   ~4.5 MB: on (4)
+    k3-mini   20 MB                  23–45   ~200 MB: on (4)
+    K3        429 MB                 ~250    4.3 GB per prompt: off (0)
+    ========  =====================  ======  ====================================
+
+    (``r`` ranges: float32 latents on CPU / bfloat16 on GPU.) At K3 sizes intervals crowd out
+    latents (DESIGN.md §3's 512-token interval collapses to ~18 %), so there only the prompt-end,
+    router-marked and end-of-answer snapshots are kept.
+
+    Returns:
+        4 when ``r ≤ MAX_DENSE_SNAPSHOT_COST_BLOCKS``, else 0.
+    """
+    r = kda.snapshot_size_bytes / max(1, mla.page_size_bytes)
+    return 4 if r <= MAX_DENSE_SNAPSHOT_COST_BLOCKS else 0
+
+
 __all__ = [
     "CacheConfig",
     "CacheDtypes",
     "KDAStateSpec",
     "MLALatentSpec",
+    "auto_dense_snapshot_blocks",
     "dtype_bytes",
     "layout_fingerprint",
 ]

@@ -32,7 +32,14 @@ import torch
 from k3serve.cache.events import EventLog
 from k3serve.cache.manager import CacheManager
 from k3serve.cache.pools import KVPools
-from k3serve.cache.specs import CacheConfig, CacheDtypes, layout_fingerprint
+from k3serve.cache.specs import (
+    CacheConfig,
+    CacheDtypes,
+    KDAStateSpec,
+    MLALatentSpec,
+    auto_dense_snapshot_blocks,
+    layout_fingerprint,
+)
 from k3serve.config import ModelConfig
 from k3serve.engine.connector import DisaggConnector, KVConnector
 from k3serve.engine.runner import ModelRunner, Row, RunBatch
@@ -62,6 +69,9 @@ class EngineConfig:
         snapshot_interval_tokens: also snapshot every this many prompt tokens (0: off).
         rolling_snapshot_fraction: share of ``num_snapshots`` that decoding sequences may pin
             for their end-of-request snapshots (``CacheConfig.rolling_snapshot_fraction``).
+        dense_snapshot_blocks: log-spaced prompt snapshots so the first divergence hits
+            (``CacheConfig.dense_snapshot_blocks``; 0: off; -1: chosen from the byte
+            arithmetic, ``k3serve.cache.specs.auto_dense_snapshot_blocks``).
         max_model_len: cap on prompt + output tokens (``None``: the model's, and at most
             ``P·B``).
         record_logits: keep each sampled token's logits in the outputs (tests).
@@ -77,6 +87,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     snapshot_interval_tokens: int = 0
     rolling_snapshot_fraction: float = 0.5
+    dense_snapshot_blocks: int = 0
     max_model_len: int | None = None
     record_logits: bool = False
     max_events: int = 100_000
@@ -94,6 +105,7 @@ class EngineConfig:
             check(fld, 1)
         check("num_snapshots", 0)
         check("snapshot_interval_tokens", 0)
+        check("dense_snapshot_blocks", -1)
         check("max_num_seqs", 1, optional=True)
         check("max_model_len", 2, optional=True)  # a prompt token and a generated one
         frac = self.rolling_snapshot_fraction
@@ -188,6 +200,7 @@ class LLMEngine:
                 c.enable_prefix_caching,
                 c.snapshot_interval_tokens,
                 c.rolling_snapshot_fraction,
+                self._dense_snapshot_blocks(model_config, dn),
             ),
             self.fingerprint,
             EventLog(c.max_events),
@@ -214,6 +227,15 @@ class LLMEngine:
         self.connector: KVConnector | None = None
         if connector is not None:
             self.attach(connector)
+
+    def _dense_snapshot_blocks(self, cfg: ModelConfig, dtype_name: str) -> int:
+        c = self.config
+        if c.dense_snapshot_blocks >= 0:
+            return c.dense_snapshot_blocks
+        return auto_dense_snapshot_blocks(
+            MLALatentSpec.from_config(cfg, c.block_size, dtype_name),
+            KDAStateSpec.from_config(cfg, CacheDtypes(dtype_name, dtype_name, "float32")),
+        )
 
     def attach(self, connector: KVConnector) -> None:
         """Put ``connector`` at the engine's edge (and in the scheduler's hook).
