@@ -21,8 +21,8 @@ import time
 import httpx
 import pytest
 
-from tests.test_disagg import HEADERS, _metric, _request
-from tests.test_disagg import Proc as _Proc
+from worker_procs import HEADERS, _metric, _request
+from worker_procs import Proc as _Proc
 
 B = 64
 MAX_TOKENS = 4
@@ -36,7 +36,7 @@ class Proc(_Proc):
         import subprocess
         import sys
 
-        from tests.test_disagg import ROOT, TOKEN, _free_port
+        from worker_procs import ROOT, TOKEN, _free_port
 
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"

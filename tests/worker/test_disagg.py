@@ -16,68 +16,21 @@ with the real Mooncake Transfer Engine over tcp loopback, driven through the int
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import random
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from worker_procs import (
+    HEADERS,
+    MAX_TOKENS,
+    Proc,
+    _metric,
+    _request,
+    _sampling,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
 B = 16
-TOKEN = "disagg-test-token"
-HEADERS = {"X-K3serve-Cluster-Token": TOKEN}
-MAX_TOKENS = 6
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    def __init__(self, role: str, name: str, block_size: int, log_dir: Path, pages: int = 512):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log_dir / f"{name}.log"
-        env = dict(os.environ, K3SERVE_CLUSTER_TOKEN=TOKEN, K3SERVE_TEST_HOOKS="1",
-                   K3SERVE_WORKER_THREADS="1", PYTHONUNBUFFERED="1")
-        self._out = open(self.log, "w")  # noqa: SIM115 - closed in stop()
-        self.p = subprocess.Popen(
-            [sys.executable, "-m", f"{role}.worker", "--host", "127.0.0.1", "--port",
-             str(self.port), "--model", "k3-tiny", "--block-size", str(block_size),
-             "--num-pages", str(pages), "--num-slots", "32", "--worker-id", name,
-             "--log-level", "info"],
-            cwd=ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        t_end = time.monotonic() + timeout
-        while time.monotonic() < t_end:
-            assert self.p.poll() is None, f"worker exited:\n{self.log.read_text()[-3000:]}"
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"worker not ready:\n{self.log.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(15)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        self._out.close()
 
 
 @pytest.fixture(scope="module")
@@ -133,61 +86,6 @@ def oracle(offline):
 
 
 # ============================================================================ client helpers
-def _sampling(seed: int = 7) -> dict:
-    return {"temperature": 0.0, "max_tokens": MAX_TOKENS, "seed": seed}
-
-
-async def _stream(c: httpx.AsyncClient, d_url: str, rid: str,
-                  first: dict) -> tuple[list[int], str | None]:
-    """Tokens #2.. from the decode worker; ``first``: the prefill worker's answer (token #1)."""
-    toks, finish = [], None
-    body = {"request_id": rid, "token_id": first["token_id"], "logprob": first["logprob"]}
-    async with c.stream("POST", d_url + "/internal/stream", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            ev = json.loads(line[5:])
-            assert "error" not in ev, ev
-            toks += ev["token_ids"]
-            finish = ev["finish_reason"] or finish
-    return toks, finish
-
-
-async def _request(c: httpx.AsyncClient, P: Proc, D: Proc, rid: str, ids: list[int],
-                   sampling: dict | None = None, prefill_sampling: dict | None = None,
-                   **extra) -> tuple[list[int], dict]:
-    """reserve → prefill → stream, as the router does; returns (all tokens, prefill answer).
-
-    ``sampling`` goes to both workers (default :func:`_sampling`); ``prefill_sampling``, when
-    given, to the prefill worker instead (a test device: the router sends the same to both).
-    """
-    sampling = sampling or _sampling()
-    r = await c.post(D.url + "/internal/reserve",
-                     json={"request_id": rid, "prompt_token_ids": ids, "sampling": sampling,
-                           "n": 1})
-    assert r.status_code == 200, r.text
-    res = r.json()
-    p = await c.post(P.url + "/internal/prefill", json={
-        "request_id": rid, "prompt_token_ids": ids, "sampling": prefill_sampling or sampling,
-        "ticket": res["ticket"], "bootstrap_addr": res["bootstrap_addr"], "snapshot_at": [],
-        "cache_salt": None, **extra})
-    assert p.status_code == 200, p.text
-    first = p.json()
-    rest, finish = await _stream(c, D.url, rid, first)
-    assert finish in ("stop", "length")
-    return [first["token_id"], *rest], first
-
-
-def _metric(url: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith((name + "{", name + " "))
-               and all(w in line.split("}", 1)[0] for w in want))
-
-
 def _usage(url: str) -> dict:
     r = httpx.get(url + "/internal/info", headers=HEADERS, timeout=10)
     assert r.status_code == 200, r.text
