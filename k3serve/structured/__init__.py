@@ -50,7 +50,7 @@ class GrammarError(ValueError):
 def _schema_json(schema: Mapping[str, Any]) -> str:
     s = dict(schema)
     s["x-guidance"] = {**JSON_OPTIONS, **(s.get("x-guidance") or {})}
-    return json.dumps(s, ensure_ascii=False, sort_keys=True)
+    return json.dumps(s, ensure_ascii=False)  # key order kept: properties come in order
 
 
 def json_schema_grammar(schema: Mapping[str, Any]) -> str:
