@@ -33,7 +33,7 @@ def _leaf(rng: random.Random, depth: int) -> dict:
     kind = rng.choice(["string", "integer", "enum", "boolean", "array", "object"]
                       if depth < 2 else ["string", "integer", "enum", "boolean"])
     if kind == "string":
-        return {"type": "string", "maxLength": 4}
+        return {"type": "string", "maxLength": 3}
     if kind == "integer":
         return {"type": "integer", "minimum": 0, "maximum": 99}
     if kind == "enum":
@@ -102,9 +102,9 @@ async def _call(client, i: int, schema: dict, stream: bool) -> tuple[list[dict],
     tools = _tools(i, schema)
     choice = ({"type": "function", "function": {"name": f"tool_{i}"}} if i % 2 == 0
               else "required")
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": f"call tool {i}"}],
-              tools=tools, tool_choice=choice, parallel_tool_calls=False, temperature=0,
-              max_completion_tokens=MAX_TOKENS)
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": f"call tool {i}"}],
+              "tools": tools, "tool_choice": choice, "parallel_tool_calls": False, "temperature": 0,
+              "max_completion_tokens": MAX_TOKENS}
     if not stream:
         r = await client.chat.completions.create(**kw)
         msg = r.choices[0].message
@@ -145,7 +145,7 @@ def test_forced_tool_calls_validate_over_50_schemas(aclient):
 
     async def main():
         client = aclient()
-        sem = asyncio.Semaphore(25)
+        sem = asyncio.Semaphore(30)
 
         async def one(i, s):
             async with sem:
@@ -175,11 +175,11 @@ def test_response_format_json_schema_always_validates(aclient):
         client = aclient()
 
         async def one(i, s):
-            kw = dict(model=MODEL, messages=[{"role": "user", "content": f"json {i}"}],
-                      temperature=0, max_tokens=MAX_TOKENS,
-                      response_format={"type": "json_schema",
+            kw = {"model": MODEL, "messages": [{"role": "user", "content": f"json {i}"}],
+                      "temperature": 0, "max_tokens": MAX_TOKENS,
+                      "response_format": {"type": "json_schema",
                                        "json_schema": {"name": f"s{i}", "schema": s,
-                                                       "strict": True}})
+                                                       "strict": True}}}
             if i % 2:
                 r = await client.chat.completions.create(**kw)
                 return r.choices[0].message.content, r.choices[0].finish_reason
