@@ -140,6 +140,7 @@ class SamplingSpec(Message):
     logprobs: StrictInt | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    grammar: str | None = None  # structured output (SamplingParams.grammar)
 
     @classmethod
     def of(cls, params: SamplingParams) -> SamplingSpec:

@@ -76,6 +76,12 @@ class SamplingParams:
         include_stop_str_in_output: Keep the matched stop string (or the stop token's text) in
             the output.
         skip_special_tokens: Leave special tokens out of the detokenized text.
+        grammar: Structured output: a grammar in llguidance's Lark dialect
+            (:mod:`k3serve.structured`; ``%json {schema}`` for JSON Schema, special tokens
+            spelled ``<|name|>``) that every generated token must keep satisfiable; the
+            engine masks the logits with it and then allows only the stop tokens once the
+            grammar is complete. ``None``: unconstrained. Plain text here (the router builds
+            it, torch-free); the grammar engine parses it when the request is admitted.
 
     Raises:
         ValueError: From ``__post_init__`` when a field has the wrong type or is out of range;
@@ -98,6 +104,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    grammar: str | None = None
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -146,6 +153,8 @@ class SamplingParams:
         for fld in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, fld), bool):
                 fail(fld, "must be a bool")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            fail("grammar", "must be a non-empty string or None")
         if self.logprobs is not None and (
             not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):

@@ -122,6 +122,49 @@ class Preprocessor:
     def __init__(self, tokenizer, add_bos: bool) -> None:
         self.tokenizer = tokenizer
         self.add_bos = add_bos
+        self._grammar_vocab = None  # k3serve.structured.GrammarVocab, built on first use
+
+    def grammar(self, req: ChatCompletionRequest) -> str | None:
+        """The request's structured-output grammar (llguidance Lark text), or ``None``.
+
+        ``tool_choice`` ``required`` → a Kimi tool-call section over all tools, a named
+        function → over that one (one call unless ``parallel_tool_calls``);
+        ``response_format`` ``json_schema`` / ``json_object`` → one JSON value.
+
+        Raises:
+            APIError: 400 when the grammar engine rejects the schema (the field named).
+        """
+        from k3serve.structured import (
+            GrammarError,
+            json_object_grammar,
+            json_schema_grammar,
+            tool_call_grammar,
+        )
+        from router.schemas import NamedToolChoice
+
+        param, grammar = None, None
+        try:
+            if req.tools and (req.tool_choice == "required"
+                              or isinstance(req.tool_choice, NamedToolChoice)):
+                param = "tools"
+                fns = [t.function.model_dump() for t in req.tools]
+                if isinstance(req.tool_choice, NamedToolChoice):
+                    fns = [f for f in fns if f["name"] == req.tool_choice.function.name]
+                grammar = tool_call_grammar(fns, parallel=req.parallel_tool_calls)
+            elif req.response_format is not None and req.response_format.type == "json_object":
+                param, grammar = "response_format", json_object_grammar()
+            elif req.response_format is not None and req.response_format.type == "json_schema":
+                param = "response_format"
+                grammar = json_schema_grammar(req.response_format.json_schema.schema_)  # type: ignore[union-attr]
+            if grammar is not None:
+                if self._grammar_vocab is None:
+                    from k3serve.structured import GrammarVocab
+
+                    self._grammar_vocab = GrammarVocab(self.tokenizer)
+                self._grammar_vocab.validate(grammar)
+        except GrammarError as e:
+            raise APIError(400, f"{param}: {e}", param=param, code="invalid_value") from None
+        return grammar
 
     def job(self, index: int, ids: list[int], max_tokens: int | None, limit: int,
             param: str = "prompt") -> PromptJob:
@@ -170,12 +213,14 @@ class Preprocessor:
         Raises:
             APIError: a template error, an over-long prompt.
         """
-        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        msgs = [m.template_dict() for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
             ids = list(self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
-                                                          tokenize=True))
+                                                          tokenize=True, tools=tools))
         except ValueError as e:
             raise APIError(400, str(e), param="messages", code="invalid_value") from None
+        self.grammar(req)  # a schema the grammar engine rejects: 400 before any worker
         return [self.job(0, ids, req.max_new_tokens, limit, "messages")]
 
     def sampling(self, req: CompletionRequest | ChatCompletionRequest, max_new: int,
@@ -188,8 +233,11 @@ class Preprocessor:
         """
         from k3serve.sampling import SamplingParams
 
+        grammar, skip_special = None, True
         if isinstance(req, ChatCompletionRequest):
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            grammar = self.grammar(req)
+            skip_special = not req.tools_active  # the tool-call markers are special tokens
         else:
             logprobs = req.logprobs
         seed = base_seed if choice == 0 else (base_seed * GOLDEN + choice) % (1 << 63)
@@ -197,7 +245,8 @@ class Preprocessor:
             n=1, max_tokens=max_new, temperature=req.temperature, top_p=req.top_p,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             seed=seed, stop=tuple(req.stop or ()),
-            stop_token_ids=tuple(self.tokenizer.stop_token_ids), logprobs=logprobs)
+            stop_token_ids=tuple(self.tokenizer.stop_token_ids), logprobs=logprobs,
+            grammar=grammar, skip_special_tokens=skip_special)
 
 
 def prompt_hashes(ids: list[int], block_size: int, fingerprint: str,

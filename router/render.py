@@ -26,13 +26,18 @@ from router.schemas import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunction,
     DeltaMessage,
+    DeltaToolCall,
     PromptTokensDetails,
+    ResponseFunction,
+    ResponseToolCall,
     TopLogprob,
     Usage,
     now,
 )
 from router.stream import Delta, TokenLogprob
+from router.tools import ToolStreamParser, parse_tool_calls
 
 #: What the public API shows for a logprob that is not a finite number (vLLM does the same).
 NOT_FINITE_LOGPROB = -9999.0
@@ -82,6 +87,8 @@ class Render:
         self.chat = isinstance(req, ChatCompletionRequest)
         self.created = now()
         self._offset: dict[int, int] = {}
+        self.tools = self.chat and req.tools_active  # type: ignore[union-attr]
+        self._parsers: dict[int, ToolStreamParser] = {}  # streaming tool-call parse, by choice
 
     def token_str(self, t: int) -> str:
         b = self.tok.decode_bytes([t], skip_special_tokens=False)
@@ -125,11 +132,25 @@ class Render:
         """One SSE chunk for a delta (``first``: the choice's first chunk)."""
         lp_on = self.want_logprobs() and d.logprobs
         if self.chat:
-            delta = DeltaMessage(role="assistant" if first else None, content=d.text
-                                 if (d.text or first) else None)
+            text, calls, reason = d.text, None, d.finish_reason
+            if self.tools:
+                parser = self._parsers.setdefault(d.index, ToolStreamParser())
+                text, deltas = parser.feed(d.text)
+                if d.finish_reason:
+                    rest, more = parser.finish()
+                    text, deltas = text + rest, deltas + more
+                calls = [DeltaToolCall(index=t.index, id=t.id,
+                                       type="function" if t.id is not None else None,
+                                       function=DeltaFunction(name=t.name,
+                                                              arguments=t.arguments))
+                         for t in deltas] or None
+                if reason == "stop" and parser.saw_calls:
+                    reason = "tool_calls"
+            delta = DeltaMessage(role="assistant" if first else None,
+                                 content=text if (text or first) else None, tool_calls=calls)
             c = ChatChunkChoice(index=d.index, delta=delta,
                                 logprobs=self.chat_logprobs(d.logprobs) if lp_on else None,
-                                finish_reason=d.finish_reason)
+                                finish_reason=reason)
             return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model,
                                        choices=[c]).model_dump(exclude_none=True)
         c = CompletionChoice(
@@ -138,6 +159,24 @@ class Render:
             if lp_on else None)
         return CompletionChunk(id=self.rid, created=self.created, model=self.model,
                                choices=[c]).model_dump(exclude_none=True)
+
+    def chat_choice(self, index: int, a: ChoiceAcc) -> ChatChoice:
+        """One non-streaming chat choice; with tools, the Kimi-format calls parsed out of the
+        text into ``message.tool_calls`` (``finish_reason`` ``tool_calls`` when it stopped)."""
+        content: str | None = a.text
+        calls, reason = None, a.finish_reason
+        if self.tools:
+            content, parsed = parse_tool_calls(a.text)
+            if parsed:
+                calls = [ResponseToolCall(id=t.id, function=ResponseFunction(
+                    name=t.name, arguments=t.arguments)) for t in parsed]
+                content = content or None
+                if reason == "stop":
+                    reason = "tool_calls"
+        return ChatChoice(
+            index=index, message=ChatResponseMessage(content=content, tool_calls=calls),
+            logprobs=self.chat_logprobs(a.logprobs) if self.want_logprobs() else None,
+            finish_reason=reason)
 
     def usage(self, jobs: list[PromptJob], accs: dict[int, ChoiceAcc]) -> Usage:
         prompt = sum(len(j.token_ids) for j in jobs)
@@ -157,10 +196,7 @@ class Render:
         """The non-streaming response."""
         usage = self.usage(jobs, accs)
         if self.chat:
-            choices = [ChatChoice(
-                index=i, message=ChatResponseMessage(content=a.text),
-                logprobs=self.chat_logprobs(a.logprobs) if self.want_logprobs() else None,
-                finish_reason=a.finish_reason) for i, a in sorted(accs.items())]
+            choices = [self.chat_choice(i, a) for i, a in sorted(accs.items())]
             return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model,
                                           choices=choices, usage=usage).model_dump()
         choices = []

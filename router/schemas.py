@@ -4,7 +4,8 @@ Requests validate strictly enough that bad input is a 400 with an OpenAI-style b
 (``{"error": {"message", "type", "param", "code"}}``), never a 500: types, ranges
 (``max_tokens >= 1``, ``0 <= temperature <= 2``, ``0 < top_p <= 1``, penalties in [-2, 2]),
 and parameters we do not implement when set to a non-default value (``echo``, ``suffix``,
-``best_of != n``, ``logit_bias``, tools). Unknown fields are ignored, as most OpenAI-compatible
+``best_of != n``, ``logit_bias``), and combinations we do not serve (a forced ``tool_choice``
+or tools with ``response_format`` JSON, ``stream_options`` without ``stream``). Unknown fields are ignored, as most OpenAI-compatible
 servers do, so newer clients keep working. ``cache_salt`` is an extra field: requests with
 different salts never share cached prefixes (DESIGN.md §3, tenant isolation).
 
@@ -73,6 +74,12 @@ class _SamplingFields(_Request):
         if v:
             raise ValueError("logit_bias is not supported")
 
+    @model_validator(mode="after")
+    def _stream_options(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream=true")
+        return self
+
     @property
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk."""
@@ -136,23 +143,110 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    """``tool_calls[].function`` of an assistant message: name and JSON-text arguments."""
+
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class MessageToolCall(_Request):
+    """One ``tool_calls`` entry of an assistant message in the history."""
+
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     """One chat message. Content is a string or a list of text parts.
 
-    ``content`` is required for every role, as OpenAI requires it (an assistant message may
-    omit it only with ``tool_calls``, which this server does not take): a message without
-    it, or with ``"content": null``, is a 400.
+    ``content`` is required for every role, as OpenAI requires it, except an assistant
+    message with ``tool_calls`` (``null`` or absent there); a ``tool`` message names the call
+    it answers in ``tool_call_id``.
     """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart]
+    content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (null only for an assistant's tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only on assistant messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: required on tool messages")
+        return self
 
     def text(self) -> str:
         """The message's content as one string."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template reads it (Hugging Face's message dicts)."""
+        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            d["name"] = self.name
+        if self.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
+
+
+class FunctionDef(_Request):
+    """``tools[].function``: name, description and the JSON Schema of the arguments."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Request):
+    """``tool_choice: {"type": "function", "function": {"name": …}}``."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(_Request):
+    name: str = Field(default="response", min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+
+class ResponseFormat(_Request):
+    """``response_format``: ``text``, ``json_object`` or ``json_schema`` (with its schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema: required with type json_schema")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -160,28 +254,48 @@ class ChatCompletionRequest(_SamplingFields):
 
     ``logprobs`` (bool) returns the sampled token's logprob, ``top_logprobs`` (0–20) that
     many alternatives; ``max_completion_tokens`` is the newer name of ``max_tokens`` and wins
-    when both are set.
+    when both are set. ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` as OpenAI's
+    (``required`` and a named function are enforced by a grammar, ``auto`` is parsed from
+    the output); ``response_format`` ``json_object`` / ``json_schema`` are enforced by a
+    grammar (:mod:`k3serve.structured`).
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice,
+                                                               NamedToolChoice)
+        if forced and not self.tools:
+            raise ValueError("tool_choice: 'required' or a named function needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or ()]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice: no tool named "
+                                 f"{self.tool_choice.function.name!r} in tools")
         if self.tools:
-            raise ValueError("tools are not supported")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice is not supported")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format other than text is not supported")
+            names = [t.function.name for t in self.tools]
+            if len(set(names)) != len(names):
+                raise ValueError("tools: function names must be unique")
+        if (self.response_format is not None and self.response_format.type != "text"
+                and self.tools and self.tool_choice != "none"):
+            raise ValueError("response_format: a JSON format together with tools is not "
+                             "supported (set tool_choice to 'none' or drop response_format)")
         return self
+
+    @property
+    def tools_active(self) -> bool:
+        """Whether the output is parsed for tool calls (tools given, tool_choice not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -257,16 +371,31 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
+
+
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -278,16 +407,31 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed piece of a tool call (``id``, ``type``, ``function.name`` on its first)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):

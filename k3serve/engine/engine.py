@@ -23,6 +23,7 @@ feed the router. Lifecycle: :mod:`k3serve.protocol`.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -227,6 +228,11 @@ class LLMEngine:
         self.connector: KVConnector | None = None
         if connector is not None:
             self.attach(connector)
+        # structured outputs: the grammar vocabulary (built on first use) and each live
+        # request's matchers by choice; rebuilt from grammar + outputs whenever they disagree
+        self._grammar_vocab: Any = None
+        self._matchers: weakref.WeakKeyDictionary[Request, dict[int, Any]] = (
+            weakref.WeakKeyDictionary())
 
     def _dense_snapshot_blocks(self, cfg: ModelConfig, dtype_name: str) -> int:
         c = self.config
@@ -289,9 +295,47 @@ class LLMEngine:
         v = self.model_config.vocab_size
         if any(t >= v for t in params.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids: ids must be < vocab_size {v}")
+        if params.grammar is not None:
+            self._vocab_for_grammars().validate(params.grammar)  # GrammarError(ValueError)
         if params.seed is None:
             params = params.with_seed(draw_seed())
         return params
+
+    def _vocab_for_grammars(self) -> Any:
+        if self._grammar_vocab is None:
+            if self.tokenizer is None:
+                raise ValueError("SamplingParams.grammar: the engine has no tokenizer")
+            from k3serve.structured import GrammarVocab
+
+            self._grammar_vocab = GrammarVocab(self.tokenizer, self.model_config.vocab_size)
+        return self._grammar_vocab
+
+    def _grammar_masks(self, meta: list[tuple[Seq, int, torch.Tensor]],
+                       rows: list[SamplingRow]) -> tuple[torch.Tensor | None, list[Any]]:
+        """Bool ``[N, V]`` allowed-token mask of the rows (``None``: no row has a grammar) and
+        each row's matcher (``None`` for unconstrained rows). A matcher is rebuilt from the
+        request's grammar and the choice's outputs when it has not consumed exactly those
+        (admission after token #1 elsewhere, the decode-side fallback, a fork)."""
+        if not any(r.params.grammar for r in rows):
+            return None, [None] * len(rows)
+        from k3serve.structured.mask import grammar_mask
+
+        vocab = self._vocab_for_grammars()
+        matchers: list[Any] = []
+        for (seq, c, _), r in zip(meta, rows):
+            if not r.params.grammar:
+                matchers.append(None)
+                continue
+            by_choice = self._matchers.setdefault(seq.request, {})
+            m = by_choice.get(c)
+            if m is None or m.num_consumed != len(r.output_token_ids):
+                m = by_choice[c] = vocab.matcher(r.params.grammar, r.output_token_ids)
+            matchers.append(m)
+        width = self.model_config.vocab_size
+        allowed = torch.ones(len(rows), width, dtype=torch.bool)
+        idx = [i for i, m in enumerate(matchers) if m is not None]
+        allowed[idx] = grammar_mask([matchers[i] for i in idx], width)
+        return allowed, matchers
 
     def _next_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -642,7 +686,11 @@ class LLMEngine:
                     SamplingRow(req.params, req.seed, len(seq.token_ids), c, outs, prompt_ids)
                 )
                 meta.append((seq, c, lg))
-        results = sample(torch.stack([m[2] for m in meta]), rows)
+        allowed, matchers = self._grammar_masks(meta, rows)
+        results = sample(torch.stack([m[2] for m in meta]), rows, allowed)
+        for m, res in zip(matchers, results):
+            if m is not None:
+                m.consume(res.token_id)
         # forks first: the children copy the parent's slot before anything can finish it
         pending: list[tuple[Seq, SampleResult, torch.Tensor]] = []
         for (seq, c, lg), res in zip(meta, results):

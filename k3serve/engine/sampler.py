@@ -260,13 +260,18 @@ def _sample_random(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor
 
 
 # ---------------------------------------------------------------------- entry point
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow],
+           allowed: torch.Tensor | None = None) -> list[SampleResult]:
     """Samples one token per row.
 
     Args:
         logits: ``[N, V]`` model logits for the next token of each row; float32 (other float
             dtypes are upcast), any device. Not modified.
         rows: N :class:`SamplingRow`, row i describing ``logits[i]``.
+        allowed: optional bool ``[N, V]`` grammar mask (structured outputs,
+            :mod:`k3serve.structured.mask`): disallowed tokens get ``-inf`` after the penalties
+            and before greedy / temperature / filtering, so they are never picked. Logprobs stay
+            raw (the model's distribution, as vLLM's ``raw_logprobs``).
 
     Returns:
         N :class:`SampleResult`, in row order. Row i's result depends only on ``logits[i]`` and
@@ -288,6 +293,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResu
         return []
 
     x = apply_penalties(raw, rows)
+    if allowed is not None:
+        from k3serve.structured.mask import apply_mask
+
+        x = apply_mask(x, allowed)
     tokens = torch.empty(n, dtype=torch.int64, device=dev)
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
     rand = [i for i, r in enumerate(rows) if not r.params.is_greedy]

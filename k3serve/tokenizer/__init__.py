@@ -63,6 +63,7 @@ class Tokenizer(Protocol):
         messages: Sequence[Mapping[str, object]],
         add_generation_prompt: bool = True,
         tokenize: bool = True,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> list[int] | str: ...
 
 

@@ -13,17 +13,31 @@ id    token              use
 261   ``<|system|>``     reserved role markers (the default template spells roles as text)
 262   ``<|user|>``
 263   ``<|assistant|>``
-264   ``<|tool|>``
+264   ``<|tool_call_argument_begin|>``  Kimi K2/K3 tool-call format (added tokens: 264 and
+                         268–271 were reserved slots the model never saw in training)
 265   ``<|fim_prefix|>`` reserved for fill-in-the-middle
 266   ``<|fim_middle|>``
 267   ``<|fim_suffix|>``
-268+  ``<|reserved_0|>`` … ``<|reserved_3|>``
+268   ``<|tool_calls_section_begin|>``
+269   ``<|tool_calls_section_end|>``
+270   ``<|tool_call_begin|>``
+271   ``<|tool_call_end|>``
 ====  =================  ==================================================================
+
+Tool calls (Kimi K2/K3, as vLLM's ``kimi_k2`` parser reads them)::
+
+    <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX
+    <|tool_call_argument_begin|>{json}<|tool_call_end|>…<|tool_calls_section_end|>
 
 Chat template (ChatML; specials are inserted as ids, message text is always plain bytes, so a
 user who types ``<|im_end|>`` cannot forge a message boundary)::
 
-    <|im_start|>{role}\\n{content}<|im_end|>\\n        (one per message)
+    <|im_start|>system\\n# Tools\\n{tools as JSON}<|im_end|>\\n   (if tools; first, so it
+                                                        stays a shared prefix across turns)
+    <|im_start|>{role}\\n{content}{tool calls}<|im_end|>\\n   (one per message; an assistant's
+                                                        tool_calls in the Kimi format above;
+                                                        a tool message's role text is
+                                                        ``tool:{tool_call_id}``)
     <|im_start|>assistant\\n                           (if add_generation_prompt)
 
 Pure Python: imports neither torch nor numpy (the router imports this module).
@@ -31,6 +45,7 @@ Pure Python: imports neither torch nor numpy (the router imports this module).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -45,14 +60,14 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|system|>",
     "<|user|>",
     "<|assistant|>",
-    "<|tool|>",
+    "<|tool_call_argument_begin|>",
     "<|fim_prefix|>",
     "<|fim_middle|>",
     "<|fim_suffix|>",
-    "<|reserved_0|>",
-    "<|reserved_1|>",
-    "<|reserved_2|>",
-    "<|reserved_3|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_end|>",
 )
 """Special tokens in id order, starting at id 256."""
 
@@ -63,6 +78,11 @@ EOS_ID = 257
 PAD_ID = 258
 IM_START_ID = 259
 IM_END_ID = 260
+TOOL_CALL_ARGUMENT_BEGIN_ID = 264
+TOOL_CALLS_SECTION_BEGIN_ID = 268
+TOOL_CALLS_SECTION_END_ID = 269
+TOOL_CALL_BEGIN_ID = 270
+TOOL_CALL_END_ID = 271
 
 _SPECIAL_RE = re.compile("|".join(re.escape(s) for s in SPECIAL_TOKENS))
 
@@ -186,11 +206,15 @@ class ByteTokenizer:
         messages: Sequence[Mapping[str, object]],
         add_generation_prompt: bool = True,
         tokenize: bool = True,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> list[int] | str:
         """Render a conversation with the ChatML template of the module docstring.
 
         Args:
-            messages: ``[{"role": "system"|"user"|"assistant"|…, "content": str | parts}]``.
+            messages: ``[{"role": "system"|"user"|"assistant"|"tool", "content": str | parts,
+                "tool_calls"?: [{"function": {"name", "arguments"}}], "tool_call_id"?: str}]``.
+            tools: OpenAI tool definitions (``[{"type": "function", "function": {…}}]``),
+                rendered first as a system message.
             add_generation_prompt: end with ``<|im_start|>assistant\\n`` for the reply.
             tokenize: return ids (default) or the rendered string (specials spelled out;
                 ``encode(s, parse_special=True)`` gives the same ids back unless a message
@@ -200,13 +224,35 @@ class ByteTokenizer:
             ValueError: a message without a string ``role`` or with non-text content.
         """
         ids: list[int] = []
+        if tools:
+            ids.append(IM_START_ID)
+            ids.extend(b"system\n# Tools\n")
+            ids.extend(json.dumps(list(tools), ensure_ascii=False).encode("utf-8"))
+            ids.append(IM_END_ID)
+            ids.append(ord("\n"))
         for msg in messages:
             role = msg.get("role")
             if not isinstance(role, str) or not role:
                 raise ValueError(f"chat message needs a non-empty string 'role': {msg!r}")
+            if role == "tool" and msg.get("tool_call_id"):
+                role = f"tool:{msg['tool_call_id']}"
             ids.append(IM_START_ID)
             ids.extend(f"{role}\n".encode())
             ids.extend(_content_text(msg.get("content")).encode("utf-8"))
+            calls = msg.get("tool_calls") or ()
+            if calls:
+                ids.append(TOOL_CALLS_SECTION_BEGIN_ID)
+                for k, call in enumerate(calls):  # type: ignore[arg-type]
+                    fn = call.get("function") or {}
+                    args = fn.get("arguments", "")
+                    if not isinstance(args, str):
+                        args = json.dumps(args, ensure_ascii=False)
+                    ids.append(TOOL_CALL_BEGIN_ID)
+                    ids.extend(f"functions.{fn.get('name', '')}:{k}".encode())
+                    ids.append(TOOL_CALL_ARGUMENT_BEGIN_ID)
+                    ids.extend(args.encode("utf-8"))
+                    ids.append(TOOL_CALL_END_ID)
+                ids.append(TOOL_CALLS_SECTION_END_ID)
             ids.append(IM_END_ID)
             ids.append(ord("\n"))
         if add_generation_prompt:

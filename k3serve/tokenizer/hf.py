@@ -204,8 +204,14 @@ class HFTokenizer:
         messages: Sequence[Mapping[str, object]],
         add_generation_prompt: bool = True,
         tokenize: bool = True,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> list[int] | str:
         """Render a conversation (see the module docstring for which template is used).
+
+        ``tools`` (OpenAI tool definitions) reach the Jinja template as ``tools`` (``None``
+        when absent), as ``transformers`` passes them; messages keep their ``tool_calls`` /
+        ``tool_call_id``. The ChatML fallback renders neither (a folder that serves tools
+        needs a template that knows its format).
 
         Returns:
             ids (``tokenize=True``) or the rendered string.
@@ -222,7 +228,7 @@ class HFTokenizer:
                               stacklevel=2)
             else:
                 text = _render_jinja(self.chat_template, messages, add_generation_prompt,
-                                     self.bos_token, self.eos_token)
+                                     self.bos_token, self.eos_token, tools)
                 return self.encode(text, parse_special=True) if tokenize else text
         return self._chatml(messages, add_generation_prompt, tokenize)
 
@@ -254,7 +260,8 @@ class HFTokenizer:
 
 def _render_jinja(template: str, messages: Sequence[Mapping[str, object]],
                   add_generation_prompt: bool, bos_token: str | None,
-                  eos_token: str | None) -> str:
+                  eos_token: str | None,
+                  tools: Sequence[Mapping[str, object]] | None = None) -> str:
     """Render a Hugging Face chat template the way ``transformers`` does (sandboxed)."""
     from datetime import datetime
 
@@ -276,6 +283,7 @@ def _render_jinja(template: str, messages: Sequence[Mapping[str, object]],
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(template).render(
         messages=[dict(m) for m in messages],
+        tools=None if tools is None else [dict(t) for t in tools],
         add_generation_prompt=add_generation_prompt,
         bos_token=bos_token or "",
         eos_token=eos_token or "",
