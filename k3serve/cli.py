@@ -1,4 +1,4 @@
-"""k3serve command line: info, generate, serve.
+"""k3serve command line: info, generate, serve, experts plan.
 
 Heavy modules (torch, the model, the engine, the servers) are imported inside the commands, so
 ``k3serve info`` answers without loading torch.
@@ -80,6 +80,31 @@ def cmd_serve(argv: list[str]) -> int:
     return 1  # pragma: no cover - execv does not return
 
 
+def cmd_experts_plan(args: argparse.Namespace) -> int:
+    from k3serve.parallel import planner
+
+    counts = planner.load_counts(args.counts)
+    previous = None
+    if args.previous is not None:
+        if args.max_moves is None:
+            raise ValueError("max-moves: required with --previous")
+        with open(args.previous) as f:
+            previous = planner.Plan.from_dict(json.load(f))
+    elif args.max_moves is not None:
+        raise ValueError("max-moves: only meaningful with --previous")
+    plan = planner.plan(counts, args.ranks, args.redundant, previous, args.max_moves)
+    s = plan.layers[0].slots_per_rank
+    print(f"{len(counts[0])} experts x {len(counts)} layer(s) on {args.ranks} ranks, "
+          f"{s} slots per rank; max/mean rank load")
+    for i, (b, a) in enumerate(zip(plan.max_over_mean_before, plan.max_over_mean_after)):
+        moved = f"  moves {plan.moves[i]}" if previous is not None else ""
+        print(f"layer {i:3d}  before {b:7.4f}  after {a:7.4f}{moved}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(plan.to_dict(), f)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = argparse.ArgumentParser(prog="k3serve", description=__doc__.splitlines()[0],
@@ -104,6 +129,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="start router + prefill and decode workers on this machine "
                              "(k3serve serve --help lists its flags)")
     ps.add_argument("flags", nargs=argparse.REMAINDER, help="the flags of python -m deploy")
+
+    pe = sub.add_parser("experts", formatter_class=fmt, help="expert placement tools")
+    esub = pe.add_subparsers(dest="experts_cmd", required=True)
+    pp = esub.add_parser("plan", formatter_class=fmt,
+                         help="place experts + redundant copies on ranks (equal slots per rank)")
+    pp.add_argument("--counts", required=True,
+                    help="JSON: per-expert token counts, or a list of such lists (per layer)")
+    pp.add_argument("--ranks", type=int, required=True, help="expert-parallel ranks N")
+    pp.add_argument("--redundant", type=int, required=True,
+                    help="extra expert copies R (experts + R must be a multiple of ranks)")
+    pp.add_argument("--previous", default=None, help="plan JSON in service: re-plan from it")
+    pp.add_argument("--max-moves", type=int, default=None,
+                    help="with --previous: most expert copies moved per layer")
+    pp.add_argument("--json", default=None, help="write the plan JSON here")
+    pp.set_defaults(fn=cmd_experts_plan)
     return p
 
 

@@ -18,6 +18,8 @@ Expert weights are per-expert parameters ``experts.{e}.w1.weight`` (gate), ``w3`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -109,6 +111,12 @@ class MoE(nn.Module):
             self.shared_experts = MLP(
                 cfg, d, cfg.n_shared_experts * cfg.moe_intermediate_size, dtype
             )
+        # routed tokens per expert since the last reset (k3serve.parallel.counters reads it)
+        self.register_buffer(
+            "expert_load", torch.zeros(cfg.n_routed_experts, dtype=torch.int64), persistent=False
+        )
+        # expert parallelism: ``routed``'s replacement (k3serve.parallel.ep.EPExperts) or None
+        self.ep: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def routed(self, z: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Weighted expert sum: tokens sorted by expert, one matmul group per active expert.
@@ -141,12 +149,15 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, d]`` → ``[T, d]`` in ``x.dtype``."""
         weights, idx = self.gate(x)
+        flat = idx.reshape(-1)
+        self.expert_load.index_add_(0, flat, torch.ones_like(flat))  # on device, no host sync
+        routed = self.routed if self.ep is None else self.ep
         if self.cfg.moe_latent_size is not None:
             z = self.routed_expert_down_proj(x)
-            r = self.routed(z, weights, idx).to(x.dtype)
+            r = routed(z, weights, idx).to(x.dtype)
             y = self.routed_expert_up_proj(self.routed_expert_norm(r))
         else:
-            y = self.routed(x, weights, idx).to(x.dtype)
+            y = routed(x, weights, idx).to(x.dtype)
         if self.cfg.n_shared_experts > 0:
             y = y + self.shared_experts(x)
         return y
