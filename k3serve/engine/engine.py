@@ -190,7 +190,7 @@ class LLMEngine:
         self.fingerprint_fields: dict[str, Any] = {
             **model_config.fingerprint_fields(),
             "weights": weights_id,
-            **(runner.fingerprint_fields() if runner is not None else {}),
+            **(runner.fingerprint_fields() if runner is not None else {"tp": 1}),
         }
         self.cm = CacheManager(
             CacheConfig(

@@ -110,8 +110,9 @@ class ModelRunner:
         return self.pools
 
     def fingerprint_fields(self) -> dict[str, object]:
-        """Fields the runner adds to the kvstore pairing fingerprint (none for one process)."""
-        return {}
+        """Fields the runner adds to the kvstore pairing fingerprint: ``tp`` (1 here), so that
+        a pair of different tensor-parallel degrees is refused naming it."""
+        return {"tp": 1}
 
     def receive_cache(self, slot: int, pages: Sequence[int]) -> None:
         """A transferred cache landed in :attr:`transfer_pools` (``slot``, latent ``pages``):

@@ -168,8 +168,9 @@ class RankRunner:
         return self.pools
 
     def fingerprint_fields(self) -> dict[str, Any]:
-        """Pairing fingerprint fields of the instance's transfer layout (``{}`` for TP 1)."""
-        return {"tp": self.spec.tp} if self.spec.tp > 1 else {}
+        """Pairing fingerprint fields of the instance's transfer layout: ``{"tp": tp}`` (a
+        prefill / decode pair must agree: ``k3serve.parallel.layout.check_pair``)."""
+        return {"tp": self.spec.tp}
 
     def receive_cache(self, slot: int, pages: Sequence[int]) -> None:
         """A transferred cache landed in :attr:`transfer_pools` (nothing to do on one rank)."""
