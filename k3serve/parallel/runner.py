@@ -529,6 +529,10 @@ def _rank_main(rank: int, spec: InstanceSpec, store_path: str, conn: Any) -> Non
                     res: Any = greedy_generate(runner, *args)
                 elif op == "forward":
                     res = runner.forward(*args)
+                elif op == "gathered_state":  # the transfer layout's view of slots
+                    runner.gather_slots(args[0])
+                    st, idx = runner.transfer_pools, list(args[0])
+                    res = (st.kda_state[:, idx].clone(), st.conv_state[:, idx].clone())
                 elif op == "expert_load":
                     from k3serve.parallel.counters import expert_load
 
@@ -598,6 +602,11 @@ class InstanceClient:
     def forward(self, rows: Sequence[Row]) -> torch.Tensor:
         """One forward on the instance → ``[N, V]`` logits."""
         return self._call("forward", [Row(*r) for r in rows])
+
+    def gathered_state(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kda [L, n, H, K, V], conv [L, n, W−1, 3·H·K])`` of ``slots`` as the instance's
+        transfer layout holds them after ``gather_slots`` (full heads, TP-1 order)."""
+        return self._call("gathered_state", list(slots))
 
     def expert_load(self) -> dict[int, Any]:
         """Rank 0's expert load counters (every rank routes all tokens: they agree)."""
