@@ -386,6 +386,8 @@ class WorkerInfo(Message):
         bootstrap_addr: decode only: the kvstore bootstrap ``host:port``.
         prefill_rate: prefill throughput in tokens/s when known (TTFT estimate).
         usage: occupancy now.
+        tp: tensor-parallel ranks of the instance (a prefill/decode pair must agree).
+        ep: expert-parallel ranks of the instance.
     """
 
     role: Role
@@ -401,6 +403,8 @@ class WorkerInfo(Message):
     bootstrap_addr: str | None = None
     prefill_rate: float | None = Field(default=None, gt=0)
     usage: WorkerUsage = Field(default_factory=WorkerUsage)
+    tp: StrictInt = Field(default=1, ge=1)
+    ep: StrictInt = Field(default=1, ge=1)
 
     @property
     def capacity_tokens(self) -> int:

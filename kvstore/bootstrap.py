@@ -57,6 +57,23 @@ def validation_detail(errors: Any) -> str:
     return "; ".join(parts)
 
 
+def parallel_diffs(local: dict[str, Any], remote: dict[str, Any]) -> list[str]:
+    """The tensor-parallel pairing rule (``k3serve.parallel.layout.check_pair``) on two layout
+    fingerprints (``extra.tp``, absent = 1): ``[]`` when the pair may exchange caches, else the
+    :class:`~k3serve.parallel.layout.ParallelMismatch` message (names ``tp``) as one line."""
+    from k3serve.parallel.layout import ParallelMismatch, check_pair
+
+    def tp(fp: dict[str, Any]) -> Any:
+        extra = fp.get("extra")
+        return extra.get("tp", 1) if isinstance(extra, dict) else 1
+
+    try:
+        check_pair(tp(local), tp(remote))
+    except ParallelMismatch as e:
+        return [str(e)]
+    return []
+
+
 class KVBootstrapServer(TicketTable):
     """The decode side's ticket table (:class:`TicketTable`) + HTTP endpoint (uvicorn in a
     daemon thread).
@@ -164,7 +181,8 @@ class KVBootstrapServer(TicketTable):
                 return 409, PairError(
                     error="already_paired", detail=f"ticket {req.ticket} has another sender"
                 )
-            diffs = fingerprint_diff(self._fingerprint, req.fingerprint)
+            diffs = parallel_diffs(self._fingerprint, req.fingerprint)
+            diffs += fingerprint_diff(self._fingerprint, req.fingerprint)
             if diffs:
                 self._finish(
                     rec,
@@ -238,4 +256,4 @@ class KVBootstrapServer(TicketTable):
         return app
 
 
-__all__ = ["KVBootstrapServer", "TicketRecord", "validation_detail"]
+__all__ = ["KVBootstrapServer", "TicketRecord", "parallel_diffs", "validation_detail"]

@@ -162,7 +162,8 @@ class WorkerPool:
 
         Raises:
             WorkerError: its info cannot be read or is malformed.
-            ValueError: it serves another model, or changed role under the same URL.
+            ValueError: it serves another model, or changed role under the same URL, or its
+                tensor-parallel degree differs from a registered worker's (:func:`check_parallel`).
         """
         url = url.rstrip("/")
         info = _parse(WorkerInfo, url, "/internal/info", await self._get(url, "/internal/info"))
@@ -177,6 +178,7 @@ class WorkerPool:
                     f"{info.block_size}; registered worker {o.url} has {o.info.fingerprint!r} "
                     f"and {o.info.block_size} (one layout per cluster: their caches could not "
                     f"be exchanged)")
+        check_parallel(url, info, [o for o in self.workers.values() if o.url != url])
         w = self.workers.get(url)
         if w is not None and w.info.role != info.role:
             raise ValueError(f"worker {url} changed role {w.info.role} -> {info.role}")
@@ -338,6 +340,22 @@ class WorkerPool:
                         return
         except (httpx.HTTPError, SSEError) as e:
             raise WorkerError(w.url, f"stream: {e!r}") from None
+
+
+def check_parallel(url: str, info: WorkerInfo, others: list[Worker]) -> None:
+    """Refuse a worker whose ``tp`` differs from a registered worker's: a prefill instance hands
+    its cache only to a decode instance of the same tensor-parallel degree (issue 16; the
+    kvstore pairing would refuse every such request), so the router never pairs them.
+
+    Raises:
+        ValueError: naming ``tp`` and both workers.
+    """
+    for o in others:
+        if o.info.tp != info.tp:
+            raise ValueError(
+                f"tp: worker {url} ({info.role}) has tp={info.tp}; registered worker {o.url} "
+                f"({o.info.role}) has tp={o.info.tp} (one tensor-parallel degree per cluster: "
+                f"prefill and decode caches are exchanged rank for rank)")
 
 
 def _json_body(url: str, path: str, r: httpx.Response) -> Any:

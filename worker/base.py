@@ -23,7 +23,7 @@ from k3serve.messages import (
 from k3serve.sampling import SamplingParams
 from kvstore import KVEngine, PoolLayout
 from worker.config import WorkerConfig
-from worker.loop import EngineLoop, build_engine
+from worker.loop import EngineLoop, build_engine, parallel_info
 from worker.metrics import WorkerMetrics
 
 
@@ -79,8 +79,10 @@ class BaseWorker(abc.ABC):
         self.kv_config = config.kv
         self.kv = KVEngine(self.kv_config.engine_config())
         # the pairing check compares the same model + weights fields as the hash salt
-        self.layout = PoolLayout.from_kvpools(self.engine.pools,
+        # a multi-rank instance transfers through rank 0's full-layout staging pools
+        self.layout = PoolLayout.from_kvpools(self.engine.runner.transfer_pools,
                                               extra=self.engine.fingerprint_fields)
+        self.metrics.add_expert_load(self.engine.runner.model)
         self.kv.register_layout(self.layout)
         self.loop = EngineLoop(self.engine, self._tick_all, self.on_outputs, self.fail_all)
         self.aloop: asyncio.AbstractEventLoop | None = None
@@ -139,6 +141,9 @@ class BaseWorker(abc.ABC):
         self.loop.stop()
         if self.store is not None:
             self.store.close()
+        if not self.loop.alive:  # a multi-rank instance: stop ranks 1 … W−1
+            with contextlib.suppress(Exception):
+                getattr(self.engine.runner, "close", lambda: None)()
         with contextlib.suppress(Exception):
             self.kv.unregister_layout(self.layout)
         with contextlib.suppress(Exception):
@@ -191,7 +196,8 @@ class BaseWorker(abc.ABC):
                               num_snapshots=e["num_snapshots"]),
             max_model_len=e["max_model_len"], worker_id=self.worker_id,
             enable_prefix_caching=e["enable_prefix_caching"],
-            kv_layout_hash=self.layout.fingerprint_hash(), usage=self.usage())
+            kv_layout_hash=self.layout.fingerprint_hash(), usage=self.usage(),
+            **parallel_info(self.engine))
 
     def gauges(self) -> dict[str, float]:  # engine thread
         """The metric gauges now (:meth:`WorkerMetrics.set_gauges`)."""

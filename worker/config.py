@@ -79,6 +79,10 @@ class WorkerConfig:
         store: the shared store client (``store.url`` unset: no store).
         dense_snapshot_blocks: log-spaced prompt snapshots (``-1``: chosen from the byte
             arithmetic, ``k3serve.cache.specs.auto_dense_snapshot_blocks``; 0: off).
+        tp, ep: tensor- / expert-parallel ranks of the instance (``--tp`` / ``--ep``; 1: one
+            process). This process is rank 0 and starts the others (``k3serve.parallel``).
+        expert_plan: a planner placement file (``k3serve experts plan --json OUT``) for EP,
+            or ``None`` (experts split contiguously).
     """
 
     role: Role
@@ -104,6 +108,18 @@ class WorkerConfig:
     kv: KVConfig = field(default_factory=KVConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     dense_snapshot_blocks: int = -1
+    tp: int = 1
+    ep: int = 1
+    expert_plan: str | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("tp", "ep"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{f}: must be an int ≥ 1, got {v!r}")
+        if self.tp > 1 and self.ep > 1 and self.tp != self.ep:
+            raise ValueError(f"ep: {self.ep} != tp {self.tp}; one instance uses one group of "
+                             f"ranks for both")
 
     @property
     def url_host(self) -> str:
@@ -159,6 +175,12 @@ def _parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
                     help=f"torch threads (default ${THREADS_ENV} or 1)")
     ap.add_argument("--log-level", default="warning")
     _store_flags(ap)
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel ranks (KDA / MLA heads split; this process is rank 0)")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="expert-parallel ranks (1 or the same as --tp when both are > 1)")
+    ap.add_argument("--expert-plan", default=None, metavar="PLAN.json",
+                    help="expert placement from `k3serve experts plan --json` (with --ep)")
     return ap
 
 
@@ -200,7 +222,24 @@ def parse_config(role: Role, argv: list[str] | None = None,
         enable_prefix_caching=not a.no_prefix_caching, device=a.device, dtype=a.dtype,
         seed=a.seed, threads=max(1, a.threads), log_level=a.log_level,
         cluster_token=env.cluster_token, test_hooks=env.test_hooks, kv=KVConfig.from_env(),
-        store=_store_config(a), dense_snapshot_blocks=a.dense_snapshot_blocks)
+        store=_store_config(a), dense_snapshot_blocks=a.dense_snapshot_blocks,
+        **_parallel_flags(a))
+
+
+def _parallel_flags(a: argparse.Namespace) -> dict:
+    """``tp``, ``ep``, ``expert_plan`` of the parsed flags.
+
+    Raises:
+        SystemExit: a bad value (argparse-style message naming the flag).
+    """
+    for flag in ("tp", "ep"):
+        if getattr(a, flag) < 1:
+            raise SystemExit(f"--{flag}: must be ≥ 1, got {getattr(a, flag)}")
+    if a.tp > 1 and a.ep > 1 and a.tp != a.ep:
+        raise SystemExit(f"--ep: {a.ep} != --tp {a.tp} (one group of ranks serves both)")
+    if a.expert_plan is not None and a.ep == 1:
+        raise SystemExit("--expert-plan: needs --ep > 1")
+    return {"tp": a.tp, "ep": a.ep, "expert_plan": a.expert_plan}
 
 
 __all__ = ["TEST_HOOKS_ENV", "THREADS_ENV", "WorkerConfig", "WorkerEnv", "parse_config"]

@@ -43,6 +43,8 @@ def build_engine(config: WorkerConfig) -> Any:
 
     if config.device == "cpu":
         torch.set_num_threads(config.threads)
+    if config.tp > 1 or config.ep > 1:
+        return build_parallel_engine(config)
     llm = LLM(
         config.model, enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
         device=config.device, dtype=getattr(torch, config.torch_dtype_name),
@@ -53,6 +55,88 @@ def build_engine(config: WorkerConfig) -> Any:
     )
     return llm.engine
 
+
+def instance_spec(config: WorkerConfig) -> Any:
+    """The :class:`~k3serve.parallel.runner.InstanceSpec` of a ``--tp`` / ``--ep`` worker
+    (pools sized by the worker's capacities; ``--expert-plan`` read as the placement).
+
+    Raises:
+        ValueError: an unreadable or malformed plan file (naming ``expert_plan``), a
+            ``--device`` other than ``cpu`` / ``cuda…``.
+    """
+    import json
+
+    from k3serve.parallel.runner import InstanceSpec
+
+    plan = None
+    if config.expert_plan is not None:
+        try:
+            with open(config.expert_plan) as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"expert_plan: cannot read {config.expert_plan}: {e}") from None
+        plan = doc.get("placement", doc) if isinstance(doc, dict) else None
+        if not isinstance(plan, dict):
+            raise ValueError(f"expert_plan: {config.expert_plan} holds no placement object")
+        from k3serve.parallel.planner import Plan
+
+        try:
+            ranks = Plan.from_dict(plan).layers[0].num_ranks
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"expert_plan: {config.expert_plan}: {e}") from None
+        if ranks != config.ep:
+            raise ValueError(f"expert_plan: {config.expert_plan} places experts on {ranks} "
+                             f"ranks, --ep is {config.ep}")
+    dev = config.device
+    if dev != "cpu" and not dev.startswith("cuda"):
+        raise ValueError(f"device: a --tp/--ep instance runs on cpu or cuda, got {dev!r}")
+    return InstanceSpec(
+        model=config.model, tp=config.tp, ep=config.ep, num_slots=config.num_slots,
+        num_pages=config.num_pages, block_size=config.block_size,
+        num_snapshots=config.num_snapshots, plan=plan, dtype=config.torch_dtype_name,
+        seed=config.seed, device="cpu" if dev == "cpu" else "cuda", threads=config.threads)
+
+
+def build_parallel_engine(config: WorkerConfig) -> Any:
+    """The engine of a multi-rank instance: this process becomes rank 0 and starts ranks
+    1 … W−1 (:func:`k3serve.parallel.runner.start_instance`); the engine drives rank 0's
+    :class:`~k3serve.parallel.runner.ParallelModelRunner`, which broadcasts every op.
+
+    Raises:
+        ValueError: as :func:`instance_spec`; RuntimeError: the ranks did not start.
+    """
+    import torch
+
+    from k3serve.config import PRESETS
+    from k3serve.engine.engine import EngineConfig, LLMEngine
+    from k3serve.model.checkpoint import checkpoint_identity, random_init_identity
+    from k3serve.parallel.runner import start_instance
+    from k3serve.tokenizer import get_tokenizer
+
+    spec = instance_spec(config)
+    runner = start_instance(spec)
+    try:
+        cfg = runner.cfg
+        tok = get_tokenizer(runner.folder if runner.folder else
+                            (cfg.name if cfg.name in PRESETS else "byte"))
+        weights_id = (checkpoint_identity(runner.folder) if runner.folder
+                      else random_init_identity(spec.seed))
+        ec = EngineConfig(
+            block_size=config.block_size, num_pages=config.num_pages,
+            num_slots=config.num_slots, num_snapshots=config.num_snapshots,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_caching=config.enable_prefix_caching)
+        return LLMEngine(runner.model, cfg, tok, ec, device=runner.device,
+                         dtype=getattr(torch, spec.dtype), weights_id=weights_id, runner=runner)
+    except BaseException:
+        runner.close()
+        raise
+
+
+def parallel_info(engine: Any) -> dict[str, int]:
+    """``{"tp", "ep"}`` of the engine's instance (1, 1 for one process)."""
+    spec = getattr(engine.runner, "spec", None)
+    return {"tp": getattr(spec, "tp", 1), "ep": getattr(spec, "ep", 1)}
 
 
 class EngineLoop:
@@ -159,4 +243,4 @@ class EngineLoop:
                     item[0].set_exception(RuntimeError("worker is stopping"))
 
 
-__all__ = ["EngineLoop", "build_engine"]
+__all__ = ["EngineLoop", "build_engine", "build_parallel_engine", "instance_spec", "parallel_info"]

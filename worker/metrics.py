@@ -23,6 +23,7 @@ class WorkerMetrics:
         k3serve:num_requests_waiting{worker,role}               gauge
         k3serve:kv_transfer_fallbacks_total{worker,role}        decode recomputed the prefill
         k3serve:kv_transfers_total{worker,role,outcome}         finished transfers by outcome
+        k3serve:expert_routed_tokens_total{worker,role,layer,expert}  routed tokens (issue 16)
 
     Transfers are counted once, by the side that owns the figure: bytes, seconds and outcomes
     by the sender (prefill worker), fallbacks by the decode worker.
@@ -64,6 +65,16 @@ class WorkerMetrics:
         for oc in ("success", "failed"):
             self._transfers.labels(**self.labels, outcome=oc)
         self._seconds.labels(**self.labels)
+
+    def add_expert_load(self, model: object) -> None:
+        """Export the expert load counters of ``model`` (rank 0's ``K3ForCausalLM``; every
+        rank routes every token, so rank 0 counts the instance's load) as
+        ``k3serve:expert_routed_tokens_total{worker,role,layer,expert}``, read at scrape time
+        (``k3serve.parallel.counters.ExpertLoadCollector``). A model without MoE layers adds
+        no samples."""
+        from k3serve.parallel.counters import ExpertLoadCollector, expert_load
+
+        self.registry.register(ExpertLoadCollector(lambda: expert_load(model), self.labels))
 
     def prefix_query(self, prompt_tokens: int, cached_tokens: int, source: str = "local") -> None:
         self._queries.labels(**self.labels).inc(prompt_tokens)

@@ -154,6 +154,12 @@ class LLMEngine:
         connector: a :class:`~k3serve.engine.connector.KVConnector` at the engine's edge, or
             ``None`` (the default; the disaggregation methods attach a
             :class:`~k3serve.engine.connector.DisaggConnector` on first use).
+        runner: the runner to drive instead of a :class:`ModelRunner` over ``model`` (e.g.
+            rank 0's ``k3serve.parallel.runner.ParallelModelRunner`` of a multi-rank
+            instance): it brings its own ``pools`` (sized as ``config``; the cache allocator
+            stays here, slot and page numbers mean the same on every rank), ``execute``, the
+            cache copies, ``transfer_pools``, ``fingerprint_fields()`` (added to
+            :attr:`fingerprint_fields`) and ``receive_cache(slot, pages)``.
 
     Attributes:
         connector: the attached connector or ``None`` (then the step calls none).
@@ -175,13 +181,19 @@ class LLMEngine:
         dtype: torch.dtype = torch.float32,
         weights_id: str | None = None,
         connector: KVConnector | None = None,
+        runner: Any = None,
     ):
         c = config or EngineConfig()
         self.config = c
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.pools = KVPools(
-            model_config, c.num_slots, c.num_pages, c.block_size, c.num_snapshots, dtype, device
+        self.pools = (
+            runner.pools
+            if runner is not None
+            else KVPools(
+                model_config, c.num_slots, c.num_pages, c.block_size, c.num_snapshots, dtype,
+                device,
+            )
         )
         dn = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
         self.weights_id = weights_id
@@ -191,6 +203,7 @@ class LLMEngine:
         self.fingerprint_fields: dict[str, Any] = {
             **model_config.fingerprint_fields(),
             "weights": weights_id,
+            **(runner.fingerprint_fields() if runner is not None else {"tp": 1}),
         }
         self.cm = CacheManager(
             CacheConfig(
@@ -209,7 +222,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.cm, c.max_num_batched_tokens, min(c.max_num_seqs or c.num_slots, c.num_slots)
         )
-        self.runner = ModelRunner(model, self.pools, device)
+        self.runner = runner if runner is not None else ModelRunner(model, self.pools, device)
         self.max_model_len = min(
             model_config.max_position_embeddings,
             c.max_model_len or 1 << 62,
@@ -581,7 +594,17 @@ class LLMEngine:
             ValueError: not reserved, token count disagreeing with the reservation, bad ids or
                 params, ``params.n != 1``.
         """
+        self._receive_cache(request_id)
         return self._disagg().admit(request_id, output_token_ids, params, output_logprobs)
+
+    def _receive_cache(self, request_id: str) -> None:
+        """Tell the runner that ``request_id``'s transferred cache landed in its transfer pools
+        (a multi-rank runner hands every rank its part); unknown ids are left to ``admit``."""
+        res = getattr(self.connector, "_reserved", {}).get(request_id)
+        slot = self.cm.slot(res.seq_id) if res is not None else None
+        if slot is not None:
+            n = -(-res.num_tokens // self.config.block_size)
+            self.runner.receive_cache(slot, list(self.cm.block_table(res.seq_id)[:n]))
 
     # ================================================================== step
     def has_unfinished_requests(self) -> bool:

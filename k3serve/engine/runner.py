@@ -104,6 +104,20 @@ class ModelRunner:
         """
         return self.forward(list(batch.rows), batch.layer_hook)
 
+    @property
+    def transfer_pools(self) -> KVPools:
+        """The pools the kvstore registers and transfers (this runner's own)."""
+        return self.pools
+
+    def fingerprint_fields(self) -> dict[str, object]:
+        """Fields the runner adds to the kvstore pairing fingerprint: ``tp`` (1 here), so that
+        a pair of different tensor-parallel degrees is refused naming it."""
+        return {"tp": 1}
+
+    def receive_cache(self, slot: int, pages: Sequence[int]) -> None:
+        """A transferred cache landed in :attr:`transfer_pools` (``slot``, latent ``pages``):
+        nothing to do when those are the model's own pools."""
+
     @torch.inference_mode()
     def forward(
         self, rows: Sequence[Row], layer_hook: Callable[[int], None] | None = None

@@ -20,6 +20,7 @@ and returns an ``InstanceClient`` that talks to rank 0 through a pipe (offline u
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import traceback
@@ -37,6 +38,8 @@ from k3serve.model.batch import make_batch
 from k3serve.parallel import ep as ep_mod
 from k3serve.parallel import tp as tp_mod
 from k3serve.parallel.planner import LayerPlan, Plan
+
+_log = logging.getLogger("k3serve.parallel")
 
 
 class Row(NamedTuple):
@@ -59,6 +62,10 @@ class InstanceSpec:
         num_slots / num_pages / block_size / num_snapshots: cache pool sizes (per rank).
         plan: expert placement (``Plan.to_dict()`` form) or None (contiguous).
         random_init: random weights when the preset has no checkpoint.
+        dtype: parameter / latent + conv pool dtype name (``float32``, ``bfloat16``).
+        seed: random-init seed (every rank draws the same weights).
+        device: ``cpu`` (every rank on the CPU, gloo) or ``cuda`` (rank r on ``cuda:r``).
+        threads: torch intra-op threads of each rank process.
 
     Raises:
         ValueError: ``tp``/``ep`` < 1, or both > 1 and different.
@@ -73,8 +80,16 @@ class InstanceSpec:
     num_snapshots: int = 0
     plan: dict[str, Any] | None = None
     random_init: bool = False
+    dtype: str = "float32"
+    seed: int = 0
+    device: str = "cpu"
+    threads: int = 1
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device: 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype: float32, bfloat16 or float16, got {self.dtype!r}")
         for f in ("tp", "ep"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
@@ -88,6 +103,15 @@ class InstanceSpec:
     def world(self) -> int:
         return max(self.tp, self.ep)
 
+    def rank_device(self, rank: int) -> str:
+        """Where rank ``rank`` lives: ``cpu`` or ``cuda:{rank}``."""
+        return "cpu" if self.device == "cpu" else f"cuda:{rank}"
+
+    @property
+    def backend(self) -> str:
+        """``torch.distributed`` backend of the model's collectives (gloo on CPU, NCCL)."""
+        return "gloo" if self.device == "cpu" else "nccl"
+
 
 class RankRunner:
     """One rank's model + pools; runs ops locally (no broadcast).
@@ -95,14 +119,21 @@ class RankRunner:
     Args:
         spec: what to build.
         rank: this rank (0 when not distributed).
-        device: where the model and pools live.
+        device: where the model and pools live (default ``spec.rank_device(rank)``).
+
+    Attributes:
+        folder: the checkpoint folder the weights came from (``None``: random init).
     """
 
-    def __init__(self, spec: InstanceSpec, rank: int = 0, device: str = "cpu") -> None:
+    def __init__(self, spec: InstanceSpec, rank: int = 0, device: str | None = None) -> None:
         from k3serve.model.checkpoint import load_model
 
         self.spec, self.rank = spec, rank
-        model, cfg, _ = load_model(spec.model, device=device, random_init=spec.random_init)
+        device = device or spec.rank_device(rank)
+        dtype = getattr(torch, spec.dtype)
+        model, cfg, folder = load_model(spec.model, device=device, dtype=dtype, seed=spec.seed,
+                                        random_init=spec.random_init)
+        self.folder: str | None = folder
         self.cfg: ModelConfig = cfg
         self.local_cfg = tp_mod.local_config(cfg, spec.tp)
         tp_mod.shard_model(model, rank if spec.tp > 1 else 0, spec.tp)
@@ -119,10 +150,30 @@ class RankRunner:
             num_pages=spec.num_pages,
             block_size=spec.block_size,
             num_snapshots=spec.num_snapshots,
+            dtype=dtype,
             device=device,
         )
         self.block_size = spec.block_size
         self.device = torch.device(device)
+
+    # ------------------------------------------------------------------ the engine's seam
+    def execute(self, batch: Any) -> torch.Tensor:
+        """``k3serve.engine.runner.ModelRunner.execute``: one ``RunBatch`` → ``[N, V]`` float32
+        logits (raises as :meth:`forward`)."""
+        return self.forward(list(batch.rows), batch.layer_hook)
+
+    @property
+    def transfer_pools(self) -> Any:
+        """The pools the kvstore transfers from / into (the rank's own ones here)."""
+        return self.pools
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """Pairing fingerprint fields of the instance's transfer layout: ``{"tp": tp}`` (a
+        prefill / decode pair must agree: ``k3serve.parallel.layout.check_pair``)."""
+        return {"tp": self.spec.tp}
+
+    def receive_cache(self, slot: int, pages: Sequence[int]) -> None:
+        """A transferred cache landed in :attr:`transfer_pools` (nothing to do on one rank)."""
 
     @torch.inference_mode()
     def forward(
@@ -169,8 +220,88 @@ class RankRunner:
         for s in slots:
             self.pools.zero_slot(s)
 
+    # ------------------------------------------------------------------ transfer collectives
+    @torch.inference_mode()
+    def gather_slots(self, slots: Sequence[int]) -> None:
+        """Collective (every rank): rank 0 assembles the full-head KDA and conv states of
+        ``slots`` in its staging pools (:class:`TransferPools`).
 
-_OPS = ("forward", "prepare_slots", "save_snapshots", "fork", "zero_slots")
+        Rank r contributes ``kda_state[:, slots]`` ``[L_kda, n, H/tp, K, V]`` (heads
+        ``r·H/tp …``) and ``conv_state[:, slots]`` ``[L_kda, n, W−1, 3·H/tp·K]`` (channels
+        ``q_r | k_r | v_r``); rank 0 writes ``[L_kda, n, H, K, V]`` (heads concatenated in
+        rank order) and ``[L_kda, n, W−1, 3·H·K]`` = ``q_0 … q_{tp−1} | k_0 … | v_0 …`` — the
+        channel order of one TP-1 process (``KDAMixer.conv_weight``). A no-op for TP 1.
+        """
+        tp = self.spec.tp
+        if tp == 1 or not slots:
+            return
+        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        kda = self.pools.kda_state.index_select(1, idx).contiguous()
+        conv = self.pools.conv_state.index_select(1, idx).contiguous()
+        if self.rank != 0:
+            dist.gather(kda, None, dst=0)
+            dist.gather(conv, None, dst=0)
+            return
+        kl = [torch.empty_like(kda) for _ in range(tp)]
+        cl = [torch.empty_like(conv) for _ in range(tp)]
+        dist.gather(kda, kl, dst=0)
+        dist.gather(conv, cl, dst=0)
+        st = self.staging
+        st.kda_state.index_copy_(1, idx, torch.cat(kl, dim=2))
+        parts = [c.chunk(3, dim=-1) for c in cl]  # per rank: (q_r, k_r, v_r)
+        st.conv_state.index_copy_(1, idx, torch.cat([p[j] for j in range(3) for p in parts], -1))
+
+    @torch.inference_mode()
+    def scatter_cache(self, slot: int, pages: Sequence[int]) -> None:
+        """Collective (every rank): rank 0's received cache of one request becomes every
+        rank's — the inverse of :meth:`gather_slots` for the KDA / conv state of ``slot``
+        (TP > 1: each rank gets its heads / channels; TP 1: the whole state is broadcast) and
+        a broadcast of the MLA latent ``pages`` (replicated on every rank)."""
+        tp = self.spec.tp
+        kda_out = self.pools.kda_state[:, slot].contiguous()  # [L, H/tp, K, V]
+        conv_out = self.pools.conv_state[:, slot].contiguous()  # [L, W-1, 3·H/tp·K]
+        if tp > 1:
+            kda_in = conv_in = None
+            if self.rank == 0:
+                st = self.staging
+                kda_in = [c.contiguous() for c in st.kda_state[:, slot].chunk(tp, dim=1)]
+                q, k, v = (c.chunk(tp, dim=-1) for c in st.conv_state[:, slot].chunk(3, dim=-1))
+                conv_in = [torch.cat([q[r], k[r], v[r]], -1).contiguous() for r in range(tp)]
+            dist.scatter(kda_out, kda_in, src=0)
+            dist.scatter(conv_out, conv_in, src=0)
+        else:
+            dist.broadcast(kda_out, src=0)
+            dist.broadcast(conv_out, src=0)
+        self.pools.kda_state[:, slot].copy_(kda_out)
+        self.pools.conv_state[:, slot].copy_(conv_out)
+        if pages and self.pools.mla_latent.shape[0]:
+            idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
+            lat = self.pools.mla_latent.index_select(1, idx).contiguous()
+            dist.broadcast(lat, src=0)
+            self.pools.mla_latent.index_copy_(1, idx, lat)
+
+
+_OPS = ("forward", "prepare_slots", "save_snapshots", "fork", "zero_slots", "gather_slots",
+        "scatter_cache")
+
+
+@dataclass(frozen=True)
+class TransferPools:
+    """What a TP instance's rank 0 registers with the transfer engine (duck-types the
+    ``KVPools`` fields ``kvstore.PoolLayout.from_kvpools`` reads).
+
+    Attributes:
+        cfg: the whole model's config (all KDA heads).
+        kda_state: staging ``[L_kda, S, H, K, V]`` float32 — full heads, filled by
+            ``gather_slots`` (prefill side) or by the transfer (decode side).
+        conv_state: staging ``[L_kda, S, W−1, 3·H·K]``.
+        mla_latent: rank 0's own latent pool ``[L_mla, P, B, D]`` (replicated: already whole).
+    """
+
+    cfg: ModelConfig
+    kda_state: torch.Tensor
+    conv_state: torch.Tensor
+    mla_latent: torch.Tensor
 
 
 class ParallelModelRunner(RankRunner):
@@ -178,11 +309,55 @@ class ParallelModelRunner(RankRunner):
 
     Same constructor as ``RankRunner`` (``rank`` must be 0); the process group must exist.
     Ops' arguments must be picklable (``layer_hook`` is run on rank 0 only).
+
+    Disaggregated transfer (issue 16 wiring; the gather design): the kvstore sees one pool
+    layout per instance — :attr:`transfer_pools`, the whole model's layout, byte for byte
+    what a TP-1 worker registers. On the prefill side a forward with a ``layer_hook`` runs
+    without it, then ``gather_slots`` assembles the batch's KDA / conv states on rank 0 and
+    the hook is called for every layer in order (the writes start after the forward, not
+    layer by layer); on the decode side ``receive_cache`` scatters a landed cache to the
+    ranks before the request runs. One pairing, one ticket, one manifest per request.
+
+    Attributes:
+        staging: the full-head staging pools (``TransferPools``; TP > 1 only).
     """
+
+    def __init__(self, spec: InstanceSpec, rank: int = 0, device: str | None = None) -> None:
+        if rank != 0:
+            raise ValueError(f"rank: ParallelModelRunner is rank 0, got {rank}")
+        super().__init__(spec, 0, device)
+        self._procs: list[Any] = []
+        self._tmp: Any = None
+        self.staging: TransferPools | None = None
+        if spec.tp > 1:
+            c, p = self.cfg, self.pools
+            h, k = c.kda_num_heads, c.kda_head_dim
+            lk, s = p.kda_state.shape[0], p.kda_state.shape[1]
+            self.staging = TransferPools(
+                c,
+                torch.zeros(lk, s, h, k, k, dtype=torch.float32, device=self.device),
+                torch.zeros(lk, s, c.kda_conv_kernel - 1, c.kda_conv_dim, dtype=p.dtype,
+                            device=self.device),
+                p.mla_latent,
+            )
+
+    @property
+    def transfer_pools(self) -> Any:
+        return self.staging if self.staging is not None else self.pools
 
     def _bcast(self, op: str, *args: Any) -> None:
         obj = [(op, args)]
-        dist.broadcast_object_list(obj, src=0)
+        dist.broadcast_object_list(obj, src=0, group=_CTL_GROUP)
+
+    def execute(self, batch: Any) -> torch.Tensor:
+        hook = batch.layer_hook
+        if hook is None or self.staging is None:
+            return self.forward(list(batch.rows), hook)
+        logits = self.forward(list(batch.rows), None)
+        self.gather_slots(sorted({r.slot for r in batch.rows}))
+        for layer in self.model.model.layers:
+            hook(int(layer.idx))
+        return logits
 
     def forward(self, rows, layer_hook=None):
         rows = [Row(list(r.token_ids), r.num_cached, r.slot, list(r.block_table)) for r in rows]
@@ -208,16 +383,76 @@ class ParallelModelRunner(RankRunner):
         self._bcast("zero_slots", slots)
         super().zero_slots(slots)
 
+    def gather_slots(self, slots):
+        slots = [int(s) for s in slots]
+        if self.staging is None or not slots:
+            return
+        self._bcast("gather_slots", slots)
+        super().gather_slots(slots)
+
+    def receive_cache(self, slot: int, pages: Sequence[int]) -> None:
+        """The transfer of one request landed in :attr:`transfer_pools` (slot ``slot``, latent
+        ``pages``): hand every rank its part (``scatter_cache``) before the request runs."""
+        pages = [int(p) for p in pages]
+        self._bcast("scatter_cache", int(slot), pages)
+        super().scatter_cache(int(slot), pages)
+
     def stop(self) -> None:
         """Release the followers (their ``follow`` loops return)."""
         self._bcast("stop")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the follower processes ``start_instance`` started (idempotent; the ones that do
+        not leave within ``timeout`` seconds are killed) and leave the process group. Call it
+        when no other thread drives this runner any more."""
+        procs, self._procs = self._procs, []
+        if procs:
+            try:
+                if all(p.is_alive() for p in procs):
+                    self.stop()
+            except Exception as e:  # noqa: BLE001 — a dead follower: kill the rest below
+                _log.warning("instance stop: %r", e)
+            for p in procs:
+                p.join(timeout)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # noqa: BLE001 — leaving anyway
+                _log.warning("destroy_process_group: %r", e)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+_CTL_GROUP: Any = None
+"""The group the op broadcasts use: a gloo side group when the model's collectives run over
+NCCL (``broadcast_object_list`` of Python values), ``None`` (the default group) on gloo."""
+
+
+def _init_dist(spec: InstanceSpec, rank: int, store_path: str, timeout_s: float = 300.0) -> None:
+    """Join the instance's process group (FileStore rendezvous); on GPU also the gloo side
+    group of the op broadcasts."""
+    global _CTL_GROUP
+    if spec.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        spec.backend,
+        store=dist.FileStore(store_path, spec.world),
+        rank=rank,
+        world_size=spec.world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    _CTL_GROUP = dist.new_group(backend="gloo") if spec.backend != "gloo" else None
 
 
 def follow(runner: RankRunner) -> None:
     """Follower loop of ranks ≥ 1: run every op rank 0 broadcasts until ``stop``."""
     while True:
         obj: list[Any] = [None]
-        dist.broadcast_object_list(obj, src=0)
+        dist.broadcast_object_list(obj, src=0, group=_CTL_GROUP)
         op, args = obj[0]
         if op == "stop":
             return
@@ -275,14 +510,8 @@ def greedy_generate(
 
 # --------------------------------------------------------------------------- processes
 def _rank_main(rank: int, spec: InstanceSpec, store_path: str, conn: Any) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store_path, spec.world),
-        rank=rank,
-        world_size=spec.world,
-        timeout=timedelta(seconds=300),
-    )
+    torch.set_num_threads(spec.threads)
+    _init_dist(spec, rank, store_path)
     try:
         if rank != 0:
             follow(RankRunner(spec, rank))
@@ -300,6 +529,10 @@ def _rank_main(rank: int, spec: InstanceSpec, store_path: str, conn: Any) -> Non
                     res: Any = greedy_generate(runner, *args)
                 elif op == "forward":
                     res = runner.forward(*args)
+                elif op == "gathered_state":  # the transfer layout's view of slots
+                    runner.gather_slots(args[0])
+                    st, idx = runner.transfer_pools, list(args[0])
+                    res = (st.kda_state[:, idx].clone(), st.conv_state[:, idx].clone())
                 elif op == "expert_load":
                     from k3serve.parallel.counters import expert_load
 
@@ -370,6 +603,11 @@ class InstanceClient:
         """One forward on the instance → ``[N, V]`` logits."""
         return self._call("forward", [Row(*r) for r in rows])
 
+    def gathered_state(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kda [L, n, H, K, V], conv [L, n, W−1, 3·H·K])`` of ``slots`` as the instance's
+        transfer layout holds them after ``gather_slots`` (full heads, TP-1 order)."""
+        return self._call("gathered_state", list(slots))
+
     def expert_load(self) -> dict[int, Any]:
         """Rank 0's expert load counters (every rank routes all tokens: they agree)."""
         return self._call("expert_load")
@@ -428,13 +666,77 @@ def spawn_instance(spec: InstanceSpec, ready_timeout: float = 300.0) -> Instance
     return client
 
 
+# --------------------------------------------------------------------------- worker processes
+def _follower_entry(rank: int, spec: InstanceSpec, store_path: str) -> None:
+    """Process target of a worker's rank ≥ 1: join, build the rank, follow rank 0, leave."""
+    code = 0
+    try:
+        torch.set_num_threads(spec.threads)
+        _init_dist(spec, rank, store_path)
+        try:
+            follow(RankRunner(spec, rank))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 — printed (the worker's log), then the exit code
+        traceback.print_exc()
+        code = 1
+    finally:
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def start_instance(spec: InstanceSpec, timeout_s: float = 300.0) -> ParallelModelRunner:
+    """Make the calling process rank 0 of a ``spec.world``-rank instance: start ranks
+    1 … W−1 as processes (``RankRunner`` + ``follow``; daemonic, so they end with this
+    process), join the group and build rank 0's :class:`ParallelModelRunner` (the worker's
+    engine drives it; ``close()`` stops the followers).
+
+    Raises:
+        RuntimeError: the group did not form within ``timeout_s`` seconds or a follower exited
+            early (exit codes in the message; their tracebacks are on stderr).
+        ValueError: as :class:`RankRunner` (e.g. a head count not divisible by ``tp``).
+    """
+    import torch.multiprocessing as mp
+
+    if spec.world == 1:
+        raise ValueError("tp/ep: start_instance needs tp > 1 or ep > 1")
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.TemporaryDirectory(prefix="k3serve-ranks-")
+    store = os.path.join(tmp.name, "store")
+    procs = []
+    for r in range(1, spec.world):
+        p = ctx.Process(target=_follower_entry, args=(r, spec, store), daemon=True,
+                        name=f"k3serve-rank{r}")
+        p.start()
+        procs.append(p)
+    try:
+        _init_dist(spec, 0, store, timeout_s)
+        runner = ParallelModelRunner(spec, 0)
+    except BaseException as e:
+        for p in procs:
+            p.kill()
+            p.join(5)
+        tmp.cleanup()
+        raise RuntimeError(
+            f"instance tp={spec.tp} ep={spec.ep}: rank 0 could not start ({e!r}; follower exit "
+            f"codes {[p.exitcode for p in procs]})"
+        ) from e
+    runner._procs, runner._tmp = procs, tmp
+    return runner
+
+
 __all__ = [
     "InstanceClient",
     "InstanceSpec",
     "ParallelModelRunner",
     "RankRunner",
     "Row",
+    "TransferPools",
     "follow",
     "greedy_generate",
     "spawn_instance",
+    "start_instance",
 ]
