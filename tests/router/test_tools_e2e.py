@@ -33,7 +33,7 @@ def _leaf(rng: random.Random, depth: int) -> dict:
     kind = rng.choice(["string", "integer", "enum", "boolean", "array", "object"]
                       if depth < 2 else ["string", "integer", "enum", "boolean"])
     if kind == "string":
-        return {"type": "string", "maxLength": 3}
+        return {"type": "string", "maxLength": 2}
     if kind == "integer":
         return {"type": "integer", "minimum": 0, "maximum": 99}
     if kind == "enum":
@@ -42,7 +42,7 @@ def _leaf(rng: random.Random, depth: int) -> dict:
         return {"type": "boolean"}
     if kind == "array":
         return {"type": "array", "items": _leaf(rng, depth + 1), "minItems": 1, "maxItems": 2}
-    return _object(rng, depth + 1, 2)
+    return _object(rng, depth + 1, 1)
 
 
 def _object(rng: random.Random, depth: int, width: int) -> dict:
