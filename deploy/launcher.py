@@ -142,6 +142,7 @@ def start_stack(
     ready_timeout: float = 180.0,
     log_dir: str | None = None,
     launch: LaunchBackend | None = None,
+    monolithic: int = 0,
 ) -> Stack:
     """Start router + workers and wait until the router sees every worker healthy.
 
@@ -151,16 +152,23 @@ def start_stack(
         ready_timeout: seconds to wait for all workers to register.
         log_dir: per-component log files (local backend; ``launch`` given: ignored).
         launch: the backend (default: local processes).
+        monolithic: > 0: start this many workers that each prefill AND decode (no prefill
+            pool, no transfers; ``num_prefill`` / ``num_decode`` are ignored) — the router
+            serves a stack without prefill workers through ``/internal/generate``.
 
     Returns:
         A :class:`Stack`; call ``stop()`` to end it.
 
     Raises:
-        ValueError: ``num_prefill`` or ``num_decode`` < 1.
+        ValueError: ``num_prefill`` or ``num_decode`` < 1, or ``monolithic`` < 0.
         PortInUseError: the router port is taken.
         StartupError: a component exited or the stack was not ready within ``ready_timeout``.
     """
-    if num_prefill < 1:
+    if monolithic < 0:
+        raise ValueError("monolithic: must be >= 0")
+    if monolithic:
+        num_prefill, num_decode = 0, monolithic
+    elif num_prefill < 1:
         raise ValueError("num_prefill: must be >= 1")
     if num_decode < 1:
         raise ValueError("num_decode: must be >= 1")
@@ -186,10 +194,11 @@ def start_stack(
         for role, i in workers:
             wport = launch.free_port(ihost)
             stack.worker_urls.append(f"http://{ihost}:{wport}")
-            stack.procs.append(launch.spawn(f"{role}-{i}", f"{role}.worker", [
+            name = f"mono-{i}" if monolithic else f"{role}-{i}"
+            stack.procs.append(launch.spawn(name, f"{role}.worker", [
                 "--host", ihost, "--port", str(wport), "--model", model,
                 "--router-url", f"http://127.0.0.1:{port}", "--block-size", str(block_size),
-                "--device", device, "--worker-id", f"{role}-{i}", *(extra_worker_args or [])],
+                "--device", device, "--worker-id", name, *(extra_worker_args or [])],
                 env))
         wait_ready(stack, num_prefill + num_decode, ready_timeout)
     except BaseException:
@@ -233,6 +242,9 @@ def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="router port")
     p.add_argument("--prefill", type=int, default=2, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument("--monolithic", type=int, default=0, metavar="N",
+                   help="N > 0: N workers that each prefill and decode (no disaggregation; "
+                        "--prefill / --decode ignored)")
     p.add_argument("--api-key", default=None,
                    help="bearer token required on the public API (or set K3SERVE_API_KEY)")
     p.add_argument("--policy", default="cache_aware",
@@ -248,7 +260,7 @@ def serve(args: argparse.Namespace) -> int:
     stack = start_stack(
         model=args.model, host=args.host, port=args.port, num_prefill=args.prefill,
         num_decode=args.decode, api_key=args.api_key, policy=args.policy,
-        block_size=args.block_size, device=args.device,
+        block_size=args.block_size, device=args.device, monolithic=args.monolithic,
     )
     stopping = False
 
@@ -258,8 +270,10 @@ def serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    print(f"k3serve: serving {args.model} at {stack.url}/v1  "
-          f"({args.prefill} prefill + {args.decode} decode workers; Ctrl-C stops)", flush=True)
+    shape = (f"{args.monolithic} monolithic workers" if args.monolithic
+             else f"{args.prefill} prefill + {args.decode} decode workers")
+    print(f"k3serve: serving {args.model} at {stack.url}/v1  ({shape}; Ctrl-C stops)",
+          flush=True)
     try:
         while not stopping:
             if stack.dead_children():
