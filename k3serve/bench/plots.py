@@ -16,7 +16,8 @@ def _cdf(ax, xs: list[float], label: str) -> None:
 
 
 def write_plots(run: RunOutcome, out_dir: str | Path, title: str = "k3serve bench",
-                others: dict[str, RunOutcome] | None = None) -> list[Path]:
+                others: dict[str, RunOutcome] | None = None,
+                label: str = "this run") -> list[Path]:
     """Write ``ttft_cdf.png``, ``itl_cdf.png``, ``hit_rate.png``, ``queue_depth.png`` into
     ``out_dir`` (created); ``others``: more runs drawn on the CDFs beside this one.
 
@@ -30,7 +31,7 @@ def write_plots(run: RunOutcome, out_dir: str | Path, title: str = "k3serve benc
 
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
-    runs = {"this run": run, **(others or {})} if others else {"": run}
+    runs = {label: run, **(others or {})} if others else {"": run}
     files = []
     for name, fn, xlabel in (
             ("ttft_cdf.png", lambda r: [x.ttft for x in r.results if x.ok],
