@@ -30,8 +30,8 @@ ROUTES = {
                 ("post", "/internal/abort"), ("post", "/internal/prefill")},
     "decode": {("get", "/internal/info"), ("get", "/internal/cache_events"),
                ("get", "/internal/cache_state"), ("get", "/internal/requests"),
-               ("post", "/internal/abort"), ("post", "/internal/reserve"), ("post", "/internal/generate"),
-               ("post", "/internal/stream")},
+               ("post", "/internal/abort"), ("post", "/internal/reserve"),
+               ("post", "/internal/generate"), ("post", "/internal/stream")},
 }
 ROLES = {"prefill": PrefillWorker, "decode": DecodeWorker}
 
