@@ -20,6 +20,10 @@ request goes through the phases of :class:`DecodePhase`::
 
     POST /internal/stream (StreamRequest: token #1 as the prefill worker answered it)
         ─▶ SSE of StreamEvent, then ``data: [DONE]``
+    POST /internal/generate (GenerateRequest; monolithic serving, no prefill worker)
+        ─▶ engine.add_request(rid, prompt) here ─▶ RUNNING; token #1 answers the call as a
+        PrefillResponse (num_cached_tokens from this worker's prefix cache), then the stream
+        above yields tokens #2… as after an admitted transfer
     POST /internal/abort  at any point: the ticket fails (the sender stops), the engine request
         ends, every slot and page comes back.
 """
@@ -36,6 +40,8 @@ from decode.state import DecodePhase, DecodeState
 from decode.stream import StreamEventsResponse, events
 from k3serve.cache.allocator import CacheFullError
 from k3serve.messages import (
+    GenerateRequest,
+    PrefillResponse,
     RequestsDebug,
     RequestState,
     ReserveRequest,
@@ -43,13 +49,12 @@ from k3serve.messages import (
     StreamEvent,
     StreamRequest,
     TokenLogprob,
-    TransferMetadata,
     WorkerInfo,
     WorkerUsage,
     finite,
     top_pairs,
 )
-from k3serve.sampling import SamplingParams
+from k3serve.sampling import SamplingParams, draw_seed
 from kvstore import CacheRef, KVBootstrapServer, KVPoll, KVReceiver
 from worker.base import BaseWorker, Failure, sampling_params
 from worker.http import errors, json_errors
@@ -64,6 +69,8 @@ STREAM_TTL_S = 60.0
 #: (s): longer than a prefill may take (``prefill.worker.PREFILL_TIMEOUT_S``, 600 s). Nothing
 #: is held meanwhile (the reservation is freed).
 FIRST_TOKEN_TTL_S = 700.0
+#: Longest a monolithic request may take from arrival to token #1 (s), queueing included.
+GENERATE_TIMEOUT_S = 600.0
 
 
 class DecodeWorker(BaseWorker):
@@ -77,6 +84,9 @@ class DecodeWorker(BaseWorker):
         self.server = KVBootstrapServer(self.kv, self.layout, c.bootstrap_host, c.bootstrap_port)
         self.reqs: dict[str, DecodeState] = {}
         self.by_engine: dict[str, DecodeState] = {}
+        #: monolithic requests whose token #1 is not answered yet: request id → the future
+        #: ``POST /internal/generate`` awaits (:meth:`_generate`)
+        self.direct: dict[str, asyncio.Future] = {}
         self.stream_idle_s = max(120.0, c.receiver_timeout_s + 60.0)
 
     def start(self) -> None:
@@ -208,6 +218,54 @@ class DecodeWorker(BaseWorker):
             return
         self._run(r, fb, out)
 
+    # ------------------------------------------------------------------ monolithic (engine thread)
+    def _generate(self, body: GenerateRequest, params: SamplingParams, events: asyncio.Queue,
+                  fut: asyncio.Future) -> None:
+        """Monolithic serving: prefill ``body``'s prompt HERE and decode it here (no reserve,
+        no transfer). ``fut`` gets token #1 as a :class:`PrefillResponse` (with the prefix
+        cache's ``num_cached_tokens``); tokens #2… queue on ``events`` for the stream the
+        router opens next, exactly as after an admitted transfer.
+
+        Raises:
+            ValueError: a live ``request_id``, or a prompt the engine refuses.
+            CacheFullError: no room now (answered 503 ``busy``).
+        """
+        rid = body.request_id
+        if rid in self.reqs:
+            raise ValueError(f"request_id: {rid!r} is already live")
+        if params.seed is None:  # resolved here: the answer carries it, as a prefill's does
+            params = params.with_seed(draw_seed())
+        r = DecodeState(rid, list(body.prompt_token_ids), params, body.cache_salt, events,
+                        reservation_open=False, sent=0)
+        out = self.engine.add_request(rid, r.prompt, params, cache_salt=body.cache_salt,
+                                      snapshot_at=body.snapshot_at)
+        self.reqs[rid] = r
+        self.direct[rid] = fut
+        self._run(r, rid, out)
+
+    def _answer_first(self, r: DecodeState, out: Any) -> None:
+        """A monolithic request produced token #1: answer ``POST /internal/generate`` with it
+        and start its stream after it."""
+        fut = self.direct.pop(r.rid)
+        c = out.outputs[0]
+        self.metrics.prefix_query(len(r.prompt), out.num_cached_tokens)
+        tops = c.top_logprobs[0] if c.top_logprobs else None
+        r.sent = 1
+        if len(c.token_ids) == 1:
+            r.text_len = len(c.text)
+        self.resolve(fut, PrefillResponse(
+            request_id=r.rid, token_id=c.token_ids[0], logprob=finite(c.logprobs[0]),
+            top_logprobs=top_pairs(tops) if tops is not None else None,
+            num_cached_tokens=out.num_cached_tokens, cached_source="local",
+            text=c.text if len(c.token_ids) == 1 else "", position=len(r.prompt),
+            seed=r.params.seed))
+
+    def _fail_first(self, rid: str, message: str) -> None:
+        """A monolithic request ended before token #1: fail its ``/internal/generate``."""
+        fut = self.direct.pop(rid, None)
+        if fut is not None:
+            self.resolve(fut, exc=Failure(409, "aborted", message))
+
     def on_outputs(self, outs: list) -> None:
         for out in outs:
             r = self.by_engine.get(out.request_id)
@@ -216,6 +274,11 @@ class DecodeWorker(BaseWorker):
 
     def _emit(self, r: DecodeState, out: Any) -> None:
         c = out.outputs[0]
+        if r.rid in self.direct:
+            if c.token_ids:
+                self._answer_first(r, out)
+            elif out.finished:
+                self._fail_first(r.rid, "the request ended before token #1")
         if r.fallback and not r.fb_counted:
             r.fb_counted = True
             self.metrics.prefix_query(len(r.prompt), out.num_cached_tokens)
@@ -247,6 +310,7 @@ class DecodeWorker(BaseWorker):
         if r.phase is not DecodePhase.DONE:
             r.to(DecodePhase.DONE)
             self.push(r.events, event)
+        self._fail_first(r.rid, event.error or "aborted")
 
     def abort(self, rid: str, reason: str) -> bool:
         r = self.reqs.get(rid)
@@ -326,6 +390,28 @@ class DecodeWorker(BaseWorker):
                 raise Failure(503, "busy", str(e)) from None
             except ValueError as e:
                 raise Failure(400, "invalid_request", str(e)) from None
+
+        @app.post("/internal/generate", response_model=PrefillResponse,
+                  responses=errors(400, 403, 409, 503, 504))
+        async def generate(body: GenerateRequest) -> PrefillResponse:
+            """Monolithic serving: prefill and decode here; answers token #1."""
+            params = sampling_params(body.sampling)
+            fut = asyncio.get_running_loop().create_future()
+            try:
+                await worker.loop.call(worker._generate, body, params, asyncio.Queue(), fut)
+            except CacheFullError as e:
+                raise Failure(503, "busy", str(e)) from None
+            except ValueError as e:
+                raise Failure(400, "invalid_request", str(e)) from None
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), GENERATE_TIMEOUT_S)
+            except TimeoutError:
+                await worker.loop.call(worker.abort, body.request_id, "generate timed out")
+                raise Failure(504, "timeout",
+                              f"no token #1 within {GENERATE_TIMEOUT_S:.0f} s") from None
+            except asyncio.CancelledError:  # the caller went away
+                worker.loop.submit(worker.abort, body.request_id, "caller disconnected")
+                raise
 
         @app.post("/internal/stream", response_class=StreamEventsResponse,
                   responses={200: {"model": StreamEvent,

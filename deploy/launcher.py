@@ -144,6 +144,7 @@ def start_stack(
     launch: LaunchBackend | None = None,
     sd_dir: str | None = None,
     store: bool = False,
+    monolithic: int = 0,
 ) -> Stack:
     """Start router + workers and wait until the router sees every worker healthy.
 
@@ -157,16 +158,23 @@ def start_stack(
             here (deploy/service_discovery.py; the same files the Ray backend writes).
         store: also start a ``mooncake_master`` on loopback (the shared store below the
             workers; :func:`deploy.local.start_store_master`) and make every worker a client.
+        monolithic: > 0: start this many workers that each prefill AND decode (no prefill
+            pool, no transfers; ``num_prefill`` / ``num_decode`` are ignored) — the router
+            serves a stack without prefill workers through ``/internal/generate``.
 
     Returns:
         A :class:`Stack`; call ``stop()`` to end it.
 
     Raises:
-        ValueError: ``num_prefill`` or ``num_decode`` < 1.
+        ValueError: ``num_prefill`` or ``num_decode`` < 1, or ``monolithic`` < 0.
         PortInUseError: the router port is taken.
         StartupError: a component exited or the stack was not ready within ``ready_timeout``.
     """
-    if num_prefill < 1:
+    if monolithic < 0:
+        raise ValueError("monolithic: must be >= 0")
+    if monolithic:
+        num_prefill, num_decode = 0, monolithic
+    elif num_prefill < 1:
         raise ValueError("num_prefill: must be >= 1")
     if num_decode < 1:
         raise ValueError("num_decode: must be >= 1")
@@ -193,20 +201,20 @@ def start_stack(
         for role, i in workers:
             wport = launch.free_port(ihost)
             stack.worker_urls.append(f"http://{ihost}:{wport}")
-            stack.procs.append(launch.spawn(f"{role}-{i}", f"{role}.worker", [
+            name = f"mono-{i}" if monolithic else f"{role}-{i}"
+            stack.procs.append(launch.spawn(name, f"{role}.worker", [
                 "--host", ihost, "--port", str(wport), "--model", model,
                 "--router-url", f"http://127.0.0.1:{port}", "--block-size", str(block_size),
-                "--device", device, "--worker-id", f"{role}-{i}", *(extra_worker_args or [])],
+                "--device", device, "--worker-id", name, *(extra_worker_args or [])],
                 env))
         wait_ready(stack, num_prefill + num_decode, ready_timeout)
         if sd_dir:
             from deploy.service_discovery import ScrapeTarget, TargetWriter
 
-            names = ["router"] + [f"{r}-{i}" for r, i in workers]
             TargetWriter(sd_dir, "local").replace_all(
                 [ScrapeTarget("router", stack.url, "router")]
-                + [ScrapeTarget(n, u, "worker", n.split("-")[0])
-                   for n, u in zip(names[1:], stack.worker_urls)])
+                + [ScrapeTarget(f"mono-{i}" if monolithic else f"{r}-{i}", u, "worker", r)
+                   for (r, i), u in zip(workers, stack.worker_urls)])
     except BaseException:
         stack.stop()
         raise
@@ -263,6 +271,9 @@ def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="router port")
     p.add_argument("--prefill", type=int, default=2, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument("--monolithic", type=int, default=0, metavar="N",
+                   help="N > 0: N workers that each prefill and decode (no disaggregation; "
+                        "--prefill / --decode ignored)")
     p.add_argument("--api-key", default=None,
                    help="bearer token required on the public API (or set K3SERVE_API_KEY)")
     p.add_argument("--policy", default="cache_aware",
@@ -304,7 +315,7 @@ def serve(args: argparse.Namespace) -> int:
         model=args.model, host=args.host, port=args.port, num_prefill=args.prefill,
         num_decode=args.decode, api_key=args.api_key, policy=args.policy,
         block_size=args.block_size, device=args.device, sd_dir=args.sd_dir,
-        store=args.store,
+        store=args.store, monolithic=args.monolithic,
     )
     stopping = False
 
@@ -314,8 +325,10 @@ def serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    print(f"k3serve: serving {args.model} at {stack.url}/v1  "
-          f"({args.prefill} prefill + {args.decode} decode workers; Ctrl-C stops)", flush=True)
+    shape = (f"{args.monolithic} monolithic workers" if args.monolithic
+             else f"{args.prefill} prefill + {args.decode} decode workers")
+    print(f"k3serve: serving {args.model} at {stack.url}/v1  ({shape}; Ctrl-C stops)",
+          flush=True)
     try:
         while not stopping:
             if stack.dead_children():

@@ -1,4 +1,4 @@
-"""k3serve command line: info, generate, serve, plan, simulate, experts plan.
+"""k3serve command line: info, generate, serve, bench, plan, simulate, experts plan.
 
 Heavy modules (torch, the model, the engine, the servers) are imported inside the commands, so
 ``k3serve info`` answers without loading torch.
@@ -111,6 +111,13 @@ def cmd_experts_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``k3serve bench``: :func:`k3serve.bench.cli.main`."""
+    from k3serve.bench.cli import main as bench_main
+
+    return bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = argparse.ArgumentParser(prog="k3serve", description=__doc__.splitlines()[0],
@@ -130,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument("--top-p", type=float, default=1.0)
     pg.add_argument("--seed", type=int, default=None)
     pg.set_defaults(fn=cmd_generate)
+
+    pb = sub.add_parser("bench", formatter_class=fmt,
+                        help="replay a trace (or a random load) against a running stack")
+    from k3serve.bench.cli import add_arguments
+
+    add_arguments(pb)
+    pb.set_defaults(fn=cmd_bench)
 
     ps = sub.add_parser("serve", add_help=False,
                         help="start router + prefill and decode workers on this machine "

@@ -224,6 +224,23 @@ class StreamEvent(Message):
         return cls(error=message, finish_reason="abort")
 
 
+class GenerateRequest(Message):
+    """``POST /internal/generate`` (router → a monolithic worker): prefill here AND decode
+    here, no hand-off. Answered with token #1 as a :class:`PrefillResponse` (TTFT); the
+    request keeps running and ``POST /internal/stream`` (a :class:`StreamRequest` carrying that
+    token #1) then yields tokens #2… exactly as after a transfer.
+
+    ``snapshot_at``: block boundaries (tokens) where a KDA snapshot should be kept (the
+    router's branch points), as in :class:`PrefillRequest`.
+    """
+
+    request_id: str = Field(min_length=1)
+    prompt_token_ids: list[TokenId] = Field(min_length=1)
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    snapshot_at: list[StrictInt] = Field(default_factory=list)
+    cache_salt: str | None = None
+
+
 # ============================================================================ router ↔ prefill
 
 

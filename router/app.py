@@ -217,7 +217,7 @@ def create_app(config: RouterConfig,
     async def health(detail: int = 0) -> JSONResponse:
         pool = router.pool
         live_p, live_d = pool.live("prefill"), pool.live("decode")
-        ok = bool(live_p and live_d)
+        ok = bool(live_d and (live_p or router.monolithic))  # monolithic: no prefill pool
         body = RouterHealth(
             status="ok" if ok else "unavailable", model=config.model,
             num_workers=len(pool.workers), num_workers_healthy=len(live_p) + len(live_d),

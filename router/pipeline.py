@@ -30,7 +30,9 @@ from tenacity import (
 )
 
 from k3serve.messages import (
+    GenerateRequest,
     PrefillRequest,
+    PrefillResponse,
     ReserveRequest,
     SamplingSpec,
 )
@@ -227,6 +229,54 @@ class Router:
                 raise
             return Placed(sub, p, P, D, first, hold.pop_all())
 
+    # ------------------------------------------------------------------ monolithic stacks
+    @property
+    def monolithic(self) -> bool:
+        """True when the stack has no prefill worker at all (``k3serve serve --monolithic N``):
+        every choice then runs on one worker that prefills and decodes it
+        (:meth:`_first_token_monolithic`). A PD stack whose prefill workers are down stays PD."""
+        ws = self.pool.workers.values()
+        return bool(ws) and not any(w.role == "prefill" for w in ws)
+
+    async def _first_token_monolithic(self, job: PromptJob, spec: SamplingSpec,
+                                      cache_salt: str | None, sub: str,
+                                      exclude: frozenset[str]) -> Placed:
+        """Place the choice on one worker W (cache-aware over the workers' prefixes and queued
+        prefill), ``POST /internal/generate`` there: token #1. W's decode load is held in the
+        returned ``hold`` for the stream, as a decode worker's is in the PD path."""
+        live = [w for w in self.pool.live("decode") if w.url not in exclude]
+        if not live or self.pool.layout is None:
+            raise NoWorkerAvailable("no healthy worker")
+        fingerprint, bs = self.pool.layout
+        req = PlacementRequest(len(job.token_ids), bs, seq=next(self._seq),
+                               max_new_tokens=job.max_new)
+        match = self.pool.match(prompt_hashes(job.token_ids, bs, fingerprint, cache_salt),
+                                req.max_cached_blocks)
+        states = [PrefillWorkerState(
+            w.url, match[w.url].usable_blocks if w.url in match else 0,
+            match[w.url].mla_blocks if w.url in match else 0, w.queued_tokens,
+            w.info.prefill_rate or self.config.prefill_rate) for w in live]
+        p = place(req, states, (), self.config.policy, self.config.placement)
+        W = self.pool.workers[p.prefill]
+        with ExitStack() as hold:
+            hold.enter_context(W.load(running=1,
+                                      reserved_tokens=len(job.token_ids) + job.max_new))
+            try:
+                with W.load(queued_tokens=len(job.token_ids) - p.predicted_cached_tokens), \
+                        self.metrics.waiting.labels(W.name).track_inprogress():
+                    first: PrefillResponse = await self.pool._post(
+                        W, "/internal/generate", GenerateRequest(
+                            request_id=sub, prompt_token_ids=job.token_ids, sampling=spec,
+                            snapshot_at=list(p.snapshot_at), cache_salt=cache_salt),
+                        PrefillResponse)
+                if not 0 <= first.num_cached_tokens <= len(job.token_ids):
+                    raise WorkerError(W.url, f"generate: malformed answer: num_cached_tokens "
+                                             f"{first.num_cached_tokens}")
+            except BaseException:
+                self._abort(W, sub)
+                raise
+            return Placed(sub, p, W, W, first, hold.pop_all())
+
     # ------------------------------------------------------------------ one choice
     async def run_choice(self, job: PromptJob, index: int, choice: int,
                          sampling: SamplingParams, cache_salt: str | None, rid: str,
@@ -276,7 +326,9 @@ class Router:
             with attempt:
                 n = attempt.retry_state.attempt_number
                 sub = f"{rid}-{index}" + (f"-r{n - 1}" if n > 1 else "")
-                placed = await self._first_token(job, spec, cache_salt, sub, frozenset(tried))
+                first_token = (self._first_token_monolithic if self.monolithic
+                               else self._first_token)
+                placed = await first_token(job, spec, cache_salt, sub, frozenset(tried))
         with placed.hold:
             if choice == 0:
                 job.cached_tokens = placed.first.num_cached_tokens

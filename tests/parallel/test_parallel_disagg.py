@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 B = 16
 TOKEN = "tp-disagg-token"
 HEADERS = {"X-K3serve-Cluster-Token": TOKEN}

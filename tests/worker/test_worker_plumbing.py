@@ -31,7 +31,7 @@ ROUTES = {
     "decode": {("get", "/internal/info"), ("get", "/internal/cache_events"),
                ("get", "/internal/cache_state"), ("get", "/internal/requests"),
                ("post", "/internal/abort"), ("post", "/internal/reserve"),
-               ("post", "/internal/stream")},
+               ("post", "/internal/generate"), ("post", "/internal/stream")},
 }
 ROLES = {"prefill": PrefillWorker, "decode": DecodeWorker}
 

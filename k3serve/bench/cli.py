@@ -1,0 +1,86 @@
+"""``k3serve bench``: the command (flags in :func:`add_arguments`, run in :func:`main`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``k3serve bench``."""
+    p.add_argument("--url", required=True, help="router base URL (http://host:port)")
+    p.add_argument("--model", default="k3-tiny",
+                   help="served model (its vocabulary and context length are read from it)")
+    p.add_argument("--api-key", default=None, help="bearer token of the public API")
+    p.add_argument("--trace", default=None, help="Mooncake-style JSONL trace to replay")
+    p.add_argument("--limit", type=int, default=None, help="first N trace rows only")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply trace arrival times by this (0.1 = 10x faster)")
+    p.add_argument("--length-scale", type=float, default=0.125,
+                   help="tokens per trace token; 512 x this = tokens per trace block "
+                        "(match the server's --block-size)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="skip rows longer than this (default: the model's context)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="random load: Poisson arrivals at R req/s (inf: all at once)")
+    p.add_argument("--input-len", type=int, default=256, help="random load: prompt tokens")
+    p.add_argument("--output-len", type=int, default=32, help="random load: output tokens")
+    p.add_argument("--num", type=int, default=32, help="random load: number of requests")
+    p.add_argument("--seed", type=int, default=0, help="random load: seed")
+    p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO for goodput (s)")
+    p.add_argument("--slo-itl", type=float, default=None,
+                   help="per-request TPOT SLO for goodput (s)")
+    p.add_argument("--json", default=None, help="write every figure to this JSON file")
+    p.add_argument("--plots", default=None, help="write the PNGs into this folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_workload(args: argparse.Namespace):
+    """The workload of ``args``: a trace replay or a random load.
+
+    Raises:
+        ValueError: neither or both of ``--trace`` / ``--rate``, or a bad value (named).
+    """
+    from k3serve.bench.workload import random_load, trace_load
+    from k3serve.config import load_config
+
+    if (args.trace is None) == (args.rate is None):
+        raise ValueError("--trace or --rate: give exactly one")
+    cfg = load_config(args.model)
+    if args.trace:
+        return trace_load(args.trace, limit=args.limit, time_scale=args.time_scale,
+                          length_scale=args.length_scale, vocab_size=cfg.vocab_size,
+                          max_model_len=args.max_model_len or cfg.max_position_embeddings)
+    return random_load(rate=args.rate, input_len=args.input_len, output_len=args.output_len,
+                       num=args.num, vocab_size=cfg.vocab_size, seed=args.seed)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the bench of ``args``; print a summary, write JSON / PNGs. Exit status 0, or 1 when
+    a request failed."""
+    from k3serve.bench.client import run_load
+    from k3serve.bench.report import summarize
+
+    work = build_workload(args)
+    run = run_load(args.url, work.requests, model=args.model, api_key=args.api_key,
+                   progress=not args.no_progress)
+    rep = summarize(run, work, slo_ttft=args.slo_ttft, slo_itl=args.slo_itl)
+    for k in ("num_requests", "num_failed", "num_skipped", "ttft_p50_s", "ttft_p99_s",
+              "itl_p50_s", "itl_p99_s", "e2e_p50_s", "output_tokens_per_s", "goodput",
+              "hit_rate", "predicted_hit_rate", "oracle_hit_rate", "snapshot_rule_ceiling"):
+        v = rep[k]
+        print(f"{k:24s} {v:.4f}" if isinstance(v, float) else f"{k:24s} {v}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rep, indent=2) + "\n")
+    if args.plots:
+        from k3serve.bench.plots import write_plots
+
+        for f in write_plots(run, args.plots):
+            print(f"wrote {f}", file=sys.stderr)
+    return 1 if rep["num_failed"] else 0
+
+
+__all__ = ["add_arguments", "build_workload", "main"]
