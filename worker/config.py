@@ -74,6 +74,10 @@ class WorkerConfig:
         cluster_token: the token internal calls must carry (``None``: no check).
         test_hooks: accept per-request test hooks.
         kv: kvstore's transfer settings.
+        gpu_memory_utilization: CUDA: share of the GPU's memory the engine may hold; the pools
+            are sized from it after the weights load (``None``: the explicit sizes).
+        max_num_seqs: most running sequences (``None``: ``num_slots``).
+        cuda_graphs: CUDA: replay captured decode graphs.
     """
 
     role: Role
@@ -97,6 +101,10 @@ class WorkerConfig:
     cluster_token: str | None = None
     test_hooks: bool = False
     kv: KVConfig = field(default_factory=KVConfig)
+    # issue 11 (GPU engine): memory share, running sequences, CUDA graphs
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    cuda_graphs: bool = True
 
     @property
     def url_host(self) -> str:
@@ -151,6 +159,14 @@ def _parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=env.worker_threads,
                     help=f"torch threads (default ${THREADS_ENV} or 1)")
     ap.add_argument("--log-level", default="warning")
+    # issue 11 (GPU engine)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="CUDA: share of GPU memory for weights + activations + pools; sizes the "
+                         "pools from free memory after the weights load (default: --num-pages)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="most running sequences (default: --num-slots)")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="CUDA: replay captured decode graphs (--no-cuda-graphs: eager)")
     return ap
 
 
@@ -177,7 +193,10 @@ def parse_config(role: Role, argv: list[str] | None = None,
         num_snapshots=a.num_snapshots, max_num_batched_tokens=a.max_num_batched_tokens,
         enable_prefix_caching=not a.no_prefix_caching, device=a.device, dtype=a.dtype,
         seed=a.seed, threads=max(1, a.threads), log_level=a.log_level,
-        cluster_token=env.cluster_token, test_hooks=env.test_hooks, kv=KVConfig.from_env())
+        cluster_token=env.cluster_token, test_hooks=env.test_hooks, kv=KVConfig.from_env(),
+        # issue 11 (GPU engine)
+        gpu_memory_utilization=a.gpu_memory_utilization, max_num_seqs=a.max_num_seqs,
+        cuda_graphs=a.cuda_graphs)
 
 
 __all__ = ["TEST_HOOKS_ENV", "THREADS_ENV", "WorkerConfig", "WorkerEnv", "parse_config"]

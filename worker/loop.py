@@ -49,6 +49,8 @@ def build_engine(config: WorkerConfig) -> Any:
         block_size=config.block_size, num_pages=config.num_pages, num_slots=config.num_slots,
         num_snapshots=config.num_snapshots,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        gpu_memory_utilization=config.gpu_memory_utilization, max_num_seqs=config.max_num_seqs,
+        cuda_graphs=config.cuda_graphs,
     )
     return llm.engine
 
