@@ -113,7 +113,7 @@ class StaticDecodeBuffers:
         bm, w = max_batch, self.width
         self._size = 4 * bm + bm * w
         pin = self.device.type == "cuda"
-        self.host = torch.zeros(self._size, dtype=torch.int64, pin_memory=pin)
+        self.host = torch.zeros(self._size, dtype=torch.int64, device="cpu", pin_memory=pin)
         self.meta = torch.zeros(self._size, dtype=torch.int64, device=self.device)
         self.input_ids = self.meta[0:bm]
         self.num_cached = self.meta[bm : 2 * bm]
