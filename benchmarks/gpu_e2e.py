@@ -189,7 +189,7 @@ def correctness(model, cfg, moes):
     try:
         f32_fast = run(f32, "triton", "grouped", True, torch.float32)
         f32_fast_bf = run(f32, "triton", "grouped", False, torch.float32)
-    except Exception as e:  # report and go on: the timings do not depend on it
+    except (RuntimeError, ValueError) as e:  # report and go on: the timings do not need it
         log(f"fp32 fast path failed: {type(e).__name__}: {e}")
         f32_fast = f32_fast_bf = truth
     del f32
@@ -197,8 +197,8 @@ def correctness(model, cfg, moes):
     names = ["prefill chunk 1", "prefill chunk 2 (cached prefix)", "decode 1", "decode 2",
              "decode 3"]  # fmt: skip
     for i, nm in enumerate(names):
-        for label, y in (("fast (Triton, grouped, MXFP4)", fast[i]), ("bf16 reference (torch, "
-                         "loop)", ref[i])):  # fmt: skip
+        for label, y in (("fast (Triton, grouped, MXFP4)", fast[i]),
+                         ("bf16 reference (torch, loop)", ref[i])):  # fmt: skip
             agree = float((y.argmax(-1) == truth[i].argmax(-1)).float().mean())
             out.append({"name": f"{nm}: {label} vs fp32", "rel_err": rel(y, truth[i]),
                         "argmax_agree": agree})  # fmt: skip
@@ -391,11 +391,12 @@ def fit(xs, ys):
 
 
 def write_md(path, res):
-    L = [f"# k3-mini end to end on one GPU ({res['date']}, {res['device']}, torch {res['torch']},"
-         f" triton {res['triton']})", "",
-         f"Ceilings measured in the run: copy {res['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s"
-         f", bf16 matmul {res['ceilings']['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s. Produced by "
-         "`python benchmarks/gpu_e2e.py` (method in its docstring).", "",
+    c = res["ceilings"]
+    L = [(f"# k3-mini end to end on one GPU ({res['date']}, {res['device']}, "
+          f"torch {res['torch']}, triton {res['triton']})"), "",
+         (f"Ceilings measured in the run: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 "
+          f"matmul {c['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s. Produced by "
+          "`python benchmarks/gpu_e2e.py` (method in its docstring)."), "",
          "## Correctness", "", "| check | rel L2 err | argmax agree |", "|---|---|---|"]  # fmt: skip
     for c in res["checks"]:
         a = "" if c["argmax_agree"] is None else f"{c['argmax_agree']:.3f}"
@@ -413,7 +414,8 @@ def write_md(path, res):
         L.append(f"| {p['batch']} × {p['prompt']} | {p['seconds']:.3f} | "
                  f"{p['tokens_per_s']:,.0f} | {p['roofline_s']:.3f} | "
                  f"{100 * p['roofline_share']:.0f} % |")  # fmt: skip
-    open(path, "w").write("\n".join(L) + "\n")
+    with open(path, "w") as f:
+        f.write("\n".join(L) + "\n")
 
 
 def main():
@@ -446,7 +448,7 @@ def main():
     try:
         prefill = [] if a.skip_prefill else prefill_bench(
             model, cfg, mm, [(1, 2048), (1, 8192), (8, 8192)])  # fmt: skip
-    except Exception as e:  # keep the decode figures when a prefill shape fails
+    except (RuntimeError, ValueError) as e:  # keep the decode figures if a prefill shape fails
         log(f"prefill failed: {type(e).__name__}: {e}")
         prefill = []
     g = [d for d in decode if d["mode"] == "graph" and d["experts"] == "mxfp4"]
