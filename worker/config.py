@@ -83,6 +83,10 @@ class WorkerConfig:
             process). This process is rank 0 and starts the others (``k3serve.parallel``).
         expert_plan: a planner placement file (``k3serve experts plan --json OUT``) for EP,
             or ``None`` (experts split contiguously).
+        gpu_memory_utilization: CUDA: share of the GPU's memory the engine may hold; the pools
+            are sized from it after the weights load (``None``: the explicit sizes).
+        max_num_seqs: most running sequences (``None``: ``num_slots``).
+        cuda_graphs: CUDA: replay captured decode graphs.
     """
 
     role: Role
@@ -120,6 +124,10 @@ class WorkerConfig:
         if self.tp > 1 and self.ep > 1 and self.tp != self.ep:
             raise ValueError(f"ep: {self.ep} != tp {self.tp}; one instance uses one group of "
                              f"ranks for both")
+    # issue 11 (GPU engine): memory share, running sequences, CUDA graphs
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    cuda_graphs: bool = True
 
     @property
     def url_host(self) -> str:
@@ -181,6 +189,14 @@ def _parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
                     help="expert-parallel ranks (1 or the same as --tp when both are > 1)")
     ap.add_argument("--expert-plan", default=None, metavar="PLAN.json",
                     help="expert placement from `k3serve experts plan --json` (with --ep)")
+    # issue 11 (GPU engine)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="CUDA: share of GPU memory for weights + activations + pools; sizes the "
+                         "pools from free memory after the weights load (default: --num-pages)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="most running sequences (default: --num-slots)")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="CUDA: replay captured decode graphs (--no-cuda-graphs: eager)")
     return ap
 
 
@@ -223,7 +239,9 @@ def parse_config(role: Role, argv: list[str] | None = None,
         seed=a.seed, threads=max(1, a.threads), log_level=a.log_level,
         cluster_token=env.cluster_token, test_hooks=env.test_hooks, kv=KVConfig.from_env(),
         store=_store_config(a), dense_snapshot_blocks=a.dense_snapshot_blocks,
-        **_parallel_flags(a))
+        **_parallel_flags(a),
+        gpu_memory_utilization=a.gpu_memory_utilization, max_num_seqs=a.max_num_seqs,
+        cuda_graphs=a.cuda_graphs)
 
 
 def _parallel_flags(a: argparse.Namespace) -> dict:

@@ -22,6 +22,7 @@ feed the router. Lifecycle: :mod:`k3serve.protocol`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -77,6 +78,15 @@ class EngineConfig:
             ``P·B``).
         record_logits: keep each sampled token's logits in the outputs (tests).
         max_events: cache events kept for readers.
+        gpu_memory_utilization: CUDA only: the share of the accelerator's memory this engine
+            may hold (weights already loaded + activations + pools), as vLLM / SGLang's flag;
+            the pools are then sized from what is free after the weights load
+            (:func:`size_pools_from_memory`): ``num_slots = max(num_slots, max_num_seqs)``,
+            ``num_snapshots`` as given, and ``num_pages`` from the rest (``num_pages`` is then
+            ignored). ``None``: the explicit sizes (always on CPU).
+        cuda_graphs: CUDA only: replay captured decode graphs
+            (:class:`~k3serve.engine.cuda_graphs.CUDAGraphRunner`; buckets up to
+            ``max_num_seqs`` or ``num_slots``); the pools get one scratch slot and page.
     """
 
     block_size: int = 64
@@ -92,6 +102,8 @@ class EngineConfig:
     max_model_len: int | None = None
     record_logits: bool = False
     max_events: int = 100_000
+    gpu_memory_utilization: float | None = None
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         def check(fld: str, lo: int, optional: bool = False) -> None:
@@ -109,11 +121,109 @@ class EngineConfig:
         check("dense_snapshot_blocks", -1)
         check("max_num_seqs", 1, optional=True)
         check("max_model_len", 2, optional=True)  # a prompt token and a generated one
+        util = self.gpu_memory_utilization
+        if util is not None and (
+            isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1
+        ):
+            raise ValueError(
+                f"EngineConfig.gpu_memory_utilization: must be a number in (0, 1] or None, "
+                f"got {util!r}"
+            )
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"EngineConfig.cuda_graphs: must be a bool, got {self.cuda_graphs!r}")
         frac = self.rolling_snapshot_fraction
         if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac <= 1:
             raise ValueError(
                 f"EngineConfig.rolling_snapshot_fraction: must be a number in [0, 1], got {frac!r}"
             )
+
+
+def pool_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """Bytes of one state slot, one snapshot and one latent page (all layers).
+
+    Returns:
+        ``(slot_bytes, snapshot_bytes, page_bytes)``: a slot / snapshot holds every KDA layer's
+        ``[H, K, V]`` float32 state and ``[W-1, 3·H·K]`` conv state (``dtype``); a page holds
+        every MLA layer's ``[B, D]`` latents (``dtype``) — the :class:`KVPools` layout.
+    """
+    es = torch.empty((), dtype=dtype).element_size()
+    lk, h, k = cfg.num_kda_layers, cfg.kda_num_heads, cfg.kda_head_dim
+    state = lk * (h * k * k * 4 + (cfg.kda_conv_kernel - 1) * cfg.kda_conv_dim * es)
+    page = cfg.num_mla_layers * block_size * cfg.mla_latent_dim * es
+    return state, state, page
+
+
+def size_pools_from_memory(
+    cfg: ModelConfig,
+    total_bytes: int,
+    free_bytes: int,
+    utilization: float,
+    reserve_bytes: int,
+    block_size: int,
+    num_slots: int,
+    num_snapshots: int,
+    dtype: torch.dtype,
+    extra: int = 0,
+) -> int:
+    """Latent pages that fit the engine's memory share (vLLM's ``gpu_memory_utilization``).
+
+    ``budget = utilization·total − (total − free) − reserve`` bytes, where ``total − free`` is
+    what is already held (the weights, other processes) and ``reserve`` the activations (a
+    profiled forward) and graph memory; the slots (``num_slots + extra``) and snapshots come
+    out of the budget first, the pages take the rest.
+
+    Args:
+        cfg: model config. total_bytes, free_bytes: the accelerator's memory (bytes), as
+            ``torch.cuda.mem_get_info`` reports it after the weights load.
+        utilization: share in (0, 1]. reserve_bytes: activations + graphs (bytes).
+        block_size: tokens per page. num_slots, num_snapshots: the other pools' sizes.
+        dtype: latent / conv dtype. extra: scratch slots / pages the engine adds (CUDA graphs).
+
+    Returns:
+        ``num_pages`` (≥ 1).
+
+    Raises:
+        ValueError: the budget cannot hold the slots, snapshots and one page (the message
+            gives the figures: lower ``max_num_seqs`` / ``num_snapshots`` or raise the share).
+    """
+    slot_b, snap_b, page_b = pool_bytes(cfg, block_size, dtype)
+    budget = int(utilization * total_bytes) - (total_bytes - free_bytes) - reserve_bytes
+    left = budget - (num_slots + extra) * slot_b - num_snapshots * snap_b - extra * page_b
+    pages = left // page_b if left > 0 else 0
+    if pages < 1:
+        gib = 1 << 30
+        raise ValueError(
+            f"EngineConfig.gpu_memory_utilization: {utilization} of {total_bytes / gib:.1f} GiB "
+            f"leaves {budget / gib:.2f} GiB after {(total_bytes - free_bytes) / gib:.2f} GiB held "
+            f"and {reserve_bytes / gib:.2f} GiB of activations; {num_slots} slots and "
+            f"{num_snapshots} snapshots need {(num_slots * slot_b + num_snapshots * snap_b) / gib:.2f}"
+            " GiB before any page"
+        )
+    return int(pages)
+
+
+@torch.inference_mode()
+def profile_activation_bytes(
+    model: torch.nn.Module, cfg: ModelConfig, num_tokens: int, block_size: int,
+    dtype: torch.dtype, device: torch.device,
+) -> int:  # fmt: skip
+    """Peak bytes a forward of ``num_tokens`` prompt tokens allocates beyond what is held
+    (one throw-away sequence in tiny pools; CUDA only, as vLLM's profile run)."""
+    from k3serve.model.batch import make_batch
+
+    pages = -(-num_tokens // block_size)
+    tmp = KVPools(cfg, 1, pages, block_size, 0, dtype, device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    b = make_batch([num_tokens], [0], [0], [list(range(pages))], block_size, device=device)
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    model(ids, b, tmp)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del tmp, b, ids
+    torch.cuda.empty_cache()
+    return int(peak)
 
 
 @dataclass
@@ -184,6 +294,21 @@ class LLMEngine:
         runner: Any = None,
     ):
         c = config or EngineConfig()
+        dev = torch.device(device)
+        use_graphs = c.cuda_graphs and dev.type == "cuda"
+        extra = 1 if use_graphs else 0  # the graphs' scratch slot and page (never allocated)
+        if c.gpu_memory_utilization is not None and dev.type == "cuda":
+            slots = max(c.num_slots, c.max_num_seqs or 0)
+            reserve = profile_activation_bytes(
+                model, model_config, c.max_num_batched_tokens, c.block_size, dtype, dev
+            )
+            reserve = reserve * (2 if use_graphs else 1)  # the graphs' pool beside the eager one
+            free, total = torch.cuda.mem_get_info(dev)
+            pages = size_pools_from_memory(
+                model_config, total, free, float(c.gpu_memory_utilization), reserve,
+                c.block_size, slots, c.num_snapshots, dtype, extra,
+            )  # fmt: skip
+            c = dataclasses.replace(c, num_slots=slots, num_pages=pages)
         self.config = c
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -191,10 +316,10 @@ class LLMEngine:
             runner.pools
             if runner is not None
             else KVPools(
-                model_config, c.num_slots, c.num_pages, c.block_size, c.num_snapshots, dtype,
-                device,
+                model_config, c.num_slots + extra, c.num_pages + extra, c.block_size,
+                c.num_snapshots, dtype, device,
             )
-        )
+        )  # fmt: skip
         dn = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
         self.weights_id = weights_id
         self.fingerprint = layout_fingerprint(
@@ -222,12 +347,25 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.cm, c.max_num_batched_tokens, min(c.max_num_seqs or c.num_slots, c.num_slots)
         )
-        self.runner = runner if runner is not None else ModelRunner(model, self.pools, device)
         self.max_model_len = min(
             model_config.max_position_embeddings,
             c.max_model_len or 1 << 62,
             c.num_pages * c.block_size,
         )
+        self.runner: ModelRunner
+        if runner is not None:  # a multi-rank instance (k3serve.parallel) brings its own
+            self.runner = runner
+        elif use_graphs:
+            from k3serve.engine.cuda_graphs import CUDAGraphRunner
+
+            self.runner = CUDAGraphRunner(
+                model, self.pools, device, self.max_model_len,
+                max_num_seqs=min(c.max_num_seqs or c.num_slots, c.num_slots),
+                scratch_slot=c.num_slots, scratch_page=c.num_pages,
+            )  # fmt: skip
+            self.runner.capture()
+        else:
+            self.runner = ModelRunner(model, self.pools, device)
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()

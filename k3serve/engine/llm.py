@@ -44,7 +44,9 @@ class LLM:
         device: ``"cpu"`` or a CUDA device.
         load_weights: False: random weights of the model's shape (nothing is read).
         **engine_kwargs: :class:`EngineConfig` fields (``block_size``, ``num_pages``,
-            ``num_slots``, ``num_snapshots``, ``max_num_batched_tokens``, …).
+            ``num_slots``, ``num_snapshots``, ``max_num_batched_tokens``, ``max_num_seqs``,
+            ``gpu_memory_utilization`` (CUDA: size the pools from free memory after the weights
+            load), ``cuda_graphs`` (CUDA: replay captured decode graphs; default on), …).
 
     Raises:
         ValueError: unknown model or engine field; ``CheckpointError`` (a ValueError) for

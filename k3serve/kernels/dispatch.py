@@ -113,13 +113,16 @@ def causal_conv_step(x, conv_pool, weight, slots):
     return ref(x, conv_pool, weight, slots)
 
 
-def mla_decode_absorbed_paged(q_lat, latent_pool, block_table, seq_lens, kv_lora, scale):
-    """:func:`k3serve.kernels.mla.naive.mla_decode_absorbed_paged` contract."""
+def mla_decode_absorbed_paged(q_lat, latent_pool, block_table, seq_lens, kv_lora, scale,
+                              max_seq_len=None):  # fmt: skip
+    """:func:`k3serve.kernels.mla.naive.mla_decode_absorbed_paged` contract; ``max_seq_len``
+    (a host int ≥ every ``seq_lens``, or None) lets the Triton kernel size its splits without
+    reading ``seq_lens`` back (a host sync a CUDA graph cannot capture)."""
     if use_triton(q_lat.device) and latent_pool.dtype != torch.float64:
         from k3serve.kernels.mla.decode_triton import mla_decode_absorbed_paged_triton
 
         return mla_decode_absorbed_paged_triton(
-            q_lat, latent_pool, block_table, seq_lens, kv_lora, scale
+            q_lat, latent_pool, block_table, seq_lens, kv_lora, scale, max_seq_len=max_seq_len
         )
     from k3serve.kernels.mla.naive import mla_decode_absorbed_paged as ref
 

@@ -30,6 +30,10 @@ class ForwardBatch:
         slot_mapping: ``[T]`` flat latent slot ``page * block_size + offset`` of each new token.
         is_decode: every sequence has exactly one new token (recurrent KDA, absorbed MLA).
         logits_indices: rows of ``[T]`` that get logits; None = last new token of each sequence.
+        max_seq_len: a host-side upper bound on ``seq_lens`` (tokens), or None. Decode kernels
+            size their launch grid from it instead of reading ``seq_lens.max()`` back from the
+            device (a host sync, which a CUDA graph cannot capture); a CUDA-graph batch sets it
+            to the engine's ``max_model_len``.
     """
 
     cu_seqlens: torch.Tensor
@@ -39,6 +43,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor
     is_decode: bool = False
     logits_indices: torch.Tensor | None = None
+    max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         n = self.num_cached.shape[0]
@@ -52,10 +57,15 @@ class ForwardBatch:
             raise ValueError(
                 f"block_table: shape {tuple(self.block_table.shape)}, expected [{n}, max_blocks]"
             )
-        if self.slot_mapping.shape != (self.num_tokens,):
+        total = int(self.cu_seqlens[-1])  # one host read at construction, none per use
+        if self.slot_mapping.ndim != 1 or self.slot_mapping.shape[0] != total:
             raise ValueError(
-                f"slot_mapping: shape {tuple(self.slot_mapping.shape)}, expected [{self.num_tokens}]"
+                f"slot_mapping: shape {tuple(self.slot_mapping.shape)}, expected [{total}]"
             )
+        if self.max_seq_len is not None and (
+            not isinstance(self.max_seq_len, int) or self.max_seq_len < 1
+        ):
+            raise ValueError(f"max_seq_len: must be an int ≥ 1 or None, got {self.max_seq_len!r}")
         if self.is_decode and not bool((self.new_lens == 1).all()):
             raise ValueError("is_decode: every sequence must have exactly 1 new token")
 
@@ -66,8 +76,8 @@ class ForwardBatch:
 
     @property
     def num_tokens(self) -> int:
-        """T, the number of new tokens."""
-        return int(self.cu_seqlens[-1])
+        """T, the number of new tokens (from ``slot_mapping``'s shape: no device read)."""
+        return int(self.slot_mapping.shape[0])
 
     @property
     def new_lens(self) -> torch.Tensor:
@@ -117,7 +127,8 @@ def make_batch(
         all_logits: logits for every new token instead of the last one per sequence.
 
     Returns:
-        ForwardBatch with ``is_decode`` set when every ``new_lens`` is 1.
+        ForwardBatch with ``is_decode`` set when every ``new_lens`` is 1 and ``max_seq_len``
+        the longest ``num_cached + new_lens`` (known here on the host).
 
     Raises:
         ValueError: mismatched list lengths, a non-positive ``new_lens`` entry, or a block table
@@ -154,6 +165,7 @@ def make_batch(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         is_decode=all(x == 1 for x in new_lens),
         logits_indices=torch.arange(total, device=device) if all_logits else None,
+        max_seq_len=max(c + x for c, x in zip(num_cached, new_lens)),
     )
 
 

@@ -96,6 +96,7 @@ class MLAMixer(nn.Module):
         slot_mapping: torch.Tensor | None = None,
         latent_pool: torch.Tensor | None = None,
         is_decode: bool = False,
+        max_seq_len: int | None = None,
     ) -> torch.Tensor:
         """Attend the new tokens of N packed sequences; write their latents into the pages.
 
@@ -108,6 +109,8 @@ class MLAMixer(nn.Module):
             latent_pool: ``[P, B, D]`` this layer's pages, updated in place; None = no cache
                 (training: attention within the new tokens only).
             is_decode: one new token per sequence → weight-absorbed attention.
+            max_seq_len: host-side upper bound on ``num_cached + new`` for the decode kernel's
+                grid (None: the kernel reads the longest from the device, a host sync).
 
         Returns:
             ``[T, d]`` in ``x.dtype``.
@@ -148,6 +151,7 @@ class MLAMixer(nn.Module):
                     seq_lens,
                     cfg.kv_lora_rank,
                     self.scale,
+                    max_seq_len=max_seq_len,
                 )
                 o = self.absorbed_output(o_lat)
             else:

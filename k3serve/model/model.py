@@ -210,6 +210,7 @@ class K3ForCausalLM(nn.Module):
                     batch.slot_mapping,
                     pools.mla_latent[m],
                     batch.is_decode,
+                    batch.max_seq_len,
                 )
             j = self._kda_idx[layer.idx]
             return layer.self_attn(
