@@ -38,14 +38,8 @@ from router.pipeline import Router, cancel
 from router.placement import NoWorkerAvailable
 from router.preprocess import parse_request
 from router.render import ChoiceAcc, Render
-from router.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-    new_id,
-)
+from router.responses import ErrorResponse, ModelCard, ModelList, new_id
+from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.stream import END, Delta
 from router.workers import WorkerError
 

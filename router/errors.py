@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.schemas import ErrorInfo, ErrorResponse, validation_error_info
+from router.responses import ErrorInfo, ErrorResponse, validation_error_info
 
 log = logging.getLogger("k3serve.router")
 

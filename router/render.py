@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.preprocess import PromptJob
-from router.schemas import (
+from router.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatResponseMessage,
@@ -24,7 +23,6 @@ from router.schemas import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     DeltaFunction,
     DeltaMessage,
@@ -36,6 +34,7 @@ from router.schemas import (
     Usage,
     now,
 )
+from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.stream import Delta, TokenLogprob
 from router.tools import ToolStreamParser, parse_tool_calls
 
