@@ -28,7 +28,10 @@ def _free_port() -> int:
 
 
 class Proc:
-    def __init__(self, role: str, name: str, block_size: int, log_dir: Path, pages: int = 512):
+    def __init__(self, role: str, name: str, block_size: int, log_dir: Path, pages: int = 512,
+                 extra: tuple[str, ...] = ()):
+        """``python -m {role}.worker`` on a free loopback port; ``extra`` flags come last (they
+        override the defaults here)."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"{name}.log"
@@ -39,7 +42,7 @@ class Proc:
             [sys.executable, "-m", f"{role}.worker", "--host", "127.0.0.1", "--port",
              str(self.port), "--model", "k3-tiny", "--block-size", str(block_size),
              "--num-pages", str(pages), "--num-slots", "32", "--worker-id", name,
-             "--log-level", "info"],
+             "--log-level", "info", *extra],
             cwd=ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 120.0) -> None:

@@ -17,66 +17,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from worker_procs import HEADERS
+from worker_procs import Proc as _Proc
 
-ROOT = Path(__file__).resolve().parents[2]
 B = 16
-TOKEN = "tp-disagg-token"
-HEADERS = {"X-K3serve-Cluster-Token": TOKEN}
 MAX_TOKENS = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    def __init__(self, role: str, name: str, tp: int, log_dir: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log_dir / f"{name}.log"
-        env = dict(os.environ, K3SERVE_CLUSTER_TOKEN=TOKEN, K3SERVE_WORKER_THREADS="1",
-                   PYTHONUNBUFFERED="1")
-        self._out = open(self.log, "w")  # noqa: SIM115 - closed in stop()
-        self.p = subprocess.Popen(
-            [sys.executable, "-m", f"{role}.worker", "--host", "127.0.0.1", "--port",
-             str(self.port), "--model", "k3-tiny", "--block-size", str(B), "--num-pages", "256",
-             "--num-slots", "80", "--num-snapshots", "8", "--worker-id", name, "--tp", str(tp),
-             "--log-level", "warning"],
-            cwd=ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        t_end = time.monotonic() + timeout
-        while time.monotonic() < t_end:
-            assert self.p.poll() is None, f"worker exited:\n{self.log.read_text()[-3000:]}"
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"worker not ready:\n{self.log.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(20)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        self._out.close()
+def Proc(role: str, name: str, tp: int, log_dir: Path) -> _Proc:  # noqa: N802 - a factory
+    """A worker process of a TP-``tp`` instance (the shared helper with this test's sizes)."""
+    return _Proc(role, name, B, log_dir, pages=256,
+                 extra=("--num-slots", "80", "--num-snapshots", "8", "--tp", str(tp)))
 
 
 @pytest.fixture(scope="module")
