@@ -28,28 +28,11 @@ B = 64
 MAX_TOKENS = 4
 
 
-class Proc(_Proc):
-    """A worker process of tests/test_disagg.py with extra flags (``--store-url``)."""
-
-    def __init__(self, role: str, name: str, block_size: int, log_dir, extra: list[str]):
-        import os
-        import subprocess
-        import sys
-
-        from worker_procs import ROOT, TOKEN, _free_port
-
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log_dir / f"{name}.log"
-        env = dict(os.environ, K3SERVE_CLUSTER_TOKEN=TOKEN, K3SERVE_TEST_HOOKS="1",
-                   K3SERVE_WORKER_THREADS="1", PYTHONUNBUFFERED="1")
-        self._out = open(self.log, "w")  # noqa: SIM115 - closed in stop()
-        self.p = subprocess.Popen(
-            [sys.executable, "-m", f"{role}.worker", "--host", "127.0.0.1", "--port",
-             str(self.port), "--model", "k3-tiny", "--block-size", str(block_size),
-             "--num-pages", "256", "--num-slots", "16", "--worker-id", name,
-             "--log-level", "info", *extra],
-            cwd=ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT)
+def Proc(role: str, name: str, block_size: int, log_dir, extra: list[str]) -> _Proc:  # noqa: N802
+    """A worker process (the shared helper) with this test's sizes and extra flags
+    (``--store-url``)."""
+    return _Proc(role, name, block_size, log_dir, pages=256,
+                 extra=("--num-slots", "16", *extra))
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +44,7 @@ def stack(tmp_path_factory, monkeypatch_module):
     # 3 clients × 16 MiB (the least Mooncake takes): ~100 k3-tiny snapshots — evicts in a test
     monkeypatch_module.setenv("K3SERVE_STORE_SEGMENT_MB", "16")
     monkeypatch_module.setenv("K3SERVE_STORE_RETRY_S", "0.5")
-    procs: dict[str, Proc] = {}
+    procs: dict[str, _Proc] = {}
     extra = ["--store-url", url]
     try:
         procs["P1"] = Proc("prefill", "p1", B, logs, extra=extra)
@@ -106,7 +89,7 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(32, 256) for _ in range(n)]
 
 
-def _run(P: Proc, D: Proc, rid: str, ids: list[int], max_tokens: int = MAX_TOKENS):
+def _run(P: _Proc, D: _Proc, rid: str, ids: list[int], max_tokens: int = MAX_TOKENS):
     async def go():
         async with httpx.AsyncClient(headers=HEADERS, timeout=120) as c:
             s = {"temperature": 0.0, "max_tokens": max_tokens, "seed": 1}
