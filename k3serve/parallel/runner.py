@@ -24,7 +24,7 @@ import logging
 import os
 import tempfile
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NamedTuple, Self
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from k3serve.cache.pools import KVPools
 from k3serve.config import ModelConfig
-from k3serve.model.batch import make_batch
+from k3serve.engine.runner import ModelRunner
 from k3serve.parallel import ep as ep_mod
 from k3serve.parallel import tp as tp_mod
 from k3serve.parallel.planner import LayerPlan, Plan
@@ -113,8 +113,9 @@ class InstanceSpec:
         return "gloo" if self.device == "cpu" else "nccl"
 
 
-class RankRunner:
-    """One rank's model + pools; runs ops locally (no broadcast).
+class RankRunner(ModelRunner):
+    """One rank's model + pools; runs ops locally (no broadcast). The forward, slot, snapshot
+    and fork ops are :class:`~k3serve.engine.runner.ModelRunner`'s, on this rank's shard.
 
     Args:
         spec: what to build.
@@ -143,8 +144,7 @@ class RankRunner:
                 plans = Plan.from_dict(spec.plan).layers
             ep_mod.install_ep(model, plans, rank, spec.ep)
             ep_mod.free_remote_experts(model)
-        self.model = model.eval()
-        self.pools = KVPools(
+        pools = KVPools(
             self.local_cfg,
             num_slots=spec.num_slots,
             num_pages=spec.num_pages,
@@ -153,19 +153,7 @@ class RankRunner:
             dtype=dtype,
             device=device,
         )
-        self.block_size = spec.block_size
-        self.device = torch.device(device)
-
-    # ------------------------------------------------------------------ the engine's seam
-    def execute(self, batch: Any) -> torch.Tensor:
-        """``k3serve.engine.runner.ModelRunner.execute``: one ``RunBatch`` → ``[N, V]`` float32
-        logits (raises as :meth:`forward`)."""
-        return self.forward(list(batch.rows), batch.layer_hook)
-
-    @property
-    def transfer_pools(self) -> Any:
-        """The pools the kvstore transfers from / into (the rank's own ones here)."""
-        return self.pools
+        super().__init__(model.eval(), pools, device)
 
     def fingerprint_fields(self) -> dict[str, Any]:
         """Pairing fingerprint fields of the instance's transfer layout: ``{"tp": tp}`` (a
@@ -174,46 +162,6 @@ class RankRunner:
 
     def receive_cache(self, slot: int, pages: Sequence[int]) -> None:
         """A transferred cache landed in :attr:`transfer_pools` (nothing to do on one rank)."""
-
-    @torch.inference_mode()
-    def forward(
-        self, rows: Sequence[Row], layer_hook: Callable[[int], None] | None = None
-    ) -> torch.Tensor:
-        """One forward over ``rows`` → ``[N, V]`` float32 logits of each row's last new token
-        (mutates the rows' slots and pages). Raises ValueError as ``make_batch``."""
-        batch = make_batch(
-            [len(r.token_ids) for r in rows],
-            [r.num_cached for r in rows],
-            [r.slot for r in rows],
-            [r.block_table for r in rows],
-            self.block_size,
-            device=self.device,
-        )
-        ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64,
-                           device=self.device)
-        return self.model(ids, batch, self.pools, layer_hook=layer_hook)
-
-    @torch.inference_mode()
-    def prepare_slots(self, admissions: Iterable[Any]) -> None:
-        """Zero each admitted slot (``a.slot``) or load its snapshot (``a.load_snapshot``)."""
-        for a in admissions:
-            if a.load_snapshot is None:
-                self.pools.zero_slot(a.slot)
-            else:
-                self.pools.load_snapshot(a.load_snapshot, a.slot)
-
-    @torch.inference_mode()
-    def save_snapshots(self, saves: Iterable[Any]) -> None:
-        """Copy slots into snapshots (``s.slot`` → ``s.snapshot``), in order."""
-        for s in saves:
-            self.pools.save_snapshot(s.slot, s.snapshot)
-
-    @torch.inference_mode()
-    def fork(self, plan: Any) -> None:
-        """Copy ``plan.src_slot`` → ``plan.dst_slot`` and the ``plan.page_copies`` pages."""
-        self.pools.copy_slot(plan.src_slot, plan.dst_slot)
-        for src, dst in plan.page_copies:
-            self.pools.mla_latent[:, dst].copy_(self.pools.mla_latent[:, src])
 
     def zero_slots(self, slots: Sequence[int]) -> None:
         """Zero the KDA / conv state of ``slots`` (fresh sequences)."""
