@@ -134,7 +134,7 @@ def start_stack(
     num_prefill: int = 2,
     num_decode: int = 1,
     api_key: str | None = None,
-    policy: str = "cache_aware",
+    policy: str = "prefix_home",
     block_size: int = 64,
     device: str = "cpu",
     extra_worker_args: list[str] | None = None,
@@ -276,8 +276,9 @@ def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
                         "--prefill / --decode ignored)")
     p.add_argument("--api-key", default=None,
                    help="bearer token required on the public API (or set K3SERVE_API_KEY)")
-    p.add_argument("--policy", default="cache_aware",
-                   help="placement policy: cache_aware | round_robin | least_load | random")
+    p.add_argument("--policy", default="prefix_home",
+                   help="placement policy: prefix_home | cache_aware | approx_radix | "
+                        "round_robin | least_load | random")
     p.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
     p.add_argument("--device", default="cpu", help="worker device (cpu or cuda)")
     p.add_argument("--ray", action="store_true",

@@ -16,7 +16,8 @@ import sys
 from dataclasses import dataclass, field
 
 from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
-from router.placement import POLICIES, PlacementParams
+from router.placement import DEFAULT_POLICY, POLICIES, PlacementParams
+from router.policies.home import HomeParams
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,14 @@ class RouterConfig:
         prefill_rate: Prefill tokens/s assumed for workers that do not report one.
         busy_wait_s: How long a request waits for room while every decode worker answers
             ``busy`` (no free slot or pages) before it fails with 503, seconds.
-        placement: Cache-aware policy knobs.
+        placement: Placement knobs (``HomeParams``: the cache-aware ones and ``prefix_home``'s).
 
     Raises:
         ValueError: an unknown policy or a non-positive poll interval / timeout (named).
     """
 
     model: str = "k3-tiny"
-    policy: str = "cache_aware"
+    policy: str = DEFAULT_POLICY
     api_key: str | None = None
     cluster_token: str | None = None
     tokenizer: str | None = None
@@ -60,7 +61,7 @@ class RouterConfig:
     max_model_len: int | None = None
     prefill_rate: float = 10_000.0
     busy_wait_s: float = 60.0
-    placement: PlacementParams = field(default_factory=PlacementParams)
+    placement: PlacementParams = field(default_factory=HomeParams)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--model", default="k3-tiny")
-    ap.add_argument("--policy", default="cache_aware", choices=sorted(POLICIES))
+    ap.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
     ap.add_argument("--api-key", default=None,
                     help=f"bearer token for /v1/* (default: ${API_KEY_ENV}, else open)")
     ap.add_argument("--tokenizer", default=None)

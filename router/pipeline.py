@@ -44,9 +44,9 @@ from router.placement import (
     NoWorkerAvailable,
     Placement,
     PlacementRequest,
-    PrefillWorkerState,
     place,
 )
+from router.policies import live_view
 from router.preprocess import Preprocessor, PromptJob, prompt_hashes
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.stream import END, Placed, stream_choice
@@ -149,14 +149,11 @@ class Router:
         req = PlacementRequest(len(ids), bs, seq=next(self._seq), max_new_tokens=max_new)
         match = self.pool.match(prompt_hashes(ids, bs, fingerprint, cache_salt),
                                 req.max_cached_blocks)
-        pstates = []
         store = match.get(STORE)  # the shared store's content, if workers report puts
-        for w in prefill:
-            m = match.get(w.url)
-            pstates.append(PrefillWorkerState(
-                w.url, m.usable_blocks if m else 0, m.mla_blocks if m else 0, w.queued_tokens,
-                w.info.prefill_rate or self.config.prefill_rate,
-                store_blocks=store.usable_blocks if store else 0))
+        now = time.monotonic()  # Worker.recent's clock: util and request_rate of placement
+        pstates = [live_view(w.url, match.get(w.url), store, w.queued_tokens,
+                             w.info.prefill_rate or self.config.prefill_rate, w.recent, now)
+                   for w in prefill]
         dstates = []
         for w in decode:
             cap = w.info.capacity_tokens
@@ -252,10 +249,10 @@ class Router:
                                max_new_tokens=job.max_new)
         match = self.pool.match(prompt_hashes(job.token_ids, bs, fingerprint, cache_salt),
                                 req.max_cached_blocks)
-        states = [PrefillWorkerState(
-            w.url, match[w.url].usable_blocks if w.url in match else 0,
-            match[w.url].mla_blocks if w.url in match else 0, w.queued_tokens,
-            w.info.prefill_rate or self.config.prefill_rate) for w in live]
+        now = time.monotonic()
+        states = [live_view(w.url, match.get(w.url), None, w.queued_tokens,
+                            w.info.prefill_rate or self.config.prefill_rate, w.recent, now)
+                  for w in live]
         p = place(req, states, (), self.config.policy, self.config.placement)
         W = self.pool.workers[p.prefill]
         with ExitStack() as hold:

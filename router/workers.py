@@ -12,8 +12,10 @@ model of :mod:`k3serve.messages` (the request lifecycle: :mod:`k3serve.protocol`
 
 Load figures the placement needs are the router's own account of what it sent
 (:meth:`Worker.load` changes them, and nothing else does): a prefill worker's queued tokens
-(predicted uncached tokens of prefills not answered yet), a decode worker's running requests
-and reserved tokens (prompt + max new tokens).
+(predicted uncached tokens of prefills not answered yet) and its recent account of them
+(:class:`~router.policies.load.RecentLoad`: decayed tokens and requests sent, placement's
+``util`` and ``request_rate``), a decode worker's running requests and reserved tokens
+(prompt + max new tokens).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from k3serve.messages import (
 )
 from k3serve.protocol import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER  # noqa: F401 - re-exported
 from router.index import GlobalIndex, PrefixMatch, ResyncNeeded
+from router.policies.load import RecentLoad
 
 log = logging.getLogger("k3serve.router")
 
@@ -78,6 +81,8 @@ class Worker:
     queued_tokens: int = 0  # prefill: predicted uncached tokens of unanswered prefills
     running: int = 0  # decode: requests reserved and not finished
     reserved_tokens: int = 0  # decode: Σ (prompt + max new tokens) of those
+    #: prefill: decayed uncached tokens / requests sent (``util``, ``request_rate``)
+    recent: RecentLoad = field(default_factory=RecentLoad, repr=False)
     resyncs: int = 0
     task: asyncio.Task | None = field(default=None, repr=False)
 
@@ -98,8 +103,12 @@ class Worker:
         Args:
             running: Decode requests to add (reserved, not finished).
             reserved_tokens: Tokens those requests may occupy (prompt + max new tokens).
-            queued_tokens: Prefill tokens sent and not answered yet (predicted uncached).
+            queued_tokens: Prefill tokens sent and not answered yet (predicted uncached); a
+                prefill (``queued_tokens`` > 0) also counts once in :attr:`recent`, which
+                decays by itself (``util`` / ``request_rate`` of placement).
         """
+        if queued_tokens > 0:
+            self.recent.add(queued_tokens)
         self.running += running
         self.reserved_tokens += reserved_tokens
         self.queued_tokens += queued_tokens

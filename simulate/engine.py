@@ -54,6 +54,7 @@ from router.placement import (
     place,
 )
 from router.policies import RouterView, WorkerView
+from router.policies.load import UTIL_HORIZON_S, RecentLoad
 
 STORE_INTERVALS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -78,7 +79,8 @@ class SimConfig:
             in blocks (0 = off, today's default).
         poll_s: the router pulls cache events this often (seconds of simulated time).
         util_horizon_s: time constant of the router's decayed account of work sent to each
-            worker (``WorkerView.util`` = decayed predicted compute seconds / horizon).
+            worker (:class:`router.policies.load.RecentLoad`, the live router's own class;
+            ``WorkerView.util`` = decayed predicted compute seconds / horizon).
         calibration: the cost model.
         params: placement knobs passed to every policy.
         fingerprint: the workers' layout fingerprint (must be the traces' hash salt).
@@ -92,7 +94,7 @@ class SimConfig:
     store_snapshot_interval: int | None = None
     worker_snapshot_interval: int = 0
     poll_s: float = 0.05
-    util_horizon_s: float = 10.0
+    util_horizon_s: float = UTIL_HORIZON_S
     calibration: Calibration = field(default_factory=Calibration)
     params: PlacementParams = field(default_factory=PlacementParams)
     fingerprint: str = DEFAULT_FINGERPRINT
@@ -200,9 +202,7 @@ class _Worker:
     busy: bool = False
     computed: int = 0
     router_queued: int = 0  # router's account: predicted uncached tokens not finished
-    sent_recent: float = 0.0  # router's decayed account of predicted uncached tokens sent
-    sent_at: float = 0.0
-    reqs_recent: float = 0.0  # router's decayed count of requests sent
+    recent: RecentLoad = field(default_factory=RecentLoad)  # the live router's util account
     running: int = 0  # requests sent and not finished (SGLang-style load)
 
 
@@ -301,7 +301,8 @@ def replay(reqs: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig
     ccfg = CacheConfig(num_pages=max(1, int(cfg.cache_fraction * nb)), num_slots=2,
                        num_snapshots=max(1, int(cfg.cache_fraction * ns)), block_size=B,
                        snapshot_interval_tokens=cfg.worker_snapshot_interval * B)
-    workers = [_Worker(f"p{i}", CacheManager(ccfg, cfg.fingerprint))
+    workers = [_Worker(f"p{i}", CacheManager(ccfg, cfg.fingerprint),
+                       recent=RecentLoad(cfg.util_horizon_s))
                for i in range(cfg.prefill_workers)]
     by_name = {w.name: w for w in workers}
     store = None
@@ -410,20 +411,15 @@ def replay(reqs: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig
         s_use, s_mla = (sm.usable_blocks, sm.mla_blocks) if sm else (0, 0)
         radix = view.match(r.hashes)
         states = []
-        hz = cfg.util_horizon_s
         for i, w in enumerate(workers):
-            if w.sent_at != t:
-                decay = math.exp(-(t - w.sent_at) / hz)
-                w.sent_recent *= decay
-                w.reqs_recent *= decay
-                w.sent_at = t
             m = match.get(w.name)
             use, mla = (m.usable_blocks, m.mla_blocks) if m else (0, 0)
             states.append(WorkerView(
                 w.name, max(use, s_use), max(mla, s_mla), w.router_queued, rate,
                 local_blocks=use, store_blocks=s_use,
                 store_tokens_per_s=cal.store_tokens_per_s if store is not None else 0.0,
-                util=w.sent_recent / hz, request_rate=w.reqs_recent / hz, running=w.running, approx_blocks=radix[i], tree_blocks=view.tree_size(i)))
+                util=w.recent.util(rate, t), request_rate=w.recent.request_rate(t),
+                running=w.running, approx_blocks=radix[i], tree_blocks=view.tree_size(i)))
         dstates = [DecodeWorkerState(f"d{i}", running=decode_running[i])
                    for i in range(cfg.decode_workers)]
         req = PlacementRequest(r.num_tokens, B, seq=seq, max_new_tokens=r.output_tokens)
@@ -432,8 +428,7 @@ def replay(reqs: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig
         predicted[seq] = p.predicted_cached_tokens
         w.router_queued += r.num_tokens - p.predicted_cached_tokens
         w.running += 1
-        w.sent_recent += (r.num_tokens - p.predicted_cached_tokens) / rate
-        w.reqs_recent += 1.0
+        w.recent.add(r.num_tokens - p.predicted_cached_tokens, 1.0, now=t)
         view.record(widx[w.name], r.hashes, cap)
         w.queue.append((seq, p.snapshot_at))
         if not w.busy:
