@@ -150,9 +150,8 @@ class Router:
         match = self.pool.match(prompt_hashes(ids, bs, fingerprint, cache_salt),
                                 req.max_cached_blocks)
         store = match.get(STORE)  # the shared store's content, if workers report puts
-        now = time.monotonic()  # Worker.recent's clock: util and request_rate of placement
-        pstates = [live_view(w.url, match.get(w.url), store, w.queued_tokens,
-                             w.info.prefill_rate or self.config.prefill_rate, w.recent, now)
+        pstates = [live_view(w.url, match.get(w.url), store, w.queued_tokens,  # + util, rate
+                             w.info.prefill_rate or self.config.prefill_rate, w.recent)
                    for w in prefill]
         dstates = []
         for w in decode:
@@ -249,9 +248,8 @@ class Router:
                                max_new_tokens=job.max_new)
         match = self.pool.match(prompt_hashes(job.token_ids, bs, fingerprint, cache_salt),
                                 req.max_cached_blocks)
-        now = time.monotonic()
         states = [live_view(w.url, match.get(w.url), None, w.queued_tokens,
-                            w.info.prefill_rate or self.config.prefill_rate, w.recent, now)
+                            w.info.prefill_rate or self.config.prefill_rate, w.recent)
                   for w in live]
         p = place(req, states, (), self.config.policy, self.config.placement)
         W = self.pool.workers[p.prefill]
