@@ -39,8 +39,15 @@ come from one :class:`router.policies.load.RecentLoad` per worker in ``router.wo
 (the simulator uses the same class), and the store's depth from the index's ``store`` holder
 (a plain state's ``store_blocks``; :func:`router.policies.depths`). On plain
 ``PrefillWorkerState`` objects without ``util`` the bound and the externality are inactive:
-the policy is the cost above under the queue guard. Knobs: :class:`HomeParams` (chosen with
-benchmarks/simulate_grid.py on three traces; see the issue-12 report).
+the policy is the cost above under the queue guard.
+
+Knobs: :class:`HomeParams`, chosen with benchmarks/simulate_grid.py over the three traces
+(Mooncake, conversation, agent), with and without the store, at the issue-12 defaults. The
+median TTFT is set by the last partial block of deep hits (≈ 7 ms at 8,000 tokens/s) plus the
+waits of the ~2 % of short requests that land behind a long cold prefill on their home; a
+lighter queue weight (0.5) and duplication weight (1.0) than the first cut (1.0, 3.0) keep
+hit / oracle and the balance and make ``prefix_home``'s p50 the lowest on all six runs
+(benchmarks/RESULTS_simulate.md).
 """
 
 from __future__ import annotations
@@ -70,13 +77,13 @@ class HomeParams(PlacementParams):
             it for the requests that follow).
     """
 
-    dup_weight: float = 3.0
+    dup_weight: float = 1.0
     balance_slack: float = 0.10
     util_horizon_s: float = UTIL_HORIZON_S
     overload_seconds: float = 2.0
     balance_weight: float = 20.0
     ext_weight: float = 1.0
-    queue_weight: float = 1.0
+    queue_weight: float = 0.5
 
 
 _DEFAULT = HomeParams()
