@@ -155,10 +155,12 @@ class StoreTier:
         vals = [lab["worker"], lab["role"]]
         ops = CounterMetricFamily("k3serve:store_operations",
                                   "Store operations by kind (put, get, skipped: key present, "
-                                  "dropped: queue full or store down, failed).",
+                                  "dropped: queue full or store down, failed, gone: a "
+                                  "reported value found evicted or lost).",
                                   labels=names + ["op"])
         for op, v in (("put", st.puts), ("get", st.gets), ("skipped", st.put_skipped),
-                      ("dropped", st.put_dropped), ("failed", st.failures)):
+                      ("dropped", st.put_dropped), ("failed", st.failures),
+                      ("gone", st.gone)):
             ops.add_metric(vals + [op], v)
         by = CounterMetricFamily("k3serve:store_bytes", "Bytes written to / read from the store.",
                                  labels=names + ["direction"])
