@@ -158,3 +158,31 @@ def test_hit_rate_is_the_simulators_prediction(live):
     assert d["predicted_hit_rate"] > 0
     assert d["predicted_hit_rate"] == pytest.approx(
         d["server_predicted_cached_tokens"] / d["server_prompt_tokens"])
+
+
+def test_simulate_cli_models_the_live_stack(tmp_path):
+    """``k3serve simulate --length-scale …``: the bench's slice on a given stack shape (the
+    same figures as :func:`simulate.live.simulate_slice`), monolithic as ``N:0``."""
+    from simulate.calibration import load_calibration
+    from simulate.cli import main
+    from simulate.live import LIVE_CALIBRATION, StackShape, simulate_slice
+
+    args = ["--trace", str(SLICE), "--length-scale", str(LENGTH_SCALE), "--output-scale",
+            str(OUTPUT_SCALE), "--max-model-len", str(MAX_MODEL_LEN), "--time-scale",
+            str(TIME_SCALE), "--policy", "cache_aware", "round_robin", "--no-progress"]
+    for workers, shape in (("2:1", StackShape(block_size=BLOCK)),
+                           ("3:0", StackShape(prefill=3, decode=0, block_size=BLOCK))):
+        out = tmp_path / f"{workers.replace(':', '-')}.json"
+        assert main([*args, "--workers", workers, "--json", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        want, skipped = simulate_slice(SLICE, shape, "cache_aware",
+                                       load_calibration(LIVE_CALIBRATION),
+                                       length_scale=LENGTH_SCALE, max_model_len=MAX_MODEL_LEN,
+                                       time_scale=TIME_SCALE, output_scale=OUTPUT_SCALE)
+        got = {p["policy"]: p for p in doc["policies"]}
+        assert got["cache_aware"]["hit_rate"] == want.hit_rate >= 0.30
+        assert got["round_robin"]["hit_rate"] < want.hit_rate  # placement matters here
+        assert doc["live"]["num_skipped"] == skipped == 9
+        assert doc["live"]["stack"]["decode"] == shape.decode
+        assert doc["setup"]["requests"] == 15 and doc["setup"]["block_size"] == BLOCK
+    assert main([*args, "--workers", "2:1", "--length-scale", "0.001"]) == 2  # bad scale
