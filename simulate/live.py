@@ -27,8 +27,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from k3serve.cache.specs import CacheConfig, CacheDtypes, KDAStateSpec, MLALatentSpec, \
-    auto_dense_snapshot_blocks
+from k3serve.cache.specs import (
+    CacheConfig,
+    CacheDtypes,
+    KDAStateSpec,
+    MLALatentSpec,
+    auto_dense_snapshot_blocks,
+)
 from k3serve.traces import TraceRequest, replay_slice
 from router.config import RouterConfig
 from simulate.calibration import Calibration
