@@ -53,6 +53,9 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # vLLM's extension: generate past EOS (and the model's other end-of-text ids) up to
+    # max_tokens; explicit stop strings still apply. Benchmarks send it for exact lengths.
+    ignore_eos: bool = False
 
     @field_validator("stop")
     @classmethod

@@ -84,6 +84,12 @@ class SimConfig:
         calibration: the cost model.
         params: placement knobs passed to every policy.
         fingerprint: the workers' layout fingerprint (must be the traces' hash salt).
+        cache: every prefill worker's cache exactly (a live stack's pages, slots, snapshot
+            budget and snapshot policy: :mod:`simulate.live`); ``None``: sized from
+            ``cache_fraction`` of the working set.
+        router_prefill_rate: the prefill tokens/s the router assumes per worker in its
+            placement costs and load accounts (a live router: what workers report, else
+            ``RouterConfig.prefill_rate``); ``None``: the calibration's true rate.
     """
 
     prefill_workers: int = 32
@@ -98,6 +104,8 @@ class SimConfig:
     calibration: Calibration = field(default_factory=Calibration)
     params: PlacementParams = field(default_factory=PlacementParams)
     fingerprint: str = DEFAULT_FINGERPRINT
+    cache: CacheConfig | None = None
+    router_prefill_rate: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefill_workers, int) or self.prefill_workers < 1:
@@ -117,6 +125,8 @@ class SimConfig:
             raise ValueError("store_snapshot_interval: must be ≥ 0 or None")
         if self.worker_snapshot_interval < 0:
             raise ValueError("worker_snapshot_interval: must be ≥ 0")
+        if self.router_prefill_rate is not None and not self.router_prefill_rate > 0:
+            raise ValueError(f"router_prefill_rate: must be > 0, got {self.router_prefill_rate!r}")
         if not self.poll_s >= 0:
             raise ValueError(f"poll_s: must be ≥ 0, got {self.poll_s!r}")
 
@@ -295,12 +305,16 @@ def replay(reqs: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig
     facts = facts or trace_facts(reqs)
     cal = cfg.calibration
     B = facts.block_size
-    rate = cal.prefill_tokens_per_s
+    rate = cfg.router_prefill_rate or cal.prefill_tokens_per_s  # the router's belief
     scale = time_scale(facts, cfg)
     nb, ns = facts.working_blocks, facts.working_snapshots
     ccfg = CacheConfig(num_pages=max(1, int(cfg.cache_fraction * nb)), num_slots=2,
                        num_snapshots=max(1, int(cfg.cache_fraction * ns)), block_size=B,
                        snapshot_interval_tokens=cfg.worker_snapshot_interval * B)
+    if cfg.cache is not None:  # a live stack's cache exactly (simulate.live)
+        if cfg.cache.block_size != B:
+            raise ValueError(f"cache.block_size: {cfg.cache.block_size} != the trace's {B}")
+        ccfg = cfg.cache
     workers = [_Worker(f"p{i}", CacheManager(ccfg, cfg.fingerprint),
                        recent=RecentLoad(cfg.util_horizon_s))
                for i in range(cfg.prefill_workers)]

@@ -99,6 +99,8 @@ class FakeState:
     # end each decode stream after this many tokens with this finish_reason (None: no finish
     # event at all, only ``[DONE]``): a decode worker that aborts, or stops at its own limit
     cut_stream: tuple[int, str | None] | None = None
+    # the toy model's token #k (1-based, k >= 2: a decode token) is EOS (ignore_eos tests)
+    eos_at: int | None = None
 
     def __post_init__(self) -> None:
         self.restart()
@@ -210,6 +212,8 @@ def make_worker_app(state: FakeState) -> FastAPI:
             sent = 0
             while not detok.finished and not r["aborted"]:
                 t = toy_next(ctx, sp.seed, sp.temperature)
+                if state.eos_at is not None and sent + 2 == state.eos_at:
+                    t = TOKENIZER.eos_token_id
                 ctx.append(t)
                 o = detok.step(t)
                 sent += 1
