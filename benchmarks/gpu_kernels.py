@@ -32,6 +32,7 @@ import os
 import sys
 import time
 import traceback
+from functools import partial
 
 import torch
 
@@ -173,21 +174,19 @@ def prefill_rows(rows, bw, rate, fla, quick, shapes=None):
         kw = {"initial_state": h0, "output_final_state": True, "cu_seqlens": cu}
         k3 = {"A_log": A_log, "dt_bias": dt_bias, "lower_bound": -5.0}
         with torch.inference_mode():
-            ours = lambda: chunk_kda_triton(q, k, v, g, beta, **kw)  # noqa: E731
-            ours_k3 = lambda: chunk_kda_triton(q, k, v, f, beta, **kw, **k3)  # noqa: E731
-            o, st = ours()
+            ours = partial(chunk_kda_triton, q, k, v, g, beta, **kw)
+            ours_k3 = partial(chunk_kda_triton, q, k, v, f, beta, **kw, **k3)
+            o, _ = ours()
             o3, _ = ours_k3()
             err = err3 = float("nan")
             fla_p = fla_k3 = None
             if fla is not None:
-                fla_p = lambda: fla.chunk_kda(q, k, v, g, beta, **kw)  # noqa: E731
-                fla_k3 = lambda: fla.chunk_kda(q, k, v, f, beta, **kw, use_gate_in_kernel=True,  # noqa: E731
-                                               safe_gate=True, **k3)
+                fla_p = partial(fla.chunk_kda, q, k, v, g, beta, **kw)
+                fla_k3 = partial(fla.chunk_kda, q, k, v, f, beta, **kw, use_gate_in_kernel=True,
+                                 safe_gate=True, **k3)
                 try:
-                    fo, fst = fla_p()
-                    err = _rel(o, fo)
-                    fo3, _ = fla_k3()
-                    err3 = _rel(o3, fo3)
+                    err = _rel(o, fla_p()[0])
+                    err3 = _rel(o3, fla_k3()[0])
                 except Exception as e:  # noqa: BLE001  (report, keep going)
                     log(f"fla prefill T={T} H={H} N={N} failed: {e!r}")
                     fla_p = fla_k3 = None
@@ -199,7 +198,7 @@ def prefill_rows(rows, bw, rate, fla, quick, shapes=None):
         rows.append(("prefill", shape, "ours-k3", t_k3, t_fla_k3, roof_f, b_f / (t_k3 * 1e-3) / bw,
                      f"fla/ours={t_fla_k3 / t_k3:.2f} (fla K3 mode) err_vs_fla={err3:.1e}"))  # fmt: skip
         log(rows[-2], rows[-1])
-        del q, k, v, g, f, beta, h0
+        del ours, ours_k3, fla_p, fla_k3
         torch.cuda.empty_cache()
 
 

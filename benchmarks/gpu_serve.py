@@ -31,8 +31,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
-import os
 import statistics
 import sys
 import time
@@ -83,8 +83,8 @@ def write_tokenizer(folder: Path, vocab: int) -> None:
 
 def write_checkpoint(folder: Path) -> None:
     import torch
-
     from gpu_e2e import build
+
     from k3serve.model.checkpoint import save_checkpoint
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -122,8 +122,10 @@ def offline(folder: Path, msgs: list[dict], max_tokens: int) -> dict:
     out = llm.generate([ids], sp)[0]
     dt = time.time() - t0
     toks = [llm.tokenizer.decode([t]) for t in out.token_ids]
+    tbytes = [list(llm.tokenizer.decode_bytes([t], skip_special_tokens=False))
+              for t in out.token_ids]
     res = {"prompt_tokens": len(ids), "token_ids": list(out.token_ids), "text": out.text,
-           "tokens": toks, "finish_reason": out.finish_reason, "seconds_first_call": dt}
+           "tokens": toks, "token_bytes": tbytes, "finish_reason": out.finish_reason, "seconds_first_call": dt}
     del llm
     torch.cuda.empty_cache()
     return res
@@ -163,6 +165,8 @@ def served(folder: Path, out: Path, log_dir: str, msgs: list[dict], max_tokens: 
         ch = j["choices"][0]
         res["chat"] = {"text": ch["message"]["content"], "finish_reason": ch["finish_reason"],
                        "tokens": [t["token"] for t in (ch.get("logprobs") or {}).get("content", [])],
+                       "token_bytes": [t.get("bytes") for t in
+                                       (ch.get("logprobs") or {}).get("content", [])],
                        "usage": j.get("usage")}
         filler = "\n".join(corpus())
         ttft, itl, e2e = [], [], []
@@ -182,7 +186,7 @@ def served(folder: Path, out: Path, log_dir: str, msgs: list[dict], max_tokens: 
             if not stamps:
                 continue
             ttft.append(stamps[0] - t_send)
-            gaps = [b_ - a_ for a_, b_ in zip(stamps, stamps[1:])]
+            gaps = [b_ - a_ for a_, b_ in itertools.pairwise(stamps)]
             if gaps:
                 itl.append(statistics.median(gaps))
             e2e.append(stamps[-1] - t_send)
@@ -258,16 +262,17 @@ def main() -> int:
         (out / "gpu_serve.json").write_text(json.dumps(res, indent=1))
     chat = res.get("chat", {})
     same_text = chat.get("text") == off["text"]
-    same_toks = chat.get("tokens") == off["tokens"]
-    res["equal"] = {"text": same_text, "tokens": same_toks}
+    same_toks = chat.get("token_bytes") == off["token_bytes"]  # strings differ for partial UTF-8
+    res["equal"] = {"text": same_text, "token_bytes": same_toks,
+                    "token_strings": chat.get("tokens") == off["tokens"]}
     (out / "gpu_serve.json").write_text(json.dumps(res, indent=1))
     st = res.get("stream", {})
-    lines = [f"k3-mini served 1 prefill + 1 decode on {res['device']} ({res['date']}, torch "
-             f"{res['torch']}, triton {res['triton']}, {res['mooncake']})",
-             f"greedy chat answer equal to offline: text={same_text} tokens={same_toks} "
-             f"({len(off['tokens'])} tokens, API {len(chat.get('tokens', []))})",
-             f"TTFT median {st.get('ttft_ms_median')} ms, ITL median {st.get('itl_ms_median')} ms "
-             f"over {st.get('requests')} requests (~{args.prompt_tokens}-token prompts)"]
+    lines = [(f"k3-mini served 1 prefill + 1 decode on {res['device']} ({res['date']}, torch "
+             f"{res['torch']}, triton {res['triton']}, {res['mooncake']})"),
+             (f"greedy chat answer equal to offline: text={same_text} tokens={same_toks} "
+             f"({len(off['tokens'])} tokens, API {len(chat.get('tokens', []))})"),
+             (f"TTFT median {st.get('ttft_ms_median')} ms, ITL median {st.get('itl_ms_median')} ms "
+             f"over {st.get('requests')} requests (~{args.prompt_tokens}-token prompts)")]
     for t in res.get("transfer", []):
         lines.append(f"transfer {t['worker']}: {t['bytes'] / 1e6:.1f} MB in {t['count']:.0f} "
                      f"transfers, {t['seconds_sum']:.3f} s → {t['gb_per_s']} GB/s, "
