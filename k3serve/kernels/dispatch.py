@@ -129,6 +129,23 @@ def mla_decode_absorbed_paged(q_lat, latent_pool, block_table, seq_lens, kv_lora
     return ref(q_lat, latent_pool, block_table, seq_lens, kv_lora, scale)
 
 
+def mla_prefill_paged(q, latent_pool, block_table, cu_seqlens, num_cached, kv_b_weight,
+                      qk_nope, v_dim, scale):  # fmt: skip
+    """:func:`k3serve.kernels.mla.naive.mla_prefill_naive_paged` contract (output dtype may be
+    ``q.dtype``). Where :func:`use_triton` allows and no gradient is needed: SDPA in ``q.dtype``
+    (:mod:`k3serve.kernels.mla.prefill_sdpa`, no ``[H, T, L]`` scores in memory); else the naive
+    float32 reference."""
+    if use_triton(q.device) and q.dtype != torch.float64 and not _needs_grad(q, kv_b_weight):
+        from k3serve.kernels.mla.prefill_sdpa import mla_prefill_sdpa_paged as fast
+
+        return fast(q, latent_pool, block_table, cu_seqlens, num_cached, kv_b_weight, qk_nope,
+                    v_dim, scale)  # fmt: skip
+    from k3serve.kernels.mla.naive import mla_prefill_naive_paged as ref
+
+    return ref(q, latent_pool, block_table, cu_seqlens, num_cached, kv_b_weight, qk_nope, v_dim,
+               scale)  # fmt: skip
+
+
 def rms_norm(x, weight, eps, gate=None):
     """RMSNorm (× ``σ(gate)`` when given): :func:`k3serve.model.layers.rms_norm` contract, in
     ``x.dtype``. One fused Triton launch (:mod:`k3serve.kernels.fused_triton`) when
@@ -208,6 +225,7 @@ __all__ = [
     "glu",
     "kernel_backend",
     "mla_decode_absorbed_paged",
+    "mla_prefill_paged",
     "rms_norm",
     "routed_experts",
     "use_triton",
