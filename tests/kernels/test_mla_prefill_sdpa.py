@@ -68,12 +68,14 @@ def test_short_block_table_raises() -> None:
 
 
 def test_dispatch_takes_sdpa_only_where_kernels_run(monkeypatch) -> None:
-    """CPU default: the naive reference (bit-identical to it); under the Triton switch (as on
-    CUDA) the SDPA path, equal to float32 rounding."""
+    """Default: the naive reference (bit-identical to it), also on the kernel path; with
+    K3SERVE_MLA_PREFILL=sdpa the SDPA path where kernels run (as on CUDA), equal to float32
+    rounding; a bad value raises."""
     args = _case(5, [7, 0], [12, 30])
     scale = (NOPE + ROPE) ** -0.5
     ref = mla_prefill_naive_paged(*args, NOPE, V, scale)
     monkeypatch.delenv("K3SERVE_KERNELS", raising=False)
+    monkeypatch.delenv("K3SERVE_MLA_PREFILL", raising=False)
     assert torch.equal(dispatch.mla_prefill_paged(*args, NOPE, V, scale), ref)
     import k3serve.kernels.mla.prefill_sdpa as mod
 
@@ -86,6 +88,11 @@ def test_dispatch_takes_sdpa_only_where_kernels_run(monkeypatch) -> None:
     monkeypatch.setattr(mod, "mla_prefill_sdpa_paged", spy)
     assert dispatch.mla_prefill_paged(*args, NOPE, V, scale) is not None and not calls
     monkeypatch.setattr(dispatch, "use_triton", lambda device=None: True)
+    assert torch.equal(dispatch.mla_prefill_paged(*args, NOPE, V, scale), ref) and not calls
+    monkeypatch.setenv("K3SERVE_MLA_PREFILL", "sdpa")
     fast = dispatch.mla_prefill_paged(*args, NOPE, V, scale)
     assert calls == [1]
     assert _rel(fast, ref) < 1e-5
+    monkeypatch.setenv("K3SERVE_MLA_PREFILL", "flash")
+    with pytest.raises(ValueError, match="K3SERVE_MLA_PREFILL"):
+        dispatch.mla_prefill_paged(*args, NOPE, V, scale)

@@ -70,14 +70,16 @@ def mla_prefill_sdpa_paged(
         kv = (c @ w.t()).view(length, h, qk_nope + v_dim)
         k = torch.cat([kv[..., :qk_nope], k_pe[:, None, :].expand(length, h, k_pe.shape[-1])], -1)
         v = kv[..., qk_nope:]
-        qi = q[cu[i] : cu[i + 1]].transpose(0, 1)  # [H, Tq, E]
-        kt, vt = k.transpose(0, 1), v.transpose(0, 1)
+        # [1, H, len, E]: the fused CUDA kernels (and CausalBias's dispatch) want 4-D inputs;
+        # 3-D ones would fall back to the math path, which materialises the scores
+        qi = q[cu[i] : cu[i + 1]].transpose(0, 1)[None]
+        kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         if nc[i] == 0:
             o = F.scaled_dot_product_attention(qi, kt, vt, is_causal=True, scale=scale)
         else:
             mask = causal_lower_right(tq, length)
             o = F.scaled_dot_product_attention(qi, kt, vt, attn_mask=mask, scale=scale)
-        out[cu[i] : cu[i + 1]] = o.transpose(0, 1)
+        out[cu[i] : cu[i + 1]] = o[0].transpose(0, 1)
     return out
 
 
