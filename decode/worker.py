@@ -201,6 +201,8 @@ class DecodeWorker(BaseWorker):
         if r.phase is not DecodePhase.TRANSFER:
             return
         err = r.receiver.error if r.receiver is not None else "admit failed"
+        if r.receiver is not None and r.receiver.expired:
+            self.metrics.expiry()
         r.to(DecodePhase.AWAIT_FIRST)
         if r.first is None:
             log.warning("decode %s: transfer failed (%s); recomputing once the stream brings "

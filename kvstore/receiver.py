@@ -95,14 +95,20 @@ class KVReceiver:
         return dict(sorted(self._rec.layers.items()))
 
     @property
+    def expired(self) -> bool:
+        """FAILED because its deadline passed (pairing or transfer timeout)."""
+        return self._rec.expired
+
+    @property
     def released(self) -> bool:
         """Whether ``on_release`` ran (failed reservations only)."""
         return self._rec.released
 
-    def abort(self, reason: str = "aborted by decode") -> None:
+    def abort(self, reason: str = "aborted by decode", sender_gone: bool = False) -> None:
         """Fail the ticket now (a later pairing is refused); the reservation is released once
-        no sender can still write into it."""
-        self.server.abort_ticket(self.ticket, reason)
+        no sender can still write into it (at once with ``sender_gone``: the paired sender's
+        process is dead)."""
+        self.server.abort_ticket(self.ticket, reason, sender_gone)
 
     def close(self) -> None:
         """Forget the ticket on the server (after SUCCESS, or FAILED and released).

@@ -62,6 +62,11 @@ class KVSender:
             and fail inside Mooncake.
         on_release: called once (from :meth:`poll`/:meth:`abort`) when the source slot/pages
             are no longer read by any write.
+        fault: an injected fault (:mod:`kvstore.faults`): ``"fail"`` once paired, or
+            ``"hang"`` (paired, then nothing until the deadline); ``None``: none.
+
+    Attributes:
+        expired: FAILED because the deadline passed (``timeout_s``).
 
     Raises:
         ValueError: ``notify`` not ``te``/``http``.
@@ -83,6 +88,7 @@ class KVSender:
         progress: bool = True,
         fail_first_n: int = 0,
         on_release: Callable[[], None] | None = None,
+        fault: str | None = None,
     ) -> None:
         if notify not in ("te", "http"):
             raise ValueError(f"KVSender.notify: 'te' or 'http', not {notify!r}")
@@ -101,6 +107,7 @@ class KVSender:
         self._failing = False
         self._stopping = threading.Event()  # set with _failing: background retries stop
         self._fail_kind, self._released = "failed", False
+        self.fault, self.expired = fault, False
         self._fp = src_layout.fingerprint()
         self._writes = LayerWrites(
             src_layout, self.src, engine, self._budget, fail_first_n, f"KVSender {ticket}"
@@ -131,7 +138,8 @@ class KVSender:
             ValueError: the layer has no cache in the layout; ``upto_tokens`` out of range.
         """
         self._writes.mark(layer, upto_tokens)
-        if self._dst is not None and not self._failing and not self._state.terminal:
+        if (self._dst is not None and not self._failing and not self._state.terminal
+                and self.fault != "hang"):
             self._submit_ready(time.monotonic())
 
     def finish(self, metadata: TransferMetadata) -> None:
@@ -150,7 +158,8 @@ class KVSender:
             raise TypeError(f"metadata: expected a TransferMetadata, got {type(metadata).__name__}")
         self._metadata = metadata
         self._writes.mark_all()
-        if self._dst is not None and not self._failing and not self._state.terminal:
+        if (self._dst is not None and not self._failing and not self._state.terminal
+                and self.fault != "hang"):
             self._submit_ready(time.monotonic())
 
     def poll(self) -> KVPoll:
@@ -235,16 +244,19 @@ class KVSender:
         self._dst_layout = dst_layout
         self._state = KVPoll.WAITING_FOR_INPUT
         self.stats["t_paired"] = now - self._t0
+        if self.fault == "fail":
+            self._fail(KVStoreError("injected transfer failure (K3SERVE_KV_FAULT_FAIL_FRACTION)"))
 
     # ------------------------------------------------------------------ the step
     def _step(self, now: float) -> None:
         if not self._failing and now > self._deadline:
+            self.expired = True
             self._fail(
                 KVStoreError(f"timed out after {self.timeout_s} s in state {self._state.name}")
             )
         if self._state == KVPoll.BOOTSTRAPPING:
             self._step_pairing(now)
-        if self._dst is not None and not self._failing:
+        if self._dst is not None and not self._failing and self.fault != "hang":
             self._submit_ready(now)
         self.engine.progress()
         done_layers, err = self._writes.check(now, self._peer, self._failing)

@@ -51,6 +51,7 @@ class TicketRecord:
     released: bool = False
     finished_at: float | None = None
     transfer_timeout_s: float | None = None  # set: the deadline restarts at pairing
+    expired: bool = False  # FAILED because the deadline passed
 
 
 class TicketTable:
@@ -122,13 +123,16 @@ class TicketTable:
         with self._lock:
             return self._tickets[ticket]
 
-    def abort_ticket(self, ticket: str, reason: str = "aborted by decode") -> None:
+    def abort_ticket(self, ticket: str, reason: str = "aborted by decode",
+                     sender_gone: bool = False) -> None:
         """Fail an open ticket (no-op when already finished); the reservation is released by
-        :meth:`pump` once no sender can still write into it."""
+        :meth:`pump` once no sender can still write into it — at once with ``sender_gone``
+        (the paired sender's process is known to be dead: nothing of it can land any more)."""
         with self._lock:
             rec = self._tickets.get(ticket)
             if rec is not None:
                 self._finish(rec, KVPoll.FAILED, reason)
+                rec.quiesced = rec.quiesced or sender_gone
         self.pump()
 
     def forget(self, ticket: str) -> None:
@@ -161,6 +165,7 @@ class TicketTable:
         with self._lock:
             for rec in list(self._tickets.values()):
                 if not rec.state.terminal and now > rec.deadline:
+                    rec.expired = True
                     self._finish(
                         rec,
                         KVPoll.FAILED,

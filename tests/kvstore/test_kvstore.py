@@ -746,6 +746,78 @@ def test_inprocess_decode_abort_refuses_http_completion(pair):
     assert "client went away" in rx.error
 
 
+def test_fault_plan_schedule_and_config():
+    from kvstore.faults import FaultPlan
+
+    plan = FaultPlan(0.1, 0.1)
+    faults = [plan.next() for _ in range(100)]
+    assert faults.count("fail") == 10 and faults.count("hang") == 10
+    assert faults[9] == "fail" and faults[4] == "hang"  # interleaved, deterministic
+    assert not FaultPlan().active and all(FaultPlan().next() is None for _ in range(50))
+    assert [FaultPlan(1.0).next() for _ in range(3)] == ["fail"] * 3
+    with pytest.raises(ValueError, match="fail_fraction"):
+        FaultPlan(1.5)
+    with pytest.raises(ValueError):
+        FaultPlan(0.6, 0.6)
+    cfg = KVConfig.from_env({"K3SERVE_KV_FAULT_FAIL_FRACTION": "0.1",
+                             "K3SERVE_KV_FAULT_HANG_FRACTION": "0.05"})
+    assert (cfg.fault_fail_fraction, cfg.fault_hang_fraction) == (0.1, 0.05)
+    with pytest.raises(ValueError, match="K3SERVE_KV_FAULT_HANG_FRACTION"):
+        KVConfig.from_env({"K3SERVE_KV_FAULT_HANG_FRACTION": "2"})
+
+
+def test_inprocess_injected_fail_and_hang_expire_on_both_sides(pair):
+    """An injected failure is reported once paired; a hung sender writes nothing, so the
+    ticket expires at its deadline (receiver) and the sender at its own; both release."""
+    n = 2 * B
+    released = []
+    rx = KVReceiver(pair["server"], CacheRef(3, (56, 57), n), timeout_s=10,
+                    on_release=lambda: released.append("fail"))
+    tx = make_sender(pair, rx, CacheRef(1, (12, 13), n), fault="fail")
+    for l in range(TINY.num_layers):
+        tx.layer_ready(l)
+    tx.finish(meta_for(n))
+    run_until(lambda: tx.state.terminal and rx.released, 10, tx, rx)
+    assert tx.state == KVPoll.FAILED and rx.state == KVPoll.FAILED
+    assert "injected" in rx.error and not rx.expired and not tx.expired
+    rx2 = KVReceiver(pair["server"], CacheRef(3, (58, 59), n), timeout_s=0.3,
+                     pair_timeout_s=10, on_release=lambda: released.append("hang"))
+    tx2 = make_sender(pair, rx2, CacheRef(1, (14, 15), n), fault="hang", timeout_s=1.0)
+    for l in range(TINY.num_layers):
+        tx2.layer_ready(l)
+    tx2.finish(meta_for(n))
+    run_until(lambda: rx2.state.terminal, 5, tx2, rx2)
+    assert rx2.state == KVPoll.FAILED and rx2.expired and "timed out" in rx2.error
+    assert not tx2.state.terminal and tx2.bytes_sent == 0  # nothing written: it hangs
+    run_until(lambda: tx2.state.terminal and rx2.released, 10, tx2, rx2)
+    assert tx2.state == KVPoll.FAILED and tx2.expired
+    assert released == ["fail", "hang"]
+
+
+def test_abort_with_sender_gone_releases_at_once(pair):
+    """A paired sender announces when it stops writing (quiesce_by_s): an aborted ticket's
+    reservation waits for that, unless the sender is known dead."""
+    srv = pair["server"]
+    released = []
+    rxs = []
+    for gone in (False, True):
+        rx = KVReceiver(srv, CacheRef(2, (60 + gone,), B), timeout_s=10,
+                        on_release=lambda g=gone: released.append(g))
+        st, _ = srv.pair(PairRequest(ticket=rx.ticket, sender=f"s-{gone}", quiesce_by_s=60,
+                                     fingerprint=srv.layout.fingerprint()))
+        assert st == 200
+        rx.abort("prefill worker died", sender_gone=gone)
+        rxs.append(rx)
+    for rx in rxs:
+        rx.poll()
+    assert released == [True] and rxs[1].released and not rxs[0].released
+    srv.on_status(StatusMessage(ticket=rxs[0].ticket, sender="s-False", kind="aborted",
+                                quiesced=True))
+    run_until(lambda: rxs[0].released, 5, rxs[0])
+    for rx in rxs:
+        rx.close()
+
+
 def test_inprocess_manifest_short_and_timeout(pair):
     srv = pair["server"]
     rx = KVReceiver(srv, CacheRef(0, (1, 2), 2 * B), timeout_s=10)
