@@ -4,7 +4,8 @@ sides can be exercised on a live stack (tests, soaks). Off by default.
 
 The choice is deterministic: with fraction f, sender n (1-based, per process) gets the fault
 when ``floor(n·f + phase)`` steps up (a Bresenham schedule: exactly ⌊N·f⌋ or ⌈N·f⌉ of the
-first N senders), failures with phase 0, hangs with phase ½ so the two interleave.
+first N senders), failures with phase ½ and hangs with phase 0.2, so that with f = 0.1 the
+5th and the 8th senders already get one (then every 10th).
 
 * ``fail``: once paired, the sender fails (reported to the decode side, which recomputes the
   prefill: ``k3serve:kv_transfer_fallbacks_total``);
@@ -57,9 +58,9 @@ class FaultPlan:
         def due(f: float, phase: float) -> bool:
             return math.floor(n * f + phase) > math.floor((n - 1) * f + phase)
 
-        if due(self.fail_fraction, 0.0):
+        if due(self.fail_fraction, 0.5):
             return "fail"
-        if due(self.hang_fraction, 0.5):
+        if due(self.hang_fraction, 0.2):
             return "hang"
         return None
 

@@ -1,8 +1,13 @@
 """Request migration and re-placement against a live stack (issue 15, part B).
 
 One stack for the module — router + 2 prefill + 2 decode worker processes (k3-tiny, loopback,
-``deploy.launcher.start_stack``). The tests run in file order and each one kills a worker:
+``deploy.launcher.start_stack``), with 10 % of the transfers failing and 10 % hanging
+(``K3SERVE_KV_FAULT_FAIL_FRACTION`` / ``_HANG_FRACTION``, short deadlines). The tests run in
+file order:
 
+0. the injected faults lose no request: every fault is recomputed by the decode worker
+   (``k3serve:kv_transfer_fallbacks_total``); the hung transfers expire on both sides
+   (``k3serve:kv_transfer_expiries_total``).
 1. kill -9 of a decode worker while ``N_STREAMS`` streaming requests run: every stream
    completes and its text equals the same request run before the fault (greedy, and seeded
    sampling with presence / frequency / repetition penalties): nothing duplicated or skipped.
@@ -12,7 +17,7 @@ One stack for the module — router + 2 prefill + 2 decode worker processes (k3-
    placed again on the other prefill worker), with the texts of the fault-free runs; the
    surviving decode worker frees every slot, page and ticket of the orphans.
 
-On main before this change: (1) the dead worker's streams end with an SSE error and no
+On main before this change: (0) there is no fault injection nor expiry counter; (1) the dead worker's streams end with an SSE error and no
 ``finish_reason``; (2) the requests in flight on the dead prefill worker get 503 (not placed
 again) and their decode reservations stay held for the sender's quiesce window (~50 s).
 
@@ -40,14 +45,28 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 PREFILL0, DECODE0, DECODE1 = 1, 3, 4
 
 
+#: the workers' environment: injected faults, deadlines short enough for a test
+FAULT_ENV = {"K3SERVE_KV_FAULT_FAIL_FRACTION": "0.1", "K3SERVE_KV_FAULT_HANG_FRACTION": "0.1",
+             "K3SERVE_KV_RECEIVER_TIMEOUT_S": "2", "K3SERVE_KV_SENDER_TIMEOUT_S": "4"}
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     from deploy.launcher import start_stack
 
     logs = tmp_path_factory.mktemp("migration-logs")
-    st = start_stack(model=MODEL, num_prefill=2, num_decode=2, api_key=KEY, block_size=B,
-                     log_dir=str(logs), ready_timeout=180,
-                     extra_router_args=["--poll-timeout", "2"])
+    saved = {k: os.environ.get(k) for k in FAULT_ENV}
+    os.environ.update(FAULT_ENV)  # the children inherit it
+    try:
+        st = start_stack(model=MODEL, num_prefill=2, num_decode=2, api_key=KEY, block_size=B,
+                         log_dir=str(logs), ready_timeout=180,
+                         extra_router_args=["--poll-timeout", "2"])
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     try:
         yield st
     finally:
@@ -101,10 +120,13 @@ def run_all(url: str, bodies: list[dict], during=None) -> list[tuple[str, str | 
     return asyncio.run(go())
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
     text = httpx.get(url + "/metrics", timeout=10).text
+    want = [f'{k}="{v}"' for k, v in labels.items()]
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith((name + "{", name + " ")))
+               if line.startswith((name + "{", name + " "))
+               and all(w in line.split("}", 1)[0] for w in want))
 
 
 def usage(stack, url: str) -> dict:
@@ -119,9 +141,24 @@ def baseline(stack):
     return run_all(stack.url, bodies)
 
 
-def test_kill_decode_mid_stream_migrates_every_stream(stack, baseline):
-    assert all(f in ("stop", "length") for _, f, _ in baseline)
+def test_injected_transfer_faults_lose_no_request(stack, baseline):
+    assert all(f in ("stop", "length") for _, f, _ in baseline)  # every request completed
     assert sum(n for *_, n in baseline) > N_STREAMS * 4  # streams long enough to cut
+    prefill, decode = stack.worker_urls[:2], stack.worker_urls[2:]
+    fails = sum(metric(u, "k3serve:kv_faults_injected_total", kind="fail") for u in prefill)
+    hangs = sum(metric(u, "k3serve:kv_faults_injected_total", kind="hang") for u in prefill)
+    assert fails >= 1 and hangs >= 1  # 16 transfers over 2 workers: the 5th and 8th fault
+    fallbacks = sum(metric(u, "k3serve:kv_transfer_fallbacks_total") for u in decode)
+    assert fallbacks >= fails + hangs  # every faulty transfer was recomputed by decode
+    # each hung transfer expired on the decode side (ticket) and on the prefill side (sender)
+    assert sum(metric(u, "k3serve:kv_transfer_expiries_total") for u in decode) >= hangs
+    t_end = time.monotonic() + 15  # the senders' deadline (4 s) is later than the tickets'
+    while sum(metric(u, "k3serve:kv_transfer_expiries_total") for u in prefill) < hangs:
+        assert time.monotonic() < t_end, "a hung sender did not expire"
+        time.sleep(0.3)
+
+
+def test_kill_decode_mid_stream_migrates_every_stream(stack, baseline):
     victim = stack.procs[DECODE0]
     survivor = stack.worker_urls[DECODE1 - 1]
     resumed0 = metric(survivor, "k3serve:requests_resumed_total")
