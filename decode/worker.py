@@ -29,9 +29,6 @@ request goes through the phases of :class:`DecodePhase`::
         client has) ─▶ RUNNING; the prefill of prompt + outputs is recomputed here and sampling
         continues at position L + len(outputs) with the request's seed; the stream above
         yields the tokens after the outputs; k3serve:requests_resumed_total
-    POST /internal/sender_gone  (AbortRequest) as abort, and the prefill worker paired for the
-        transfer is known dead (the router found its port closed): the reservation is freed at
-        once instead of after the sender's announced quiesce time (~50 s by default)
     POST /internal/abort  at any point: the ticket fails (the sender stops), the engine request
         ends, every slot and page comes back.
 """
@@ -48,8 +45,6 @@ from decode.state import DecodePhase, DecodeState
 from decode.stream import StreamEventsResponse, events
 from k3serve.cache.allocator import CacheFullError
 from k3serve.messages import (
-    AbortRequest,
-    AbortResponse,
     GenerateRequest,
     PrefillResponse,
     RequestsDebug,
@@ -343,11 +338,10 @@ class DecodeWorker(BaseWorker):
             self.by_engine.pop(r.engine_rid, None)
             r.to(DecodePhase.DONE)
 
-    def _end(self, r: DecodeState, event: StreamEvent, sender_gone: bool = False) -> None:
-        """Stop a request that has not finished: free what it holds, send a final event
-        (``sender_gone``: its transfer's sender is dead, the reservation goes at once)."""
+    def _end(self, r: DecodeState, event: StreamEvent) -> None:
+        """Stop a request that has not finished: free what it holds, send a final event."""
         if r.phase is DecodePhase.TRANSFER:
-            r.receiver.abort(event.error or "aborted by decode", sender_gone)
+            r.receiver.abort(event.error or "aborted by decode")
         elif r.phase is DecodePhase.RUNNING:
             self.engine.abort_request(r.engine_rid)
             self.by_engine.pop(r.engine_rid, None)
@@ -356,11 +350,11 @@ class DecodeWorker(BaseWorker):
             self.push(r.events, event)
         self._fail_first(r.rid, event.error or "aborted")
 
-    def abort(self, rid: str, reason: str, sender_gone: bool = False) -> bool:
+    def abort(self, rid: str, reason: str) -> bool:
         r = self.reqs.get(rid)
         if r is None:
             return False
-        self._end(r, StreamEvent(finish_reason="abort"), sender_gone)
+        self._end(r, StreamEvent(finish_reason="abort"))
         self.tick()
         log.info("decode %s: %s", rid, reason)
         return True
@@ -468,14 +462,6 @@ class DecodeWorker(BaseWorker):
                 raise Failure(503, "busy", str(e)) from None
             except ValueError as e:
                 raise Failure(400, "invalid_request", str(e)) from None
-
-        @app.post("/internal/sender_gone", response_model=AbortResponse,
-                  responses=errors(400, 403))
-        async def sender_gone(body: AbortRequest) -> AbortResponse:
-            """Abort a request whose prefill worker died: its reservation is freed at once."""
-            found = await worker.loop.call(worker.abort, body.request_id,
-                                           "its prefill worker died", True)
-            return AbortResponse(found=bool(found))
 
         @app.post("/internal/stream", response_class=StreamEventsResponse,
                   responses={200: {"model": StreamEvent,

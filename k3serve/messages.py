@@ -572,13 +572,16 @@ class PairRequest(Message):
 
     ``fingerprint``: the sender's layout fingerprint (compared field by field; a mismatch is
     refused naming every differing field). ``quiesce_by_s``: the sender writes nothing after
-    this many seconds.
+    this many seconds. ``sender_session``: the sender's Transfer Engine session
+    (``host:rpc_port`` in P2P mode): a failed ticket whose sender's port refuses connections
+    (its process is gone) is released without waiting for ``quiesce_by_s``.
     """
 
     ticket: str = Field(min_length=1)
     sender: str = Field(min_length=1)
     fingerprint: dict[str, Any] = Field(default_factory=dict)
     quiesce_by_s: float = Field(default=60.0, gt=0)
+    sender_session: str | None = None
 
 
 class PairResponse(Message):

@@ -104,11 +104,10 @@ class KVReceiver:
         """Whether ``on_release`` ran (failed reservations only)."""
         return self._rec.released
 
-    def abort(self, reason: str = "aborted by decode", sender_gone: bool = False) -> None:
+    def abort(self, reason: str = "aborted by decode") -> None:
         """Fail the ticket now (a later pairing is refused); the reservation is released once
-        no sender can still write into it (at once with ``sender_gone``: the paired sender's
-        process is dead)."""
-        self.server.abort_ticket(self.ticket, reason, sender_gone)
+        no sender can still write into it."""
+        self.server.abort_ticket(self.ticket, reason)
 
     def close(self) -> None:
         """Forget the ticket on the server (after SUCCESS, or FAILED and released).

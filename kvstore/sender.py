@@ -214,6 +214,7 @@ class KVSender:
             # engine's timeout and abandon window for a chunk in flight.
             quiesce_by_s=max(0.0, self._deadline - time.monotonic())
             + 2 * self.engine.config.transfer_timeout_s,
+            sender_session=getattr(self.engine, "session_id", None),
         )
 
     def _retrying(self, job: Callable[[], Any], what: str) -> Any:

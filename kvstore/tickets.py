@@ -11,11 +11,16 @@ equals the bytes this side expects for every layer (from its own layout and the 
 slot/pages). Releasing a failed reservation (``on_release``) is deferred while a paired sender
 might still write into it: until the sender reports that it is quiesced, or until the sender's
 announced ``quiesce_by_s`` (+ ``release_grace_s``) has passed — a late one-sided write would
-otherwise land in pages that already belong to another request.
+otherwise land in pages that already belong to another request — or until the sender is known
+dead: a pending release probes the sender's Transfer Engine port (``host:rpc_port``, from the
+pairing) every ``probe_interval_s`` on a background thread, and a refused connection means
+its process is gone (nothing of it can land any more). A probe that times out proves nothing.
 """
 
 from __future__ import annotations
 
+import queue
+import socket
 import threading
 import time
 import uuid
@@ -52,6 +57,8 @@ class TicketRecord:
     finished_at: float | None = None
     transfer_timeout_s: float | None = None  # set: the deadline restarts at pairing
     expired: bool = False  # FAILED because the deadline passed
+    sender_session: str | None = None  # the sender's TE ``host:rpc_port`` (liveness probes)
+    probed_at: float = 0.0
 
 
 class TicketTable:
@@ -62,16 +69,21 @@ class TicketTable:
         release_grace_s: extra wait after a paired sender's announced quiesce time before a
             failed reservation is released (seconds).
         ticket_ttl_s: finished tickets are forgotten this long after they finish (seconds).
+        probe_interval_s: a failed ticket whose release is pending probes its sender's port
+            this often (seconds; see the module docstring).
     """
 
     def __init__(
-        self, layout: PoolLayout, *, release_grace_s: float = 2.0, ticket_ttl_s: float = 300.0
+        self, layout: PoolLayout, *, release_grace_s: float = 2.0, ticket_ttl_s: float = 300.0,
+        probe_interval_s: float = 1.0,
     ) -> None:
         self.layout = layout
         self.release_grace_s = release_grace_s
         self.ticket_ttl_s = ticket_ttl_s
+        self.probe_interval_s = probe_interval_s
         self._tickets: dict[str, TicketRecord] = {}
         self._lock = threading.RLock()
+        self._probes: queue.SimpleQueue[TicketRecord] | None = None
 
     # ------------------------------------------------------------------ tickets
     def register_ticket(
@@ -123,16 +135,13 @@ class TicketTable:
         with self._lock:
             return self._tickets[ticket]
 
-    def abort_ticket(self, ticket: str, reason: str = "aborted by decode",
-                     sender_gone: bool = False) -> None:
+    def abort_ticket(self, ticket: str, reason: str = "aborted by decode") -> None:
         """Fail an open ticket (no-op when already finished); the reservation is released by
-        :meth:`pump` once no sender can still write into it — at once with ``sender_gone``
-        (the paired sender's process is known to be dead: nothing of it can land any more)."""
+        :meth:`pump` once no sender can still write into it."""
         with self._lock:
             rec = self._tickets.get(ticket)
             if rec is not None:
                 self._finish(rec, KVPoll.FAILED, reason)
-                rec.quiesced = rec.quiesced or sender_gone
         self.pump()
 
     def forget(self, ticket: str) -> None:
@@ -172,6 +181,11 @@ class TicketTable:
                         f"timed out after {now - rec.created:.1f} s in state "
                         f"{rec.state.name} (sender {'paired' if rec.sender else 'never paired'})",
                     )
+                if (rec.state == KVPoll.FAILED and not rec.released and rec.sender is not None
+                        and not rec.quiesced and rec.sender_session
+                        and now - rec.probed_at > self.probe_interval_s):
+                    rec.probed_at = now
+                    self._probe(rec)
                 if rec.state == KVPoll.FAILED and not rec.released:
                     safe = (
                         rec.sender is None
@@ -193,6 +207,31 @@ class TicketTable:
         for rec in release:  # outside the lock: callbacks may call back into us
             if rec.on_release is not None:
                 rec.on_release()
+
+    def _probe(self, rec: TicketRecord) -> None:
+        """Queue a liveness probe of ``rec``'s sender (a daemon thread runs them)."""
+        if self._probes is None:
+            self._probes = queue.SimpleQueue()
+            threading.Thread(target=self._probe_loop, args=(self._probes,), daemon=True,
+                             name="kv-sender-probe").start()
+        self._probes.put(rec)
+
+    def _probe_loop(self, probes: queue.SimpleQueue[TicketRecord]) -> None:
+        while True:
+            rec = probes.get()
+            host, _, port = (rec.sender_session or "").rpartition(":")
+            if not host or not port.isdigit():
+                continue
+            try:
+                with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                    pass
+            except ConnectionRefusedError:
+                with self._lock:
+                    if not rec.quiesced:
+                        rec.quiesced = True  # its process is gone: the next pump releases
+                        rec.error = f"{rec.error}; the sender is gone"
+            except OSError:
+                pass  # unreachable or slow: proves nothing
 
     def _finish(self, rec: TicketRecord, state: KVPoll, error: str | None = None) -> None:
         if rec.state.terminal:

@@ -30,8 +30,6 @@ from tenacity import (
 )
 
 from k3serve.messages import (
-    AbortRequest,
-    AbortResponse,
     GenerateRequest,
     PrefillRequest,
     PrefillResponse,
@@ -232,34 +230,11 @@ class Router:
                     raise WorkerError(P.url, f"prefill: malformed answer: num_cached_tokens "
                                              f"{first.num_cached_tokens}")
             except BaseException as e:
-                if isinstance(e, WorkerError) and e.worker == P.url:
-                    self._spawn(self._abort_orphan(P, D, sub))
-                else:
-                    self._abort(D, sub)
+                self._abort(D, sub)
                 if isinstance(e, asyncio.CancelledError):
                     self._abort(P, sub)
                 raise
             return Placed(sub, p, P, D, first, hold.pop_all())
-
-    async def _abort_orphan(self, P: Worker, D: Worker, sub: str) -> None:
-        """P failed before token #1: abort ``sub`` on D. When P's port is closed (its process
-        is gone, so none of its writes can land any more) D frees the reservation at once
-        (``/internal/sender_gone``) rather than after the sender's quiesce window."""
-        gone = False
-        try:
-            await self.pool.client.get(P.url + "/health", timeout=2.0)
-        except httpx.ConnectError:
-            gone = True
-        except httpx.HTTPError:
-            pass
-        if not gone:
-            await self.pool.abort(D, sub)
-            return
-        try:
-            await self.pool._post(D, "/internal/sender_gone", AbortRequest(request_id=sub),
-                                  AbortResponse)
-        except WorkerError as e:
-            log.info("sender_gone %s on %s failed: %s", sub, D.url, e)
 
     # ------------------------------------------------------------------ monolithic stacks
     @property

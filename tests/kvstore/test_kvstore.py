@@ -794,26 +794,36 @@ def test_inprocess_injected_fail_and_hang_expire_on_both_sides(pair):
     assert released == ["fail", "hang"]
 
 
-def test_abort_with_sender_gone_releases_at_once(pair):
-    """A paired sender announces when it stops writing (quiesce_by_s): an aborted ticket's
-    reservation waits for that, unless the sender is known dead."""
+def test_failed_ticket_of_a_dead_sender_is_released_without_its_quiesce_wait(pair):
+    """A paired sender announces when it stops writing (quiesce_by_s): a failed ticket's
+    reservation waits for that while the sender's TE port answers, and is released as soon
+    as the port refuses connections (the sender's process is gone)."""
     srv = pair["server"]
-    released = []
-    rxs = []
-    for gone in (False, True):
-        rx = KVReceiver(srv, CacheRef(2, (60 + gone,), B), timeout_s=10,
-                        on_release=lambda g=gone: released.append(g))
-        st, _ = srv.pair(PairRequest(ticket=rx.ticket, sender=f"s-{gone}", quiesce_by_s=60,
-                                     fingerprint=srv.layout.fingerprint()))
+    alive = socket.socket()
+    alive.bind(("127.0.0.1", 0))
+    alive.listen()
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead_port = dead.getsockname()[1]
+    dead.close()
+    released, rxs = [], []
+    for name, port in (("alive", alive.getsockname()[1]), ("dead", dead_port)):
+        rx = KVReceiver(srv, CacheRef(2, (60 + len(rxs),), B), timeout_s=10,
+                        on_release=lambda n=name: released.append(n))
+        st, _ = srv.pair(PairRequest(ticket=rx.ticket, sender=f"s-{name}", quiesce_by_s=60,
+                                     fingerprint=srv.layout.fingerprint(),
+                                     sender_session=f"127.0.0.1:{port}"))
         assert st == 200
-        rx.abort("prefill worker died", sender_gone=gone)
+        rx.abort("the prefill worker went away")
         rxs.append(rx)
+    run_until(lambda: rxs[1].released, 5, *rxs)
+    assert released == ["dead"] and "gone" in rxs[1].error
+    time.sleep(2.5 * srv.probe_interval_s)  # probed again meanwhile: still answers
     for rx in rxs:
         rx.poll()
-    assert released == [True] and rxs[1].released and not rxs[0].released
-    srv.on_status(StatusMessage(ticket=rxs[0].ticket, sender="s-False", kind="aborted",
-                                quiesced=True))
-    run_until(lambda: rxs[0].released, 5, rxs[0])
+    assert not rxs[0].released
+    alive.close()  # now it is gone too
+    run_until(lambda: rxs[0].released, 5, *rxs)
     for rx in rxs:
         rx.close()
 

@@ -47,7 +47,7 @@ PREFILL0, DECODE0, DECODE1 = 1, 3, 4
 
 #: the workers' environment: injected faults, deadlines short enough for a test
 FAULT_ENV = {"K3SERVE_KV_FAULT_FAIL_FRACTION": "0.1", "K3SERVE_KV_FAULT_HANG_FRACTION": "0.1",
-             "K3SERVE_KV_RECEIVER_TIMEOUT_S": "2", "K3SERVE_KV_SENDER_TIMEOUT_S": "4"}
+             "K3SERVE_KV_RECEIVER_TIMEOUT_S": "5", "K3SERVE_KV_SENDER_TIMEOUT_S": "10"}
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +152,7 @@ def test_injected_transfer_faults_lose_no_request(stack, baseline):
     assert fallbacks >= fails + hangs  # every faulty transfer was recomputed by decode
     # each hung transfer expired on the decode side (ticket) and on the prefill side (sender)
     assert sum(metric(u, "k3serve:kv_transfer_expiries_total") for u in decode) >= hangs
-    t_end = time.monotonic() + 15  # the senders' deadline (4 s) is later than the tickets'
+    t_end = time.monotonic() + 30  # the senders' deadline (10 s) is later than the tickets'
     while sum(metric(u, "k3serve:kv_transfer_expiries_total") for u in prefill) < hangs:
         assert time.monotonic() < t_end, "a hung sender did not expire"
         time.sleep(0.3)
@@ -177,19 +177,29 @@ def test_kill_decode_mid_stream_migrates_every_stream(stack, baseline):
 
 
 def test_kill_prefill_mid_load_loses_no_request(stack, baseline):
-    victim = stack.procs[PREFILL0]
+    victim, url = stack.procs[PREFILL0], stack.worker_urls[PREFILL0 - 1]
+    h = {"X-K3serve-Cluster-Token": stack.cluster_token}
 
     async def kill(started: list[asyncio.Event]) -> None:
-        await asyncio.sleep(0.05)  # requests are at the prefill workers now
+        """Kill prefill-0 while one of its senders is paired with a decode worker (the
+        reservation there cannot be reused until that sender is known to have stopped)."""
+        async with httpx.AsyncClient(timeout=10, headers=h) as c:
+            t_end = time.monotonic() + 30
+            while not any(r.get("sender_state") in ("WAITING_FOR_INPUT", "TRANSFERRING")
+                          for r in (await c.get(url + "/internal/requests")).json()[
+                              "requests"].values()):
+                assert time.monotonic() < t_end, "no transfer started at prefill-0"
+                await asyncio.sleep(0.002)
         os.kill(victim.pid, signal.SIGKILL)
 
     got = run_all(stack.url, [body(i) for i in range(N_STREAMS)], kill)
     assert victim.wait(10) is not None
     for i, (want, have) in enumerate(zip(baseline, got)):
         assert have == want, (i, body(i), want, have)
-    # the orphans' reservations on the decode worker are freed (not held ~50 s)
+    # the orphans' reservations on the decode worker are freed once their sender is seen
+    # dead, well before its announced quiesce time (sender timeout 10 s + 2 × 10 s)
     survivor = stack.worker_urls[DECODE1 - 1]
-    t_end = time.monotonic() + 20
+    t_end = time.monotonic() + 15
     while True:
         u = usage(stack, survivor)
         if not (u["slots_used"] or u["num_engine_requests"] or u["open_tickets"]

@@ -32,7 +32,7 @@ ROUTES = {
                ("get", "/internal/cache_state"), ("get", "/internal/requests"),
                ("post", "/internal/abort"), ("post", "/internal/reserve"),
                ("post", "/internal/generate"), ("post", "/internal/stream"),
-               ("post", "/internal/resume"), ("post", "/internal/sender_gone")},
+               ("post", "/internal/resume")},
 }
 ROLES = {"prefill": PrefillWorker, "decode": DecodeWorker}
 
