@@ -62,8 +62,9 @@ class KVSender:
             and fail inside Mooncake.
         on_release: called once (from :meth:`poll`/:meth:`abort`) when the source slot/pages
             are no longer read by any write.
-        fault: an injected fault (:mod:`kvstore.faults`): ``"fail"`` once paired, or
-            ``"hang"`` (paired, then nothing until the deadline); ``None``: none.
+        fault: an injected fault (:mod:`kvstore.faults`): ``"fail"`` once paired,
+            ``"hang"`` (paired, then nothing until the deadline) or ``"pair"`` (fails before
+            pairing); ``None``: none.
 
     Attributes:
         expired: FAILED because the deadline passed (``timeout_s``).
@@ -122,7 +123,10 @@ class KVSender:
         self._job: tuple[str, Future] | None = None
         self._done_queued = False
         self.stats: dict[str, float] = {}  # t_paired, t_first_write, t_written, t_done (s)
-        self._start_pairing()
+        if fault == "pair":
+            self._fail(KVStoreError("injected pairing failure (K3SERVE_KV_FAULT_PAIR_FRACTION)"))
+        else:
+            self._start_pairing()
 
     # ------------------------------------------------------------------ public API
     @property

@@ -76,10 +76,12 @@ class PrefillWorker(BaseWorker):
         self.reqs: dict[str, PrefillState] = {}
         self.cached_source: dict[str, str] = {}  # rid → "local" | "store", until answered
         c = self.kv_config
-        self.faults = FaultPlan(c.fault_fail_fraction, c.fault_hang_fraction)
+        self.faults = FaultPlan(c.fault_fail_fraction, c.fault_hang_fraction,
+                                c.fault_pair_fraction)
         if self.faults.active:
-            log.warning("prefill %s: injecting transfer faults (fail %.3g, hang %.3g)",
-                        self.worker_id, c.fault_fail_fraction, c.fault_hang_fraction)
+            log.warning("prefill %s: injecting transfer faults (fail %.3g, hang %.3g, pair "
+                        "%.3g)", self.worker_id, c.fault_fail_fraction, c.fault_hang_fraction,
+                        c.fault_pair_fraction)
 
     def close(self) -> None:
         super().close()

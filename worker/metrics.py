@@ -25,7 +25,7 @@ class WorkerMetrics:
         k3serve:kv_transfers_total{worker,role,outcome}         finished transfers by outcome
         k3serve:kv_transfer_expiries_total{worker,role}         transfers past their deadline
                                                                 (decode: ticket; prefill: sender)
-        k3serve:kv_faults_injected_total{worker,role,kind}      K3SERVE_KV_FAULT_* (fail|hang)
+        k3serve:kv_faults_injected_total{worker,role,kind}      K3SERVE_KV_FAULT_* (fail|hang|pair)
         k3serve:requests_resumed_total{worker,role}             migrated requests resumed here
         k3serve:expert_routed_tokens_total{worker,role,layer,expert}  routed tokens (issue 16)
 

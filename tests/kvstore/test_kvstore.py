@@ -749,16 +749,16 @@ def test_inprocess_decode_abort_refuses_http_completion(pair):
 def test_fault_plan_schedule_and_config():
     from kvstore.faults import FaultPlan
 
-    plan = FaultPlan(0.1, 0.1)
+    plan = FaultPlan(0.1, 0.1, 0.1)
     faults = [plan.next() for _ in range(100)]
-    assert faults.count("fail") == 10 and faults.count("hang") == 10
-    assert faults[4] == "fail" and faults[7] == "hang"  # interleaved, deterministic
+    assert faults.count("fail") == faults.count("hang") == faults.count("pair") == 10
+    assert (faults[4], faults[7], faults[1]) == ("fail", "hang", "pair")  # deterministic
     assert not FaultPlan().active and all(FaultPlan().next() is None for _ in range(50))
     assert [FaultPlan(1.0).next() for _ in range(3)] == ["fail"] * 3
     with pytest.raises(ValueError, match="fail_fraction"):
         FaultPlan(1.5)
     with pytest.raises(ValueError):
-        FaultPlan(0.6, 0.6)
+        FaultPlan(0.6, 0.3, 0.3)
     cfg = KVConfig.from_env({"K3SERVE_KV_FAULT_FAIL_FRACTION": "0.1",
                              "K3SERVE_KV_FAULT_HANG_FRACTION": "0.05"})
     assert (cfg.fault_fail_fraction, cfg.fault_hang_fraction) == (0.1, 0.05)
@@ -792,6 +792,13 @@ def test_inprocess_injected_fail_and_hang_expire_on_both_sides(pair):
     run_until(lambda: tx2.state.terminal and rx2.released, 10, tx2, rx2)
     assert tx2.state == KVPoll.FAILED and tx2.expired
     assert released == ["fail", "hang"]
+    rx3 = KVReceiver(pair["server"], CacheRef(3, (62,), B), timeout_s=10)
+    tx3 = make_sender(pair, rx3, CacheRef(1, (16,), B), fault="pair")
+    run_until(lambda: tx3.state.terminal, 5, tx3)
+    assert tx3.state == KVPoll.FAILED and "t_paired" not in tx3.stats  # → 502 at prefill
+    assert rx3.poll() == KVPoll.BOOTSTRAPPING  # never paired: the router's abort frees it
+    rx3.abort("prefill answered 502")
+    assert rx3.released
 
 
 def test_failed_ticket_of_a_dead_sender_is_released_without_its_quiesce_wait(pair):

@@ -1,13 +1,14 @@
 """Request migration and re-placement against a live stack (issue 15, part B).
 
 One stack for the module — router + 2 prefill + 2 decode worker processes (k3-tiny, loopback,
-``deploy.launcher.start_stack``), with 10 % of the transfers failing and 10 % hanging
-(``K3SERVE_KV_FAULT_FAIL_FRACTION`` / ``_HANG_FRACTION``, short deadlines). The tests run in
-file order:
+``deploy.launcher.start_stack``), with 10 % of the transfers failing, 10 % hanging and 10 %
+failing to pair (``K3SERVE_KV_FAULT_FAIL_FRACTION`` / ``_HANG_FRACTION`` / ``_PAIR_FRACTION``,
+short deadlines). The tests run in file order:
 
-0. the injected faults lose no request: every fault is recomputed by the decode worker
-   (``k3serve:kv_transfer_fallbacks_total``); the hung transfers expire on both sides
-   (``k3serve:kv_transfer_expiries_total``).
+0. the injected faults lose no request: every failed or hung transfer is recomputed by the
+   decode worker (``k3serve:kv_transfer_fallbacks_total``), the hung ones expire on both sides
+   (``k3serve:kv_transfer_expiries_total``), and the requests whose prefill worker answered
+   502 ``transfer_pairing_failed`` are placed again.
 1. kill -9 of a decode worker while ``N_STREAMS`` streaming requests run: every stream
    completes and its text equals the same request run before the fault (greedy, and seeded
    sampling with presence / frequency / repetition penalties): nothing duplicated or skipped.
@@ -17,7 +18,8 @@ file order:
    placed again on the other prefill worker), with the texts of the fault-free runs; the
    surviving decode worker frees every slot, page and ticket of the orphans.
 
-On main before this change: (0) there is no fault injection nor expiry counter; (1) the dead worker's streams end with an SSE error and no
+On main before this change: (0) there is no fault injection nor expiry counter, and a 502
+``transfer_pairing_failed`` reaches the client as a 503; (1) the dead worker's streams end with an SSE error and no
 ``finish_reason``; (2) the requests in flight on the dead prefill worker get 503 (not placed
 again) and their decode reservations stay held for the sender's quiesce window (~50 s).
 
@@ -47,6 +49,7 @@ PREFILL0, DECODE0, DECODE1 = 1, 3, 4
 
 #: the workers' environment: injected faults, deadlines short enough for a test
 FAULT_ENV = {"K3SERVE_KV_FAULT_FAIL_FRACTION": "0.1", "K3SERVE_KV_FAULT_HANG_FRACTION": "0.1",
+             "K3SERVE_KV_FAULT_PAIR_FRACTION": "0.1",
              "K3SERVE_KV_RECEIVER_TIMEOUT_S": "5", "K3SERVE_KV_SENDER_TIMEOUT_S": "10"}
 
 
@@ -147,7 +150,9 @@ def test_injected_transfer_faults_lose_no_request(stack, baseline):
     prefill, decode = stack.worker_urls[:2], stack.worker_urls[2:]
     fails = sum(metric(u, "k3serve:kv_faults_injected_total", kind="fail") for u in prefill)
     hangs = sum(metric(u, "k3serve:kv_faults_injected_total", kind="hang") for u in prefill)
-    assert fails >= 1 and hangs >= 1  # 16 transfers over 2 workers: the 5th and 8th fault
+    pairs = sum(metric(u, "k3serve:kv_faults_injected_total", kind="pair") for u in prefill)
+    # ≥ 16 transfers over 2 workers: the 2nd, 5th and 8th of a worker get a fault
+    assert fails >= 1 and hangs >= 1 and pairs >= 1
     fallbacks = sum(metric(u, "k3serve:kv_transfer_fallbacks_total") for u in decode)
     assert fallbacks >= fails + hangs  # every faulty transfer was recomputed by decode
     # each hung transfer expired on the decode side (ticket) and on the prefill side (sender)
@@ -164,7 +169,12 @@ def test_kill_decode_mid_stream_migrates_every_stream(stack, baseline):
     resumed0 = metric(survivor, "k3serve:requests_resumed_total")
 
     async def kill(started: list[asyncio.Event]) -> None:
-        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+        """Kill decode-0 once half the streams have text: streams are mid-way there, others
+        are between token #1 and their stream, or not yet reserved."""
+        t_end = time.monotonic() + 60
+        while sum(s.is_set() for s in started) < len(started) // 2:
+            assert time.monotonic() < t_end, "the streams did not start"
+            await asyncio.sleep(0.005)
         os.kill(victim.pid, signal.SIGKILL)
 
     got = run_all(stack.url, [body(i) for i in range(N_STREAMS)], kill)
