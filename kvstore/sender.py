@@ -31,6 +31,7 @@ from typing import Any
 
 from k3serve.messages import PairRequest, PairResponse, StatusMessage, TransferMetadata
 from kvstore.client import BootstrapClient
+from kvstore.config import P2PHANDSHAKE
 from kvstore.descriptors import CacheRef, PoolLayout, check_fingerprints, plan_runs
 from kvstore.engine import MAX_NOTIFY_BYTES, KVEngine
 from kvstore.errors import BootstrapError, KVStoreError
@@ -218,7 +219,10 @@ class KVSender:
             # engine's timeout and abandon window for a chunk in flight.
             quiesce_by_s=max(0.0, self._deadline - time.monotonic())
             + 2 * self.engine.config.transfer_timeout_s,
-            sender_session=getattr(self.engine, "session_id", None),
+            # P2P mode: host:rpc_port, which the decode side may probe (a metadata server's
+            # segment name has no port)
+            sender_session=self.engine.session_id
+            if self.engine.config.metadata_server == P2PHANDSHAKE else None,
         )
 
     def _retrying(self, job: Callable[[], Any], what: str) -> Any:

@@ -90,7 +90,8 @@ def body(i: int) -> dict:
 
 async def stream(c: httpx.AsyncClient, url: str, b: dict, started: asyncio.Event | None = None
                  ) -> tuple[str, str | None, int]:
-    """One streaming completion: (text, finish_reason, completion tokens)."""
+    """One streaming completion: (text, finish_reason, completion tokens); ``started`` is set
+    once the text has 8 characters (the stream is mid-way) or the stream finished."""
     text, finish, ntok = "", None, 0
     async with c.stream("POST", url + "/v1/completions", headers=AUTH,
                         json={**b, "stream": True,
@@ -106,8 +107,8 @@ async def stream(c: httpx.AsyncClient, url: str, b: dict, started: asyncio.Event
             for ch in ev.get("choices") or ():
                 text += ch.get("text") or ""
                 finish = ch.get("finish_reason") or finish
-                if text and started is not None:
-                    started.set()
+                if started is not None and (len(text) >= 8 or finish):
+                    started.set()  # several tokens in
     return text, finish, ntok
 
 
@@ -169,8 +170,8 @@ def test_kill_decode_mid_stream_migrates_every_stream(stack, baseline):
     resumed0 = metric(survivor, "k3serve:requests_resumed_total")
 
     async def kill(started: list[asyncio.Event]) -> None:
-        """Kill decode-0 once half the streams have text: streams are mid-way there, others
-        are between token #1 and their stream, or not yet reserved."""
+        """Kill decode-0 once half the streams are mid-way: others are between token #1 and
+        their stream, or not yet reserved."""
         t_end = time.monotonic() + 60
         while sum(s.is_set() for s in started) < len(started) // 2:
             assert time.monotonic() < t_end, "the streams did not start"
