@@ -64,6 +64,8 @@ log = logging.getLogger("k3serve.router")
 BUSY_RETRY_S = 0.005
 #: Placements of one choice before its token #1 (the first and the re-placements).
 FIRST_TOKEN_ATTEMPTS = 3
+#: A migrating choice with no healthy decode worker to go to looks again this often (s).
+RESUME_WAIT_S = 0.25
 
 
 def _failover(e: BaseException) -> bool:
@@ -370,8 +372,9 @@ class Router:
             The decode worker and the request id (``{sub}-m{k}``) that continue the choice.
 
         Raises:
-            NoWorkerAvailable: no other healthy decode worker took it (busy ones are waited
-                for up to ``busy_wait_s``).
+            NoWorkerAvailable: no decode worker took it within ``busy_wait_s``: busy ones are
+                waited for, and with no other healthy one, a healthy one is (the failed worker
+                too, once it answers its polls again: restarted by its supervisor).
         """
         if failed.url in self.pool.workers:
             self.pool.mark_failed(failed)
@@ -383,11 +386,17 @@ class Router:
                              cache_salt=cache_salt)
         need = len(job.token_ids) + job.max_new
         deadline = time.monotonic() + self.config.busy_wait_s
-        tried = {failed.url}
+        tried = {failed.url}  # unreachable now (may come back)
+        refused: set[str] = set()  # answered an error: not asked again
         while True:
-            live = [w for w in self.pool.live("decode") if w.url not in tried]
+            live = [w for w in self.pool.live("decode") if w.url not in tried | refused]
             if not live:
-                raise NoWorkerAvailable("no other healthy decode worker to resume the request")
+                if time.monotonic() >= deadline:
+                    raise NoWorkerAvailable(f"no healthy decode worker to resume the request "
+                                            f"on within {self.config.busy_wait_s:g} s")
+                await asyncio.sleep(RESUME_WAIT_S)
+                tried.clear()  # a worker back to health (polls succeed) may take it now
+                continue
             D = min(live, key=lambda w: (w.running, w.reserved_tokens))
             with ExitStack() as hold:
                 hold.enter_context(D.load(running=1, reserved_tokens=need))
@@ -400,7 +409,9 @@ class Router:
                     log.warning("request %s: resume on %s failed: %s", sub, D.name, e)
                     if e.retryable and not e.busy:
                         self.pool.mark_failed(D)
-                    tried.add(D.url)
+                        tried.add(D.url)
+                    else:
+                        refused.add(D.url)
                     continue
                 except asyncio.CancelledError:
                     self._abort(D, sub)
