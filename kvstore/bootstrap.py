@@ -199,6 +199,7 @@ class KVBootstrapServer(TicketTable):
                 if rec.transfer_timeout_s is not None:
                     rec.deadline = now + rec.transfer_timeout_s
             rec.sender_quiesce_at = now + req.quiesce_by_s
+            rec.sender_session = req.sender_session
             return 200, PairResponse(
                 session_id=self.engine.session_id,
                 notify_addr=str(self.engine.scratch_addr),
