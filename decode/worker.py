@@ -81,7 +81,8 @@ class DecodeWorker(BaseWorker):
     def __init__(self, config, engine=None) -> None:
         super().__init__(config, engine)
         c = self.kv_config
-        self.server = KVBootstrapServer(self.kv, self.layout, c.bootstrap_host, c.bootstrap_port)
+        self.server = KVBootstrapServer(self.kv, self.layout, c.bootstrap_host, c.bootstrap_port,
+                                        cluster_token=config.cluster_token)
         self.reqs: dict[str, DecodeState] = {}
         self.by_engine: dict[str, DecodeState] = {}
         #: monolithic requests whose token #1 is not answered yet: request id → the future
