@@ -134,6 +134,8 @@ class Stack:
             except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired or a backend's own
                 p.kill()
                 p.wait()
+        if self.supervisor is not None:
+            self.supervisor.close()
 
     def dead_children(self) -> list[Component]:
         return [p for p in self.procs if p.poll() is not None]

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,10 @@ class Supervisor:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        # Replacements are spawned from ONE long-lived thread: PR_SET_PDEATHSIG (deploy.local)
+        # fires when the thread that forked the child exits, not only the process — a child
+        # spawned from a short-lived restart thread would get SIGTERM as soon as it ends.
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Supervisor:
@@ -113,6 +118,12 @@ class Supervisor:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+
+    def close(self) -> None:
+        """:meth:`stop`, and end the spawner thread (children it started get SIGTERM: call it
+        once they are stopped)."""
+        self.stop()
+        self._spawner.shutdown(wait=False)
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -159,6 +170,7 @@ class Supervisor:
             for attempt in tenacity.Retrying(
                     stop=tenacity.stop_after_attempt(left), wait=self.wait, reraise=True,
                     retry=tenacity.retry_if_exception_type(RestartFailed),
+                    sleep=self._stop.wait,  # a stop ends the backoff at once
                     before_sleep=lambda rs: self.say(
                         f"{spec.name}: restart failed ({rs.outcome.exception()}); next try in "
                         f"{rs.next_action.sleep:.1f} s")):
@@ -190,7 +202,8 @@ class Supervisor:
             spec.args = _swap_port(spec.args, self.launch.free_port(host))
             url = f"http://{host}:{spec.args[spec.args.index('--port') + 1]}"
         spec.restarts += 1
-        proc = self.launch.spawn(spec.name, spec.module, spec.args, env)
+        proc = self._spawner.submit(self.launch.spawn, spec.name, spec.module, spec.args,
+                                    env).result()
         with self._lock:
             self.stack.procs[i] = proc
             if spec.kind == "worker":
