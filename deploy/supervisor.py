@@ -129,8 +129,8 @@ class Supervisor:
         while not self._stop.wait(self.poll_s):
             try:
                 self.check()
-            except Exception as e:  # noqa: BLE001 - the watcher must not die
-                log.exception("supervisor: %r", e)
+            except Exception:  # the watcher must not die
+                log.exception("supervisor check failed")
 
     # ------------------------------------------------------------------ one check
     def check(self) -> None:
