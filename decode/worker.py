@@ -352,6 +352,10 @@ class DecodeWorker(BaseWorker):
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self._num_transferring()
 
+    def settled(self, r: DecodeState) -> bool:  # a drain does not wait for a stream never opened
+        return (r.phase is DecodePhase.DONE and r.receiver is None and not r.reservation_open
+                and (r.stream_closed or not r.stream_opened))
+
     def _num_transferring(self) -> int:
         return sum(1 for r in self.reqs.values() if r.phase is DecodePhase.TRANSFER)
 

@@ -159,9 +159,15 @@ class BaseWorker(abc.ABC):
         self.draining = True
 
     def num_tracked(self) -> int:  # engine thread
-        """Requests this worker still holds anything for: the role's tracked requests plus the
-        engine's own (0: idle, a drain may end)."""
-        return len(getattr(self, "reqs", ())) + len(self.engine.requests)
+        """Requests this worker still holds anything for: the role's tracked requests that are
+        not :meth:`settled`, plus the engine's own (0: idle, a drain may end)."""
+        reqs = getattr(self, "reqs", {})
+        return sum(1 for r in reqs.values() if not self.settled(r)) + len(self.engine.requests)
+
+    def settled(self, r: Any) -> bool:  # engine thread
+        """Role hook: a tracked request that holds nothing and has nothing left to send (kept
+        a while only so that a late caller gets its final answer)."""
+        return False
 
     # ------------------------------------------------------------------ thread helpers
     def resolve(self, fut: asyncio.Future, value: Any = None,
