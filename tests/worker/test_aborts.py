@@ -32,6 +32,7 @@ from collections import Counter
 
 import httpx
 import pytest
+import tenacity
 
 from tests.worker_procs import HEADERS, Proc, _request, _sampling
 
@@ -70,6 +71,18 @@ def _counters(c: httpx.Client, url: str, bootstrap: str | None) -> dict[str, int
     return out
 
 
+async def _abort_both(c: httpx.AsyncClient, P: Proc, D: Proc, rid: str) -> None:
+    """``/internal/abort`` on both workers, as the router does; a pooled connection the server
+    closed after a cut is a transport error: try again."""
+    for w in (D, P):
+        async for attempt in tenacity.AsyncRetrying(
+                stop=tenacity.stop_after_attempt(4), wait=tenacity.wait_fixed(0.05),
+                retry=tenacity.retry_if_exception_type(httpx.TransportError), reraise=True):
+            with attempt:
+                r = await c.post(w.url + "/internal/abort", json={"request_id": rid})
+                assert r.status_code == 200, r.text
+
+
 async def _cut(c: httpx.AsyncClient, P: Proc, D: Proc, rid: str, ids: list[int], phase: str,
                rng: random.Random) -> str:
     """One request cut in ``phase``; returns how far it got."""
@@ -77,8 +90,7 @@ async def _cut(c: httpx.AsyncClient, P: Proc, D: Proc, rid: str, ids: list[int],
     sampling["max_tokens"] = 6
 
     async def abort_both() -> None:
-        for w in (D, P):
-            await c.post(w.url + "/internal/abort", json={"request_id": rid})
+        await _abort_both(c, P, D, rid)
 
     async def cancel_after(coro, delay: float):
         t = asyncio.ensure_future(coro)
@@ -140,8 +152,13 @@ async def _run(P: Proc, D: Proc, n: int, seed: int) -> Counter:
         async def one(i: int) -> str:
             ids = [rng.randrange(1, 200) for _ in range(rng.randrange(4, 40))]
             phase = PHASES[i % len(PHASES)]
+            rid = f"ab-{seed}-{i}"
             async with sem:
-                return await _cut(c, P, D, f"ab-{seed}-{i}", ids, phase, random.Random(i))
+                try:
+                    return await _cut(c, P, D, rid, ids, phase, random.Random(i))
+                except httpx.TransportError as e:  # a stale pooled connection: cut here
+                    await _abort_both(c, P, D, rid)
+                    return f"{phase}-transport-{type(e).__name__}"
 
         return Counter(await asyncio.gather(*(one(i) for i in range(n))))
 
