@@ -95,16 +95,23 @@ def worker_state(stack: Stack) -> list[dict]:
     out = []
     with httpx.Client(headers=h, timeout=10, trust_env=False) as c:
         for url in stack.worker_urls:
-            info = c.get(url + "/internal/info").json()
-            reqs = c.get(url + "/internal/requests").json()["requests"].values()
-            m = c.get(url + "/metrics").text
-            out.append({
-                "url": url, "role": info["role"], **info["usage"],
-                "live_requests": sum(1 for r in reqs if r["phase"] != "done"),
-                "transfers_ok": metric(m, "k3serve:kv_transfers_total", outcome="success"),
-                "transfers_failed": metric(m, "k3serve:kv_transfers_total", outcome="failed"),
-                "fallbacks": metric(m, "k3serve:kv_transfer_fallbacks_total")})
+            try:
+                out.append(_one_state(c, url))
+            except httpx.HTTPError as e:  # a wedged worker is a finding, not a crash
+                out.append({"url": url, "role": "?", "unreachable": repr(e)})
     return out
+
+
+def _one_state(c: httpx.Client, url: str) -> dict:
+    info = c.get(url + "/internal/info").json()
+    reqs = c.get(url + "/internal/requests").json()["requests"].values()
+    m = c.get(url + "/metrics").text
+    return {
+        "url": url, "role": info["role"], **info["usage"],
+        "live_requests": sum(1 for r in reqs if r["phase"] != "done"),
+        "transfers_ok": metric(m, "k3serve:kv_transfers_total", outcome="success"),
+        "transfers_failed": metric(m, "k3serve:kv_transfers_total", outcome="failed"),
+        "fallbacks": metric(m, "k3serve:kv_transfer_fallbacks_total")}
 
 
 async def drive(stack: Stack, key: str, rate: float, duration: float, sample_s: float,
@@ -145,8 +152,8 @@ def wait_idle(stack: Stack, timeout: float = 60.0) -> list[dict]:
     deadline = time.monotonic() + timeout
     while True:
         st = worker_state(stack)
-        busy = [w for w in st if w["pages_used"] or w["slots_used"] or w["live_requests"]
-                or w["num_reserved"] or w["num_engine_requests"]]
+        busy = [w for w in st if "unreachable" in w or w["pages_used"] or w["slots_used"]
+                or w["live_requests"] or w["num_reserved"] or w["num_engine_requests"]]
         if not busy or time.monotonic() > deadline:
             return st
         time.sleep(0.5)
@@ -173,6 +180,9 @@ def report(run: dict, state: list[dict], warmup_s: float, rate: float) -> str:
                    "requests | transfers ok | transfers failed | fallbacks |"),
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for w in state:
+        if "unreachable" in w:
+            lines.append(f"| {w['url']} | unreachable: {w['unreachable'][:60]} |||||||")
+            continue
         lines.append(f"| {w['role']} {w['url']} | {w['pages_used']} | {w['slots_used']} | "
                      f"{w['snapshots_used']} | {w['num_reserved']} | {w['live_requests']} | "
                      f"{w['transfers_ok']:.0f} | {w['transfers_failed']:.0f} | "
