@@ -88,6 +88,9 @@ class DecodeWorker(BaseWorker):
         #: monolithic requests whose token #1 is not answered yet: request id → the future
         #: ``POST /internal/generate`` awaits (:meth:`_generate`)
         self.direct: dict[str, asyncio.Future] = {}
+        #: aborts that arrived before their reservation (the router's abort overtook its own
+        #: cancelled reserve call): request id → when; such a reserve is refused (409)
+        self.aborted_early: dict[str, float] = {}
         self.stream_idle_s = max(120.0, c.receiver_timeout_s + 60.0)
 
     def start(self) -> None:
@@ -104,6 +107,8 @@ class DecodeWorker(BaseWorker):
         rid = body.request_id
         if rid in self.reqs:
             raise ValueError(f"request_id: {rid!r} is already live")
+        if self.aborted_early.pop(rid, None) is not None:
+            raise Failure(409, "aborted", f"request {rid!r} was aborted before its reservation")
         h = self.engine.reserve(rid, list(body.prompt_token_ids), cache_salt=body.cache_salt)
         r = DecodeState(rid, list(body.prompt_token_ids), params, body.cache_salt, events)
         try:
@@ -315,7 +320,11 @@ class DecodeWorker(BaseWorker):
 
     def abort(self, rid: str, reason: str) -> bool:
         r = self.reqs.get(rid)
-        if r is None:
+        if r is None:  # its reserve may still be on the way: refuse it when it lands
+            now = time.monotonic()
+            self.aborted_early = {k: t for k, t in self.aborted_early.items()
+                                  if now - t < STREAM_TTL_S}
+            self.aborted_early[rid] = now
             return False
         self._end(r, StreamEvent(finish_reason="abort"))
         self.tick()

@@ -16,7 +16,8 @@ cut at a random moment (seeded RNG) in one of four phases:
 Afterwards every worker's own counters — pages, slots and snapshots in use, engine requests,
 reservations, running / waiting, live tracked requests and open reservations
 (``/internal/info`` usage, ``/internal/requests``), the bootstrap server's open tickets (``/kv/health``) — are back to the
-idle baseline within a bound, and a normal request still completes.
+idle baseline within a bound, and a normal request still completes. And the one race the
+harness can make deterministic: an abort that reaches D before its reservation.
 
 CI runs ``K3SERVE_ABORTS_N`` (default 120) cuts; ``K3SERVE_ABORTS_N=1000`` is the full
 must-show (a few minutes on 2 cores; README "Reliability" has its figures).
@@ -209,3 +210,26 @@ def _wait_idle(c: httpx.Client, url: str, bootstrap: str | None,
             raise AssertionError(f"{url}: still held after {SETTLE_S:.0f} s: {now} "
                                  f"(baseline {want})")
         time.sleep(0.2)
+
+
+def test_an_abort_that_overtakes_its_reserve_refuses_the_reserve(pair):
+    """The router's abort can reach D before its own cancelled reserve call: the reservation
+    that lands afterwards is refused (409 ``aborted``) instead of holding its pages until the
+    pairing deadline (minutes)."""
+    _, D = pair
+    with httpx.Client(headers=HEADERS, timeout=30) as c:
+        assert c.post(D.url + "/internal/abort", json={"request_id": "late-1"}).json() == {
+            "ok": True, "found": False}
+        r = c.post(D.url + "/internal/reserve", json={
+            "request_id": "late-1", "prompt_token_ids": list(range(3, 30)),
+            "sampling": _sampling(), "n": 1})
+        assert r.status_code == 409 and r.json()["error"] == "aborted", r.text
+        u = c.get(D.url + "/internal/info").json()["usage"]
+        assert (u["pages_used"], u["slots_used"], u["num_reserved"]) == (0, 0, 0), u
+        assert "late-1" not in c.get(D.url + "/internal/requests").json()["requests"]
+        # another id is served as usual
+        r = c.post(D.url + "/internal/reserve", json={
+            "request_id": "late-2", "prompt_token_ids": list(range(3, 30)),
+            "sampling": _sampling(), "n": 1})
+        assert r.status_code == 200, r.text
+        c.post(D.url + "/internal/abort", json={"request_id": "late-2"})
