@@ -88,12 +88,16 @@ class DecodeWorker(BaseWorker):
     def __init__(self, config, engine=None) -> None:
         super().__init__(config, engine)
         c = self.kv_config
-        self.server = KVBootstrapServer(self.kv, self.layout, c.bootstrap_host, c.bootstrap_port)
+        self.server = KVBootstrapServer(self.kv, self.layout, c.bootstrap_host, c.bootstrap_port,
+                                        cluster_token=config.cluster_token)
         self.reqs: dict[str, DecodeState] = {}
         self.by_engine: dict[str, DecodeState] = {}
         #: monolithic requests whose token #1 is not answered yet: request id → the future
         #: ``POST /internal/generate`` awaits (:meth:`_generate`)
         self.direct: dict[str, asyncio.Future] = {}
+        #: aborts that arrived before their reservation (the router's abort overtook its own
+        #: cancelled reserve call): request id → when; such a reserve is refused (409)
+        self.aborted_early: dict[str, float] = {}
         self.stream_idle_s = max(120.0, c.receiver_timeout_s + 60.0)
 
     def start(self) -> None:
@@ -110,6 +114,8 @@ class DecodeWorker(BaseWorker):
         rid = body.request_id
         if rid in self.reqs:
             raise ValueError(f"request_id: {rid!r} is already live")
+        if self.aborted_early.pop(rid, None) is not None:
+            raise Failure(409, "aborted", f"request {rid!r} was aborted before its reservation")
         h = self.engine.reserve(rid, list(body.prompt_token_ids), cache_salt=body.cache_salt)
         r = DecodeState(rid, list(body.prompt_token_ids), params, body.cache_salt, events)
         try:
@@ -352,7 +358,11 @@ class DecodeWorker(BaseWorker):
 
     def abort(self, rid: str, reason: str) -> bool:
         r = self.reqs.get(rid)
-        if r is None:
+        if r is None:  # its reserve may still be on the way: refuse it when it lands
+            now = time.monotonic()
+            self.aborted_early = {k: t for k, t in self.aborted_early.items()
+                                  if now - t < STREAM_TTL_S}
+            self.aborted_early[rid] = now
             return False
         self._end(r, StreamEvent(finish_reason="abort"))
         self.tick()
@@ -388,6 +398,10 @@ class DecodeWorker(BaseWorker):
 
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self._num_transferring()
+
+    def settled(self, r: DecodeState) -> bool:  # a drain does not wait for a stream never opened
+        return (r.phase is DecodePhase.DONE and r.receiver is None and not r.reservation_open
+                and (r.stream_closed or not r.stream_opened))
 
     def _num_transferring(self) -> int:
         return sum(1 for r in self.reqs.values() if r.phase is DecodePhase.TRANSFER)

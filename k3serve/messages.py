@@ -107,7 +107,8 @@ class ErrorBody(Message):
     Codes (HTTP status): ``invalid_request`` / ``invalid_sampling`` (400), ``forbidden`` (403),
     ``unknown_request`` (404), ``fingerprint_mismatch`` / ``ticket_refused`` / ``aborted`` /
     ``stream_taken`` (409), ``transfer_pairing_failed`` / ``transfer_setup_failed`` (502),
-    ``busy`` (503: no cache for a reservation now, retry elsewhere), ``timeout`` (504),
+    ``busy`` (503: no cache for a reservation now, retry elsewhere), ``draining`` (503: the
+    worker is shutting down, place the request elsewhere), ``timeout`` (504),
     ``internal_error`` / ``engine_error`` (500).
     """
 
@@ -461,9 +462,10 @@ class WorkerInfo(Message):
 
 
 class WorkerHealth(Message):
-    """``GET /health`` of a worker: 200 ``ok``, 503 ``engine_stopped`` (its engine thread died)."""
+    """``GET /health`` of a worker: 200 ``ok``, 503 ``engine_stopped`` (its engine thread died)
+    or ``draining`` (SIGTERM: it admits nothing new, finishes what runs, then exits)."""
 
-    status: Literal["ok", "engine_stopped"]
+    status: Literal["ok", "engine_stopped", "draining"]
     role: Role
     worker_id: str
 

@@ -72,7 +72,7 @@ class PrefillWorker(BaseWorker):
 
     def __init__(self, config, engine=None) -> None:
         super().__init__(config, engine)
-        self.client = BootstrapClient()
+        self.client = BootstrapClient(cluster_token=config.cluster_token)
         self.reqs: dict[str, PrefillState] = {}
         self.cached_source: dict[str, str] = {}  # rid → "local" | "store", until answered
         c = self.kv_config

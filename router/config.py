@@ -50,8 +50,8 @@ class RouterConfig:
 
     model: str = "k3-tiny"
     policy: str = DEFAULT_POLICY
-    api_key: str | None = None
-    cluster_token: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # secrets never in a log line
+    cluster_token: str | None = field(default=None, repr=False)
     tokenizer: str | None = None
     add_bos: bool = True
     poll_interval_s: float = 0.1

@@ -188,6 +188,15 @@ class WorkerPool:
                     f"and {o.info.block_size} (one layout per cluster: their caches could not "
                     f"be exchanged)")
         check_parallel(url, info, [o for o in self.workers.values() if o.url != url])
+        for o in list(self.workers.values()):  # restarted on another port: the old URL is dead
+            if o.url != url and info.worker_id and o.info.worker_id == info.worker_id:
+                if await self._answers_as(o, info.worker_id):
+                    log.warning("two live workers named %s: %s and %s", info.worker_id, o.url,
+                                url)
+                    continue
+                log.info("worker %s moved %s -> %s: old entry removed", info.worker_id, o.url,
+                         url)
+                self.remove(o.url)
         w = self.workers.get(url)
         if w is not None and w.info.role != info.role:
             raise ValueError(f"worker {url} changed role {w.info.role} -> {info.role}")
@@ -203,6 +212,27 @@ class WorkerPool:
         if w.task is None or w.task.done():
             w.task = asyncio.create_task(self._poll_loop(w), name=f"poll {url}")
         log.info("registered %s worker %s (%s)", info.role, w.name, url)
+        return w
+
+    async def _answers_as(self, w: Worker, worker_id: str) -> bool:
+        """Whether ``w``'s URL still answers ``/internal/info`` as ``worker_id`` (2 s)."""
+        try:
+            body = await self._get(w.url, "/internal/info", timeout=2.0)
+        except WorkerError:
+            return False
+        return isinstance(body, dict) and body.get("worker_id") == worker_id
+
+    def remove(self, url: str) -> Worker | None:
+        """Forget the worker at ``url`` at once (a draining worker's deregistration, or the old
+        URL of a worker that registered again from a new one): it leaves placement and the
+        index, its poller stops; requests already running on it go on. ``None``: unknown."""
+        w = self.workers.pop(url.rstrip("/"), None)
+        if w is None:
+            return None
+        self.index.remove_worker(w.url)
+        if w.task is not None:
+            w.task.cancel()
+        log.info("removed %s worker %s (%s)", w.role, w.name, w.url)
         return w
 
     @property
