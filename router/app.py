@@ -21,8 +21,7 @@ from typing import Any
 
 import httpx
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from sse_starlette import EventSourceResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from k3serve.messages import (
     RegisterRequest,
@@ -37,7 +36,7 @@ from router.errors import APIError, install_handlers, unavailable
 from router.pipeline import Router, cancel
 from router.placement import NoWorkerAvailable
 from router.preprocess import parse_request
-from router.render import ChoiceAcc, Render
+from router.render import ChoiceAcc, Render, sse_frame
 from router.responses import ErrorResponse, ModelCard, ModelList, new_id
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.stream import END, Delta
@@ -155,32 +154,35 @@ def create_app(config: RouterConfig,
             observe_e2e()
             return JSONResponse(render.full(jobs, accs))
 
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[bytes]:
             item, seen, done = first, set(), 0
             try:
                 while True:
                     if isinstance(item, BaseException):
-                        yield _data(fail(item).body())
+                        yield sse_frame(_data(fail(item).body()))
                         break
+                    nxt = None
                     if item is END:
                         done += 1
                         if done == num_choices:
                             break
                     else:
                         d: Delta = item
+                        nxt = coalesce(d, out)
                         accs.setdefault(d.index, ChoiceAcc()).absorb(d)
-                        yield _data(render.chunk(d, d.index not in seen))
+                        yield render.frame(d, d.index not in seen)
                         seen.add(d.index)
-                    item = await next_item(watch=False)
+                    item = nxt if nxt is not None else await out.get()
                 if done == num_choices:
                     observe_e2e()
                     if req.include_usage:
-                        yield _data(render.usage_chunk(jobs, accs))
-                yield "[DONE]"
+                        yield sse_frame(_data(render.usage_chunk(jobs, accs)))
+                yield DONE_FRAME
             finally:
                 await cancel(tasks)
 
-        return EventSourceResponse(events(), sep="\n")
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
 
     # ---------------------------------------------------------------- public API
     @app.post("/v1/completions")
@@ -255,6 +257,22 @@ async def _client_gone(request: Request) -> None:
 def _data(obj: Any) -> str:
     """One SSE ``data:`` payload (compact JSON)."""
     return json.dumps(obj, separators=(",", ":"))
+
+
+DONE_FRAME = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-store", "Connection": "keep-alive", "X-Accel-Buffering": "no"}
+
+
+def coalesce(d: Delta, out: asyncio.Queue) -> Any:
+    """Append to ``d`` the deltas of the same choice already waiting in ``out`` (they go out
+    as one chunk: same text, tokens and finish); returns the first other item taken from
+    ``out`` (to handle next), else ``None``."""
+    while d.finish_reason is None and not out.empty():
+        nxt = out.get_nowait()
+        if not isinstance(nxt, Delta) or nxt.index != d.index:
+            return nxt
+        d.absorb(nxt)
+    return None
 
 
 if __name__ == "__main__":

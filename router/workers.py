@@ -42,6 +42,7 @@ from k3serve.messages import (
 )
 from k3serve.protocol import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER  # noqa: F401 - re-exported
 from router.index import GlobalIndex, PrefixMatch, ResyncNeeded
+from router.sse import SSEReader
 
 log = logging.getLogger("k3serve.router")
 
@@ -140,9 +141,12 @@ class WorkerPool:
         self.workers: dict[str, Worker] = {}
         self._on_worker = on_worker
         headers = {CLUSTER_TOKEN_HEADER: cluster_token} if cluster_token else {}
+        # Every open stream holds a connection: keep them all alive (httpx's default keeps 20,
+        # so a busy router closed and reopened connections on every request).
         self.client = httpx.AsyncClient(
             headers=headers, transport=transport,
-            timeout=httpx.Timeout(timeout_s, connect=5.0))
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=4096))
         self._closed = False
 
     async def close(self) -> None:
@@ -339,6 +343,44 @@ class WorkerPool:
                     if ev.finish_reason:
                         return
         except (httpx.HTTPError, SSEError) as e:
+            raise WorkerError(w.url, f"stream: {e!r}") from None
+
+    async def stream_batches(self, w: Worker, body: StreamRequest
+                             ) -> AsyncIterator[list[StreamEvent]]:
+        """``POST /internal/stream`` as :meth:`stream`, but yields, per network read, every
+        event that arrived in it (a non-empty list, in order): the relay handles tokens that
+        arrived together at once (:mod:`router.sse` parses the raw body).
+
+        Raises:
+            WorkerError: as :meth:`stream`.
+        """
+        try:
+            async with self.client.stream("POST", w.url + "/internal/stream",
+                                          json=body.model_dump(mode="json")) as r:
+                if r.status_code // 100 != 2:
+                    await r.aread()
+                    raise WorkerError(w.url, f"stream: HTTP {r.status_code}: {r.text[:200]}",
+                                      retryable=r.status_code == 503)
+                reader = SSEReader()
+                async for chunk in r.aiter_raw():
+                    batch: list[StreamEvent] = []
+                    for data in reader.feed(chunk):
+                        if data.strip() == b"[DONE]":
+                            if batch:
+                                yield batch
+                            return
+                        ev = _parse_json(StreamEvent, w.url, "stream", data)
+                        if ev.error is not None and not ev.token_ids:
+                            if batch:
+                                yield batch
+                            raise WorkerError(w.url, f"stream: {ev.error}")
+                        batch.append(ev)
+                        if ev.finish_reason:
+                            yield batch
+                            return
+                    if batch:
+                        yield batch
+        except httpx.HTTPError as e:
             raise WorkerError(w.url, f"stream: {e!r}") from None
 
 

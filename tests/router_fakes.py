@@ -49,11 +49,13 @@ from k3serve.messages import (
 from k3serve.sampling import SamplingParams
 from k3serve.tokenizer import get_tokenizer
 from k3serve.tokenizer.detok import IncrementalDetokenizer
+from decode.stream import take_ready
 from router.workers import CLUSTER_TOKEN_HEADER
 
 MODEL = "k3-tiny"
 FINGERPRINT = "fake-layout"
 TOKENIZER = get_tokenizer(MODEL)
+END_BODY = object()  # a fake decode stream's queue: end the body (no finish event)
 
 
 def toy_next(context: list[int], seed: int | None, temperature: float) -> int:
@@ -99,6 +101,9 @@ class FakeState:
     # end each decode stream after this many tokens with this finish_reason (None: no finish
     # event at all, only ``[DONE]``): a decode worker that aborts, or stops at its own limit
     cut_stream: tuple[int, str | None] | None = None
+    step_s: float = 0.0  # the fake decode loop's pause between two tokens of a stream
+    coalesce: bool = True  # tokens ready together go out as one event (decode/stream.py)
+    events_sent: int = 0  # decode stream events written
 
     def __post_init__(self) -> None:
         self.restart()
@@ -202,8 +207,11 @@ def make_worker_app(state: FakeState) -> FastAPI:
         r = state.reservations[b.request_id]
         await asyncio.wait_for(r["ready"].wait(), 10)
         sp: SamplingParams = r["sampling"]
+        q: asyncio.Queue = asyncio.Queue()
 
-        async def gen():
+        async def engine() -> None:
+            """The fake's decode loop: one token per step into ``q`` (the real worker's
+            engine thread fills the queue the same way); ``step_s`` between steps."""
             detok = IncrementalDetokenizer(TOKENIZER, sp, eos_token_id=TOKENIZER.eos_token_id)
             ctx = list(r["prompt"]) + [r["first"]]
             detok.step(r["first"])
@@ -214,15 +222,35 @@ def make_worker_app(state: FakeState) -> FastAPI:
                 o = detok.step(t)
                 sent += 1
                 cut = state.cut_stream is not None and sent == state.cut_stream[0]
-                ev = StreamEvent(token_ids=[t], text=o.new_text,
-                                 logprobs=[toy_logprobs(t, sp.logprobs)],
-                                 finish_reason=state.cut_stream[1] if cut else o.finish_reason)
-                yield ev.model_dump_json()
+                q.put_nowait(StreamEvent(
+                    token_ids=[t], text=o.new_text, logprobs=[toy_logprobs(t, sp.logprobs)],
+                    finish_reason=state.cut_stream[1] if cut else o.finish_reason))
                 if cut:
-                    break
+                    if state.cut_stream[1] is None:
+                        q.put_nowait(END_BODY)  # the body ends with [DONE], no finish event
+                    return
                 if state.hang_after is not None and sent >= state.hang_after:
                     await r["abort_ev"].wait()
-            yield "[DONE]"
+                await asyncio.sleep(state.step_s)
+
+        task = asyncio.create_task(engine())
+
+        async def gen():
+            left = None
+            try:
+                while True:
+                    ev, left = (left, None) if left is not None else (await q.get(), None)
+                    if ev is END_BODY:
+                        break
+                    if state.coalesce:
+                        ev, left = take_ready(q, ev)
+                    state.events_sent += 1
+                    yield ev.model_dump_json()
+                    if ev.finish_reason:
+                        break
+                yield "[DONE]"
+            finally:
+                task.cancel()
 
         return EventSourceResponse(gen(), sep="\n")
 
