@@ -13,9 +13,12 @@ Loads (``--requests`` at ``--concurrency``, after a warm-up of ``--concurrency``
   relayed token (``CPU / Σ completion tokens``) and beyond the fixed cost
   (``(stream − non-stream) / (T − 1)``).
 
-``--src DIR[,DIR...]``: measure each source tree (router and fakes imported from it through
+``--src DIR[,DIR...]``: measure the router of each source tree (imported from it through
 PYTHONPATH; default: this checkout) one after the other in this run, e.g. a checkout of main
-beside this branch. ``--replicas 1,2,4``: tokens/s (wall) and CPU per token of the streaming
+beside this branch. The fake workers are always this checkout's; a tree without issue 19's
+router (no ``--replicas``) is measured with one event per token, as its workers sent them;
+this checkout's router both ways: one event per token, and coalesced (the decode worker merges
+the tokens that are ready together, decode/stream.py). ``--replicas 1,2,4``: tokens/s (wall) and CPU per token of the streaming
 load through each replica count (source trees without ``--replicas`` measure 1 only).
 
 Usage::
@@ -44,13 +47,16 @@ TOKEN_HEADER = "x-k3serve-cluster-token"
 
 
 # ---------------------------------------------------------------- fake workers (child process)
-def serve_fakes(num_prefill: int, num_decode: int, token: str) -> None:
-    """Child: start the fake workers of the source tree on PYTHONPATH, print their URLs as one
-    JSON line, serve until stdin closes."""
+def serve_fakes(num_prefill: int, num_decode: int, token: str, coalesce: bool) -> None:
+    """Child: start the fake workers (this checkout's), print their URLs as one JSON line,
+    serve until stdin closes. ``coalesce``: decode streams merge the tokens ready together
+    into one event (decode/stream.py); off: one event per token, as before issue 19."""
     from tests.router_fakes import start_worker
 
     servers = [start_worker("prefill", token) for _ in range(num_prefill)]
     servers += [start_worker("decode", token) for _ in range(num_decode)]
+    for st, _ in servers:
+        st.coalesce = coalesce
     print(json.dumps([srv.url for _, srv in servers]), flush=True)
     sys.stdin.read()
     for _, srv in servers:
@@ -74,10 +80,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_fakes(src: Path, token: str, num_prefill: int, num_decode: int
+def start_fakes(token: str, num_prefill: int, num_decode: int, coalesce: bool
                 ) -> tuple[subprocess.Popen, list[str]]:
     p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve-fakes",
-                          str(num_prefill), str(num_decode)], env=_env(src, token), cwd=src,
+                          str(num_prefill), str(num_decode), str(int(coalesce))],
+                         env=_env(ROOT, token), cwd=ROOT,
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     line = p.stdout.readline()
     if not line:
@@ -91,6 +98,14 @@ def start_router(src: Path, token: str, replicas: int, port: int) -> subprocess.
     if replicas > 1:
         args += ["--replicas", str(replicas)]
     return subprocess.Popen(args, env=_env(src, token), cwd=src)
+
+
+def start_py_spy(pid: int, out: str) -> subprocess.Popen:
+    """py-spy (beside this python) sampling ``pid`` and its children into ``out`` (raw)."""
+    return subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "-p",
+                             str(pid), "-r", "250", "-f", "raw", "-o", out, "--subprocesses",
+                             "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def supports_replicas(src: Path) -> bool:
@@ -146,43 +161,45 @@ async def wait_router(url: str, workers: list[str], token: str, replicas: int) -
 
 
 # ---------------------------------------------------------------- load
-async def one(c, url: str, i: int, stream: bool, max_tokens: int) -> int:
-    """One request; returns completion tokens (from usage)."""
+async def one(c, url: str, i: int, stream: bool, max_tokens: int) -> tuple[int, int]:
+    """One request; returns (completion tokens from usage, SSE chunks received)."""
     body = {"model": MODEL, "prompt": [97 + (i * 7919 + k * k) % 26 for k in range(32)],
             "max_tokens": max_tokens, "temperature": 0}
     if not stream:
         r = await c.post(url + "/v1/completions", json=body)
         r.raise_for_status()
-        return r.json()["usage"]["completion_tokens"]
+        return r.json()["usage"]["completion_tokens"], 0
     body["stream"] = True
     body["stream_options"] = {"include_usage": True}
-    tail = b""
+    tail, chunks = b"", 0
     async with c.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for chunk in r.aiter_raw():
+            chunks += chunk.count(b"data: ")  # payloads are JSON: the text is escaped there
             tail = (tail + chunk)[-4096:]
     if not tail.rstrip().endswith(b"[DONE]"):
         raise RuntimeError(f"stream did not end with [DONE]: {tail[-200:]!r}")
     last = [ln for ln in tail.split(b"\n") if ln.startswith(b"data: {")][-1]
-    return json.loads(last[6:])["usage"]["completion_tokens"]
+    return json.loads(last[6:])["usage"]["completion_tokens"], chunks
 
 
 async def load(url: str, n: int, concurrency: int, stream: bool, max_tokens: int,
-               offset: int) -> tuple[int, float]:
-    """``n`` requests, ``concurrency`` at a time; returns (Σ completion tokens, wall s)."""
+               offset: int) -> tuple[int, int, float]:
+    """``n`` requests, ``concurrency`` at a time; returns (Σ completion tokens, Σ chunks,
+    wall s)."""
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=120.0, limits=limits) as c:
         sem = asyncio.Semaphore(concurrency)
 
-        async def run(i: int) -> int:
+        async def run(i: int) -> tuple[int, int]:
             async with sem:
                 return await one(c, url, offset + i, stream, max_tokens)
 
         t0 = time.perf_counter()
-        toks = await asyncio.gather(*(run(i) for i in range(n)))
-        return sum(toks), time.perf_counter() - t0
+        res = await asyncio.gather(*(run(i) for i in range(n)))
+        return sum(t for t, _ in res), sum(c for _, c in res), time.perf_counter() - t0
 
 
 async def idle_rate(pid: int, seconds: float = 3.0) -> float:
@@ -196,9 +213,11 @@ async def phase(pid: int, url: str, args, stream: bool, max_tokens: int, offset:
                 idle: float) -> dict[str, float]:
     """One load phase; ``cpu_s`` is net of the idle rate (pollers) over its wall time."""
     c0 = cpu_seconds(pid)
-    toks, wall = await load(url, args.requests, args.concurrency, stream, max_tokens, offset)
+    toks, chunks, wall = await load(url, args.requests, args.concurrency, stream, max_tokens,
+                                    offset)
     cpu = cpu_seconds(pid) - c0
-    return {"cpu_s": cpu - idle * wall, "raw_cpu_s": cpu, "tokens": toks, "wall_s": wall}
+    return {"cpu_s": cpu - idle * wall, "raw_cpu_s": cpu, "tokens": toks, "chunks": chunks,
+            "wall_s": wall}
 
 
 async def measure(src: Path, replicas: int, args, token: str, workers: list[str],
@@ -219,10 +238,7 @@ async def measure(src: Path, replicas: int, args, token: str, workers: list[str]
                 res["nonstream_ms"] = 1e3 * ns["cpu_s"] / args.requests
             spy = None
             if args.py_spy and r == 0:  # collapsed stacks of the streaming load
-                spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(router.pid), "-r", "250",
-                                        "-f", "raw", "-o", f"{args.py_spy}.r{replicas}.txt",
-                                        "--subprocesses", "--nonblocking"],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                spy = start_py_spy(router.pid, f"{args.py_spy}.r{replicas}.txt")
                 await asyncio.sleep(1.0)
             st = await phase(router.pid, url, args, True, args.tokens, r * 10**5 + 50_000,
                              idle)
@@ -236,6 +252,7 @@ async def measure(src: Path, replicas: int, args, token: str, workers: list[str]
             res["tokens_per_s"] = st["tokens"] / st["wall_s"]
             res["tokens_per_cpu_s"] = st["tokens"] / st["cpu_s"]
             res["tokens"] = st["tokens"] / args.requests
+            res["chunks"] = st["chunks"] / args.requests
             if full:
                 res["us_beyond_fixed"] = 1e3 * (res["stream_ms"] - res["nonstream_ms"]) / (
                     args.tokens - 1)
@@ -256,40 +273,44 @@ async def main_async(args) -> dict:
                  "tokens": args.tokens, "runs": []}
     for src_s in args.src.split(","):
         src = Path(src_s).resolve()
-        fakes, workers = start_fakes(src, token, args.prefill, args.decode)
-        try:
-            reps = [r for r in args.replicas if r == 1 or supports_replicas(src)]
-            for r in reps:
-                res = await measure(src, r, args, token, workers, full=r == 1)
-                res.update(src=str(src), replicas=r)
-                out["runs"].append(res)
-                print(json.dumps(res), flush=True)
-        finally:
-            fakes.stdin.close()
-            fakes.wait(15)
+        new = supports_replicas(src)  # a tree with issue 19's relay and replicas
+        for coalesce in ([False, True] if new else [False]):
+            fakes, workers = start_fakes(token, args.prefill, args.decode, coalesce)
+            try:
+                reps = [r for r in args.replicas if r == 1 or new] if coalesce else [1]
+                for r in reps:
+                    res = await measure(src, r, args, token, workers, full=r == 1)
+                    res.update(src=str(src), replicas=r, coalesce=coalesce)
+                    out["runs"].append(res)
+                    print(json.dumps(res), flush=True)
+            finally:
+                fakes.stdin.close()
+                fakes.wait(15)
     return out
 
 
 def table(out: dict) -> str:
     t = out["tokens"]
-    lines = [f"{out['requests']} requests at concurrency {out['concurrency']}, fake workers; "
-             "router CPU (all its processes), medians", "",
-             "| source | replicas | CPU / request, non-streaming 1 token | CPU / request, "
-             f"streaming {t} tokens | CPU / relayed token | beyond fixed cost | tokens/s "
-             "(wall) | tokens per router CPU-s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [(f"{out['requests']} requests at concurrency {out['concurrency']}, fake workers; "
+              "router CPU (all its processes, net of idle polling), medians"), "",
+             ("| router source | worker events | replicas | CPU / request, non-streaming 1 "
+              f"token | CPU / request, streaming {t} tokens | CPU / relayed token | beyond "
+              "fixed cost | tokens/s (wall) | tokens per router CPU-s | chunks per stream |"),
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in out["runs"]:
         ns = f"{r['nonstream_ms']:.2f} ms" if "nonstream_ms" in r else "–"
         bf = f"{r['us_beyond_fixed']:.1f} µs" if "us_beyond_fixed" in r else "–"
-        lines.append(f"| {Path(r['src']).name} | {r['replicas']} | {ns} | {r['stream_ms']:.2f} ms"
+        ev = "coalesced" if r["coalesce"] else "1 token each"
+        lines.append(f"| {Path(r['src']).name} | {ev} | {r['replicas']} | {ns} | {r['stream_ms']:.2f} ms"
                      f" | {r['us_per_token']:.1f} µs | {bf} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['tokens_per_cpu_s']:,.0f} |")
+                     f"{r['tokens_per_cpu_s']:,.0f} | {r['chunks']:.0f} |")
     return "\n".join(lines)
 
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve-fakes":
-        serve_fakes(int(sys.argv[2]), int(sys.argv[3]), os.environ["K3SERVE_CLUSTER_TOKEN"])
+        serve_fakes(int(sys.argv[2]), int(sys.argv[3]), os.environ["K3SERVE_CLUSTER_TOKEN"],
+                    sys.argv[4] == "1")
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--src", default=str(ROOT), help="source tree(s), comma-separated")

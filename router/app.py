@@ -37,6 +37,7 @@ from router.pipeline import Router, cancel
 from router.placement import NoWorkerAvailable
 from router.preprocess import parse_request
 from router.render import ChoiceAcc, Render, sse_frame
+from router.replicas import REPLICA_HEADER, Registry
 from router.responses import ErrorResponse, ModelCard, ModelList, new_id
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.stream import END, Delta
@@ -59,10 +60,15 @@ def create_app(config: RouterConfig,
         The app; ``app.state.router`` is its ``Router``.
     """
     router = Router(config, transport)
+    registry = Registry(config.registry_dir) if config.registry_dir else None
+    replica = {REPLICA_HEADER: str(config.replica)} if config.replica is not None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        side = [asyncio.create_task(registry.watch(router.pool)),
+                asyncio.create_task(_refresh_metrics(router))] if registry else []
         yield
+        await cancel(side)
         await router.close()
 
     app = FastAPI(title="k3serve router", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -152,7 +158,7 @@ def create_app(config: RouterConfig,
         if not req.stream:
             await cancel(tasks)
             observe_e2e()
-            return JSONResponse(render.full(jobs, accs))
+            return JSONResponse(render.full(jobs, accs), headers=replica)
 
         async def events() -> AsyncIterator[bytes]:
             item, seen, done = first, set(), 0
@@ -182,7 +188,7 @@ def create_app(config: RouterConfig,
                 await cancel(tasks)
 
         return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+                                 headers={**SSE_HEADERS, **(replica or {})})
 
     # ---------------------------------------------------------------- public API
     @app.post("/v1/completions")
@@ -243,9 +249,18 @@ def create_app(config: RouterConfig,
                            code="worker_unreachable") from None
         except ValueError as e:
             raise APIError(400, str(e), code="invalid_worker") from None
+        if registry is not None:  # the other replicas register it too (router/replicas.py)
+            registry.add(w.url)
         return RegisterResponse(worker_id=w.name, role=w.role, url=w.url)
 
     return app
+
+
+async def _refresh_metrics(router: Router, every_s: float = 1.0) -> None:
+    """Replicas: publish this replica's hit-rate window every second (router/metrics.py)."""
+    while True:
+        router.metrics.refresh_window()
+        await asyncio.sleep(every_s)
 
 
 async def _client_gone(request: Request) -> None:

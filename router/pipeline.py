@@ -84,7 +84,7 @@ class Router:
         from k3serve.tokenizer import get_tokenizer
 
         self.config = config
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(multiprocess_dir=config.metrics_dir)
         self.pool = WorkerPool(config.model, config.cluster_token, config.poll_interval_s,
                                config.unhealthy_after, config.timeout_s, transport,
                                on_worker=lambda w: self.metrics.add_worker(w.name, w.role),
@@ -154,15 +154,15 @@ class Router:
         for w in prefill:
             m = match.get(w.url)
             pstates.append(PrefillWorkerState(
-                w.url, m.usable_blocks if m else 0, m.mla_blocks if m else 0, w.queued_tokens,
+                w.url, m.usable_blocks if m else 0, m.mla_blocks if m else 0,
+                w.placement_queued_tokens,
                 w.info.prefill_rate or self.config.prefill_rate,
                 store_blocks=store.usable_blocks if store else 0))
         dstates = []
         for w in decode:
-            cap = w.info.capacity_tokens
             dstates.append(DecodeWorkerState(
-                w.url, cap - w.reserved_tokens if cap else 1 << 62,
-                w.info.capacity.num_slots - w.running, w.running))
+                w.url, w.placement_free_tokens(), w.placement_free_slots(),
+                w.placement_running))
         p = place(req, pstates, dstates, self.config.policy, self.config.placement)
         return p, self.pool.workers[p.prefill], self.pool.workers[p.decode]
 
@@ -254,7 +254,7 @@ class Router:
                                 req.max_cached_blocks)
         states = [PrefillWorkerState(
             w.url, match[w.url].usable_blocks if w.url in match else 0,
-            match[w.url].mla_blocks if w.url in match else 0, w.queued_tokens,
+            match[w.url].mla_blocks if w.url in match else 0, w.placement_queued_tokens,
             w.info.prefill_rate or self.config.prefill_rate) for w in live]
         p = place(req, states, (), self.config.policy, self.config.placement)
         W = self.pool.workers[p.prefill]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from k3serve.messages import PrefillResponse, StreamEvent, StreamRequest, finite
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, observe_many
 from router.placement import Placement
 from router.workers import Worker, WorkerError, WorkerPool
 
@@ -176,8 +176,8 @@ async def stream_choice(c: Placed, prompt_len: int, index: int, sampling: Sampli
                 d = relay_batch(index, batch, detok)
                 t = time.monotonic()
                 n = len(d.token_ids)
-                for _ in range(n):
-                    itl.observe((t - last) / n)
+                if n:
+                    observe_many(itl, (t - last) / n, n)
                 last = t
                 n_out += n
                 if d.token_ids or d.text or d.finish_reason:

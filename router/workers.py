@@ -39,6 +39,7 @@ from k3serve.messages import (
     StreamEvent,
     StreamRequest,
     WorkerInfo,
+    WorkerLoad,
 )
 from k3serve.protocol import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER  # noqa: F401 - re-exported
 from router.index import GlobalIndex, PrefixMatch, ResyncNeeded
@@ -81,6 +82,36 @@ class Worker:
     reserved_tokens: int = 0  # decode: Σ (prompt + max new tokens) of those
     resyncs: int = 0
     task: asyncio.Task | None = field(default=None, repr=False)
+    reported: WorkerLoad | None = None  # the worker's own figures, with its cache events
+
+    # -- load as placement sees it: the larger of the router's own account and what the worker
+    # reported (which includes the requests of the other router replicas, a poll late)
+    @property
+    def placement_queued_tokens(self) -> int:
+        """Prefill tokens queued on the worker (own account or reported, the larger)."""
+        rep = self.reported.queued_prefill_tokens if self.reported else 0
+        return max(self.queued_tokens, rep)
+
+    @property
+    def placement_running(self) -> int:
+        """Decode requests on the worker (own account or reported, the larger)."""
+        return max(self.running, self.reported.running if self.reported else 0)
+
+    def placement_free_tokens(self) -> int:
+        """Free decode cache tokens: capacity less the own reservations, and no more than the
+        worker reported free (``1 << 62`` when neither is known)."""
+        cap = self.info.capacity_tokens
+        own = cap - self.reserved_tokens if cap else 1 << 62
+        if self.reported is None or self.reported.free_pages is None:
+            return own
+        return min(own, self.reported.free_pages * self.info.block_size)
+
+    def placement_free_slots(self) -> int:
+        """Free decode state slots (own account or reported, the fewer)."""
+        own = self.info.capacity.num_slots - self.running
+        if self.reported is None or self.reported.free_slots is None:
+            return own
+        return min(own, self.reported.free_slots)
 
     @property
     def name(self) -> str:
@@ -230,6 +261,7 @@ class WorkerPool:
                                    timeout=self.poll_timeout_s)
             try:
                 events = self.index.parse_events(w.url, body)
+                w.reported = events.load
                 self.index.apply_events(w.url, events)
             except ResyncNeeded as e:
                 log.info("resync %s: %s", w.url, e)

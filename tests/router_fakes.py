@@ -14,6 +14,7 @@ Servers run with uvicorn in background threads (``ServerThread``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import socket
 import threading
@@ -28,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
+from decode.stream import take_ready
 from k3serve.cache.manager import CacheManager
 from k3serve.cache.specs import CacheConfig
 from k3serve.messages import (
@@ -45,11 +47,11 @@ from k3serve.messages import (
     StreamRequest,
     TokenLogprob,
     WorkerInfo,
+    WorkerLoad,
 )
 from k3serve.sampling import SamplingParams
 from k3serve.tokenizer import get_tokenizer
 from k3serve.tokenizer.detok import IncrementalDetokenizer
-from decode.stream import take_ready
 from router.workers import CLUSTER_TOKEN_HEADER
 
 MODEL = "k3-tiny"
@@ -104,6 +106,7 @@ class FakeState:
     step_s: float = 0.0  # the fake decode loop's pause between two tokens of a stream
     coalesce: bool = True  # tokens ready together go out as one event (decode/stream.py)
     events_sent: int = 0  # decode stream events written
+    queued_prefill_tokens: int = 0  # prompt tokens of prefills not answered yet (reported)
 
     def __post_init__(self) -> None:
         self.restart()
@@ -116,7 +119,15 @@ class FakeState:
 
 
 def make_worker_app(state: FakeState) -> FastAPI:
-    app = FastAPI()
+    clients: list[httpx.AsyncClient] = []  # the "transfer" client, made in the server's loop
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        for c in clients:
+            await c.aclose()
+
+    app = FastAPI(lifespan=lifespan)
     rid_counter = iter(range(1 << 30))
 
     @app.middleware("http")
@@ -136,7 +147,13 @@ def make_worker_app(state: FakeState) -> FastAPI:
 
     @app.get("/internal/cache_events")
     async def events(after: int = 0) -> CacheEvents:
-        return CacheEvents.model_validate(state.cm.events_since(after))
+        u = state.cm.usage()
+        running = sum(1 for r in state.reservations.values()
+                      if not r["aborted"] and not r.get("done"))
+        load = WorkerLoad(queued_prefill_tokens=state.queued_prefill_tokens, running=running,
+                          free_pages=u.num_pages - u.pages_used,
+                          free_slots=u.num_slots - u.slots_used)
+        return CacheEvents.model_validate({**state.cm.events_since(after), "load": load})
 
     @app.get("/internal/cache_state")
     async def cache_state() -> CacheState:
@@ -160,6 +177,13 @@ def make_worker_app(state: FakeState) -> FastAPI:
             return JSONResponse(ErrorBody(error="overloaded").model_dump(), status_code=503)
         rec = b.model_dump()
         state.prefills.append(rec)
+        state.queued_prefill_tokens += len(b.prompt_token_ids)
+        try:
+            return await _prefill(b, rec)
+        finally:
+            state.queued_prefill_tokens -= len(b.prompt_token_ids)
+
+    async def _prefill(b: PrefillRequest, rec: dict[str, Any]) -> PrefillResponse:
         sp = b.sampling.to_params()
         ids = list(b.prompt_token_ids)
         seq = next(rid_counter)
@@ -168,10 +192,11 @@ def make_worker_app(state: FakeState) -> FastAPI:
                                         snapshot_at=b.snapshot_at)
         tok = toy_next(ids, sp.seed, sp.temperature)
         lp = toy_logprobs(tok, sp.logprobs)
-        async with httpx.AsyncClient() as c:  # the "transfer" to the decode worker
-            r = await c.post(b.bootstrap_addr + "/fake/transfer",
-                             json={"ticket": b.ticket, "token_id": tok})
-            r.raise_for_status()
+        if not clients:  # one pooled client: a new connection per prefill times out on a
+            clients.append(httpx.AsyncClient(timeout=60.0))  # crowded box
+        r = await clients[0].post(b.bootstrap_addr + "/fake/transfer",  # the "transfer"
+                                  json={"ticket": b.ticket, "token_id": tok})
+        r.raise_for_status()
         return PrefillResponse(request_id=b.request_id, token_id=tok, logprob=lp.logprob,
                                top_logprobs=lp.top_logprobs, num_cached_tokens=rec["_cached"],
                                cached_source="local", text=TOKENIZER.decode([tok]),
@@ -212,26 +237,29 @@ def make_worker_app(state: FakeState) -> FastAPI:
         async def engine() -> None:
             """The fake's decode loop: one token per step into ``q`` (the real worker's
             engine thread fills the queue the same way); ``step_s`` between steps."""
-            detok = IncrementalDetokenizer(TOKENIZER, sp, eos_token_id=TOKENIZER.eos_token_id)
-            ctx = list(r["prompt"]) + [r["first"]]
-            detok.step(r["first"])
-            sent = 0
-            while not detok.finished and not r["aborted"]:
-                t = toy_next(ctx, sp.seed, sp.temperature)
-                ctx.append(t)
-                o = detok.step(t)
-                sent += 1
-                cut = state.cut_stream is not None and sent == state.cut_stream[0]
-                q.put_nowait(StreamEvent(
-                    token_ids=[t], text=o.new_text, logprobs=[toy_logprobs(t, sp.logprobs)],
-                    finish_reason=state.cut_stream[1] if cut else o.finish_reason))
-                if cut:
-                    if state.cut_stream[1] is None:
-                        q.put_nowait(END_BODY)  # the body ends with [DONE], no finish event
-                    return
-                if state.hang_after is not None and sent >= state.hang_after:
-                    await r["abort_ev"].wait()
-                await asyncio.sleep(state.step_s)
+            try:
+                detok = IncrementalDetokenizer(TOKENIZER, sp, eos_token_id=TOKENIZER.eos_token_id)
+                ctx = list(r["prompt"]) + [r["first"]]
+                detok.step(r["first"])
+                sent = 0
+                while not detok.finished and not r["aborted"]:
+                    t = toy_next(ctx, sp.seed, sp.temperature)
+                    ctx.append(t)
+                    o = detok.step(t)
+                    sent += 1
+                    cut = state.cut_stream is not None and sent == state.cut_stream[0]
+                    q.put_nowait(StreamEvent(
+                        token_ids=[t], text=o.new_text, logprobs=[toy_logprobs(t, sp.logprobs)],
+                        finish_reason=state.cut_stream[1] if cut else o.finish_reason))
+                    if cut:
+                        if state.cut_stream[1] is None:
+                            q.put_nowait(END_BODY)  # the body ends with [DONE], no finish event
+                        return
+                    if state.hang_after is not None and sent >= state.hang_after:
+                        await r["abort_ev"].wait()
+                    await asyncio.sleep(state.step_s)
+            finally:
+                r["done"] = True
 
         task = asyncio.create_task(engine())
 
