@@ -150,7 +150,8 @@ def supervise(argv: list[str], n: int, sock: socket.socket) -> int:
     def spawn(i: int) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "router.app", *argv, "--replica-index", str(i),
-             "--fd", str(fd)], env=env, pass_fds=(fd,), preexec_fn=pre)
+             "--fd", str(fd)], env=env, pass_fds=(fd,),
+            preexec_fn=pre)  # noqa: PLW1509 - one prctl call, nothing a thread could hold
 
     stopping = False
 
