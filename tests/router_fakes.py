@@ -105,6 +105,7 @@ class FakeState:
     cut_stream: tuple[int, str | None] | None = None
     step_s: float = 0.0  # the fake decode loop's pause between two tokens of a stream
     coalesce: bool = True  # tokens ready together go out as one event (decode/stream.py)
+    send_delay_s: float = 0.0  # a slow writer: pause before each decode stream event
     events_sent: int = 0  # decode stream events written
     queued_prefill_tokens: int = 0  # prompt tokens of prefills not answered yet (reported)
 
@@ -268,6 +269,8 @@ def make_worker_app(state: FakeState) -> FastAPI:
             try:
                 while True:
                     ev, left = (left, None) if left is not None else (await q.get(), None)
+                    if state.send_delay_s:
+                        await asyncio.sleep(state.send_delay_s)
                     if ev is END_BODY:
                         break
                     if state.coalesce:
