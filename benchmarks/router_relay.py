@@ -192,13 +192,20 @@ async def load(url: str, n: int, concurrency: int, stream: bool, max_tokens: int
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=120.0, limits=limits) as c:
         sem = asyncio.Semaphore(concurrency)
+        errors: list[str] = []
 
         async def run(i: int) -> tuple[int, int]:
             async with sem:
-                return await one(c, url, offset + i, stream, max_tokens)
+                try:
+                    return await one(c, url, offset + i, stream, max_tokens)
+                except (httpx.HTTPError, RuntimeError) as e:  # counted, reported
+                    errors.append(repr(e)[:200])
+                    return 0, 0
 
         t0 = time.perf_counter()
         res = await asyncio.gather(*(run(i) for i in range(n)))
+        if errors:
+            print(f"{len(errors)} of {n} requests failed, e.g. {errors[0]}", file=sys.stderr)
         return sum(t for t, _ in res), sum(c for _, c in res), time.perf_counter() - t0
 
 

@@ -177,7 +177,8 @@ class WorkerPool:
         self.client = httpx.AsyncClient(
             headers=headers, transport=transport,
             timeout=httpx.Timeout(timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=4096))
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=4096,
+                                keepalive_expiry=2.0))  # < uvicorn's 5 s: no stale reuse
         self._closed = False
 
     async def close(self) -> None:
