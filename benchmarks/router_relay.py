@@ -179,8 +179,10 @@ async def one(c, url: str, i: int, stream: bool, max_tokens: int) -> tuple[int, 
             tail = (tail + chunk)[-4096:]
     if not tail.rstrip().endswith(b"[DONE]"):
         raise RuntimeError(f"stream did not end with [DONE]: {tail[-200:]!r}")
-    last = [ln for ln in tail.split(b"\n") if ln.startswith(b"data: {")][-1]
-    return json.loads(last[6:])["usage"]["completion_tokens"], chunks
+    last = json.loads([ln for ln in tail.split(b"\n") if ln.startswith(b"data: {")][-1][6:])
+    if "usage" not in last:
+        raise RuntimeError(f"stream failed: {last}")
+    return last["usage"]["completion_tokens"], chunks
 
 
 async def load(url: str, n: int, concurrency: int, stream: bool, max_tokens: int,
@@ -189,7 +191,8 @@ async def load(url: str, n: int, concurrency: int, stream: bool, max_tokens: int
     wall s)."""
     import httpx
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency,
+                          keepalive_expiry=2.0)  # below the router's 5 s: no stale reuse
     async with httpx.AsyncClient(timeout=120.0, limits=limits) as c:
         sem = asyncio.Semaphore(concurrency)
         errors: list[str] = []

@@ -194,7 +194,8 @@ def make_worker_app(state: FakeState) -> FastAPI:
         tok = toy_next(ids, sp.seed, sp.temperature)
         lp = toy_logprobs(tok, sp.logprobs)
         if not clients:  # one pooled client: a new connection per prefill times out on a
-            clients.append(httpx.AsyncClient(timeout=60.0))  # crowded box
+            clients.append(httpx.AsyncClient(  # crowded box; expiry below uvicorn's 5 s
+                timeout=60.0, limits=httpx.Limits(keepalive_expiry=2.0)))
         r = await clients[0].post(b.bootstrap_addr + "/fake/transfer",  # the "transfer"
                                   json={"ticket": b.ticket, "token_id": tok})
         r.raise_for_status()
@@ -301,7 +302,7 @@ class ServerThread:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error",
-                             lifespan="on")
+                             lifespan="on", timeout_keep_alive=30)  # > clients' pool expiry
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

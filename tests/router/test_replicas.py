@@ -1,0 +1,318 @@
+"""Router replicas (issue 19): ``python -m router.app --replicas N`` behind one address.
+
+With the fake workers (tests/router_fakes.py) and the committed trace slice: 4 replicas keep
+the hit rate within 2 points and the prefill load balance (computed tokens, max / mean)
+within 0.05 of one router, ``cached_tokens`` and the aggregated metrics exact (one scrape of
+the address = the sum over the replicas); SIGKILL of one replica mid-load: its clients'
+streams fail visibly (no ``[DONE]``), every other stream completes with the oracle's text,
+new requests are served, the supervisor starts the replica again and the running gauge
+returns to 0. Units: the registry fan-out, the load figures placement reads, the launcher
+and Ray config plumbing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from router_fakes import TOKENIZER, free_port, start_worker, toy_generate
+
+from k3serve.bench.workload import trace_load
+from k3serve.messages import Capacity, WorkerInfo, WorkerLoad
+from k3serve.sampling import SamplingParams
+from router.replicas import REPLICA_HEADER, Registry
+from router.sse import SSEReader
+from router.workers import CLUSTER_TOKEN_HEADER, Worker
+
+TOKEN = "replica-secret"
+MODEL = "k3-tiny"
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = ROOT / "tests" / "data" / "trace_3000_3399.jsonl"
+ROWS = 100  # trace rows replayed per router
+
+
+class ReplicaStack:
+    """Fresh fake workers (2 prefill + 1 decode, in this process) and a router of ``n``
+    replicas in its own process (``n = 1``: the plain router, one process)."""
+
+    def __init__(self, n: int) -> None:
+        self.workers = [start_worker("prefill", TOKEN), start_worker("prefill", TOKEN),
+                        start_worker("decode", TOKEN)]
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "K3SERVE_CLUSTER_TOKEN": TOKEN}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "router.app", "--port", str(self.port), "--model", MODEL,
+             "--poll-interval", "0.02", "--replicas", str(n)], env=env, cwd=ROOT)
+        try:
+            self._register(n)
+        except BaseException:
+            self.close()
+            raise
+
+    def _register(self, n: int) -> None:
+        deadline = time.monotonic() + 40
+        while True:
+            try:
+                httpx.get(self.url + "/health", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "router did not start"
+                time.sleep(0.1)
+        for st, _ in self.workers:  # each reaches one replica; the registry fans it out
+            r = httpx.post(self.url + "/internal/register", json={"url": st.url},
+                           headers={CLUSTER_TOKEN_HEADER: TOKEN}, timeout=10)
+            assert r.status_code == 200, r.text
+        while n > 1 and len(self.replica_pids()) < n:
+            assert time.monotonic() < deadline, "replicas did not start"
+            time.sleep(0.1)
+        if n > 1:
+            time.sleep(1.0)  # every replica reads the registry every 0.25 s
+        for _ in range(4 * n):  # fresh connections reach the replicas: all see every worker
+            h = httpx.get(self.url + "/health", timeout=5).json()
+            assert h["num_workers_healthy"] == 3, h
+
+    @property
+    def prefill(self):
+        return [st for st, _ in self.workers[:2]]
+
+    @property
+    def decode(self):
+        return self.workers[2][0]
+
+    def replica_pids(self) -> dict[int, int]:
+        """Replica index → pid of the live replicas."""
+        out = {}
+        for c in psutil.Process(self.proc.pid).children():
+            with_idx = c.cmdline()
+            if "--replica-index" in with_idx:
+                out[int(with_idx[with_idx.index("--replica-index") + 1])] = c.pid
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(httpx.get(self.url + "/metrics").text):
+            for s in fam.samples:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+        return out
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for _, srv in self.workers:
+            srv.stop()
+
+
+def replay(stack: ReplicaStack, concurrency: int = 4) -> dict:
+    """The trace slice through ``stack`` (token-id prompts, 1 token each)."""
+    work = trace_load(TRACE, limit=ROWS, length_scale=16 / 512, vocab_size=256,
+                      max_model_len=4096)
+
+    async def run() -> list[dict]:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(req) -> dict:
+            async with sem, httpx.AsyncClient(timeout=60) as c:  # a new connection each
+                r = await c.post(stack.url + "/v1/completions", json={
+                    "model": MODEL, "prompt": req.prompt, "max_tokens": 1, "temperature": 0})
+                assert r.status_code == 200, r.text
+                return {"usage": r.json()["usage"], "replica": r.headers.get(REPLICA_HEADER)}
+
+        out = []
+        for i in range(0, len(work.requests), 16):  # in arrival order, a window at a time
+            out += await asyncio.gather(*(one(q) for q in work.requests[i:i + 16]))
+        return out
+
+    res = asyncio.run(run())
+    prompt = sum(r["usage"]["prompt_tokens"] for r in res)
+    cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in res)
+    load = [sum(len(p["prompt_token_ids"]) - p["_cached"] for p in st.prefills)
+            for st in stack.prefill]
+    return {"hit": cached / prompt, "balance": max(load) / (sum(load) / len(load)),
+            "prompt": prompt, "cached": cached, "replicas": {r["replica"] for r in res},
+            "n": len(res)}
+
+
+@pytest.fixture(scope="module")
+def four():
+    s = ReplicaStack(4)
+    yield s
+    s.close()
+
+
+def test_four_replicas_keep_hit_rate_balance_and_exact_metrics(four):
+    one = ReplicaStack(1)
+    try:
+        base = replay(one)
+    finally:
+        one.close()
+    got = replay(four)
+    print("one router:", base, "4 replicas:", got)
+    assert got["n"] == base["n"] > ROWS * 0.9
+    assert len(got["replicas"]) >= 3, got["replicas"]  # the load really spread
+    assert base["hit"] > 0.2  # the slice shares prefixes: a comparison that can fail
+    assert abs(got["hit"] - base["hit"]) <= 0.02, (got, base)
+    assert abs(got["balance"] - base["balance"]) <= 0.05, (got, base)
+    m = four.metrics()  # one scrape: every replica's samples, summed
+    assert m["k3serve:request_prompt_tokens_total"] == got["prompt"]
+    assert m["k3serve:request_cached_tokens_total"] == got["cached"]
+    assert m["k3serve:cache_hit_rate"] == pytest.approx(got["cached"] / got["prompt"])
+    assert m["k3serve:time_to_first_token_seconds_count"] == got["n"]
+    # each request's cached tokens are the fake prefill workers' real reuse
+    assert sum(p["_cached"] for st in four.prefill for p in st.prefills) == got["cached"]
+
+
+def test_killing_one_replica_fails_only_its_streams(four):
+    four.decode.step_s = 0.02  # streams last ~1 s: the kill lands mid-stream
+    prompt = "replicas share nothing but the workers"
+    ids = TOKENIZER.encode(prompt, add_bos=True)
+    want_ids, want, _ = toy_generate(ids, SamplingParams(
+        max_tokens=48, temperature=0, stop_token_ids=TOKENIZER.stop_token_ids))
+    m0 = four.metrics()
+
+    async def stream(c: httpx.AsyncClient, started: asyncio.Event, ready: list):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 48, "temperature": 0,
+                "stream": True}
+        raw = b""
+        try:
+            async with c.stream("POST", four.url + "/v1/completions", json=body) as r:
+                ready.append(r.headers[REPLICA_HEADER])
+                async for chunk in r.aiter_raw():
+                    raw += chunk
+                    if len(ready) == 12:
+                        started.set()
+        except httpx.HTTPError as e:
+            return ready[-1] if ready else None, raw, e
+        return None, raw, None
+
+    async def run():
+        started = asyncio.Event()
+        clients = [httpx.AsyncClient(timeout=30) for _ in range(12)]
+        headers: list[list] = [[] for _ in range(12)]
+        tasks = [asyncio.create_task(stream(c, started, h)) for c, h in zip(clients, headers)]
+        await asyncio.wait_for(started.wait(), 30)
+        by_replica = [h[0] for h in headers]
+        victim = int(by_replica[0])
+        os.kill(four.replica_pids()[victim], signal.SIGKILL)
+        res = await asyncio.gather(*tasks)
+        for c in clients:
+            await c.aclose()
+        return victim, by_replica, res
+
+    try:
+        victim, by_replica, res = asyncio.run(run())
+        for served_by, (_, raw, err) in zip(by_replica, res):
+            text = "".join(json.loads(p)["choices"][0]["text"] for p in SSEReader().feed(raw)
+                           if p != b"[DONE]")
+            if int(served_by) == victim:  # failed visibly: an error, never a clean end
+                assert err is not None or not raw.endswith(b"data: [DONE]\n\n"), raw[-200:]
+                assert text != want
+            else:
+                assert err is None and raw.endswith(b"data: [DONE]\n\n"), (err, raw[-200:])
+                assert text == want
+        for _ in range(8):  # the others keep serving new requests
+            r = httpx.post(four.url + "/v1/completions", json={
+                "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0},
+                timeout=30)
+            assert r.status_code == 200 and r.headers[REPLICA_HEADER] != str(victim) or \
+                r.status_code == 200
+    finally:
+        four.decode.step_s = 0.0
+    deadline = time.monotonic() + 30
+    while len(four.replica_pids()) < 4:  # the supervisor starts it again
+        assert time.monotonic() < deadline, "the killed replica was not started again"
+        time.sleep(0.2)
+    m = four.metrics()
+    assert m["k3serve:num_requests_running"] == 0  # the dead replica's share dropped
+    assert m["k3serve:request_prompt_tokens_total"] >= m0["k3serve:request_prompt_tokens_total"]
+
+
+# ----------------------------------------------------------------------------- units
+class _Pool:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.fail: set[str] = set()
+
+    async def register(self, url: str) -> None:
+        self.calls.append(url)
+        if url in self.fail:
+            raise RuntimeError("unreachable")
+
+
+def test_registry_fans_registrations_out(tmp_path):
+    a, b = Registry(tmp_path), Registry(tmp_path)
+    pool_b = _Pool()
+    a.add("http://w1")
+    a.add("http://w2")
+    pool_b.fail.add("http://w2")
+    assert asyncio.run(b.sync(pool_b)) == 1
+    pool_b.fail.clear()
+    assert asyncio.run(b.sync(pool_b)) == 1  # the failed one is tried again
+    assert asyncio.run(b.sync(pool_b)) == 0  # nothing new
+    time.sleep(0.01)
+    a.add("http://w1")  # registered again (a worker restart): b reads its info again
+    assert asyncio.run(b.sync(pool_b)) == 1
+    assert pool_b.calls == ["http://w1", "http://w2", "http://w2", "http://w1"]
+    assert asyncio.run(a.sync(_Pool())) == 0  # a registered them itself
+
+
+def test_placement_reads_the_larger_of_own_account_and_reported():
+    info = WorkerInfo(role="decode", model=MODEL, fingerprint="f", block_size=16,
+                      capacity=Capacity(num_pages=100, num_slots=8))
+    w = Worker("http://w", info, queued_tokens=10, running=2, reserved_tokens=320)
+    assert (w.placement_queued_tokens, w.placement_running) == (10, 2)
+    assert (w.placement_free_tokens(), w.placement_free_slots()) == (1600 - 320, 6)
+    w.reported = WorkerLoad(queued_prefill_tokens=500, running=5, free_pages=50, free_slots=7)
+    assert (w.placement_queued_tokens, w.placement_running) == (500, 5)
+    assert (w.placement_free_tokens(), w.placement_free_slots()) == (800, 6)
+
+
+def test_launcher_and_ray_config_take_the_router_count():
+    from deploy.launcher import StartupError, build_parser, start_stack
+    from deploy.plan import load_deploy_config
+
+    assert build_parser().parse_args(["--routers", "4"]).routers == 4
+    assert load_deploy_config(ROOT / "deploy/configs/supernode-64.yaml").router.replicas == 4
+    assert load_deploy_config(ROOT / "deploy/configs/local-cpu.yaml").router.replicas == 1
+
+    class Dead:
+        def poll(self):
+            return 1
+
+        def terminate(self): ...
+        def kill(self): ...
+        def wait(self, timeout=None):
+            return 1
+
+    class Backend:
+        name, internal_host, spawned = "fake", "127.0.0.1", []
+
+        def free_port(self, host):
+            return free_port()
+
+        def spawn(self, name, module, args, env):
+            self.spawned.append((module, args))
+            return Dead()
+
+    be = Backend()
+    with pytest.raises(StartupError):
+        start_stack(launch=be, routers=3, ready_timeout=1)
+    module, args = be.spawned[0]
+    assert module == "router.app" and args[args.index("--replicas") + 1] == "3"
+    with pytest.raises(ValueError, match="routers"):
+        start_stack(launch=be, routers=0)
