@@ -172,13 +172,15 @@ class WorkerPool:
         self.workers: dict[str, Worker] = {}
         self._on_worker = on_worker
         headers = {CLUSTER_TOKEN_HEADER: cluster_token} if cluster_token else {}
-        # Every open stream holds a connection: keep them all alive (httpx's default keeps 20,
-        # so a busy router closed and reopened connections on every request).
+        # Every open stream holds a connection: no cap on them (httpx's default of 100 would
+        # queue the 101st stream), a few more idle ones kept than httpx's 20 (fewer reconnects),
+        # not many more (httpcore scans every pooled connection on each request), and none kept
+        # past 2 s (< uvicorn's 5 s keep-alive: a connection is never reused as it closes).
         self.client = httpx.AsyncClient(
             headers=headers, transport=transport,
             timeout=httpx.Timeout(timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=4096,
-                                keepalive_expiry=2.0))  # < uvicorn's 5 s: no stale reuse
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32,
+                                keepalive_expiry=2.0))
         self._closed = False
 
     async def close(self) -> None:

@@ -103,6 +103,8 @@ class FakeState:
     # end each decode stream after this many tokens with this finish_reason (None: no finish
     # event at all, only ``[DONE]``): a decode worker that aborts, or stops at its own limit
     cut_stream: tuple[int, str | None] | None = None
+    num_pages: int = 256  # cache pages (block_size tokens each); restart() applies a change
+    prefill_s_per_token: float = 0.0  # a prefill sleeps this long per uncached prompt token
     step_s: float = 0.0  # the fake decode loop's pause between two tokens of a stream
     coalesce: bool = True  # tokens ready together go out as one event (decode/stream.py)
     send_delay_s: float = 0.0  # a slow writer: pause before each decode stream event
@@ -114,7 +116,7 @@ class FakeState:
 
     def restart(self) -> None:
         """A worker restart: empty cache, new event epoch."""
-        cfg = CacheConfig(num_pages=256, num_slots=8, num_snapshots=16,
+        cfg = CacheConfig(num_pages=self.num_pages, num_slots=8, num_snapshots=16,
                           block_size=self.block_size)
         self.cm = CacheManager(cfg, FINGERPRINT)
 
@@ -144,7 +146,8 @@ def make_worker_app(state: FakeState) -> FastAPI:
         return WorkerInfo(role=state.role, model=MODEL, fingerprint=FINGERPRINT,
                           block_size=state.block_size, max_model_len=4096,
                           worker_id=f"{state.role}@{state.url.rsplit(':', 1)[-1]}",
-                          capacity=Capacity(num_pages=256, num_slots=8, num_snapshots=16))
+                          capacity=Capacity(num_pages=state.num_pages, num_slots=8,
+                                            num_snapshots=16))
 
     @app.get("/internal/cache_events")
     async def events(after: int = 0) -> CacheEvents:
@@ -191,6 +194,8 @@ def make_worker_app(state: FakeState) -> FastAPI:
         cm = state.cm
         rec["_cached"] = cm.run_prefill(seq, ids, cache_salt=b.cache_salt,
                                         snapshot_at=b.snapshot_at)
+        if state.prefill_s_per_token:  # compute time: the queue the worker reports is real
+            await asyncio.sleep(state.prefill_s_per_token * (len(ids) - rec["_cached"]))
         tok = toy_next(ids, sp.seed, sp.temperature)
         lp = toy_logprobs(tok, sp.logprobs)
         if not clients:  # one pooled client: a new connection per prefill times out on a
