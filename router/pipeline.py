@@ -91,7 +91,9 @@ class Router:
                                poll_timeout_s=config.poll_timeout_s)
         self.tokenizer = get_tokenizer(config.tokenizer or config.model)
         self.pre = Preprocessor(self.tokenizer, config.add_bos)
-        self._seq = itertools.count()
+        # replicas: each starts its rotation elsewhere, so their ties do not all pick the same
+        # worker first
+        self._seq = itertools.count(0 if config.replica is None else secrets.randbits(16))
         self._background: set[asyncio.Task] = set()
         self._model_len: int | None = None
         # Choices waiting for decode room retry one at a time, in turn (FIFO): a crowd of them

@@ -83,14 +83,22 @@ class Worker:
     resyncs: int = 0
     task: asyncio.Task | None = field(default=None, repr=False)
     reported: WorkerLoad | None = None  # the worker's own figures, with its cache events
+    sent_since_report: int = 0  # prefill tokens this router sent after that report
 
     # -- load as placement sees it: the larger of the router's own account and what the worker
     # reported (which includes the requests of the other router replicas, a poll late)
     @property
     def placement_queued_tokens(self) -> int:
-        """Prefill tokens queued on the worker (own account or reported, the larger)."""
-        rep = self.reported.queued_prefill_tokens if self.reported else 0
-        return max(self.queued_tokens, rep)
+        """Prefill tokens queued on the worker: the own account, or the reported queue plus
+        what this router sent since the report, the larger."""
+        if self.reported is None:
+            return self.queued_tokens
+        return max(self.queued_tokens,
+                   self.reported.queued_prefill_tokens + self.sent_since_report)
+
+    def report(self, load: WorkerLoad | None) -> None:
+        """A new load report from the worker (its cache-event poll)."""
+        self.reported, self.sent_since_report = load, 0
 
     @property
     def placement_running(self) -> int:
@@ -135,6 +143,7 @@ class Worker:
         self.running += running
         self.reserved_tokens += reserved_tokens
         self.queued_tokens += queued_tokens
+        self.sent_since_report += queued_tokens
         try:
             yield
         finally:
@@ -264,7 +273,7 @@ class WorkerPool:
                                    timeout=self.poll_timeout_s)
             try:
                 events = self.index.parse_events(w.url, body)
-                w.reported = events.load
+                w.report(events.load)
                 self.index.apply_events(w.url, events)
             except ResyncNeeded as e:
                 log.info("resync %s: %s", w.url, e)

@@ -191,12 +191,14 @@ def test_four_replicas_keep_hit_rate_balance_and_exact_metrics(four):
 
 
 def test_killing_one_replica_fails_only_its_streams(four):
-    four.decode.step_s = 0.02  # streams last ~1 s: the kill lands mid-stream
+    four.decode.step_s = 0.05  # streams last ~2.5 s: the kill lands mid-stream
     prompt = "replicas share nothing but the workers"
     ids = TOKENIZER.encode(prompt, add_bos=True)
     want_ids, want, _ = toy_generate(ids, SamplingParams(
         max_tokens=48, temperature=0, stop_token_ids=TOKENIZER.stop_token_ids))
     m0 = four.metrics()
+
+    seen: list[int] = []
 
     async def stream(c: httpx.AsyncClient, started: asyncio.Event, ready: list):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 48, "temperature": 0,
@@ -205,10 +207,11 @@ def test_killing_one_replica_fails_only_its_streams(four):
         try:
             async with c.stream("POST", four.url + "/v1/completions", json=body) as r:
                 ready.append(r.headers[REPLICA_HEADER])
+                seen.append(1)
+                if len(seen) == 12:  # every stream has its first chunk on the way
+                    started.set()
                 async for chunk in r.aiter_raw():
                     raw += chunk
-                    if len(ready) == 12:
-                        started.set()
         except httpx.HTTPError as e:
             return ready[-1] if ready else None, raw, e
         return None, raw, None
@@ -280,7 +283,8 @@ def test_registry_fans_registrations_out(tmp_path):
     time.sleep(0.01)
     a.add("http://w1")  # registered again (a worker restart): b reads its info again
     assert asyncio.run(b.sync(pool_b)) == 1
-    assert pool_b.calls == ["http://w1", "http://w2", "http://w2", "http://w1"]
+    assert sorted(pool_b.calls) == ["http://w1", "http://w1", "http://w2", "http://w2"]
+    assert pool_b.calls[-1] == "http://w1"
     assert asyncio.run(a.sync(_Pool())) == 0  # a registered them itself
 
 
@@ -290,8 +294,13 @@ def test_placement_reads_the_larger_of_own_account_and_reported():
     w = Worker("http://w", info, queued_tokens=10, running=2, reserved_tokens=320)
     assert (w.placement_queued_tokens, w.placement_running) == (10, 2)
     assert (w.placement_free_tokens(), w.placement_free_slots()) == (1600 - 320, 6)
-    w.reported = WorkerLoad(queued_prefill_tokens=500, running=5, free_pages=50, free_slots=7)
+    w.report(WorkerLoad(queued_prefill_tokens=500, running=5, free_pages=50, free_slots=7))
     assert (w.placement_queued_tokens, w.placement_running) == (500, 5)
+    with w.load(queued_tokens=40):  # sent after the report: counted on top of it
+        assert w.placement_queued_tokens == 540
+    assert w.placement_queued_tokens == 540  # until the next report
+    w.report(WorkerLoad(queued_prefill_tokens=0))
+    assert w.placement_queued_tokens == 10
     assert (w.placement_free_tokens(), w.placement_free_slots()) == (800, 6)
 
 
