@@ -296,12 +296,12 @@ def test_placement_reads_the_larger_of_own_account_and_reported():
     assert (w.placement_free_tokens(), w.placement_free_slots()) == (1600 - 320, 6)
     w.report(WorkerLoad(queued_prefill_tokens=500, running=5, free_pages=50, free_slots=7))
     assert (w.placement_queued_tokens, w.placement_running) == (500, 5)
+    assert (w.placement_free_tokens(), w.placement_free_slots()) == (800, 6)
     with w.load(queued_tokens=40):  # sent after the report: counted on top of it
         assert w.placement_queued_tokens == 540
     assert w.placement_queued_tokens == 540  # until the next report
     w.report(WorkerLoad(queued_prefill_tokens=0))
     assert w.placement_queued_tokens == 10
-    assert (w.placement_free_tokens(), w.placement_free_slots()) == (800, 6)
 
 
 def test_launcher_and_ray_config_take_the_router_count():
