@@ -161,6 +161,7 @@ def start_stack(
     monolithic: int = 0,
     supervise: bool = False,
     max_restarts: int = 5,
+    routers: int = 1,
 ) -> Stack:
     """Start router + workers and wait until the router sees every worker healthy.
 
@@ -179,12 +180,14 @@ def start_stack(
             serves a stack without prefill workers through ``/internal/generate``.
         supervise: restart crashed components (:class:`deploy.supervisor.Supervisor`,
             ``stack.supervisor``), at most ``max_restarts`` times each.
+        routers: router processes behind the one router address (``--replicas``,
+            router/replicas.py); workers register with any of them.
 
     Returns:
         A :class:`Stack`; call ``stop()`` to end it.
 
     Raises:
-        ValueError: ``num_prefill`` or ``num_decode`` < 1, or ``monolithic`` < 0.
+        ValueError: ``num_prefill``, ``num_decode`` or ``routers`` < 1, or ``monolithic`` < 0.
         PortInUseError: the router port is taken.
         StartupError: a component exited or the stack was not ready within ``ready_timeout``.
     """
@@ -196,6 +199,8 @@ def start_stack(
         raise ValueError("num_prefill: must be >= 1")
     if num_decode < 1:
         raise ValueError("num_decode: must be >= 1")
+    if routers < 1:
+        raise ValueError("routers: must be >= 1")
     launch = launch if launch is not None else backend("local", log_dir=log_dir)
     if port:
         check_port_free(host, port)
@@ -215,6 +220,7 @@ def start_stack(
     try:
         spawn(Spec("router", "router.app", [
             "--host", host, "--port", str(port), "--policy", policy, "--model", model,
+            *(["--replicas", str(routers)] if routers > 1 else []),
             *(extra_router_args or [])], env, "router"))
         extra_worker_args = [*(extra_worker_args or []), *_store_args(stack, store, log_dir)]
         workers = [("prefill", i) for i in range(num_prefill)] + [
@@ -329,6 +335,9 @@ def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
     p.add_argument("--monolithic", type=int, default=0, metavar="N",
                    help="N > 0: N workers that each prefill and decode (no disaggregation; "
                         "--prefill / --decode ignored)")
+    p.add_argument("--routers", type=int, default=1, metavar="N",
+                   help="router processes behind the one address (each keeps its own index "
+                        "from the workers' events; router/replicas.py)")
     p.add_argument("--api-key", default=None,
                    help="bearer token required on the public API (or set K3SERVE_API_KEY)")
     p.add_argument("--policy", default="prefix_home",
@@ -376,7 +385,7 @@ def serve(args: argparse.Namespace) -> int:
         num_decode=args.decode, api_key=args.api_key, policy=args.policy,
         block_size=args.block_size, device=args.device, sd_dir=args.sd_dir,
         store=args.store, monolithic=args.monolithic, supervise=True,
-        max_restarts=args.max_restarts,
+        max_restarts=args.max_restarts, routers=args.routers,
     )
     stopping = False
 
@@ -388,6 +397,8 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _stop)
     shape = (f"{args.monolithic} monolithic workers" if args.monolithic
              else f"{args.prefill} prefill + {args.decode} decode workers")
+    if args.routers > 1:
+        shape += f", {args.routers} router replicas"
     print(f"k3serve: serving {args.model} at {stack.url}/v1  ({shape}; Ctrl-C stops)",
           flush=True)
     try:

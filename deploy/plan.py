@@ -115,11 +115,13 @@ class PoolSpec:
 
 @dataclass(frozen=True)
 class RouterSpec:
-    """Where the router listens and how it places (``python -m router.app`` flags)."""
+    """Where the router listens and how it places (``python -m router.app`` flags);
+    ``replicas``: router processes behind that address (``--replicas``, router/replicas.py)."""
 
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "prefix_home"
+    replicas: int = 1
 
 
 @dataclass(frozen=True)
@@ -211,10 +213,11 @@ def parse_deploy_config(doc: dict[str, Any], name: str = "config") -> DeployConf
         accelerator_memory=int(mem * GB), memory_utilization=util, resource=res,
         cpus_per_rank=cpus)
     r = doc.get("router", {}) or {}
-    _known(r, "router", {"host", "port", "policy"})
+    _known(r, "router", {"host", "port", "policy", "replicas"})
     router = RouterSpec(host=str(r.get("host", "127.0.0.1")),
                         port=_int(r, "port", "router", 0, 8000),
-                        policy=str(r.get("policy", "prefix_home")))
+                        policy=str(r.get("policy", "prefix_home")),
+                        replicas=_int(r, "replicas", "router", 1, 1))
     pools_doc = doc.get("pools")
     _need(isinstance(pools_doc, dict) and set(pools_doc) == set(ROLES), "pools",
           f"must have exactly the keys {ROLES}")

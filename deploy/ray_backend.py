@@ -233,7 +233,7 @@ def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
             rport = dc.router.port if router_port is None else router_port
             rargs = ["-m", "router.app", "--host", dc.router.host,
                      "--port", str(rport) if rport else "{port}", "--policy", dc.router.policy,
-                     "--model", dc.model]
+                     "--model", dc.model, "--replicas", str(dc.router.replicas)]
             renv = {**env, **({API_KEY_ENV: api_key} if api_key else {})}
             stack.router = Proc.options(
                 name=f"k3serve-{dc.name}-router", num_cpus=0, max_restarts=dc.max_restarts,

@@ -370,15 +370,36 @@ class CacheEvent(Message):
     source: Literal["local", "store"] = "local"
 
 
+class WorkerLoad(Message):
+    """The load a worker reports with its cache events (``CacheEvents.load``), counted on the
+    worker, so that router replicas that do not talk to each other balance on the same
+    figures (each one's own account covers only the requests it sent).
+
+    Attributes:
+        queued_prefill_tokens: prompt tokens admitted and not computed yet (prefill).
+        running: requests in the decode batch plus those reserved and not admitted yet.
+        free_pages: free + evictable cache pages (``block_size`` tokens each).
+        free_slots: free state slots.
+    """
+
+    queued_prefill_tokens: StrictInt = Field(default=0, ge=0)
+    running: StrictInt = Field(default=0, ge=0)
+    free_pages: StrictInt | None = Field(default=None, ge=0)
+    free_slots: StrictInt | None = Field(default=None, ge=0)
+
+
 class CacheEvents(Message):
     """``GET /internal/cache_events?after=SEQ``: events with ``seq > after``.
 
     A reader that sees another ``epoch`` or a gap in ``seq`` reloads :class:`CacheState`.
+    ``load``: the worker's load now (:class:`WorkerLoad`; ``None`` from a worker that does
+    not report it).
     """
 
     epoch: str
     last_seq: StrictInt = Field(ge=0)
     events: list[CacheEvent] = Field(default_factory=list)
+    load: WorkerLoad | None = None
 
 
 class CacheState(Message):

@@ -21,8 +21,7 @@ from typing import Any
 
 import httpx
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from sse_starlette import EventSourceResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from k3serve.messages import (
     RegisterRequest,
@@ -37,7 +36,8 @@ from router.errors import APIError, install_handlers, unavailable
 from router.pipeline import Router, cancel
 from router.placement import NoWorkerAvailable
 from router.preprocess import parse_request
-from router.render import ChoiceAcc, Render
+from router.render import ChoiceAcc, Render, sse_frame
+from router.replicas import REPLICA_HEADER, Registry
 from router.responses import ErrorResponse, ModelCard, ModelList, new_id
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.stream import END, Delta
@@ -60,10 +60,15 @@ def create_app(config: RouterConfig,
         The app; ``app.state.router`` is its ``Router``.
     """
     router = Router(config, transport)
+    registry = Registry(config.registry_dir) if config.registry_dir else None
+    replica = {REPLICA_HEADER: str(config.replica)} if config.replica is not None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        side = [asyncio.create_task(registry.watch(router.pool)),
+                asyncio.create_task(_refresh_metrics(router))] if registry else []
         yield
+        await cancel(side)
         await router.close()
 
     app = FastAPI(title="k3serve router", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -153,34 +158,37 @@ def create_app(config: RouterConfig,
         if not req.stream:
             await cancel(tasks)
             observe_e2e()
-            return JSONResponse(render.full(jobs, accs))
+            return JSONResponse(render.full(jobs, accs), headers=replica)
 
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[bytes]:
             item, seen, done = first, set(), 0
             try:
                 while True:
                     if isinstance(item, BaseException):
-                        yield _data(fail(item).body())
+                        yield sse_frame(_data(fail(item).body()))
                         break
+                    nxt = None
                     if item is END:
                         done += 1
                         if done == num_choices:
                             break
                     else:
                         d: Delta = item
+                        nxt = coalesce(d, out)
                         accs.setdefault(d.index, ChoiceAcc()).absorb(d)
-                        yield _data(render.chunk(d, d.index not in seen))
+                        yield render.frame(d, d.index not in seen)
                         seen.add(d.index)
-                    item = await next_item(watch=False)
+                    item = nxt if nxt is not None else await out.get()
                 if done == num_choices:
                     observe_e2e()
                     if req.include_usage:
-                        yield _data(render.usage_chunk(jobs, accs))
-                yield "[DONE]"
+                        yield sse_frame(_data(render.usage_chunk(jobs, accs)))
+                yield DONE_FRAME
             finally:
                 await cancel(tasks)
 
-        return EventSourceResponse(events(), sep="\n")
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, **(replica or {})})
 
     # ---------------------------------------------------------------- public API
     @app.post("/v1/completions")
@@ -241,6 +249,8 @@ def create_app(config: RouterConfig,
                            code="worker_unreachable") from None
         except ValueError as e:
             raise APIError(400, str(e), code="invalid_worker") from None
+        if registry is not None:  # the other replicas register it too (router/replicas.py)
+            registry.add(w.url)
         return RegisterResponse(worker_id=w.name, role=w.role, url=w.url)
 
     @app.post("/internal/deregister", response_model=RegisterResponse,
@@ -256,6 +266,13 @@ def create_app(config: RouterConfig,
     return app
 
 
+async def _refresh_metrics(router: Router, every_s: float = 1.0) -> None:
+    """Replicas: publish this replica's hit-rate window every second (router/metrics.py)."""
+    while True:
+        router.metrics.refresh_window()
+        await asyncio.sleep(every_s)
+
+
 async def _client_gone(request: Request) -> None:
     """Return once the client has disconnected (the ASGI messages after the body)."""
     while (await request.receive()).get("type") != "http.disconnect":
@@ -265,6 +282,22 @@ async def _client_gone(request: Request) -> None:
 def _data(obj: Any) -> str:
     """One SSE ``data:`` payload (compact JSON)."""
     return json.dumps(obj, separators=(",", ":"))
+
+
+DONE_FRAME = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-store", "Connection": "keep-alive", "X-Accel-Buffering": "no"}
+
+
+def coalesce(d: Delta, out: asyncio.Queue) -> Any:
+    """Append to ``d`` the deltas of the same choice already waiting in ``out`` (they go out
+    as one chunk: same text, tokens and finish); returns the first other item taken from
+    ``out`` (to handle next), else ``None``."""
+    while d.finish_reason is None and not out.empty():
+        nxt = out.get_nowait()
+        if not isinstance(nxt, Delta) or nxt.index != d.index:
+            return nxt
+        d.absorb(nxt)
+    return None
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
 from router.placement import DEFAULT_POLICY, POLICIES, PlacementParams
 from router.policies.home import HomeParams
+from router.replicas import METRICS_ENV, REGISTRY_ENV
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,11 @@ class RouterConfig:
         busy_wait_s: How long a request waits for room while every decode worker answers
             ``busy`` (no free slot or pages) before it fails with 503, seconds.
         placement: Placement knobs (``HomeParams``: the cache-aware ones and ``prefix_home``'s).
+        replica: This process's index among the router replicas (``--replicas N``,
+            :mod:`router.replicas`); ``None``: the only router process.
+        registry_dir: The replicas' shared registry folder (``None``: no replicas).
+        metrics_dir: The replicas' prometheus-client multiprocess folder (``None``: metrics
+            of this process only).
 
     Raises:
         ValueError: an unknown policy or a non-positive poll interval / timeout (named).
@@ -62,6 +68,9 @@ class RouterConfig:
     prefill_rate: float = 10_000.0
     busy_wait_s: float = 60.0
     placement: PlacementParams = field(default_factory=HomeParams)
+    replica: int | None = None
+    registry_dir: str | None = None
+    metrics_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -92,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--prefill-rate", type=float, default=10_000.0, help="tokens/s")
     ap.add_argument("--log-level", default="warning")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="router processes behind the one address (router/replicas.py)")
+    ap.add_argument("--replica-index", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--fd", type=int, default=None, help=argparse.SUPPRESS)
     return ap
 
 
@@ -103,7 +116,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         cluster_token=os.environ.get(CLUSTER_TOKEN_ENV) or None, tokenizer=args.tokenizer,
         add_bos=not args.no_bos, poll_interval_s=args.poll_interval,
         poll_timeout_s=args.poll_timeout,
-        max_model_len=args.max_model_len, prefill_rate=args.prefill_rate)
+        max_model_len=args.max_model_len, prefill_rate=args.prefill_rate,
+        replica=args.replica_index,
+        registry_dir=os.environ.get(REGISTRY_ENV) if args.replica_index is not None else None,
+        metrics_dir=os.environ.get(METRICS_ENV) if args.replica_index is not None else None)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -125,8 +141,22 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _without_replicas(argv: list[str]) -> list[str]:
+    """``argv`` less its ``--replicas N`` / ``--replicas=N``."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--replicas":
+            skip = True
+        elif not a.startswith("--replicas="):
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m router.app``: parse flags, bind the port, serve until stopped.
+    """``python -m router.app``: parse flags, bind the port, serve until stopped
+    (``--replicas N`` > 1: N replica processes on that port, :mod:`router.replicas`).
 
     Returns:
         0 after a clean stop; 1 when the port cannot be bound (one line on stderr, no
@@ -136,18 +166,32 @@ def main(argv: list[str] | None = None) -> int:
 
     from router.app import create_app
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.replicas < 1:
+        print("k3serve router: --replicas: must be >= 1", file=sys.stderr)
+        return 2
     config = config_from_args(args)
-    try:
-        sock = listen(args.host, args.port)
-    except OSError as e:
-        why = ("address already in use" if e.errno == errno.EADDRINUSE
-               else e.strerror or str(e))
-        print(f"k3serve router: cannot listen on {args.host}:{args.port}: {why}",
-              file=sys.stderr)
-        return 1
+    if args.fd is not None:  # a replica: the supervisor's socket
+        sock = socket.socket(fileno=args.fd)
+    else:
+        try:
+            sock = listen(args.host, args.port)
+        except OSError as e:
+            why = ("address already in use" if e.errno == errno.EADDRINUSE
+                   else e.strerror or str(e))
+            print(f"k3serve router: cannot listen on {args.host}:{args.port}: {why}",
+                  file=sys.stderr)
+            return 1
+        if args.replicas > 1:
+            from router.replicas import supervise
+
+            try:
+                return supervise(_without_replicas(argv), args.replicas, sock)
+            finally:
+                sock.close()
     server = uvicorn.Server(uvicorn.Config(create_app(config), log_level=args.log_level))
     try:
         server.run(sockets=[sock])

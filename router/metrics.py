@@ -21,6 +21,13 @@ worker for inter-token latency, end-to-end latency and running requests (streami
 decode). ``k3serve:cache_hit_rate`` is the cluster-wide figure (the dashboard's first panel);
 per-worker rates follow from the counters. Each figure is counted here only, so sums never
 double. The hit-rate gauge reads NaN while the window holds no request.
+
+Router replicas (``--replicas N``, :mod:`router.replicas`) run prometheus-client's
+multiprocess mode (``multiprocess_dir``): every replica writes its samples to files in one
+folder and ``GET /metrics`` of ANY replica answers the sum over all of them (counters and
+histograms summed, the two gauges summed over live replicas), so one scrape of the router's
+address is the whole router. The hit-rate gauge is then Σ cached / Σ prompt tokens of every
+replica's window (each replica publishes its window sums, refreshed every second).
 """
 
 from __future__ import annotations
@@ -28,9 +35,10 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from k3serve.prometheus import render as _render
 
@@ -81,15 +89,75 @@ class HitRateWindow:
         self._prompt += prompt_tokens
         self._cached += cached_tokens
 
-    def rate(self) -> float:
-        """Cached / prompt tokens of the requests recorded in the window; NaN if none."""
+    def totals(self) -> tuple[int, int]:
+        """(prompt, cached) tokens of the requests recorded in the window."""
         horizon = self._clock() - self.window_s
         ev = self._events
         while ev and ev[0][0] < horizon:
             _, p, c = ev.popleft()
             self._prompt -= p
             self._cached -= c
-        return self._cached / self._prompt if self._prompt else math.nan
+        return self._prompt, self._cached
+
+    def rate(self) -> float:
+        """Cached / prompt tokens of the requests recorded in the window; NaN if none."""
+        prompt, cached = self.totals()
+        return cached / prompt if prompt else math.nan
+
+
+def observe_many(child, value: float, n: int) -> None:
+    """``n`` observations of ``value`` in a labelled histogram (``Histogram.labels(...)``):
+    one update of the bucket, count and sum instead of ``n`` (the relay observes every token
+    of an event at once).
+
+    Raises:
+        ValueError: ``n`` < 0.
+    """
+    if n < 0:
+        raise ValueError("n: must be >= 0")
+    if n == 1:
+        child.observe(value)
+        return
+    if not n:
+        return
+    try:
+        bounds, buckets, total = child._upper_bounds, child._buckets, child._sum
+    except AttributeError:  # another prometheus-client layout: the plain way
+        for _ in range(n):
+            child.observe(value)
+        return
+    total.inc(value * n)
+    for i, bound in enumerate(bounds):
+        if value <= bound:
+            buckets[i].inc(n)
+            break
+
+
+#: Hidden per-replica gauges (multiprocess mode): one replica's hit-rate window sums.
+_WINDOW_PROMPT = "k3serve:router_window_prompt_tokens"
+_WINDOW_CACHED = "k3serve:router_window_cached_tokens"
+
+
+class _ReplicasCollector:
+    """Multiprocess mode: every replica's samples, summed, and the cluster hit rate from the
+    replicas' window sums (the two hidden gauges are not exposed)."""
+
+    def __init__(self, path: str, window_s: float) -> None:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        self._mp = MultiProcessCollector(None, path=path)
+        self._doc = f"Cached / prompt tokens over the last {window_s:g} s (NaN: no request)."
+
+    def collect(self) -> Iterator[Metric]:
+        sums = {_WINDOW_PROMPT: 0.0, _WINDOW_CACHED: 0.0}
+        for fam in self._mp.collect():
+            if fam.name in sums:
+                sums[fam.name] = sum(s.value for s in fam.samples)
+                continue
+            yield fam
+        prompt, cached = sums[_WINDOW_PROMPT], sums[_WINDOW_CACHED]
+        yield GaugeMetricFamily("k3serve:cache_hit_rate", self._doc,
+                                value=cached / prompt if prompt else math.nan)
 
 
 class RouterMetrics:
@@ -99,12 +167,17 @@ class RouterMetrics:
         registry: Registry to register into; a fresh one by default.
         window_s: Window of the ``k3serve:cache_hit_rate`` gauge in seconds.
         clock: Monotonic time source of that window.
+        multiprocess_dir: prometheus-client's multiprocess folder (router replicas; the
+            process must run with ``PROMETHEUS_MULTIPROC_DIR`` set to it from its start):
+            :meth:`render` then answers the sum over every replica.
     """
 
     def __init__(self, registry: CollectorRegistry | None = None,
                  window_s: float = HIT_RATE_WINDOW_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 multiprocess_dir: str | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.multiprocess_dir = multiprocess_dir
         r = self.registry
         self.prompt_tokens = Counter(
             "k3serve:request_prompt_tokens", "Prompt tokens of requests, by prefill worker.",
@@ -118,11 +191,20 @@ class RouterMetrics:
             "Prompt tokens the router predicted the prefill worker would reuse.",
             ["worker"], registry=r)
         self.hit_window = HitRateWindow(window_s, clock)
-        self.cache_hit_rate = Gauge(
-            "k3serve:cache_hit_rate",
-            f"Cached / prompt tokens over the last {window_s:g} s (NaN: no request).",
-            registry=r)
-        self.cache_hit_rate.set_function(self.hit_window.rate)
+        if multiprocess_dir is None:
+            self.cache_hit_rate = Gauge(
+                "k3serve:cache_hit_rate",
+                f"Cached / prompt tokens over the last {window_s:g} s (NaN: no request).",
+                registry=r)
+            self.cache_hit_rate.set_function(self.hit_window.rate)
+        else:
+            self._window = (
+                Gauge(_WINDOW_PROMPT, "This replica's hit-rate window: prompt tokens.",
+                      registry=None, multiprocess_mode="livesum"),
+                Gauge(_WINDOW_CACHED, "This replica's hit-rate window: cached tokens.",
+                      registry=None, multiprocess_mode="livesum"))
+            self._render_registry = CollectorRegistry()
+            self._render_registry.register(_ReplicasCollector(multiprocess_dir, window_s))
         self.ttft = Histogram(
             "k3serve:time_to_first_token_seconds", "Time to first token, by prefill worker.",
             ["worker"], buckets=TTFT_BUCKETS, registry=r)
@@ -134,11 +216,11 @@ class RouterMetrics:
             ["worker"], buckets=E2E_BUCKETS, registry=r)
         self.running = Gauge(
             "k3serve:num_requests_running", "Requests streaming from a decode worker.",
-            ["worker"], registry=r)
+            ["worker"], registry=r, multiprocess_mode="livesum")
         self.waiting = Gauge(
             "k3serve:num_requests_waiting",
             "Requests sent to a prefill worker whose first token is not back yet.",
-            ["worker"], registry=r)
+            ["worker"], registry=r, multiprocess_mode="livesum")
         self.migrations = Counter(
             "k3serve:router_migrations",
             "Choices moved to another decode worker after theirs failed mid-stream.",
@@ -186,11 +268,24 @@ class RouterMetrics:
             self.cached_tokens.labels(worker, src).inc(n)
         self.predicted_cached_tokens.labels(worker).inc(predicted_tokens)
         self.hit_window.add(prompt_tokens, sum(cached_tokens.values()))
+        self.refresh_window()
+
+    def refresh_window(self) -> None:
+        """Multiprocess mode: publish this replica's window sums (expired requests dropped);
+        a no-op otherwise. The replicas call it every second and on every prefill."""
+        if self.multiprocess_dir is None:
+            return
+        prompt, cached = self.hit_window.totals()
+        self._window[0].set(prompt)
+        self._window[1].set(cached)
 
     def render(self) -> tuple[bytes, str]:
         """Return ``(body, content type)`` of the Prometheus text exposition.
 
         prometheus-client's ``*_created`` timestamp series are left out, so the body names
-        exactly the families of DESIGN.md §6.
+        exactly the families of DESIGN.md §6. Multiprocess mode: the sum over every replica.
         """
+        if self.multiprocess_dir is not None:
+            self.refresh_window()
+            return _render(self._render_registry)
         return _render(self.registry)

@@ -37,7 +37,8 @@ Resume = Callable[[Worker, list[int], list[float | None], int], Awaitable[tuple[
 
 
 class DecodeEvents:
-    """The :class:`StreamEvent` s of one choice from token #2 on, across decode workers.
+    """The :class:`StreamEvent` s of one choice from token #2 on, across decode workers, in
+    batches (the events that arrived in one network read).
 
     Args:
         pool: the router's worker pool.
@@ -58,9 +59,11 @@ class DecodeEvents:
         self.logprobs: list[float | None] = [first[1]]
         self.migrations = 0
 
-    async def __aiter__(self) -> AsyncIterator[StreamEvent]:
-        """Yield the events; an event is counted as delivered once the consumer asks for the
-        next one (or the stream ends), so a migration resumes after exactly those tokens.
+    async def __aiter__(self) -> AsyncIterator[list[StreamEvent]]:
+        """Yield the events, a batch per network read (``WorkerPool.stream_batches``: the
+        events that arrived together); a batch is counted as delivered once the consumer asks
+        for the next one (or the stream ends), so a migration resumes after exactly those
+        tokens.
 
         Raises:
             WorkerError: the stream failed and no migration was possible (``resume`` is
@@ -70,11 +73,12 @@ class DecodeEvents:
                              logprob=self.logprobs[0])
         while True:
             try:
-                async for ev in self.pool.stream(self.worker, body):
-                    yield ev
-                    self.tokens += ev.token_ids
-                    self.logprobs += [lp.logprob for lp in ev.logprobs[:len(ev.token_ids)]]
-                    self.logprobs += [None] * (len(self.tokens) - len(self.logprobs))
+                async for batch in self.pool.stream_batches(self.worker, body):
+                    yield batch
+                    for ev in batch:
+                        self.tokens += ev.token_ids
+                        self.logprobs += [lp.logprob for lp in ev.logprobs[:len(ev.token_ids)]]
+                        self.logprobs += [None] * (len(self.tokens) - len(self.logprobs))
                 return
             except WorkerError as e:
                 if self.resume is None or self.migrations >= MAX_MIGRATIONS:

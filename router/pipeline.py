@@ -93,14 +93,16 @@ class Router:
         from k3serve.tokenizer import get_tokenizer
 
         self.config = config
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(multiprocess_dir=config.metrics_dir)
         self.pool = WorkerPool(config.model, config.cluster_token, config.poll_interval_s,
                                config.unhealthy_after, config.timeout_s, transport,
                                on_worker=lambda w: self.metrics.add_worker(w.name, w.role),
                                poll_timeout_s=config.poll_timeout_s)
         self.tokenizer = get_tokenizer(config.tokenizer or config.model)
         self.pre = Preprocessor(self.tokenizer, config.add_bos)
-        self._seq = itertools.count()
+        # replicas: each starts its rotation elsewhere, so their ties do not all pick the same
+        # worker first
+        self._seq = itertools.count(0 if config.replica is None else secrets.randbits(16))
         self._background: set[asyncio.Task] = set()
         self._model_len: int | None = None
         # Choices waiting for decode room retry one at a time, in turn (FIFO): a crowd of them
@@ -159,15 +161,14 @@ class Router:
         match = self.pool.match(prompt_hashes(ids, bs, fingerprint, cache_salt),
                                 req.max_cached_blocks)
         store = match.get(STORE)  # the shared store's content, if workers report puts
-        pstates = [live_view(w.url, match.get(w.url), store, w.queued_tokens,  # + util, rate
+        pstates = [live_view(w.url, match.get(w.url), store, w.placement_queued_tokens,
                              w.info.prefill_rate or self.config.prefill_rate, w.recent)
                    for w in prefill]
         dstates = []
         for w in decode:
-            cap = w.info.capacity_tokens
             dstates.append(DecodeWorkerState(
-                w.url, cap - w.reserved_tokens if cap else 1 << 62,
-                w.info.capacity.num_slots - w.running, w.running))
+                w.url, w.placement_free_tokens(), w.placement_free_slots(),
+                w.placement_running))
         p = place(req, pstates, dstates, self.config.policy, self.config.placement)
         return p, self.pool.workers[p.prefill], self.pool.workers[p.decode]
 
@@ -257,7 +258,7 @@ class Router:
                                max_new_tokens=job.max_new)
         match = self.pool.match(prompt_hashes(job.token_ids, bs, fingerprint, cache_salt),
                                 req.max_cached_blocks)
-        states = [live_view(w.url, match.get(w.url), None, w.queued_tokens,
+        states = [live_view(w.url, match.get(w.url), None, w.placement_queued_tokens,
                             w.info.prefill_rate or self.config.prefill_rate, w.recent)
                   for w in live]
         p = place(req, states, (), self.config.policy, self.config.placement)

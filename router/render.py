@@ -8,6 +8,7 @@ renders a number, :func:`public_logprob`, the one place that maps ``None`` to Op
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,8 +67,21 @@ class ChoiceAcc:
 
 
 def token_texts(d: Delta) -> list[str]:
-    """Text attributed per token: a delta's text goes to its last token."""
+    """Text attributed per token: the text each token completed (``Delta.texts``), else the
+    whole delta's text goes to its last token."""
+    if d.texts is not None and len(d.texts) == len(d.token_ids):
+        return d.texts
     return [d.text if k == len(d.token_ids) - 1 else "" for k in range(len(d.token_ids))]
+
+
+def _js(x: object) -> str:
+    """Compact JSON, as the chunks are written (``json.dumps``, ASCII escapes)."""
+    return json.dumps(x, separators=(",", ":"))
+
+
+def sse_frame(payload: str) -> bytes:
+    """One SSE event: ``data: PAYLOAD`` and the blank line."""
+    return b"data: " + payload.encode() + b"\n\n"
 
 
 class Render:
@@ -88,6 +102,12 @@ class Render:
         self._offset: dict[int, int] = {}
         self.tools = self.chat and req.tools_active  # type: ignore[union-attr]
         self._parsers: dict[int, ToolStreamParser] = {}  # streaming tool-call parse, by choice
+        # The plain chunk (no logprobs, no tools) is written from these two pieces; it is the
+        # same JSON as ``chunk`` renders (tests/router/test_relay.py compares them).
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        self._head = (f'{{"id":{_js(rid)},"object":"{obj}","created":{self.created},'
+                      f'"model":{_js(model)},"choices":[{{"index":')
+        self._plain = not self.tools and not self.want_logprobs()
 
     def token_str(self, t: int) -> str:
         b = self.tok.decode_bytes([t], skip_special_tokens=False)
@@ -158,6 +178,22 @@ class Render:
             if lp_on else None)
         return CompletionChunk(id=self.rid, created=self.created, model=self.model,
                                choices=[c]).model_dump(exclude_none=True)
+
+    def frame(self, d: Delta, first: bool) -> bytes:
+        """The SSE event of :meth:`chunk` (``data: {...}`` and the blank line), written
+        directly for a plain chunk (no logprobs, no tool parsing): the relay's per-chunk
+        cost."""
+        if not self._plain:
+            return sse_frame(_js(self.chunk(d, first)))
+        reason = f',"finish_reason":"{d.finish_reason}"' if d.finish_reason else ""
+        if not self.chat:
+            return sse_frame(f'{self._head}{d.index},"text":{_js(d.text)}{reason}}}]}}')
+        parts = []
+        if first:
+            parts.append('"role":"assistant"')
+        if d.text or first:
+            parts.append(f'"content":{_js(d.text)}')
+        return sse_frame(f'{self._head}{d.index},"delta":{{{",".join(parts)}}}{reason}}}]}}')
 
     def chat_choice(self, index: int, a: ChoiceAcc) -> ChatChoice:
         """One non-streaming chat choice; with tools, the Kimi-format calls parsed out of the

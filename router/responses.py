@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+
 # ----------------------------------------------------------------------------- responses
 def new_id(prefix: str) -> str:
     """A fresh response id such as ``cmpl-3f2a…``."""

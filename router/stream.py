@@ -16,8 +16,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from k3serve.messages import PrefillResponse, finite
-from router.metrics import RouterMetrics
+from k3serve.messages import PrefillResponse, StreamEvent, finite
+from router.metrics import RouterMetrics, observe_many
 from router.migrate import DecodeEvents, Resume
 from router.placement import Placement
 from router.workers import Worker, WorkerError, WorkerPool
@@ -51,13 +51,68 @@ class TokenLogprob:
 
 @dataclass
 class Delta:
-    """New output of one choice: text, token ids, their logprobs, and the finish."""
+    """New output of one choice: text, token ids, their logprobs, and the finish.
+
+    ``texts``: the text each token completed (aligned with ``token_ids``; ``"".join(texts)
+    == text``), kept so that deltas relayed together still attribute text per token (the
+    completions logprobs' ``text_offset``); ``None``: all of ``text`` goes to the last token.
+    """
 
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    texts: list[str] | None = None
+
+    def absorb(self, d: Delta) -> None:
+        """Append ``d`` (the same choice's next delta) to this one: tokens relayed together
+        become one client chunk with the same text, tokens and finish."""
+        if self.texts is None:
+            self.texts = [self.text if k == len(self.token_ids) - 1 else ""
+                          for k in range(len(self.token_ids))]
+        self.texts += d.texts if d.texts is not None else [
+            d.text if k == len(d.token_ids) - 1 else "" for k in range(len(d.token_ids))]
+        if not d.token_ids and d.text:  # text released without a token: the last one's
+            if self.texts:
+                self.texts[-1] += d.text
+            else:
+                self.texts = None
+        self.text += d.text
+        self.token_ids += d.token_ids
+        self.logprobs += d.logprobs
+        self.finish_reason = d.finish_reason
+
+
+def relay_batch(index: int, batch: list[StreamEvent], detok) -> Delta:
+    """The events D sent together (:meth:`router.workers.WorkerPool.stream_batches`) through
+    the choice's detokenizer, as one :class:`Delta`: tokens up to the one that finishes the
+    choice; when D ended the stream first (a ``finish_reason`` the detokenizer did not reach),
+    the held-back text is released and D's reason kept."""
+    d = Delta(index, texts=[])
+    texts, ids, lps = d.texts, d.token_ids, d.logprobs
+    for ev in batch:
+        wire = ev.logprobs
+        for k, tok in enumerate(ev.token_ids):
+            o = detok.step(tok)
+            ids.append(tok)
+            lps.append(TokenLogprob.of(tok, wire[k] if k < len(wire) else None))
+            texts.append(o.new_text)
+            if o.finished:
+                break
+        if detok.finished:
+            break
+        if ev.finish_reason:  # D ended it first
+            rest = detok.finish(ev.finish_reason).new_text
+            if texts:
+                texts[-1] += rest
+            elif rest:
+                d.texts = None
+            d.text = rest
+            break
+    d.text = "".join(texts) if d.texts is not None else d.text
+    d.finish_reason = detok.finish_reason
+    return d
 
 
 @dataclass
@@ -109,7 +164,8 @@ async def stream_choice(c: Placed, prompt_len: int, index: int, sampling: Sampli
     detok = IncrementalDetokenizer(tokenizer, sampling, eos_token_id=tokenizer.eos_token_id)
     o = detok.step(first.token_id)
     await out.put(Delta(index, o.new_text, [first.token_id],
-                        [TokenLogprob.of(first.token_id, first)], o.finish_reason))
+                        [TokenLogprob.of(first.token_id, first)], o.finish_reason,
+                        [o.new_text]))
     if o.finished:
         abort(D, sub)
         return
@@ -120,28 +176,18 @@ async def stream_choice(c: Placed, prompt_len: int, index: int, sampling: Sampli
     src = DecodeEvents(pool, D, sub, (first.token_id, finite(first.logprob)), resume)
     with metrics.running.labels(D.name).track_inprogress():
         try:
-            async for ev in src:
+            async for batch in src:
+                d = relay_batch(index, batch, detok)
                 t = time.monotonic()
-                for _ in ev.token_ids:
-                    itl.observe((t - last) / len(ev.token_ids))
+                n = len(d.token_ids)
+                if n:
+                    observe_many(itl, (t - last) / n, n)
                 last = t
-                d = Delta(index)
-                for k, tok in enumerate(ev.token_ids):
-                    o = detok.step(tok)
-                    d.token_ids.append(tok)
-                    d.logprobs.append(TokenLogprob.of(
-                        tok, ev.logprobs[k] if k < len(ev.logprobs) else None))
-                    d.text += o.new_text
-                    if o.finished:
-                        break
-                n_out += len(d.token_ids)
-                if not detok.finished and ev.finish_reason:  # D ended it first
-                    d.text += detok.finish(ev.finish_reason).new_text
-                d.finish_reason = detok.finish_reason
+                n_out += n
                 if d.token_ids or d.text or d.finish_reason:
                     await out.put(d)
                 if d.finish_reason:
-                    if not ev.finish_reason:  # the router saw the stop first
+                    if not batch[-1].finish_reason:  # the router saw the stop first
                         abort(src.worker, src.sub)
                     break
             if not detok.finished:  # the stream ended without a finish_reason

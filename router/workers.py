@@ -41,10 +41,12 @@ from k3serve.messages import (
     StreamEvent,
     StreamRequest,
     WorkerInfo,
+    WorkerLoad,
 )
 from k3serve.protocol import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER  # noqa: F401 - re-exported
 from router.index import GlobalIndex, PrefixMatch, ResyncNeeded
 from router.policies.load import RecentLoad
+from router.sse import SSEReader
 
 log = logging.getLogger("k3serve.router")
 
@@ -85,6 +87,44 @@ class Worker:
     recent: RecentLoad = field(default_factory=RecentLoad, repr=False)
     resyncs: int = 0
     task: asyncio.Task | None = field(default=None, repr=False)
+    reported: WorkerLoad | None = None  # the worker's own figures, with its cache events
+    sent_since_report: int = 0  # prefill tokens this router sent after that report
+
+    # -- load as placement sees it: the larger of the router's own account and what the worker
+    # reported (which includes the requests of the other router replicas, a poll late)
+    @property
+    def placement_queued_tokens(self) -> int:
+        """Prefill tokens queued on the worker: the own account, or the reported queue plus
+        what this router sent since the report, the larger."""
+        if self.reported is None:
+            return self.queued_tokens
+        return max(self.queued_tokens,
+                   self.reported.queued_prefill_tokens + self.sent_since_report)
+
+    def report(self, load: WorkerLoad | None) -> None:
+        """A new load report from the worker (its cache-event poll)."""
+        self.reported, self.sent_since_report = load, 0
+
+    @property
+    def placement_running(self) -> int:
+        """Decode requests on the worker (own account or reported, the larger)."""
+        return max(self.running, self.reported.running if self.reported else 0)
+
+    def placement_free_tokens(self) -> int:
+        """Free decode cache tokens: capacity less the own reservations, and no more than the
+        worker reported free (``1 << 62`` when neither is known)."""
+        cap = self.info.capacity_tokens
+        own = cap - self.reserved_tokens if cap else 1 << 62
+        if self.reported is None or self.reported.free_pages is None:
+            return own
+        return min(own, self.reported.free_pages * self.info.block_size)
+
+    def placement_free_slots(self) -> int:
+        """Free decode state slots (own account or reported, the fewer)."""
+        own = self.info.capacity.num_slots - self.running
+        if self.reported is None or self.reported.free_slots is None:
+            return own
+        return min(own, self.reported.free_slots)
 
     @property
     def name(self) -> str:
@@ -112,6 +152,7 @@ class Worker:
         self.running += running
         self.reserved_tokens += reserved_tokens
         self.queued_tokens += queued_tokens
+        self.sent_since_report += queued_tokens
         try:
             yield
         finally:
@@ -149,9 +190,15 @@ class WorkerPool:
         self.workers: dict[str, Worker] = {}
         self._on_worker = on_worker
         headers = {CLUSTER_TOKEN_HEADER: cluster_token} if cluster_token else {}
+        # Every open stream holds a connection: no cap on them (httpx's default of 100 would
+        # queue the 101st stream), a few more idle ones kept than httpx's 20 (fewer reconnects),
+        # not many more (httpcore scans every pooled connection on each request), and none kept
+        # past 2 s (< uvicorn's 5 s keep-alive: a connection is never reused as it closes).
         self.client = httpx.AsyncClient(
             headers=headers, transport=transport,
-            timeout=httpx.Timeout(timeout_s, connect=5.0))
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32,
+                                keepalive_expiry=2.0))
         self._closed = False
 
     async def close(self) -> None:
@@ -265,6 +312,7 @@ class WorkerPool:
                                    timeout=self.poll_timeout_s)
             try:
                 events = self.index.parse_events(w.url, body)
+                w.report(events.load)
                 self.index.apply_events(w.url, events)
             except ResyncNeeded as e:
                 log.info("resync %s: %s", w.url, e)
@@ -378,6 +426,44 @@ class WorkerPool:
                     if ev.finish_reason:
                         return
         except (httpx.HTTPError, SSEError) as e:
+            raise WorkerError(w.url, f"stream: {e!r}") from None
+
+    async def stream_batches(self, w: Worker, body: StreamRequest
+                             ) -> AsyncIterator[list[StreamEvent]]:
+        """``POST /internal/stream`` as :meth:`stream`, but yields, per network read, every
+        event that arrived in it (a non-empty list, in order): the relay handles tokens that
+        arrived together at once (:mod:`router.sse` parses the raw body).
+
+        Raises:
+            WorkerError: as :meth:`stream`.
+        """
+        try:
+            async with self.client.stream("POST", w.url + "/internal/stream",
+                                          json=body.model_dump(mode="json")) as r:
+                if r.status_code // 100 != 2:
+                    await r.aread()
+                    raise WorkerError(w.url, f"stream: HTTP {r.status_code}: {r.text[:200]}",
+                                      retryable=r.status_code == 503)
+                reader = SSEReader()
+                async for chunk in r.aiter_raw():
+                    batch: list[StreamEvent] = []
+                    for data in reader.feed(chunk):
+                        if data.strip() == b"[DONE]":
+                            if batch:
+                                yield batch
+                            return
+                        ev = _parse_json(StreamEvent, w.url, "stream", data)
+                        if ev.error is not None and not ev.token_ids:
+                            if batch:
+                                yield batch
+                            raise WorkerError(w.url, f"stream: {ev.error}")
+                        batch.append(ev)
+                        if ev.finish_reason:
+                            yield batch
+                            return
+                    if batch:
+                        yield batch
+        except httpx.HTTPError as e:
             raise WorkerError(w.url, f"stream: {e!r}") from None
 
 

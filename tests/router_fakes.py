@@ -14,6 +14,7 @@ Servers run with uvicorn in background threads (``ServerThread``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import socket
 import threading
@@ -28,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
+from decode.stream import take_ready
 from k3serve.cache.manager import CacheManager
 from k3serve.cache.specs import CacheConfig
 from k3serve.messages import (
@@ -45,6 +47,7 @@ from k3serve.messages import (
     StreamRequest,
     TokenLogprob,
     WorkerInfo,
+    WorkerLoad,
 )
 from k3serve.sampling import SamplingParams
 from k3serve.tokenizer import get_tokenizer
@@ -54,6 +57,7 @@ from router.workers import CLUSTER_TOKEN_HEADER
 MODEL = "k3-tiny"
 FINGERPRINT = "fake-layout"
 TOKENIZER = get_tokenizer(MODEL)
+END_BODY = object()  # a fake decode stream's queue: end the body (no finish event)
 
 
 def toy_next(context: list[int], seed: int | None, temperature: float) -> int:
@@ -101,19 +105,34 @@ class FakeState:
     cut_stream: tuple[int, str | None] | None = None
     # the toy model's token #k (1-based, k >= 2: a decode token) is EOS (ignore_eos tests)
     eos_at: int | None = None
+    num_pages: int = 256  # cache pages (block_size tokens each); restart() applies a change
+    prefill_s_per_token: float = 0.0  # a prefill sleeps this long per uncached prompt token
+    step_s: float = 0.0  # the fake decode loop's pause between two tokens of a stream
+    coalesce: bool = True  # tokens ready together go out as one event (decode/stream.py)
+    send_delay_s: float = 0.0  # a slow writer: pause before each decode stream event
+    events_sent: int = 0  # decode stream events written
+    queued_prefill_tokens: int = 0  # prompt tokens of prefills not answered yet (reported)
 
     def __post_init__(self) -> None:
         self.restart()
 
     def restart(self) -> None:
         """A worker restart: empty cache, new event epoch."""
-        cfg = CacheConfig(num_pages=256, num_slots=8, num_snapshots=16,
+        cfg = CacheConfig(num_pages=self.num_pages, num_slots=8, num_snapshots=16,
                           block_size=self.block_size)
         self.cm = CacheManager(cfg, FINGERPRINT)
 
 
 def make_worker_app(state: FakeState) -> FastAPI:
-    app = FastAPI()
+    clients: list[httpx.AsyncClient] = []  # the "transfer" client, made in the server's loop
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        for c in clients:
+            await c.aclose()
+
+    app = FastAPI(lifespan=lifespan)
     rid_counter = iter(range(1 << 30))
 
     @app.middleware("http")
@@ -129,11 +148,18 @@ def make_worker_app(state: FakeState) -> FastAPI:
         return WorkerInfo(role=state.role, model=MODEL, fingerprint=FINGERPRINT,
                           block_size=state.block_size, max_model_len=4096,
                           worker_id=f"{state.role}@{state.url.rsplit(':', 1)[-1]}",
-                          capacity=Capacity(num_pages=256, num_slots=8, num_snapshots=16))
+                          capacity=Capacity(num_pages=state.num_pages, num_slots=8,
+                                            num_snapshots=16))
 
     @app.get("/internal/cache_events")
     async def events(after: int = 0) -> CacheEvents:
-        return CacheEvents.model_validate(state.cm.events_since(after))
+        u = state.cm.usage()
+        running = sum(1 for r in state.reservations.values()
+                      if not r["aborted"] and not r.get("done"))
+        load = WorkerLoad(queued_prefill_tokens=state.queued_prefill_tokens, running=running,
+                          free_pages=u.num_pages - u.pages_used,
+                          free_slots=u.num_slots - u.slots_used)
+        return CacheEvents.model_validate({**state.cm.events_since(after), "load": load})
 
     @app.get("/internal/cache_state")
     async def cache_state() -> CacheState:
@@ -157,18 +183,29 @@ def make_worker_app(state: FakeState) -> FastAPI:
             return JSONResponse(ErrorBody(error="overloaded").model_dump(), status_code=503)
         rec = b.model_dump()
         state.prefills.append(rec)
+        state.queued_prefill_tokens += len(b.prompt_token_ids)
+        try:
+            return await _prefill(b, rec)
+        finally:
+            state.queued_prefill_tokens -= len(b.prompt_token_ids)
+
+    async def _prefill(b: PrefillRequest, rec: dict[str, Any]) -> PrefillResponse:
         sp = b.sampling.to_params()
         ids = list(b.prompt_token_ids)
         seq = next(rid_counter)
         cm = state.cm
         rec["_cached"] = cm.run_prefill(seq, ids, cache_salt=b.cache_salt,
                                         snapshot_at=b.snapshot_at)
+        if state.prefill_s_per_token:  # compute time: the queue the worker reports is real
+            await asyncio.sleep(state.prefill_s_per_token * (len(ids) - rec["_cached"]))
         tok = toy_next(ids, sp.seed, sp.temperature)
         lp = toy_logprobs(tok, sp.logprobs)
-        async with httpx.AsyncClient() as c:  # the "transfer" to the decode worker
-            r = await c.post(b.bootstrap_addr + "/fake/transfer",
-                             json={"ticket": b.ticket, "token_id": tok})
-            r.raise_for_status()
+        if not clients:  # one pooled client: a new connection per prefill times out on a
+            clients.append(httpx.AsyncClient(  # crowded box; expiry below uvicorn's 5 s
+                timeout=60.0, limits=httpx.Limits(keepalive_expiry=2.0)))
+        r = await clients[0].post(b.bootstrap_addr + "/fake/transfer",  # the "transfer"
+                                  json={"ticket": b.ticket, "token_id": tok})
+        r.raise_for_status()
         return PrefillResponse(request_id=b.request_id, token_id=tok, logprob=lp.logprob,
                                top_logprobs=lp.top_logprobs, num_cached_tokens=rec["_cached"],
                                cached_source="local", text=TOKENIZER.decode([tok]),
@@ -204,29 +241,57 @@ def make_worker_app(state: FakeState) -> FastAPI:
         r = state.reservations[b.request_id]
         await asyncio.wait_for(r["ready"].wait(), 10)
         sp: SamplingParams = r["sampling"]
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def engine() -> None:
+            """The fake's decode loop: one token per step into ``q`` (the real worker's
+            engine thread fills the queue the same way); ``step_s`` between steps."""
+            try:
+                detok = IncrementalDetokenizer(TOKENIZER, sp, eos_token_id=TOKENIZER.eos_token_id)
+                ctx = list(r["prompt"]) + [r["first"]]
+                detok.step(r["first"])
+                sent = 0
+                while not detok.finished and not r["aborted"]:
+                    t = toy_next(ctx, sp.seed, sp.temperature)
+                    if state.eos_at is not None and sent + 2 == state.eos_at:
+                        t = TOKENIZER.eos_token_id
+                    ctx.append(t)
+                    o = detok.step(t)
+                    sent += 1
+                    cut = state.cut_stream is not None and sent == state.cut_stream[0]
+                    q.put_nowait(StreamEvent(
+                        token_ids=[t], text=o.new_text, logprobs=[toy_logprobs(t, sp.logprobs)],
+                        finish_reason=state.cut_stream[1] if cut else o.finish_reason))
+                    if cut:
+                        if state.cut_stream[1] is None:
+                            q.put_nowait(END_BODY)  # the body ends with [DONE], no finish event
+                        return
+                    if state.hang_after is not None and sent >= state.hang_after:
+                        await r["abort_ev"].wait()
+                    await asyncio.sleep(state.step_s)
+            finally:
+                r["done"] = True
+
+        task = asyncio.create_task(engine())
 
         async def gen():
-            detok = IncrementalDetokenizer(TOKENIZER, sp, eos_token_id=TOKENIZER.eos_token_id)
-            ctx = list(r["prompt"]) + [r["first"]]
-            detok.step(r["first"])
-            sent = 0
-            while not detok.finished and not r["aborted"]:
-                t = toy_next(ctx, sp.seed, sp.temperature)
-                if state.eos_at is not None and sent + 2 == state.eos_at:
-                    t = TOKENIZER.eos_token_id
-                ctx.append(t)
-                o = detok.step(t)
-                sent += 1
-                cut = state.cut_stream is not None and sent == state.cut_stream[0]
-                ev = StreamEvent(token_ids=[t], text=o.new_text,
-                                 logprobs=[toy_logprobs(t, sp.logprobs)],
-                                 finish_reason=state.cut_stream[1] if cut else o.finish_reason)
-                yield ev.model_dump_json()
-                if cut:
-                    break
-                if state.hang_after is not None and sent >= state.hang_after:
-                    await r["abort_ev"].wait()
-            yield "[DONE]"
+            left = None
+            try:
+                while True:
+                    ev, left = (left, None) if left is not None else (await q.get(), None)
+                    if state.send_delay_s:
+                        await asyncio.sleep(state.send_delay_s)
+                    if ev is END_BODY:
+                        break
+                    if state.coalesce:
+                        ev, left = take_ready(q, ev)
+                    state.events_sent += 1
+                    yield ev.model_dump_json()
+                    if ev.finish_reason:
+                        break
+                yield "[DONE]"
+            finally:
+                task.cancel()
 
         return EventSourceResponse(gen(), sep="\n")
 
@@ -246,7 +311,7 @@ class ServerThread:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error",
-                             lifespan="on")
+                             lifespan="on", timeout_keep_alive=30)  # > clients' pool expiry
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -13,11 +13,13 @@ import contextlib
 from typing import Any
 
 from k3serve.messages import (
+    CacheEvents,
     Capacity,
     ErrorBody,
     RequestsDebug,
     SamplingSpec,
     WorkerInfo,
+    WorkerLoad,
     WorkerUsage,
 )
 from k3serve.sampling import SamplingParams
@@ -218,6 +220,24 @@ class BaseWorker(abc.ABC):
             enable_prefix_caching=e["enable_prefix_caching"],
             kv_layout_hash=self.layout.fingerprint_hash(), usage=self.usage(),
             **parallel_info(self.engine))
+
+    def load_report(self) -> WorkerLoad:  # engine thread
+        """The load this worker reports with its cache events (``CacheEvents.load``): prompt
+        tokens queued and not computed yet, requests running or reserved, free (+ evictable)
+        pages and free slots (router replicas balance on these, router/replicas.py)."""
+        sched, u = self.engine.scheduler, self.engine.cm.usage()
+        queued = sum(max(0, s.num_prompt_tokens - s.num_computed)
+                     for s in (*sched.waiting, *sched.running))
+        return WorkerLoad(queued_prefill_tokens=queued,
+                          running=len(sched.running) + self.engine.num_reserved,
+                          free_pages=max(0, u.num_pages - u.pages_used),
+                          free_slots=max(0, u.num_slots - u.slots_used))
+
+    def cache_events(self, after: int = 0, limit: int | None = None) -> CacheEvents:
+        """``GET /internal/cache_events`` body: the engine's events and :meth:`load_report`
+        (engine thread)."""
+        ev = self.engine.cache_events(after, limit)
+        return CacheEvents.model_validate({**ev, "load": self.load_report()})
 
     def gauges(self) -> dict[str, float]:  # engine thread
         """The metric gauges now (:meth:`WorkerMetrics.set_gauges`)."""

@@ -151,8 +151,7 @@ def create_app(worker: BaseWorker) -> FastAPI:
 
     @app.get("/internal/cache_events", response_model=CacheEvents, responses=errors(403))
     async def cache_events(after: int = 0, limit: int | None = None) -> CacheEvents:
-        ev = await worker.loop.call(worker.engine.cache_events, after, limit)
-        return CacheEvents.model_validate(ev)
+        return await worker.loop.call(worker.cache_events, after, limit)
 
     @app.get("/internal/cache_state", response_model=CacheState, responses=errors(403))
     async def cache_state() -> CacheState:

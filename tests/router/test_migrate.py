@@ -22,17 +22,18 @@ class W:
 
 
 class ScriptedPool:
-    """``stream(worker, body)`` plays ``scripts[worker]``: events, then an exception or the end."""
+    """``stream_batches(worker, body)`` plays ``scripts[worker]``: events (one per batch), then
+    an exception or the end."""
 
     def __init__(self, scripts: dict[str, list]) -> None:
         self.scripts, self.bodies = scripts, []
 
-    async def stream(self, w, body):
+    async def stream_batches(self, w, body):
         self.bodies.append((w.url, body))
         for item in self.scripts[w.url]:
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            yield [item]
 
 
 def ev(*toks: int, finish: str | None = None) -> StreamEvent:
@@ -43,8 +44,8 @@ def ev(*toks: int, finish: str | None = None) -> StreamEvent:
 def collect(src: DecodeEvents, stop_after: int | None = None) -> list[int]:
     async def go() -> list[int]:
         got = []
-        async for e in src:
-            got += e.token_ids
+        async for batch in src:
+            got += [t for e in batch for t in e.token_ids]
             if stop_after is not None and len(got) >= stop_after:
                 break
         return got

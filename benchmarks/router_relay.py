@@ -1,0 +1,351 @@
+"""Router CPU per request and per relayed token, and tokens/s through 1, 2, 4 replicas (issue 19).
+
+The router runs in its own process (``python -m router.app``, ``--replicas N`` for N > 1);
+the fake workers of ``tests/router_fakes.py`` (toy model, no delay) run in another; this
+process is the client. Router CPU = user + system time of the router process and its children
+(the replicas) over one load phase, from psutil.
+
+Loads (``--requests`` at ``--concurrency``, after a warm-up of ``--concurrency`` requests):
+
+* ``non-streaming, 1 token``: fixed cost of a request (tokenize, place, reserve, prefill,
+  answer);
+* ``streaming, T tokens`` (``--tokens``, ``stream_options.include_usage``): per request, per
+  relayed token (``CPU / Σ completion tokens``) and beyond the fixed cost
+  (``(stream − non-stream) / (T − 1)``).
+
+``--src DIR[,DIR...]``: measure the router of each source tree (imported from it through
+PYTHONPATH; default: this checkout) one after the other in this run, e.g. a checkout of main
+beside this branch. The fake workers are always this checkout's; a tree without issue 19's
+router (no ``--replicas``) is measured with one event per token, as its workers sent them;
+this checkout's router both ways: one event per token, and coalesced (the decode worker merges
+the tokens that are ready together, decode/stream.py). ``--replicas 1,2,4``: tokens/s (wall) and CPU per token of the streaming
+load through each replica count (source trees without ``--replicas`` measure 1 only).
+
+Usage::
+
+    python benchmarks/router_relay.py [--src /tmp/main,.] [--replicas 1,2,4] [--json out.json]
+
+The box is shared (2 cores, other users): each figure is the median of ``--rounds`` rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "k3-tiny"
+TOKEN_HEADER = "x-k3serve-cluster-token"
+
+
+# ---------------------------------------------------------------- fake workers (child process)
+def serve_fakes(num_prefill: int, num_decode: int, token: str, coalesce: bool) -> None:
+    """Child: start the fake workers (this checkout's), print their URLs as one JSON line,
+    serve until stdin closes. ``coalesce``: decode streams merge the tokens ready together
+    into one event (decode/stream.py); off: one event per token, as before issue 19."""
+    from tests.router_fakes import start_worker
+
+    servers = [start_worker("prefill", token) for _ in range(num_prefill)]
+    servers += [start_worker("decode", token) for _ in range(num_decode)]
+    for st, _ in servers:
+        st.coalesce = coalesce
+    print(json.dumps([srv.url for _, srv in servers]), flush=True)
+    sys.stdin.read()
+    for _, srv in servers:
+        srv.stop()
+
+
+# ---------------------------------------------------------------- processes
+def _env(src: Path, token: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(src)
+    env["K3SERVE_CLUSTER_TOKEN"] = token
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    return env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_fakes(token: str, num_prefill: int, num_decode: int, coalesce: bool
+                ) -> tuple[subprocess.Popen, list[str]]:
+    p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve-fakes",
+                          str(num_prefill), str(num_decode), str(int(coalesce))],
+                         env=_env(ROOT, token), cwd=ROOT,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    if not line:
+        raise RuntimeError("the fake workers did not start")
+    return p, json.loads(line)
+
+
+def start_router(src: Path, token: str, replicas: int, port: int) -> subprocess.Popen:
+    # cache-event polls once a second (not 10/s): their CPU is not the relay's (the prompts are
+    # distinct, the index does not matter here); what is left is measured idle and subtracted
+    args = [sys.executable, "-m", "router.app", "--host", "127.0.0.1", "--port", str(port),
+            "--model", MODEL, "--log-level", "warning", "--poll-interval", "1.0"]
+    if replicas > 1:
+        args += ["--replicas", str(replicas)]
+    return subprocess.Popen(args, env=_env(src, token), cwd=src)
+
+
+def start_py_spy(pid: int, out: str) -> subprocess.Popen:
+    """py-spy (beside this python) sampling ``pid`` and its children into ``out`` (raw)."""
+    return subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "-p",
+                             str(pid), "-r", "250", "-f", "raw", "-o", out, "--subprocesses",
+                             "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def supports_replicas(src: Path) -> bool:
+    return "--replicas" in (src / "router" / "config.py").read_text()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its live children."""
+    import psutil
+
+    p = psutil.Process(pid)
+    total = 0.0
+    for q in [p, *p.children(recursive=True)]:
+        try:
+            t = q.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+async def wait_router(url: str, workers: list[str], token: str, replicas: int) -> None:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=5.0) as c:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = await c.get(url + "/health")
+                if r.status_code in (200, 503):
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("router did not start")
+            await asyncio.sleep(0.1)
+        for w in workers:
+            r = await c.post(url + "/internal/register", json={"url": w},
+                             headers={TOKEN_HEADER: token})
+            r.raise_for_status()
+        # every replica must list every worker (new connections reach every replica)
+        while True:
+            seen = []
+            for _ in range(4 * replicas):
+                async with httpx.AsyncClient(timeout=5.0) as c1:
+                    h = (await c1.get(url + "/health")).json()
+                    seen.append(h.get("num_workers_healthy", 0))
+            if min(seen) >= len(workers):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replicas do not all see the workers: {seen}")
+            await asyncio.sleep(0.2)
+
+
+# ---------------------------------------------------------------- load
+async def one(c, url: str, i: int, stream: bool, max_tokens: int) -> tuple[int, int]:
+    """One request; returns (completion tokens from usage, SSE chunks received)."""
+    body = {"model": MODEL, "prompt": [97 + (i * 7919 + k * k) % 26 for k in range(32)],
+            "max_tokens": max_tokens, "temperature": 0}
+    if not stream:
+        r = await c.post(url + "/v1/completions", json=body)
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"], 0
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True}
+    tail, chunks = b"", 0
+    async with c.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for chunk in r.aiter_raw():
+            chunks += chunk.count(b"data: ")  # payloads are JSON: the text is escaped there
+            tail = (tail + chunk)[-4096:]
+    if not tail.rstrip().endswith(b"[DONE]"):
+        raise RuntimeError(f"stream did not end with [DONE]: {tail[-200:]!r}")
+    last = json.loads([ln for ln in tail.split(b"\n") if ln.startswith(b"data: {")][-1][6:])
+    if "usage" not in last:
+        raise RuntimeError(f"stream failed: {last}")
+    return last["usage"]["completion_tokens"], chunks
+
+
+async def load(url: str, n: int, concurrency: int, stream: bool, max_tokens: int,
+               offset: int) -> tuple[int, int, float]:
+    """``n`` requests, ``concurrency`` at a time; returns (Σ completion tokens, Σ chunks,
+    wall s)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency,
+                          keepalive_expiry=2.0)  # below the router's 5 s: no stale reuse
+    async with httpx.AsyncClient(timeout=120.0, limits=limits) as c:
+        sem = asyncio.Semaphore(concurrency)
+        errors: list[str] = []
+
+        async def run(i: int) -> tuple[int, int]:
+            async with sem:
+                try:
+                    return await one(c, url, offset + i, stream, max_tokens)
+                except (httpx.HTTPError, RuntimeError) as e:  # counted, reported
+                    errors.append(repr(e)[:200])
+                    return 0, 0
+
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(run(i) for i in range(n)))
+        if errors:
+            print(f"{len(errors)} of {n} requests failed, e.g. {errors[0]}", file=sys.stderr)
+        return sum(t for t, _ in res), sum(c for _, c in res), time.perf_counter() - t0
+
+
+async def idle_rate(pid: int, seconds: float = 3.0) -> float:
+    """Router CPU seconds per second with no request (its cache-event pollers)."""
+    c0, t0 = cpu_seconds(pid), time.perf_counter()
+    await asyncio.sleep(seconds)
+    return (cpu_seconds(pid) - c0) / (time.perf_counter() - t0)
+
+
+async def phase(pid: int, url: str, args, stream: bool, max_tokens: int, offset: int,
+                idle: float) -> dict[str, float]:
+    """One load phase; ``cpu_s`` is net of the idle rate (pollers) over its wall time."""
+    c0 = cpu_seconds(pid)
+    toks, chunks, wall = await load(url, args.requests, args.concurrency, stream, max_tokens,
+                                    offset)
+    cpu = cpu_seconds(pid) - c0
+    return {"cpu_s": cpu - idle * wall, "raw_cpu_s": cpu, "tokens": toks, "chunks": chunks,
+            "wall_s": wall}
+
+
+async def measure(src: Path, replicas: int, args, token: str, workers: list[str],
+                  full: bool) -> dict[str, float]:
+    """Rounds of the loads through one router (``replicas`` processes); medians."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    router = start_router(src, token, replicas, port)
+    try:
+        await wait_router(url, workers, token, replicas)
+        await load(url, args.concurrency, args.concurrency, True, args.tokens, 10**6)  # warm-up
+        idle = await idle_rate(router.pid)
+        rounds = []
+        for r in range(args.rounds):
+            res = {"idle_cpu_per_s": idle}
+            if full:
+                ns = await phase(router.pid, url, args, False, 1, r * 10**5, idle)
+                res["nonstream_ms"] = 1e3 * ns["cpu_s"] / args.requests
+                res["nonstream_ms_raw"] = 1e3 * ns["raw_cpu_s"] / args.requests
+            spy = None
+            if args.py_spy and r == 0:  # collapsed stacks of the streaming load
+                spy = start_py_spy(router.pid, f"{args.py_spy}.r{replicas}.txt")
+                await asyncio.sleep(1.0)
+            st = await phase(router.pid, url, args, True, args.tokens, r * 10**5 + 50_000,
+                             idle)
+            if spy is not None:
+                import signal
+
+                spy.send_signal(signal.SIGINT)
+                spy.wait(30)
+            res["stream_ms"] = 1e3 * st["cpu_s"] / args.requests
+            res["stream_ms_raw"] = 1e3 * st["raw_cpu_s"] / args.requests
+            res["us_per_token"] = 1e6 * st["cpu_s"] / st["tokens"]
+            res["tokens_per_s"] = st["tokens"] / st["wall_s"]
+            res["tokens_per_cpu_s"] = st["tokens"] / st["cpu_s"]
+            res["tokens"] = st["tokens"] / args.requests
+            res["chunks"] = st["chunks"] / args.requests
+            if full:
+                res["us_beyond_fixed"] = 1e3 * (res["stream_ms"] - res["nonstream_ms"]) / (
+                    args.tokens - 1)
+            rounds.append(res)
+        return {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
+    finally:
+        router.terminate()
+        try:
+            router.wait(15)
+        except subprocess.TimeoutExpired:
+            router.kill()
+            router.wait()
+
+
+async def main_async(args) -> dict:
+    token = secrets.token_hex(8)
+    out: dict = {"requests": args.requests, "concurrency": args.concurrency,
+                 "tokens": args.tokens, "runs": []}
+    for src_s in args.src.split(","):
+        src = Path(src_s).resolve()
+        new = supports_replicas(src)  # a tree with issue 19's relay and replicas
+        for coalesce in ([False, True] if new else [False]):
+            fakes, workers = start_fakes(token, args.prefill, args.decode, coalesce)
+            try:
+                reps = [r for r in args.replicas if r == 1 or new] if coalesce else [1]
+                for r in reps:
+                    res = await measure(src, r, args, token, workers, full=r == 1)
+                    res.update(src=str(src), replicas=r, coalesce=coalesce)
+                    out["runs"].append(res)
+                    print(json.dumps(res), flush=True)
+            finally:
+                fakes.stdin.close()
+                fakes.wait(15)
+    return out
+
+
+def table(out: dict) -> str:
+    t = out["tokens"]
+    lines = [(f"{out['requests']} requests at concurrency {out['concurrency']}, fake workers; "
+              "router CPU (all its processes, net of idle polling), medians"), "",
+             ("| router source | worker events | replicas | CPU / request, non-streaming 1 "
+              f"token | CPU / request, streaming {t} tokens | CPU / relayed token | beyond "
+              "fixed cost | tokens/s (wall) | tokens per router CPU-s | chunks per stream |"),
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in out["runs"]:
+        ns = f"{r['nonstream_ms']:.2f} ms" if "nonstream_ms" in r else "–"
+        bf = f"{r['us_beyond_fixed']:.1f} µs" if "us_beyond_fixed" in r else "–"
+        ev = "coalesced" if r["coalesce"] else "1 token each"
+        lines.append(f"| {Path(r['src']).name} | {ev} | {r['replicas']} | {ns} | {r['stream_ms']:.2f} ms"
+                     f" | {r['us_per_token']:.1f} µs | {bf} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['tokens_per_cpu_s']:,.0f} | {r['chunks']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve-fakes":
+        serve_fakes(int(sys.argv[2]), int(sys.argv[3]), os.environ["K3SERVE_CLUSTER_TOKEN"],
+                    sys.argv[4] == "1")
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--src", default=str(ROOT), help="source tree(s), comma-separated")
+    ap.add_argument("--replicas", default="1", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--prefill", type=int, default=1)
+    ap.add_argument("--decode", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--py-spy", default=None, metavar="PREFIX",
+                    help="profile the router during the first streaming round with py-spy "
+                         "(collapsed stacks in PREFIX.rN.txt)")
+    args = ap.parse_args()
+    out = asyncio.run(main_async(args))
+    print(table(out))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

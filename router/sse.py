@@ -1,0 +1,54 @@
+"""A byte-level reader of the decode workers' SSE streams (the router's relay read path).
+
+``httpx-sse`` decodes every line to ``str`` and builds an object per line; the relay instead
+splits the raw body on blank lines and hands back, per network read, the ``data:`` payloads
+of every event that arrived in it, so the events a worker wrote together (or that queued in
+the socket while the router was busy) are parsed and relayed together.
+
+Framing (the SSE specification's): lines end with ``\\n``, ``\\r\\n`` or ``\\r``; an event
+ends at a blank line; ``data:`` lines of one event are joined with ``\\n`` (one space after
+the colon dropped); comments (``:``) and other fields (``event:``, ``id:``, ``retry:``) are
+ignored; an event without ``data`` is not dispatched.
+"""
+
+from __future__ import annotations
+
+
+class SSEReader:
+    """Feed raw body bytes, get complete events' ``data`` payloads (bytes).
+
+    A partial event at the end of a chunk waits for the next one. Not thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The ``data`` payloads of the events completed by ``chunk``, in order."""
+        buf = self._buf + chunk
+        if b"\r" in buf:
+            keep_cr = buf.endswith(b"\r")  # may be the first half of \r\n
+            if keep_cr:
+                buf = buf[:-1]
+            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            if keep_cr:
+                buf += b"\r"
+        if b"\n\n" not in buf:
+            self._buf = buf
+            return []
+        *events, self._buf = buf.split(b"\n\n")
+        out = []
+        for ev in events:
+            if ev.startswith(b"data: ") and b"\n" not in ev:  # the common case: one line
+                out.append(ev[6:])
+                continue
+            data = [line[5:].removeprefix(b" ") for line in ev.split(b"\n")
+                    if line.startswith(b"data:")]
+            if data:
+                out.append(b"\n".join(data))
+        return out
+
+    @property
+    def pending(self) -> bytes:
+        """Bytes of an unfinished event (a body that ends here was cut mid-event)."""
+        return self._buf
