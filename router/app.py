@@ -32,6 +32,7 @@ from k3serve.messages import (
     same_secret,
 )
 from k3serve.protocol import CLUSTER_TOKEN_HEADER
+from router.admission import Ticket, overloaded
 from router.config import RouterConfig, main
 from router.errors import APIError, install_handlers, unavailable
 from router.pipeline import Router, cancel
@@ -41,7 +42,7 @@ from router.render import ChoiceAcc, Render
 from router.responses import ErrorResponse, ModelCard, ModelList, new_id
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.stream import END, Delta
-from router.workers import WorkerError
+from router.workers import PoolBusy, WorkerError
 
 __all__ = ["Router", "RouterConfig", "create_app", "main"]
 
@@ -87,11 +88,22 @@ def create_app(config: RouterConfig,
     async def serve(request: Request, chat: bool) -> Response:
         arrival = time.monotonic()
         check_api_key(request)
-        req = parse_request(await request.body(),
-                            ChatCompletionRequest if chat else CompletionRequest, config.model)
+        req = parse_request(await read_body(request, config.max_body_bytes),
+                            ChatCompletionRequest if chat else CompletionRequest, config.model,
+                            max_prompts=config.max_prompts)
         limit = router.max_model_len
         jobs = (router.pre.chat_jobs(req, limit) if chat
                 else router.pre.completion_jobs(req, limit))
+        ticket = router.admission.admit(len(jobs) * req.n)  # 429 + Retry-After past capacity
+        try:
+            return await run(request, req, jobs, arrival, ticket)
+        except BaseException:
+            ticket.release()
+            raise
+
+    async def run(request: Request, req: Any, jobs: list, arrival: float,
+                  ticket: Ticket) -> Response:
+        chat = isinstance(req, ChatCompletionRequest)
         rid = new_id("chatcmpl" if chat else "cmpl")
         render = Render(router.tokenizer, config.model, req, rid)
         out, tasks, num_choices = router.execute(req, jobs, rid, arrival)
@@ -119,6 +131,10 @@ def create_app(config: RouterConfig,
                 return e
             if isinstance(e, NoWorkerAvailable):
                 return unavailable(str(e))
+            if isinstance(e, PoolBusy) or (isinstance(e, WorkerError) and e.busy):
+                log.info("request %s shed: %s", rid, e)
+                return overloaded("the server is overloaded; retry", config.retry_after_s,
+                                  status=503)
             log.warning("request %s failed: %s", rid, e)  # worker addresses stay in the log
             return APIError(503, "a worker failed while serving the request; retry",
                             "server_error", code="worker_error")
@@ -152,6 +168,7 @@ def create_app(config: RouterConfig,
             gone.cancel()  # a streaming response watches for a disconnect itself
         if not req.stream:
             await cancel(tasks)
+            ticket.release()
             observe_e2e()
             return JSONResponse(render.full(jobs, accs))
 
@@ -179,6 +196,7 @@ def create_app(config: RouterConfig,
                 yield "[DONE]"
             finally:
                 await cancel(tasks)
+                ticket.release()
 
         return EventSourceResponse(events(), sep="\n")
 
@@ -244,6 +262,27 @@ def create_app(config: RouterConfig,
         return RegisterResponse(worker_id=w.name, role=w.role, url=w.url)
 
     return app
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, read up to ``limit`` bytes.
+
+    Raises:
+        APIError: 413 ``request_too_large`` when ``Content-Length`` or the bytes received pass
+            ``limit`` (nothing more is read).
+    """
+    too_large = APIError(413, f"request body is larger than {limit} bytes",
+                         code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 async def _client_gone(request: Request) -> None:

@@ -36,6 +36,7 @@ from k3serve.messages import (
     ReserveRequest,
     SamplingSpec,
 )
+from router.admission import Admission
 from router.config import RouterConfig
 from router.index import STORE
 from router.metrics import RouterMetrics
@@ -50,7 +51,7 @@ from router.placement import (
 from router.preprocess import Preprocessor, PromptJob, prompt_hashes
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.stream import END, Placed, stream_choice
-from router.workers import Worker, WorkerError, WorkerPool
+from router.workers import PoolBusy, Worker, WorkerError, WorkerPool
 
 if TYPE_CHECKING:
     from k3serve.sampling import SamplingParams
@@ -62,8 +63,9 @@ log = logging.getLogger("k3serve.router")
 BUSY_RETRY_S = 0.005
 
 def _failover(e: BaseException) -> bool:
-    """Nothing was computed: the choice may be placed again elsewhere (once)."""
-    return isinstance(e, WorkerError) and e.retryable and not e.busy
+    """Nothing was computed: the choice may be placed again elsewhere (once); a worker that
+    answered ``busy`` (its queue is full) is skipped too, without counting as failed."""
+    return isinstance(e, WorkerError) and e.retryable and not isinstance(e, PoolBusy)
 
 
 def _busy(e: BaseException) -> bool:
@@ -88,7 +90,15 @@ class Router:
         self.pool = WorkerPool(config.model, config.cluster_token, config.poll_interval_s,
                                config.unhealthy_after, config.timeout_s, transport,
                                on_worker=lambda w: self.metrics.add_worker(w.name, w.role),
-                               poll_timeout_s=config.poll_timeout_s)
+                               poll_timeout_s=config.poll_timeout_s,
+                               deadline_s=config.deadline_s,
+                               pool_timeout_s=config.pool_timeout_s,
+                               max_connections=config.max_connections,
+                               breaker_fail_max=config.breaker_fail_max,
+                               breaker_reset_s=config.breaker_reset_s)
+        self.admission = Admission(
+            lambda: sum(w.info.capacity.num_slots for w in self.pool.live("decode")),
+            config.max_queued, config.retry_after_s)
         self.tokenizer = get_tokenizer(config.tokenizer or config.model)
         self.pre = Preprocessor(self.tokenizer, config.add_bos)
         self._seq = itertools.count()
@@ -115,12 +125,12 @@ class Router:
 
     @property
     def max_model_len(self) -> int:
-        """Longest prompt + output, tokens: config, else the smallest a worker reports, else
-        the model config's ``max_position_embeddings``."""
+        """Longest prompt + output, tokens: config, else the smallest an available (healthy,
+        breaker closed) worker reports, else the model config's ``max_position_embeddings``."""
         if self.config.max_model_len:
             return self.config.max_model_len
         reported = [w.info.max_model_len for w in self.pool.workers.values()
-                    if w.info.max_model_len]
+                    if w.info.max_model_len and w.available]
         if reported:
             return min(reported)
         if self._model_len is None:
@@ -317,7 +327,8 @@ class Router:
         def exclude_failed(state: RetryCallState) -> None:
             e = state.outcome.exception() if state.outcome else None
             if isinstance(e, WorkerError) and e.worker in self.pool.workers:
-                self.pool.mark_failed(self.pool.workers[e.worker])
+                if not e.busy:
+                    self.pool.mark_failed(self.pool.workers[e.worker])
                 tried.add(e.worker)
 
         async for attempt in AsyncRetrying(retry=retry_if_exception(_failover),
@@ -365,10 +376,11 @@ class Router:
         async def choice(j: int) -> Worker | None:
             q = first_out if j == 0 else out
             try:
-                return await self.run_choice(
-                    job, job.prompt_index * n + j, j,
-                    self.pre.sampling(req, job.max_new, j, base_seed), req.cache_salt, rid,
-                    arrival, q)
+                async with self.admission.seat():  # a decode slot, in arrival order
+                    return await self.run_choice(
+                        job, job.prompt_index * n + j, j,
+                        self.pre.sampling(req, job.max_new, j, base_seed), req.cache_salt,
+                        rid, arrival, q)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - delivered to the consumer
