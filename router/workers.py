@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import httpx
 import pybreaker
-from httpx_sse import SSEError, aconnect_sse
+from httpx_sse import EventSource, SSEError
 from pydantic import BaseModel, ValidationError
 
 from k3serve.messages import (
@@ -380,7 +380,8 @@ class WorkerPool:
     async def _post(self, w: Worker, path: str, body: BaseModel, answer: type[M]) -> M:
         with self.calling(w, path):
             try:
-                r = await self.client.post(w.url + path, json=body.model_dump(mode="json"))
+                r = await _owned(self.client.post(w.url + path,
+                                                  json=body.model_dump(mode="json")))
             except httpx.PoolTimeout:
                 raise PoolBusy(w.url, f"POST {path}: no free connection") from None
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
@@ -433,31 +434,69 @@ class WorkerPool:
             WorkerError: connection failure, non-2xx status, malformed or error event.
         """
         with self.calling(w, "/internal/stream"):
+            events: asyncio.Queue = asyncio.Queue()
+            reader = asyncio.create_task(self._read_stream(w, body, events))
             try:
-                async with aconnect_sse(self.client, "POST", w.url + "/internal/stream",
-                                        json=body.model_dump(mode="json")) as source:
-                    r = source.response
-                    if r.status_code // 100 != 2:
-                        await r.aread()
-                        raise WorkerError(w.url, f"stream: HTTP {r.status_code}: "
-                                                 f"{r.text[:200]}",
-                                          retryable=r.status_code == 503,
-                                          status=r.status_code)
-                    async for sse in source.aiter_sse():
-                        if sse.data.strip() == "[DONE]":
-                            return
-                        ev = _parse_json(StreamEvent, w.url, "stream", sse.data)
-                        if ev.error is not None and not ev.token_ids:
-                            raise WorkerError(w.url, f"stream: {ev.error}")
-                        yield ev
-                        if ev.finish_reason:
-                            return
-            except httpx.PoolTimeout:
-                raise PoolBusy(w.url, "stream: no free connection") from None
-            except httpx.TimeoutException as e:
-                raise WorkerError(w.url, f"stream: no event in time: {e!r}", hung=True) from None
-            except (httpx.HTTPError, SSEError) as e:
-                raise WorkerError(w.url, f"stream: {e!r}") from None
+                while True:
+                    ev = await events.get()
+                    if ev is None:
+                        return
+                    if isinstance(ev, BaseException):
+                        raise ev
+                    yield ev
+                    if ev.finish_reason:
+                        return
+            finally:
+                # The reader owns the connection and is cancelled once, here: a close that a
+                # second cancellation interrupts (a client that goes away cancels its choices
+                # more than once) leaves the connection checked out of the pool for good,
+                # and a pool of such connections starves every later call.
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([reader], timeout=5.0)
+
+    async def _read_stream(self, w: Worker, body: StreamRequest, events: asyncio.Queue) -> None:
+        """Read D's SSE stream into ``events``: ``StreamEvent`` s, then ``None`` at the end or
+        the ``WorkerError`` that ended it."""
+        try:
+            req = self.client.build_request(
+                "POST", w.url + "/internal/stream", json=body.model_dump(mode="json"),
+                headers={"Accept": "text/event-stream", "Cache-Control": "no-store"})
+            async with contextlib.aclosing(await self.client.send(req, stream=True)) as r:
+                if r.status_code // 100 != 2:
+                    await r.aread()
+                    raise WorkerError(w.url, f"stream: HTTP {r.status_code}: {r.text[:200]}",
+                                      retryable=r.status_code == 503, status=r.status_code)
+                async for sse in EventSource(r).aiter_sse():
+                    if sse.data.strip() == "[DONE]":
+                        break
+                    ev = _parse_json(StreamEvent, w.url, "stream", sse.data)
+                    if ev.error is not None and not ev.token_ids:
+                        raise WorkerError(w.url, f"stream: {ev.error}")
+                    events.put_nowait(ev)
+                    if ev.finish_reason:
+                        break
+            events.put_nowait(None)
+        except WorkerError as e:
+            events.put_nowait(e)
+        except httpx.PoolTimeout:
+            events.put_nowait(PoolBusy(w.url, "stream: no free connection"))
+        except httpx.TimeoutException as e:
+            events.put_nowait(WorkerError(w.url, f"stream: no event in time: {e!r}", hung=True))
+        except (httpx.HTTPError, SSEError) as e:
+            events.put_nowait(WorkerError(w.url, f"stream: {e!r}"))
+
+
+async def _owned(coro: Any) -> Any:
+    """Await ``coro`` in a task of its own that is cancelled at most once (see
+    :meth:`WorkerPool.stream`): a second cancellation of the caller cannot interrupt the
+    closing of its connection."""
+    t = asyncio.ensure_future(coro)
+    try:
+        return await asyncio.shield(t)
+    except asyncio.CancelledError:
+        t.cancel()
+        raise
 
 
 def check_parallel(url: str, info: WorkerInfo, others: list[Worker]) -> None:

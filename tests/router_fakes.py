@@ -103,6 +103,9 @@ class FakeState:
     # end each decode stream after this many tokens with this finish_reason (None: no finish
     # event at all, only ``[DONE]``): a decode worker that aborts, or stops at its own limit
     cut_stream: tuple[int, str | None] | None = None
+    stalled: bool = False  # a hung worker: every request waits (unanswered) while it is set
+    max_model_len: int = 4096  # reported in /internal/info
+    token_delay_s: float = 0.0  # seconds between two streamed tokens (a slower model)
 
     def __post_init__(self) -> None:
         self.restart()
@@ -124,12 +127,14 @@ def make_worker_app(state: FakeState) -> FastAPI:
                 and request.headers.get(CLUSTER_TOKEN_HEADER) != state.cluster_token:
             state.unauthorized += 1
             return JSONResponse(ErrorBody(error="forbidden").model_dump(), status_code=403)
+        while state.stalled:
+            await asyncio.sleep(0.01)
         return await call_next(request)
 
     @app.get("/internal/info")
     async def info() -> WorkerInfo:
         return WorkerInfo(role=state.role, model=MODEL, fingerprint=FINGERPRINT,
-                          block_size=state.block_size, max_model_len=4096,
+                          block_size=state.block_size, max_model_len=state.max_model_len,
                           worker_id=f"{state.role}@{state.url.rsplit(':', 1)[-1]}",
                           capacity=Capacity(num_pages=256, num_slots=8, num_snapshots=16))
 
@@ -224,6 +229,8 @@ def make_worker_app(state: FakeState) -> FastAPI:
                 yield ev.model_dump_json()
                 if cut:
                     break
+                if state.token_delay_s:
+                    await asyncio.sleep(state.token_delay_s)
                 if state.hang_after is not None and sent >= state.hang_after:
                     await r["abort_ev"].wait()
             yield "[DONE]"
