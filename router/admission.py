@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from router.errors import APIError
@@ -59,7 +60,7 @@ class Admission:
         self.admitted = 0  # choices of admitted requests not finished
         self.seated = 0  # choices holding a seat (running on a decode slot)
         self.rejected = 0
-        self._turn = asyncio.Condition()
+        self._waiting: deque[asyncio.Future] = deque()  # choices waiting for a seat, in order
 
     def admit(self, choices: int) -> Ticket:
         """Admit a request of ``choices`` choices, or refuse it.
@@ -82,18 +83,43 @@ class Admission:
         """Hold a decode seat while the block runs; wait in arrival order for one.
 
         With no decode slot at all (no usable decode worker) the block runs at once: its
-        placement answers 503.
+        placement answers 503. Lock-free (a queue of futures; a seat is handed from the
+        choice that leaves it to the first one waiting), so no cancellation can wedge it.
         """
-        async with self._turn:
-            while 0 < self.slots() <= self.seated:
-                # workers may join without anybody leaving a seat: look again now and then
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._turn.wait(), 0.25)
+        if self._waiting or self.seated >= self.slots() > 0:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiting.append(fut)
+            try:
+                while not fut.done():  # slots may grow without anybody leaving a seat
+                    await asyncio.wait([fut], timeout=0.25)
+                    self._hand_over()
+            except BaseException:
+                if fut.done() and not fut.cancelled():
+                    self._leave()  # a seat was handed to us: pass it on
+                else:
+                    fut.cancel()
+                    with contextlib.suppress(ValueError):
+                        self._waiting.remove(fut)
+                raise
+        else:
             self.seated += 1
         try:
             yield
         finally:
-            self.seated -= 1
-            with contextlib.suppress(RuntimeError):  # the loop is closing
-                async with self._turn:
-                    self._turn.notify(1)
+            self._leave()
+
+    def _leave(self) -> None:
+        self.seated -= 1
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Seat the first waiting choices while there are free slots (all of them when there
+        is no decode slot at all)."""
+        while self._waiting:
+            slots = self.slots()
+            if 0 < slots <= self.seated:
+                return
+            fut = self._waiting.popleft()
+            if not fut.done():
+                self.seated += 1
+                fut.set_result(None)
