@@ -39,7 +39,14 @@ from router.pipeline import Router, cancel
 from router.placement import NoWorkerAvailable
 from router.preprocess import parse_request
 from router.render import ChoiceAcc, Render
-from router.responses import ErrorResponse, ModelCard, ModelList, new_id
+from router.responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    new_id,
+)
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.stream import END, Delta
 from router.workers import PoolBusy, WorkerError
@@ -201,13 +208,35 @@ def create_app(config: RouterConfig,
         return EventSourceResponse(events(), sep="\n")
 
     # ---------------------------------------------------------------- public API
-    @app.post("/v1/completions")
+    # The bodies are parsed by hand (parse_request: caps, surrogates, the model's name); the
+    # schema still names them, with every error status the routes answer.
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest),
+              responses=_api_responses(CompletionResponse))
     async def completions(request: Request) -> Response:
         return await serve(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest),
+              responses=_api_responses(ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
         return await serve(request, chat=True)
+
+    base_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = base_openapi()
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            for m in (CompletionRequest, ChatCompletionRequest):
+                js = m.model_json_schema(ref_template="#/components/schemas/{model}")
+                comps.update(js.pop("$defs", {}))
+                js["properties"]["model"]["enum"] = [config.model]  # the one it serves
+                comps[m.__name__] = js
+            _bound_token_ids(comps["CompletionRequest"]["properties"]["prompt"],
+                             router.tokenizer.vocab_size)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     def card() -> ModelCard:
         return ModelCard(id=config.model, max_model_len=router.max_model_len)
@@ -262,6 +291,37 @@ def create_app(config: RouterConfig,
         return RegisterResponse(worker_id=w.name, role=w.role, url=w.url)
 
     return app
+
+
+def _bound_token_ids(schema: Any, vocab: int) -> None:
+    """Give every token-id item of a ``prompt`` schema its ``maximum`` (``vocab - 1``)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "integer" and node.get("minimum") == 0:
+                node["maximum"] = vocab - 1
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def _json_body(model: type) -> dict[str, Any]:
+    """``openapi_extra`` naming ``model`` as a route's JSON request body."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": ref}}}}
+
+
+def _api_responses(ok: type) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of a completion route: the JSON answer or an SSE stream, and the
+    OpenAI-style errors (429 and 503 with ``Retry-After``)."""
+    err = {"model": ErrorResponse}
+    retry = {**err, "headers": {"Retry-After": {"schema": {"type": "integer"},
+                                                "description": "seconds"}}}
+    return {200: {"model": ok, "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                  "description": "the completion, or its chunks with stream=true"},
+            400: err, 401: err, 404: err, 413: err, 429: retry, 503: retry}
 
 
 async def read_body(request: Request, limit: int) -> bytes:

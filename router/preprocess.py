@@ -46,7 +46,7 @@ def parse_request(raw: bytes, model: type[R], served_model: str,
             (``too_many_prompts``).
     """
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_float=_number)
     except (ValueError, RecursionError) as e:
         # ValueError: JSONDecodeError, bad UTF-8, an int past Python's digit limit;
         # RecursionError: nesting deeper than the parser's recursion limit
@@ -71,6 +71,13 @@ def parse_request(raw: bytes, model: type[R], served_model: str,
         raise APIError(400, f"The model `{req.model}` does not exist; this server serves "
                        f"`{served_model}`.", param="model", code="model_not_found")
     return req
+
+
+def _number(text: str) -> int | float:
+    """A JSON number with a fraction or exponent: an ``int`` when its value is integral
+    (``2.0``, ``1e3``: JSON Schema's integers, so integer fields take them), else a float."""
+    f = float(text)
+    return int(f) if f.is_integer() and abs(f) < 2**63 else f
 
 
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
