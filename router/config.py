@@ -43,7 +43,9 @@ class RouterConfig:
         busy_wait_s: How long a request waits for room while every decode worker answers
             ``busy`` (no free slot or pages) before it fails with 503, seconds.
         deadline_s: Seconds a request-path call (reserve, prefill, the wait between two
-            stream events) waits for a worker before it fails as hung (the breaker counts it).
+            stream events) waits on a worker that is no longer available (its polls fail, or
+            its breaker is open) before it fails as hung; a healthy (busy) worker is waited
+            for up to ``timeout_s``.
         pool_timeout_s: Seconds a request waits for a free connection of the request pool;
             past it the request is shed (503 + ``Retry-After``), no worker is blamed.
         max_connections: Size of the request path's connection pool.
@@ -69,13 +71,13 @@ class RouterConfig:
     tokenizer: str | None = None
     add_bos: bool = True
     poll_interval_s: float = 0.1
-    poll_timeout_s: float = 3.0
+    poll_timeout_s: float = 10.0
     unhealthy_after: int = 3
     timeout_s: float = 600.0
     max_model_len: int | None = None
     prefill_rate: float = 10_000.0
     busy_wait_s: float = 60.0
-    deadline_s: float = 60.0
+    deadline_s: float = 30.0
     pool_timeout_s: float = 5.0
     max_connections: int = 1024
     breaker_fail_max: int = 3
@@ -116,10 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--no-bos", action="store_true", help="do not prepend BOS to text prompts")
     ap.add_argument("--poll-interval", type=float, default=0.1, help="seconds")
-    ap.add_argument("--poll-timeout", type=float, default=3.0,
+    ap.add_argument("--poll-timeout", type=float, default=10.0,
                     help="seconds one cache-event pull may take before it counts as failed")
-    ap.add_argument("--deadline", type=float, default=60.0,
-                    help="seconds a request waits on a worker's answer before it fails")
+    ap.add_argument("--deadline", type=float, default=30.0,
+                    help="seconds a request waits on an unavailable (hung) worker")
     ap.add_argument("--max-prompts", type=int, default=256,
                     help="most prompts in one /v1/completions batch")
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20)

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -168,8 +169,8 @@ class WorkerPool:
     :class:`PoolBusy` (the router is overloaded; no worker failed).
 
     Each worker has a circuit breaker (:mod:`pybreaker`) fed by request-path calls: after
-    ``breaker_fail_max`` failures in a row (connection refused, a call with no answer within
-    ``deadline_s``, a 5xx other than ``busy``) the breaker opens and placement skips the
+    ``breaker_fail_max`` failures in a row (connection refused, a call given up on a hung
+    worker, a 5xx other than ``busy``) the breaker opens and placement skips the
     worker; after ``breaker_reset_s`` one trial request may go there again (half-open), and
     its success closes the breaker. A re-registration (restart) closes it too.
 
@@ -178,13 +179,14 @@ class WorkerPool:
         cluster_token: Sent on every internal call; ``None`` sends none.
         poll_interval_s: Seconds between cache-event pulls of one worker.
         unhealthy_after: Failed pulls in a row that mark a worker unhealthy.
-        timeout_s: Timeout of an internal call off the request path (info, cache state).
+        timeout_s: Timeout of one internal call (a stream: between two events).
         transport: httpx transport (tests route calls to in-process apps).
         on_worker: Called with each worker once registered (metrics series).
         poll_timeout_s: Timeout of one cache-event pull (the health check): a worker that is
             alive but stuck (stopped, wedged) fails its polls and leaves placement.
         deadline_s: Seconds a request-path call (reserve, prefill, the wait between two
-            stream events) waits for a worker's answer before it fails (a hung worker).
+            stream events) waits on a worker that is not available (polls failing, breaker
+            open) before it fails as hung; a healthy worker is waited for up to ``timeout_s``.
         pool_timeout_s: Seconds a request-path call waits for a free connection.
         max_connections: Size of the request path's connection pool.
         breaker_fail_max: Request-path failures in a row that open a worker's breaker.
@@ -195,13 +197,14 @@ class WorkerPool:
                  unhealthy_after: int = 3, timeout_s: float = 600.0,
                  transport: httpx.AsyncBaseTransport | None = None,
                  on_worker: Callable[[Worker], None] | None = None,
-                 poll_timeout_s: float = 3.0, deadline_s: float = 60.0,
+                 poll_timeout_s: float = 10.0, deadline_s: float = 30.0,
                  pool_timeout_s: float = 5.0, max_connections: int = 1024,
                  breaker_fail_max: int = 3, breaker_reset_s: float = 5.0) -> None:
         self.model = model
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
         self.unhealthy_after = unhealthy_after
+        self.deadline_s = deadline_s
         self.breaker_fail_max = breaker_fail_max
         self.breaker_reset_s = breaker_reset_s
         self.index = GlobalIndex()
@@ -212,7 +215,7 @@ class WorkerPool:
             headers=headers, transport=transport,
             limits=httpx.Limits(max_connections=max_connections,
                                 max_keepalive_connections=min(max_connections, 256)),
-            timeout=httpx.Timeout(deadline_s, connect=5.0, pool=pool_timeout_s))
+            timeout=httpx.Timeout(timeout_s, connect=5.0, pool=pool_timeout_s))
         # Its own pool (a handful of connections: one poller per worker) and short timeouts.
         self.health = httpx.AsyncClient(
             headers=headers, transport=transport,
@@ -380,8 +383,8 @@ class WorkerPool:
     async def _post(self, w: Worker, path: str, body: BaseModel, answer: type[M]) -> M:
         with self.calling(w, path):
             try:
-                r = await _owned(self.client.post(w.url + path,
-                                                  json=body.model_dump(mode="json")))
+                r = await self._bounded(w, self.client.post(w.url + path,
+                                                            json=body.model_dump(mode="json")))
             except httpx.PoolTimeout:
                 raise PoolBusy(w.url, f"POST {path}: no free connection") from None
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
@@ -392,6 +395,33 @@ class WorkerPool:
             except httpx.HTTPError as e:
                 raise WorkerError(w.url, f"POST {path}: {e!r}") from None
             return _parse(answer, w.url, path, _json_body(w.url, path, r))
+
+    async def _bounded(self, w: Worker, call: Any) -> Any:
+        """Await an internal call in a task of its own; give up once it has waited
+        ``deadline_s`` while ``w`` is not available (its polls fail: hung or dead; or its
+        breaker is open). A worker whose polls answer is busy, not hung: it is waited for up
+        to the call timeout.
+
+        The task is cancelled at most once, here: a second cancellation of the caller
+        cannot interrupt the closing of its connection (see :meth:`stream`).
+
+        Raises:
+            WorkerError: ``hung``, past the deadline on an unavailable worker.
+        """
+        t = asyncio.ensure_future(call)
+        started = time.monotonic()
+        try:
+            while True:
+                done, _ = await asyncio.wait([t], timeout=min(1.0, self.deadline_s))
+                if done:
+                    return t.result()
+                if time.monotonic() - started >= self.deadline_s and not w.available:
+                    t.cancel()
+                    raise WorkerError(w.url, f"no answer within {self.deadline_s:g} s from an "
+                                             f"unavailable worker", hung=True)
+        except asyncio.CancelledError:
+            t.cancel()
+            raise
 
     async def reserve(self, w: Worker, body: ReserveRequest) -> ReserveResponse:
         """``POST /internal/reserve`` on a decode worker.
@@ -438,7 +468,8 @@ class WorkerPool:
             reader = asyncio.create_task(self._read_stream(w, body, events))
             try:
                 while True:
-                    ev = await events.get()
+                    ev = (events.get_nowait() if not events.empty()
+                          else await self._bounded(w, events.get()))
                     if ev is None:
                         return
                     if isinstance(ev, BaseException):
@@ -485,18 +516,6 @@ class WorkerPool:
             events.put_nowait(WorkerError(w.url, f"stream: no event in time: {e!r}", hung=True))
         except (httpx.HTTPError, SSEError) as e:
             events.put_nowait(WorkerError(w.url, f"stream: {e!r}"))
-
-
-async def _owned(coro: Any) -> Any:
-    """Await ``coro`` in a task of its own that is cancelled at most once (see
-    :meth:`WorkerPool.stream`): a second cancellation of the caller cannot interrupt the
-    closing of its connection."""
-    t = asyncio.ensure_future(coro)
-    try:
-        return await asyncio.shield(t)
-    except asyncio.CancelledError:
-        t.cancel()
-        raise
 
 
 def check_parallel(url: str, info: WorkerInfo, others: list[Worker]) -> None:
