@@ -2,9 +2,9 @@
 workers (tests/router_fakes.py; the model is a toy, so the router's admission control is
 what is measured).
 
-Capacity = decode slots (2 fake decode workers × 8) + ``max_queued``; closed-loop clients,
-10 × that many, each send one completion at a time (8 tokens, ``token_delay_s`` per token)
-and resend at once after a refusal. Prints: requests admitted / refused (by status), whether
+Capacity = what the decode slots serve: 2 fake decode workers × 8 slots, each request 8
+tokens of ``--token-delay`` s; requests arrive open-loop at 10 × that rate (the router
+admits slots + ``max_queued`` at once and refuses the rest). Prints: requests admitted / refused (by status), whether
 every refusal had ``Retry-After``, whether every admitted one completed with the right text,
 p50 / p99 latency of the admitted ones next to an unloaded baseline, and the router
 process's RSS before, at peak and after (back to baseline).
@@ -43,30 +43,36 @@ def want(prompt: str, max_tokens: int) -> str:
     return toy_generate(TOKENIZER.encode(prompt, add_bos=True), sp)[1]
 
 
-async def drive(url: str, clients: int, seconds: float, max_tokens: int) -> list[tuple]:
-    """Closed-loop clients for ``seconds``; one record per request:
-    (status, latency s, retry-after header, text correct)."""
+async def drive(url: str, rate: float, seconds: float, max_tokens: int) -> list[tuple]:
+    """Open-loop arrivals at ``rate`` requests/s for ``seconds``; one record per request:
+    (status (0: dropped connection), latency s, Retry-After header, text correct, error)."""
     out: list[tuple] = []
-    end = time.monotonic() + seconds
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=clients + 16),
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=4096),
                                  timeout=120) as c:
-        async def client(k: int) -> None:
-            i = 0
-            while time.monotonic() < end:
-                prompt = f"overload {k} {i} "
-                t0 = time.monotonic()
+        async def one(i: int) -> None:
+            prompt = f"overload {i} "
+            t0 = time.monotonic()
+            try:
                 r = await c.post(url + "/v1/completions", json={
                     "model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
                     "temperature": 0})
-                dt = time.monotonic() - t0
-                ok = r.status_code == 200 and \
-                    r.json()["choices"][0]["text"] == want(prompt, max_tokens)
-                out.append((r.status_code, dt, r.headers.get("retry-after"), ok))
-                i += 1
-                if r.status_code != 200:
-                    await asyncio.sleep(0.01)
+            except httpx.TransportError as e:
+                out.append((0, time.monotonic() - t0, None, False, repr(e)))
+                return
+            dt = time.monotonic() - t0
+            ok = r.status_code == 200 and \
+                r.json()["choices"][0]["text"] == want(prompt, max_tokens)
+            out.append((r.status_code, dt, r.headers.get("retry-after"), ok, ""))
 
-        await asyncio.gather(*(client(k) for k in range(clients)))
+        tasks = []
+        start = time.monotonic()
+        i = 0
+        while (now := time.monotonic()) < start + seconds:
+            while i < (now - start) * rate:
+                tasks.append(asyncio.create_task(one(i)))
+                i += 1
+            await asyncio.sleep(0.005)
+        await asyncio.gather(*tasks)
     return out
 
 
@@ -80,15 +86,16 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--factor", type=int, default=10)
     ap.add_argument("--max-queued", type=int, default=8)
-    ap.add_argument("--token-delay", type=float, default=0.01)
+    ap.add_argument("--token-delay", type=float, default=0.5)
     args = ap.parse_args()
     s = Stack(num_prefill=1, num_decode=2, api_key=None, max_queued=args.max_queued)
     try:
         for st, _ in s.decode:
             st.token_delay_s = args.token_delay
-        capacity = 2 * 8 + args.max_queued
-        warm = asyncio.run(drive(s.url, 4, 3.0, 8))  # warm-up + unloaded baseline
-        base = [dt for code, dt, _, _ in warm if code == 200]
+        service_s = 8 * args.token_delay  # one request on a slot
+        capacity = 16 / service_s  # requests/s the slots serve
+        warm = asyncio.run(drive(s.url, capacity / 4, 5.0, 8))  # warm-up + unloaded baseline
+        base = [r[1] for r in warm if r[0] == 200]
         gc.collect()
         rss0 = rss_mib()
         peak = [rss0]
@@ -120,16 +127,21 @@ def main() -> int:
         for r in ref:
             codes[r[0]] = codes.get(r[0], 0) + 1
         a = s.router.admission
-        print(f"overload: {args.factor}x capacity ({args.factor * capacity} closed-loop "
-              f"clients; capacity {capacity} = 16 decode slots + max_queued "
-              f"{args.max_queued}) for {wall:.1f} s")
+        print(f"overload: {args.factor}x capacity for {wall:.1f} s: arrivals at "
+              f"{args.factor * capacity:.0f}/s; capacity {capacity:.0f}/s = 16 decode slots / "
+              f"{service_s:.1f} s per request; admitted at once: slots + max_queued "
+              f"{args.max_queued}")
         print("| figure | value |")
         print("|---|---|")
         print(f"| requests sent | {len(rec)} |")
         print(f"| admitted (200) | {len(adm)} ({len(adm) / wall:.1f}/s) |")
         print(f"| refused | {len(ref)} " + " ".join(f"[{c}: {n}]" for c, n in sorted(codes.items()))
               + " |")
-        print(f"| refusals with Retry-After | {sum(1 for r in ref if r[2])} / {len(ref)} |")
+        print(f"| refusals with Retry-After | {sum(1 for r in ref if r[2])} / "
+              f"{sum(1 for r in ref if r[0])} |")
+        drops = [r[4] for r in ref if not r[0]]
+        if drops:
+            print(f"| dropped connections (no answer) | {len(drops)}: {drops[0][:60]} |")
         print(f"| admitted completed with the right text | {sum(1 for r in adm if r[3])} / "
               f"{len(adm)} |")
         print(f"| admitted latency p50 / p99 (s) | {statistics.median(lat):.3f} / "
@@ -140,7 +152,7 @@ def main() -> int:
               f"{rss1:.0f} |")
         print(f"| router after: admitted, seated, waiting | {a.admitted}, {a.seated}, "
               f"{len(a._waiting)} |")
-        ok = (all(r[2] for r in ref) and all(r[3] for r in adm) and a.admitted == 0
+        ok = (all(r[2] for r in ref if r[0]) and all(r[3] for r in adm) and a.admitted == 0
               and set(codes) <= {429, 503})
         print("overload: OK" if ok else "overload: FAILED")
         return 0 if ok else 1
