@@ -104,9 +104,19 @@ def ceilings():
     return bw, 2 * 8192**3 / (ms * 1e-3)
 
 
-def build():
+def build(on_gpu: bool = False):
+    """k3-mini as described in the module docstring; ``on_gpu`` draws the init on the GPU
+    (seconds instead of minutes; other numbers than the CPU init of the same seed)."""
     cfg = dataclasses.replace(PRESETS["k3-mini"], expert_quant="mxfp4")
-    model, _, _ = load_model(PRESETS["k3-mini"], "cuda", torch.bfloat16, seed=0, random_init=True)
+    if on_gpu:
+        from k3serve.model.model import K3ForCausalLM
+
+        with torch.random.fork_rng(devices=[torch.device("cuda")]), torch.device("cuda"):
+            torch.manual_seed(0)
+            model = K3ForCausalLM(PRESETS["k3-mini"], dtype=torch.bfloat16)
+    else:
+        model, _, _ = load_model(PRESETS["k3-mini"], "cuda", torch.bfloat16, seed=0,
+                                 random_init=True)
     model.eval()
     g = torch.Generator(device="cuda").manual_seed(1)
     moes = [m for m in model.modules() if isinstance(m, MoE)]
@@ -408,10 +418,12 @@ def write_md(path, res):
         L.append(f"| {d['batch']} | {d['experts']} | {d['mode']} | {d['seconds'] * 1e3:.3f} | "
                  f"{d['roofline_s'] * 1e3:.3f} | {d['roofline_bytes'] / 1e9:.2f} | "
                  f"{d['ratio']:.2f} |")  # fmt: skip
-    L += ["", "## Prefill", "", "| batch × prompt | s | tokens/s | roofline s | share of roofline |",
-          "|---|---|---|---|---|"]  # fmt: skip
+    L += ["", "## Prefill", "",
+          "| batch × prompt | MLA prefill | s | tokens/s | roofline s | share of roofline |",
+          "|---|---|---|---|---|---|"]  # fmt: skip
     for p in res["prefill"]:
-        L.append(f"| {p['batch']} × {p['prompt']} | {p['seconds']:.3f} | "
+        L.append(f"| {p['batch']} × {p['prompt']} | {p.get('mla_prefill', 'naive')} | "
+                 f"{p['seconds']:.3f} | "
                  f"{p['tokens_per_s']:,.0f} | {p['roofline_s']:.3f} | "
                  f"{100 * p['roofline_share']:.0f} % |")  # fmt: skip
     with open(path, "w") as f:
@@ -426,6 +438,8 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--mla-prefill", default="naive,sdpa",
+                    help="MLA prefill implementations to time (K3SERVE_MLA_PREFILL values)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to measure")
@@ -445,15 +459,21 @@ def main():
     for c in checks:
         if c["name"].startswith("decode batch"):
             log(f"check {c['name']}: rel {c['rel_err']:.2e} argmax {c['argmax_agree']}")
-    try:
-        prefill = [] if a.skip_prefill else prefill_bench(
-            model, cfg, mm, [(1, 2048), (1, 8192), (8, 8192)])  # fmt: skip
-    except (RuntimeError, ValueError) as e:  # keep the decode figures if a prefill shape fails
-        log(f"prefill failed: {type(e).__name__}: {e}")
-        prefill = []
+    prefill = []
+    for impl in ([] if a.skip_prefill else a.mla_prefill.split(",")):
+        os.environ["K3SERVE_MLA_PREFILL"] = impl
+        try:
+            rows = prefill_bench(model, cfg, mm, [(1, 2048), (1, 8192), (8, 8192)])
+        except (RuntimeError, ValueError) as e:  # keep the decode figures if a shape fails
+            log(f"prefill ({impl}) failed: {type(e).__name__}: {e}")
+            rows = []
+        prefill += [{**r, "mla_prefill": impl} for r in rows]
+    os.environ.pop("K3SERVE_MLA_PREFILL", None)
     g = [d for d in decode if d["mode"] == "graph" and d["experts"] == "mxfp4"]
-    pb, ps = fit([p["uncached_tokens"] for p in prefill], [p["seconds"] for p in prefill]) \
-        if len(prefill) > 1 else (0.0, 0.0)  # fmt: skip
+    last = a.mla_prefill.split(",")[-1]  # the calibration fit uses the last implementation
+    pf = [p for p in prefill if p["mla_prefill"] == last]
+    pb, ps = fit([p["uncached_tokens"] for p in pf], [p["seconds"] for p in pf]) \
+        if len(pf) > 1 else (0.0, 0.0)  # fmt: skip
     db, ds = fit([d["batch"] for d in g], [d["seconds"] for d in g]) if len(g) > 1 else (0.0, 0.0)
     res = {"schema": 1, "date": datetime.date.today().isoformat(),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -24,6 +24,11 @@ request goes through the phases of :class:`DecodePhase`::
         ─▶ engine.add_request(rid, prompt) here ─▶ RUNNING; token #1 answers the call as a
         PrefillResponse (num_cached_tokens from this worker's prefix cache), then the stream
         above yields tokens #2… as after an admitted transfer
+    POST /internal/resume (ResumeRequest; request migration: the request's decode worker failed
+        mid-stream) ─▶ engine.add_request(rid, prompt, params, output_token_ids=the tokens the
+        client has) ─▶ RUNNING; the prefill of prompt + outputs is recomputed here and sampling
+        continues at position L + len(outputs) with the request's seed; the stream above
+        yields the tokens after the outputs; k3serve:requests_resumed_total
     POST /internal/abort  at any point: the ticket fails (the sender stops), the engine request
         ends, every slot and page comes back.
 """
@@ -46,6 +51,8 @@ from k3serve.messages import (
     RequestState,
     ReserveRequest,
     ReserveResponse,
+    ResumeRequest,
+    ResumeResponse,
     StreamEvent,
     StreamRequest,
     TokenLogprob,
@@ -81,12 +88,16 @@ class DecodeWorker(BaseWorker):
     def __init__(self, config, engine=None) -> None:
         super().__init__(config, engine)
         c = self.kv_config
-        self.server = KVBootstrapServer(self.kv, self.layout, c.bootstrap_host, c.bootstrap_port)
+        self.server = KVBootstrapServer(self.kv, self.layout, c.bootstrap_host, c.bootstrap_port,
+                                        cluster_token=config.cluster_token)
         self.reqs: dict[str, DecodeState] = {}
         self.by_engine: dict[str, DecodeState] = {}
         #: monolithic requests whose token #1 is not answered yet: request id → the future
         #: ``POST /internal/generate`` awaits (:meth:`_generate`)
         self.direct: dict[str, asyncio.Future] = {}
+        #: aborts that arrived before their reservation (the router's abort overtook its own
+        #: cancelled reserve call): request id → when; such a reserve is refused (409)
+        self.aborted_early: dict[str, float] = {}
         self.stream_idle_s = max(120.0, c.receiver_timeout_s + 60.0)
 
     def start(self) -> None:
@@ -103,6 +114,8 @@ class DecodeWorker(BaseWorker):
         rid = body.request_id
         if rid in self.reqs:
             raise ValueError(f"request_id: {rid!r} is already live")
+        if self.aborted_early.pop(rid, None) is not None:
+            raise Failure(409, "aborted", f"request {rid!r} was aborted before its reservation")
         h = self.engine.reserve(rid, list(body.prompt_token_ids), cache_salt=body.cache_salt)
         r = DecodeState(rid, list(body.prompt_token_ids), params, body.cache_salt, events)
         try:
@@ -194,6 +207,8 @@ class DecodeWorker(BaseWorker):
         if r.phase is not DecodePhase.TRANSFER:
             return
         err = r.receiver.error if r.receiver is not None else "admit failed"
+        if r.receiver is not None and r.receiver.expired:
+            self.metrics.expiry()
         r.to(DecodePhase.AWAIT_FIRST)
         if r.first is None:
             log.warning("decode %s: transfer failed (%s); recomputing once the stream brings "
@@ -242,6 +257,35 @@ class DecodeWorker(BaseWorker):
         self.reqs[rid] = r
         self.direct[rid] = fut
         self._run(r, rid, out)
+
+    def _resume(self, body: ResumeRequest, params: SamplingParams,
+                events: asyncio.Queue) -> ResumeResponse:
+        """Request migration: continue ``body``'s request here after ``output_token_ids`` (the
+        tokens its failed decode worker already streamed; the prefill of prompt + outputs is
+        recomputed here, nothing is sampled again). Its stream, opened next, yields only the
+        tokens after the outputs.
+
+        Raises:
+            ValueError: a live ``request_id``, an unseeded ``sampling`` (the resumed request
+                must sample with the seed it started with), or prompt / outputs the engine
+                refuses (out of vocabulary, too long, going on after a finishing token).
+        """
+        rid = body.request_id
+        if rid in self.reqs:
+            raise ValueError(f"request_id: {rid!r} is already live")
+        if params.seed is None:
+            raise ValueError("sampling.seed: a resumed request needs the seed it was sampled "
+                             "with")
+        outs = list(body.output_token_ids)
+        lps = [math.nan if lp is None else float(lp) for lp in body.output_logprobs[:len(outs)]]
+        r = DecodeState(rid, list(body.prompt_token_ids), params, body.cache_salt, events,
+                        reservation_open=False, sent=len(outs))
+        out = self.engine.add_request(rid, r.prompt, params, cache_salt=body.cache_salt,
+                                      output_token_ids=outs, output_logprobs=lps)
+        self.reqs[rid] = r
+        self.metrics.resumed()
+        self._run(r, rid, out)
+        return ResumeResponse(request_id=rid, position=len(r.prompt) + len(outs))
 
     def _answer_first(self, r: DecodeState, out: Any) -> None:
         """A monolithic request produced token #1: answer ``POST /internal/generate`` with it
@@ -314,7 +358,11 @@ class DecodeWorker(BaseWorker):
 
     def abort(self, rid: str, reason: str) -> bool:
         r = self.reqs.get(rid)
-        if r is None:
+        if r is None:  # its reserve may still be on the way: refuse it when it lands
+            now = time.monotonic()
+            self.aborted_early = {k: t for k, t in self.aborted_early.items()
+                                  if now - t < STREAM_TTL_S}
+            self.aborted_early[rid] = now
             return False
         self._end(r, StreamEvent(finish_reason="abort"))
         self.tick()
@@ -350,6 +398,10 @@ class DecodeWorker(BaseWorker):
 
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self._num_transferring()
+
+    def settled(self, r: DecodeState) -> bool:  # a drain does not wait for a stream never opened
+        return (r.phase is DecodePhase.DONE and r.receiver is None and not r.reservation_open
+                and (r.stream_closed or not r.stream_opened))
 
     def _num_transferring(self) -> int:
         return sum(1 for r in self.reqs.values() if r.phase is DecodePhase.TRANSFER)
@@ -412,6 +464,18 @@ class DecodeWorker(BaseWorker):
             except asyncio.CancelledError:  # the caller went away
                 worker.loop.submit(worker.abort, body.request_id, "caller disconnected")
                 raise
+
+        @app.post("/internal/resume", response_model=ResumeResponse,
+                  responses=errors(400, 403, 503))
+        async def resume(body: ResumeRequest) -> ResumeResponse:
+            """Request migration: continue a request after the tokens already streamed."""
+            params = sampling_params(body.sampling)
+            try:
+                return await worker.loop.call(worker._resume, body, params, asyncio.Queue())
+            except CacheFullError as e:
+                raise Failure(503, "busy", str(e)) from None
+            except ValueError as e:
+                raise Failure(400, "invalid_request", str(e)) from None
 
         @app.post("/internal/stream", response_class=StreamEventsResponse,
                   responses={200: {"model": StreamEvent,

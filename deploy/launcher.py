@@ -8,8 +8,11 @@ this one (the only backend today; Ray actors are the next one, behind the same i
 
 The launcher generates a cluster token that every internal call carries (passed in the
 environment, as is the API key, so neither shows in ``ps``), waits until the router reports
-every worker healthy, prints the URL, and stops every component on Ctrl-C / SIGTERM (or when any
-of them dies). A router port that is taken ends with one line, before anything starts.
+every worker healthy, prints the URL, and stops every component on Ctrl-C / SIGTERM. A
+component that crashes is restarted (:mod:`deploy.supervisor`: backoff, a restart limit, a
+worker on fresh ports); the stack stops only when the router cannot be restarted. A router
+port that is taken ends with one line, before anything starts. A worker address that is not
+private or loopback is warned about (:func:`address_warning`; README "Deployment security").
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import ipaddress
 import os
 import secrets
 import signal
@@ -30,6 +34,7 @@ from typing import Protocol
 import httpx
 from pydantic import ValidationError
 
+from deploy.supervisor import Spec, Supervisor
 from k3serve.messages import RouterHealth
 from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
 
@@ -109,9 +114,16 @@ class Stack:
     cluster_token: str
     procs: list[Component] = field(default_factory=list)
     worker_urls: list[str] = field(default_factory=list)
+    specs: list[Spec] = field(default_factory=list)  # specs[i] restarts procs[i]
+    supervisor: Supervisor | None = None
+    stopping: bool = False
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Terminate every component, then kill what is left after ``timeout`` seconds."""
+        """Stop the supervisor, terminate every component (workers drain first: SIGTERM),
+        then kill what is left after ``timeout`` seconds."""
+        self.stopping = True
+        if self.supervisor is not None:
+            self.supervisor.stop()
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
@@ -122,6 +134,8 @@ class Stack:
             except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired or a backend's own
                 p.kill()
                 p.wait()
+        if self.supervisor is not None:
+            self.supervisor.close()
 
     def dead_children(self) -> list[Component]:
         return [p for p in self.procs if p.poll() is not None]
@@ -134,7 +148,7 @@ def start_stack(
     num_prefill: int = 2,
     num_decode: int = 1,
     api_key: str | None = None,
-    policy: str = "cache_aware",
+    policy: str = "prefix_home",
     block_size: int = 64,
     device: str = "cpu",
     extra_worker_args: list[str] | None = None,
@@ -145,6 +159,8 @@ def start_stack(
     sd_dir: str | None = None,
     store: bool = False,
     monolithic: int = 0,
+    supervise: bool = False,
+    max_restarts: int = 5,
 ) -> Stack:
     """Start router + workers and wait until the router sees every worker healthy.
 
@@ -161,6 +177,8 @@ def start_stack(
         monolithic: > 0: start this many workers that each prefill AND decode (no prefill
             pool, no transfers; ``num_prefill`` / ``num_decode`` are ignored) — the router
             serves a stack without prefill workers through ``/internal/generate``.
+        supervise: restart crashed components (:class:`deploy.supervisor.Supervisor`,
+            ``stack.supervisor``), at most ``max_restarts`` times each.
 
     Returns:
         A :class:`Stack`; call ``stop()`` to end it.
@@ -190,24 +208,34 @@ def start_stack(
         env[API_KEY_ENV] = api_key
     stack = Stack(url=f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}",
                   api_key=api_key, cluster_token=token)
+    def spawn(spec: Spec) -> None:
+        stack.procs.append(launch.spawn(spec.name, spec.module, spec.args, spec.env))
+        stack.specs.append(spec)
+
     try:
-        stack.procs.append(launch.spawn("router", "router.app", [
+        spawn(Spec("router", "router.app", [
             "--host", host, "--port", str(port), "--policy", policy, "--model", model,
-            *(extra_router_args or [])], env))
+            *(extra_router_args or [])], env, "router"))
         extra_worker_args = [*(extra_worker_args or []), *_store_args(stack, store, log_dir)]
         workers = [("prefill", i) for i in range(num_prefill)] + [
             ("decode", i) for i in range(num_decode)]
         ihost = launch.internal_host
+        for warning in filter(None, [address_warning(ihost, "worker"),
+                                     address_warning(env.get("K3SERVE_KV_HOSTNAME", ihost),
+                                                     "Mooncake transfer engine")]):
+            print(f"k3serve: warning: {warning}", file=sys.stderr, flush=True)
         for role, i in workers:
             wport = launch.free_port(ihost)
             stack.worker_urls.append(f"http://{ihost}:{wport}")
             name = f"mono-{i}" if monolithic else f"{role}-{i}"
-            stack.procs.append(launch.spawn(name, f"{role}.worker", [
+            spawn(Spec(name, f"{role}.worker", [
                 "--host", ihost, "--port", str(wport), "--model", model,
                 "--router-url", f"http://127.0.0.1:{port}", "--block-size", str(block_size),
                 "--device", device, "--worker-id", name, *(extra_worker_args or [])],
-                env))
+                env, "worker", url_index=len(stack.worker_urls) - 1))
         wait_ready(stack, num_prefill + num_decode, ready_timeout)
+        if supervise:
+            stack.supervisor = Supervisor(stack, launch, max_restarts=max_restarts).start()
         if sd_dir:
             from deploy.service_discovery import ScrapeTarget, TargetWriter
 
@@ -233,7 +261,34 @@ def _store_args(stack: Stack, store: bool, log_dir: str | None) -> list[str]:
         os.makedirs(log_dir, exist_ok=True)
     proc, url = start_store_master(log_path=log)
     stack.procs.append(proc)
+    stack.specs.append(Spec("mooncake_master", "", [], {}, "store"))
     return ["--store-url", url]
+
+
+def address_warning(host: str, what: str) -> str | None:
+    """A warning when ``host`` (an IP or a name) is not a loopback or private address: the
+    internal endpoints there take the cluster token, but Mooncake's transfer engine listens on
+    all interfaces without one and lets any peer read and write registered cache memory
+    (README "Deployment security"). ``None``: loopback / private (RFC 1918, ULA, link-local).
+    """
+    h = host.strip("[]")
+    if h in ("localhost", ""):
+        return None
+    try:
+        ip = ipaddress.ip_address(h)
+    except ValueError:
+        try:
+            ip = ipaddress.ip_address(socket.gethostbyname(h))
+        except (OSError, ValueError):
+            return f"{what} address {host!r} does not resolve; cannot check that it is private"
+    if ip.is_unspecified:  # before is_private: 0.0.0.0 counts as private in ipaddress
+        return (f"{what} listens on {host} (every interface): keep the cluster network "
+                f"isolated; see README 'Deployment security'")
+    if ip.is_loopback or ip.is_private or ip.is_link_local:
+        return None
+    return (f"{what} address {host} is not private or loopback: peers that reach it can call "
+            f"Mooncake's transfer engine without a token (read/write cache memory); isolate "
+            f"the cluster network (README 'Deployment security')")
 
 
 def wait_ready(stack: Stack, num_workers: int, timeout: float, poll_s: float = 0.3) -> None:
@@ -276,8 +331,9 @@ def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
                         "--prefill / --decode ignored)")
     p.add_argument("--api-key", default=None,
                    help="bearer token required on the public API (or set K3SERVE_API_KEY)")
-    p.add_argument("--policy", default="cache_aware",
-                   help="placement policy: cache_aware | round_robin | least_load | random")
+    p.add_argument("--policy", default="prefix_home",
+                   help="placement policy: prefix_home | cache_aware | approx_radix | "
+                        "round_robin | least_load | random")
     p.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
     p.add_argument("--device", default="cpu", help="worker device (cpu or cuda)")
     p.add_argument("--ray", action="store_true",
@@ -289,6 +345,9 @@ def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
                    help="join this Ray cluster (default: start a local one on loopback)")
     p.add_argument("--sd-dir", default=None,
                    help="write Prometheus file-SD targets here (see deploy/prometheus)")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts allowed per crashed component (exponential backoff between "
+                        "failed starts); 0: none")
     p.add_argument("--store", action="store_true",
                    help="start a mooncake_master on loopback: a shared DRAM store below the "
                         "workers (prefixes cross workers; turn 2 hits after PD)")
@@ -296,8 +355,9 @@ def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run the stack of ``args`` (:func:`build_parser`) until Ctrl-C / SIGTERM or a component
-    dies; returns the exit status. ``--ray`` runs it on the Ray backend (deploy/ray_backend.py).
+    """Run the stack of ``args`` (:func:`build_parser`) until Ctrl-C / SIGTERM, restarting
+    crashed components (exit status 1 when the router cannot be restarted); returns the exit
+    status. ``--ray`` runs it on the Ray backend (deploy/ray_backend.py).
 
     Raises:
         ValueError: ``--ray`` without ``--config``, or ``--config`` without ``--ray``.
@@ -315,7 +375,8 @@ def serve(args: argparse.Namespace) -> int:
         model=args.model, host=args.host, port=args.port, num_prefill=args.prefill,
         num_decode=args.decode, api_key=args.api_key, policy=args.policy,
         block_size=args.block_size, device=args.device, sd_dir=args.sd_dir,
-        store=args.store, monolithic=args.monolithic,
+        store=args.store, monolithic=args.monolithic, supervise=True,
+        max_restarts=args.max_restarts,
     )
     stopping = False
 
@@ -331,8 +392,9 @@ def serve(args: argparse.Namespace) -> int:
           flush=True)
     try:
         while not stopping:
-            if stack.dead_children():
-                print("k3serve: a child process died; stopping the stack", file=sys.stderr)
+            sup = stack.supervisor
+            if sup is not None and sup.fatal:
+                print(f"k3serve: {sup.fatal}; stopping the stack", file=sys.stderr, flush=True)
                 stack.stop()
                 return 1
             time.sleep(0.5)
@@ -357,5 +419,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["BACKENDS", "Component", "LaunchBackend", "PortInUseError", "Stack", "StartupError",
-           "backend", "build_parser", "check_port_free", "main", "serve", "start_stack",
+           "address_warning", "backend", "build_parser", "check_port_free", "main", "serve", "start_stack",
            "wait_ready"]

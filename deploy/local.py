@@ -63,7 +63,8 @@ class LocalBackend:
         out = None
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
-            out = open(os.path.join(self.log_dir, f"{name}.log"), "w")  # noqa: SIM115
+            # append: a restarted component keeps its predecessor's log (why it died)
+            out = open(os.path.join(self.log_dir, f"{name}.log"), "a")  # noqa: SIM115
         pre = _die_with_parent if sys.platform.startswith("linux") else None
         try:  # preexec_fn runs one prctl call, nothing that a forked thread could deadlock on
             return subprocess.Popen(

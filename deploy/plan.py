@@ -119,7 +119,7 @@ class RouterSpec:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    policy: str = "cache_aware"
+    policy: str = "prefix_home"
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,7 @@ def parse_deploy_config(doc: dict[str, Any], name: str = "config") -> DeployConf
     _known(r, "router", {"host", "port", "policy"})
     router = RouterSpec(host=str(r.get("host", "127.0.0.1")),
                         port=_int(r, "port", "router", 0, 8000),
-                        policy=str(r.get("policy", "cache_aware")))
+                        policy=str(r.get("policy", "prefix_home")))
     pools_doc = doc.get("pools")
     _need(isinstance(pools_doc, dict) and set(pools_doc) == set(ROLES), "pools",
           f"must have exactly the keys {ROLES}")

@@ -21,11 +21,18 @@ Placement (``deploy/plan.py`` decides the shapes):
 Restarts: each ProcessActor runs its command as a **child process it supervises**, not in the
 actor's own process. The workers and the router are complete programs (their own uvicorn loop,
 signal handling, engine thread, Mooncake engine); their command line is the stable interface
-while their insides move, and a child can be killed and replaced whole. When the child exits
-on its own the actor exits too (``os._exit``); when the actor dies (a node failure,
-``ray.kill``) the kernel ends the child (``PR_SET_PDEATHSIG``). Either way Ray restarts the
-actor (``max_restarts`` from the config), whose ``__init__`` starts a fresh child with
-``--port 0``: the worker binds new HTTP, bootstrap and Mooncake ports (nothing pins them; the
+while their insides move, and a child can be killed and replaced whole. Two layers:
+
+* the child crashes (non-zero exit, ``kill -9``): the actor starts it again itself, with an
+  exponential backoff between failed starts (tenacity), at most ``child_restarts`` times in a
+  row (a child that then stays up ``stable_s`` seconds resets the count); past that the actor
+  exits (``os._exit``), and Ray's restart takes over. A child that exits 0 (a drained worker,
+  SIGTERM) is not restarted (the actor stays, idle: an exiting actor would be restarted).
+* the actor dies (a node failure, ``ray.kill``; the kernel then ends the child,
+  ``PR_SET_PDEATHSIG``): Ray restarts the actor (``max_restarts`` from the config), whose
+  ``__init__`` starts a fresh child.
+
+Every new child runs with ``--port 0``: the worker binds new HTTP, bootstrap and Mooncake ports (nothing pins them; the
 launcher removes ``K3SERVE_KV_BOOTSTRAP_PORT`` from the child's environment), prints
 ``listening on URL``, and registers with the router under its old ``--worker-id``, so peers
 never keep talking to a dead endpoint. The driver's :meth:`RayStack.refresh` reads the new URL
@@ -43,19 +50,16 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import secrets
 import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from deploy.plan import DeployConfig, InstancePlan, Plan, load_deploy_config, make_plan
+from deploy.ray_actors import ProcessActor, RankActor
 from deploy.service_discovery import ScrapeTarget, TargetWriter
 from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
 
@@ -63,139 +67,6 @@ log = logging.getLogger("k3serve.ray")
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's node IP lookup → 127.0.0.1
 OBJECT_STORE_BYTES = 80 * 2**20  # Ray's minimum is 75 MiB
-LISTENING = re.compile(r"listening on (https?://\S+)")
-PINNED_PORT_ENV = ("K3SERVE_KV_BOOTSTRAP_PORT",)  # a restarted worker must pick fresh ports
-
-
-# ============================================================================ actors
-# Runs first in the child: PR_SET_PDEATHSIG (1) = SIGTERM, kept across the exec that follows,
-# so the kernel ends the program when the actor process dies (even by SIGKILL). A prelude
-# instead of Popen's preexec_fn, which is unsafe in a process with threads (a Ray worker).
-_PDEATHSIG_PRELUDE = ("import ctypes, os, sys\n"
-                      "try:\n    ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, 15)\n"
-                      "except OSError:\n    pass\n"
-                      "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n")
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class ProcessActor:
-    """A Ray actor that runs one k3serve program as a supervised child process.
-
-    Args:
-        name: ``"router"``, ``"prefill-0"``, …
-        argv: the command after ``python`` (``["-m", "decode.worker", …]``); the text
-            ``{port}`` is replaced by a free port on this node (the router), and ``{host}`` by
-            this node's IP.
-        env: variables added to the inherited environment (cluster token, API key).
-        ready: ``"listening"`` — wait for the child's ``listening on URL`` line;
-            ``"health"`` — wait until ``GET {url}/health`` answers (the router).
-        ready_timeout: seconds.
-
-    Raises:
-        RuntimeError: the child exited or was not ready within ``ready_timeout`` (the actor's
-            creation fails; Ray retries it while restarts remain).
-    """
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], ready: str = "listening",
-                 ready_timeout: float = 240.0) -> None:
-        import ray
-
-        self.name = name
-        ctx = ray.get_runtime_context()
-        self.node_id = ctx.get_node_id()
-        self.restarted = bool(ctx.was_current_actor_reconstructed)
-        host = ray.util.get_node_ip_address()
-        port = _free_port(host) if any("{port}" in a for a in argv) else 0
-        argv = [a.replace("{port}", str(port)).replace("{host}", host) for a in argv]
-        child_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
-        for k in PINNED_PORT_ENV:
-            child_env.pop(k, None)
-        self._stopping = False
-        self.lines: list[str] = []
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _PDEATHSIG_PRELUDE, *argv], env=child_env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        self.url = f"http://{host}:{port}" if ready == "health" else ""
-        got_url = threading.Event()
-        threading.Thread(target=self._pump, args=(got_url,), daemon=True).start()
-        deadline = time.monotonic() + ready_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = "\n".join(self.lines[-20:])
-                raise RuntimeError(f"{name}: exited with {self.proc.returncode}:\n{tail}")
-            if ready == "listening" and got_url.wait(0.2):
-                break
-            if ready == "health" and self._healthy():
-                break
-        else:
-            self.proc.kill()
-            raise RuntimeError(f"{name}: not ready after {ready_timeout:.0f} s")
-        threading.Thread(target=self._watch, daemon=True).start()
-
-    def _pump(self, got_url: threading.Event) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            self.lines = (self.lines + [line])[-200:]
-            print(f"[{self.name}] {line}", flush=True)  # Ray's per-actor log file
-            m = LISTENING.search(line)
-            if m and not got_url.is_set():
-                self.url = m.group(1)
-                got_url.set()
-
-    def _healthy(self) -> bool:
-        import httpx
-
-        try:
-            return httpx.get(f"{self.url}/health", timeout=1.0, trust_env=False).status_code in (
-                200, 503)
-        except httpx.HTTPError:
-            time.sleep(0.2)
-            return False
-
-    def _watch(self) -> None:
-        self.proc.wait()
-        if not self._stopping:  # the child died on its own: die too, so Ray restarts us
-            os._exit(1)
-
-    def info(self) -> dict[str, Any]:
-        """``{name, url, pid, node_id, restarted, gpu_ids}`` of this incarnation."""
-        import ray
-
-        return {"name": self.name, "url": self.url, "pid": self.proc.pid,
-                "node_id": self.node_id, "restarted": self.restarted,
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
-
-    def stop(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM the child, SIGKILL it after ``timeout`` s; its exit code."""
-        self._stopping = True
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-class RankActor:
-    """A rank of an instance that holds its accelerator(s) and reports where it landed."""
-
-    def __init__(self, name: str, rank: int) -> None:
-        self.name, self.rank = name, rank
-
-    def info(self) -> dict[str, Any]:
-        import ray
-
-        ctx = ray.get_runtime_context()
-        return {"name": self.name, "rank": self.rank, "node_id": ctx.get_node_id(),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
 
 # ============================================================================ placement
@@ -272,7 +143,7 @@ class RayStack:
 
         infos = ray.get([h.info.remote() for h in self.workers.values()], timeout=timeout)
         for name, inf in zip(self.workers, infos, strict=True):
-            if self.urls.get(name) != inf["url"]:
+            if inf["url"] and self.urls.get(name) != inf["url"]:  # "": a child restarting
                 self.urls[name] = inf["url"]
                 if self.sd is not None:
                     self.sd.set(ScrapeTarget(name, inf["url"], "worker", name.split("-")[0]))
@@ -390,11 +261,25 @@ def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
             stack.ranks.setdefault(s.instance, []).append(h)
         if not placeholders:
             stack.refresh(timeout=ready_timeout)
+            _warn_public(stack.urls.values())
             _wait_registered(stack, ready_timeout)
     except BaseException:
         stack.stop()
         raise
     return stack
+
+
+def _warn_public(urls: Any) -> None:
+    """Warn (log + stderr) for each worker host that is not private or loopback."""
+    from urllib.parse import urlsplit
+
+    from deploy.launcher import address_warning
+
+    for h in sorted({urlsplit(u).hostname or "" for u in urls}):
+        msg = address_warning(h, "worker")
+        if msg:
+            log.warning(msg)
+            print(f"k3serve: warning: {msg}", file=sys.stderr, flush=True)
 
 
 def _wait_registered(stack: RayStack, timeout: float) -> None:

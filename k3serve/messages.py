@@ -12,6 +12,7 @@ Hop by hop (``→`` request body, ``←`` answer)::
     router → decode    POST /internal/reserve    ReserveRequest      ← ReserveResponse
     router → prefill   POST /internal/prefill    PrefillRequest      ← PrefillResponse (token #1)
     router → decode    POST /internal/stream     StreamRequest       ← SSE of StreamEvent
+    router → decode    POST /internal/resume     ResumeRequest       ← ResumeResponse (migration)
     router → both      POST /internal/abort      AbortRequest        ← AbortResponse
     router → both      GET  /internal/info                           ← WorkerInfo
     router → both      GET  /internal/cache_events                   ← CacheEvents
@@ -106,7 +107,8 @@ class ErrorBody(Message):
     Codes (HTTP status): ``invalid_request`` / ``invalid_sampling`` (400), ``forbidden`` (403),
     ``unknown_request`` (404), ``fingerprint_mismatch`` / ``ticket_refused`` / ``aborted`` /
     ``stream_taken`` (409), ``transfer_pairing_failed`` / ``transfer_setup_failed`` (502),
-    ``busy`` (503: no cache for a reservation now, retry elsewhere), ``timeout`` (504),
+    ``busy`` (503: no cache for a reservation now, retry elsewhere), ``draining`` (503: the
+    worker is shutting down, place the request elsewhere), ``timeout`` (504),
     ``internal_error`` / ``engine_error`` (500).
     """
 
@@ -239,6 +241,36 @@ class GenerateRequest(Message):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     snapshot_at: list[StrictInt] = Field(default_factory=list)
     cache_salt: str | None = None
+
+
+class ResumeRequest(Message):
+    """``POST /internal/resume`` (router → another decode worker): continue a request whose
+    decode worker failed mid-stream (request migration). The worker recomputes the prefill of
+    ``prompt_token_ids + output_token_ids`` and samples the next token at position
+    ``len(prompt) + len(outputs)``; the outputs count as output — ``max_tokens``, stop
+    tokens, the penalties — and are never sampled again. ``sampling.seed`` must be the seed
+    the request was sampled with (:attr:`PrefillResponse.seed`), so seeded sampling continues
+    exactly. Answered with :class:`ResumeResponse`; then ``POST /internal/stream`` (a
+    :class:`StreamRequest` carrying the last output token) yields the tokens after the outputs.
+
+    ``output_logprobs``: the outputs' logprobs (aligned with ``output_token_ids``; missing or
+    ``null`` entries are unknown).
+    """
+
+    request_id: str = Field(min_length=1)
+    prompt_token_ids: list[TokenId] = Field(min_length=1)
+    output_token_ids: list[TokenId] = Field(min_length=1)
+    output_logprobs: list[Logprob] = Field(default_factory=list)
+    sampling: SamplingSpec
+    cache_salt: str | None = None
+
+
+class ResumeResponse(Message):
+    """Answer to :class:`ResumeRequest`: the request is queued; the next token is sampled at
+    ``position`` (tokens)."""
+
+    request_id: str
+    position: StrictInt
 
 
 # ============================================================================ router ↔ prefill
@@ -430,9 +462,10 @@ class WorkerInfo(Message):
 
 
 class WorkerHealth(Message):
-    """``GET /health`` of a worker: 200 ``ok``, 503 ``engine_stopped`` (its engine thread died)."""
+    """``GET /health`` of a worker: 200 ``ok``, 503 ``engine_stopped`` (its engine thread died)
+    or ``draining`` (SIGTERM: it admits nothing new, finishes what runs, then exits)."""
 
-    status: Literal["ok", "engine_stopped"]
+    status: Literal["ok", "engine_stopped", "draining"]
     role: Role
     worker_id: str
 
@@ -541,13 +574,16 @@ class PairRequest(Message):
 
     ``fingerprint``: the sender's layout fingerprint (compared field by field; a mismatch is
     refused naming every differing field). ``quiesce_by_s``: the sender writes nothing after
-    this many seconds.
+    this many seconds. ``sender_session``: the sender's Transfer Engine session
+    (``host:rpc_port`` in P2P mode): a failed ticket whose sender's port refuses connections
+    (its process is gone) is released without waiting for ``quiesce_by_s``.
     """
 
     ticket: str = Field(min_length=1)
     sender: str = Field(min_length=1)
     fingerprint: dict[str, Any] = Field(default_factory=dict)
     quiesce_by_s: float = Field(default=60.0, gt=0)
+    sender_session: str | None = None
 
 
 class PairResponse(Message):

@@ -68,6 +68,20 @@ only): the router, the workers and kvstore import it without the model.
     When D's stream ends before the router's detokenizer finished, its held-back text is
     released and the choice ends with D's reason, else ``length`` at D's model length, else
     ``abort``.
+11. **Failures.** Before token #1 (a worker unreachable or killed mid-call, an error answer
+    such as 502 ``transfer_pairing_failed``) nothing reached the client: both reservations are
+    aborted and the choice is placed again, on other workers where there are (router/pipeline.py,
+    ``FIRST_TOKEN_ATTEMPTS``). After token #1, when D's stream fails (D killed, connection
+    dropped, an error event) the request migrates (router/migrate.py): another decode worker
+    gets ``POST /internal/resume`` [``ResumeRequest``: prompt + every token the client has,
+    the seed] and recomputes prompt + outputs as in step 8's fallback, sampling on at position
+    ``L + len(outputs)``; its stream continues the same detokenizer, so the text goes on with no
+    gap and no repeat. Every transfer has deadlines on both sides (the ticket's
+    ``pair_timeout_s`` / ``receiver_timeout_s``, the sender's ``sender_timeout_s``; counted in
+    ``k3serve:kv_transfer_expiries_total``); a failed ticket's reservation is released once its
+    sender quiesced, its announced quiesce time passed, or its TE port refuses connections (the
+    sender's process is gone). ``K3SERVE_KV_FAULT_FAIL_FRACTION`` / ``_HANG_FRACTION`` inject
+    transfer failures and hangs (kvstore/faults.py).
 
 Offline (one process, both roles): ``k3serve.LLM(...).generate(prompts, params)`` runs steps 4–9
 without the hand-off (``LLMEngine.add_request``; ``LLMEngine.connector is None``).

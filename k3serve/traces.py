@@ -34,7 +34,7 @@ import json
 import math
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from k3serve.cache.hashing import block_hashes, make_salt
@@ -260,6 +260,56 @@ def load_trace(path: str | Path, block_size: int = DEFAULT_BLOCK,
     return scale_rows(read_rows(path), block_size, fingerprint)
 
 
+def block_size_of(length_scale: float) -> int:
+    """Tokens per block when a live replay scales trace tokens by ``length_scale``:
+    ``512 · length_scale`` (one trace block → one cache block; the server's ``--block-size``).
+
+    Raises:
+        ValueError: ``512 · length_scale`` is not an integer ≥ 1 (``"length_scale"``).
+    """
+    bt = TRACE_BLOCK * length_scale
+    if not bt >= 1 or abs(bt - round(bt)) > 1e-9:
+        raise ValueError(f"length_scale: 512 × {length_scale} = {bt} tokens per trace block "
+                         "must be an integer >= 1")
+    return round(bt)
+
+
+def fits(r: TraceRequest, max_model_len: int) -> bool:
+    """Whether ``r``'s prompt plus its answer (at least one token) fit ``max_model_len``."""
+    return r.num_tokens + max(1, r.output_tokens) <= max_model_len
+
+
+def replay_slice(path: str | Path, *, limit: int | None = None, length_scale: float = 0.125,
+                 max_model_len: int | None = None, output_scale: float | None = None,
+                 fingerprint: str = DEFAULT_FINGERPRINT) -> tuple[list[TraceRequest], int]:
+    """What a live replay of ``path`` sends, the same for ``k3serve bench``, ``k3serve
+    simulate --length-scale`` and the tests: the first ``limit`` rows scaled to
+    :func:`block_size_of` ``(length_scale)`` tokens per block, minus the rows that do not
+    fit ``max_model_len`` (``None``: keep all). Answer lengths scale like prompts
+    (``⌈output_length · length_scale⌉``) unless ``output_scale`` is given
+    (``⌈output_length · output_scale⌉``, for answers long enough to time tokens).
+
+    Returns:
+        ``(kept requests in arrival order, number of rows skipped)``.
+
+    Raises:
+        ValueError: ``limit`` < 1, a bad ``length_scale`` or ``output_scale``, or a bad
+            trace (``read_rows``).
+    """
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit: must be >= 1, got {limit}")
+    if output_scale is not None and not output_scale > 0:
+        raise ValueError(f"output_scale: must be > 0, got {output_scale}")
+    bs = block_size_of(length_scale)
+    rows = read_rows(path)[:limit]
+    reqs = scale_rows(rows, bs, fingerprint)
+    if output_scale is not None:
+        reqs = [replace(r, output_tokens=math.ceil(row.output_length * output_scale - 1e-9))
+                for r, row in zip(reqs, rows, strict=True)]
+    kept = [r for r in reqs if max_model_len is None or fits(r, max_model_len)]
+    return kept, len(reqs) - len(kept)
+
+
 # ----------------------------------------------------------------------------- ceilings
 def token_oracle(reqs: Sequence[TraceRequest]) -> float:
     """Hit rate of an infinite exact-prefix cache over one pool (tokens reused / prompt tokens).
@@ -473,13 +523,16 @@ __all__ = [
     "TraceRequest",
     "TraceRow",
     "agent_trace",
+    "block_size_of",
     "block_tokens",
     "conversation_trace",
+    "fits",
     "load_trace",
     "oracle_hits",
     "parse_row",
     "prompt_tokens",
     "read_rows",
+    "replay_slice",
     "scale_rows",
     "scaled_length",
     "snapshot_rule_ceiling",

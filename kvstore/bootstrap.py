@@ -16,6 +16,11 @@ validated by FastAPI (a bad body: 400 naming the field):
     POST /kv/status  StatusMessage → 200 StatusAck · 409 StatusAck (refused) · 400 bad body
     GET  /kv/health                → 200 KVHealth
 
+With a cluster token (``cluster_token=``; the workers pass ``K3SERVE_CLUSTER_TOKEN``) every route
+but :data:`PUBLIC_PATHS` answers 403 ``PairError(error="forbidden")`` unless the request carries
+it in ``X-K3serve-Cluster-Token`` (constant-time comparison): a peer that can reach this port
+cannot pair with, complete or abort another request's ticket without it.
+
 Completion and progress also arrive as TE notifications (name ``k3kv``, message = the same
 StatusMessage JSON); :meth:`KVBootstrapServer.pump` drains them. What a ticket does with
 them is :mod:`kvstore.tickets`. The prefill side's client is :mod:`kvstore.client`.
@@ -40,12 +45,17 @@ from k3serve.messages import (
     PairResponse,
     StatusAck,
     StatusMessage,
+    same_secret,
 )
+from k3serve.protocol import CLUSTER_TOKEN_HEADER
 from kvstore.descriptors import PoolLayout, fingerprint_diff
 from kvstore.states import NOTIFY_NAME, KVPoll
 from kvstore.tickets import TicketRecord, TicketTable
 
 log = logging.getLogger(__name__)
+
+#: Routes answered without the cluster token (liveness only: no ticket is read or changed).
+PUBLIC_PATHS = frozenset({"/kv/health"})
 
 
 def validation_detail(errors: Any) -> str:
@@ -83,6 +93,7 @@ class KVBootstrapServer(TicketTable):
         layout: this process's :class:`PoolLayout` (the destination addresses).
         host, port: where to listen (port 0: any free port; see :attr:`address`).
         release_grace_s, ticket_ttl_s: see :class:`TicketTable`.
+        cluster_token: required on every route but :data:`PUBLIC_PATHS` (``None``: open).
     """
 
     def __init__(
@@ -94,9 +105,11 @@ class KVBootstrapServer(TicketTable):
         *,
         release_grace_s: float = 2.0,
         ticket_ttl_s: float = 300.0,
+        cluster_token: str | None = None,
     ) -> None:
         super().__init__(layout, release_grace_s=release_grace_s, ticket_ttl_s=ticket_ttl_s)
         self.engine = engine
+        self.cluster_token = cluster_token
         self.host, self.port = host, port
         self._fingerprint = layout.fingerprint()
         self._layout_msg = layout.to_msg()
@@ -199,6 +212,7 @@ class KVBootstrapServer(TicketTable):
                 if rec.transfer_timeout_s is not None:
                     rec.deadline = now + rec.transfer_timeout_s
             rec.sender_quiesce_at = now + req.quiesce_by_s
+            rec.sender_session = req.sender_session
             return 200, PairResponse(
                 session_id=self.engine.session_id,
                 notify_addr=str(self.engine.scratch_addr),
@@ -217,7 +231,17 @@ class KVBootstrapServer(TicketTable):
 
     def app(self) -> FastAPI:
         """The FastAPI app (docs off; ``app.openapi()`` names every body's model)."""
-        app = FastAPI(title="k3serve kvstore bootstrap", docs_url=None, redoc_url=None)
+        app = FastAPI(title="k3serve kvstore bootstrap", docs_url=None, redoc_url=None,
+                      openapi_url=None)
+        token = self.cluster_token
+
+        @app.middleware("http")
+        async def token_check(request: Request, call_next: Any) -> Any:
+            if (token and request.url.path not in PUBLIC_PATHS
+                    and not same_secret(request.headers.get(CLUSTER_TOKEN_HEADER), token)):
+                body = PairError(error="forbidden", detail="missing or wrong cluster token")
+                return JSONResponse(body.model_dump(mode="json"), status_code=403)
+            return await call_next(request)
 
         @app.exception_handler(RequestValidationError)
         async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -256,4 +280,4 @@ class KVBootstrapServer(TicketTable):
         return app
 
 
-__all__ = ["KVBootstrapServer", "TicketRecord", "parallel_diffs", "validation_detail"]
+__all__ = ["PUBLIC_PATHS", "KVBootstrapServer", "TicketRecord", "parallel_diffs", "validation_detail"]

@@ -17,6 +17,7 @@ import httpx
 import pydantic
 
 from k3serve.messages import Message, PairError, PairRequest, PairResponse, StatusAck, StatusMessage
+from k3serve.protocol import CLUSTER_TOKEN_HEADER
 from kvstore.descriptors import fingerprint_diff
 from kvstore.errors import BootstrapError, FingerprintMismatch
 
@@ -30,10 +31,13 @@ class BootstrapClient:
     Args:
         http_timeout_s: per HTTP request (seconds).
         workers: background threads.
+        cluster_token: sent on every call (the decode side's server requires it).
     """
 
-    def __init__(self, http_timeout_s: float = 2.0, workers: int = 2) -> None:
-        self._http = httpx.Client(timeout=http_timeout_s, trust_env=False)
+    def __init__(self, http_timeout_s: float = 2.0, workers: int = 2,
+                 cluster_token: str | None = None) -> None:
+        headers = {CLUSTER_TOKEN_HEADER: cluster_token} if cluster_token else {}
+        self._http = httpx.Client(timeout=http_timeout_s, trust_env=False, headers=headers)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kv-ctl")
 
     def pair(self, addr: str, req: PairRequest, local_fingerprint: dict[str, Any]) -> PairResponse:

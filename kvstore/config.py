@@ -75,6 +75,9 @@ class KVConfig(BaseSettings):
             pairs), and that wait must not fail the transfer.
         max_retries: sender retries in total.
         fail_first_n: test hook: the first n write submissions of each sender fail.
+        fault_fail_fraction, fault_hang_fraction, fault_pair_fraction: fault injection
+            (:mod:`kvstore.faults`): this fraction of a prefill worker's senders fail / hang
+            once paired / fail to pair (0: off).
     """
 
     model_config = SettingsConfigDict(
@@ -94,6 +97,9 @@ class KVConfig(BaseSettings):
     pair_timeout_s: float = Field(default=600.0, gt=0)
     max_retries: int = Field(default=2, ge=0)
     fail_first_n: int = Field(default=0, ge=0)
+    fault_fail_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    fault_hang_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
+    fault_pair_fraction: float = Field(default=0.0, ge=0.0, le=1.0)
 
     @classmethod
     def settings_customise_sources(

@@ -95,6 +95,11 @@ class KVReceiver:
         return dict(sorted(self._rec.layers.items()))
 
     @property
+    def expired(self) -> bool:
+        """FAILED because its deadline passed (pairing or transfer timeout)."""
+        return self._rec.expired
+
+    @property
     def released(self) -> bool:
         """Whether ``on_release`` ran (failed reservations only)."""
         return self._rec.released

@@ -31,6 +31,7 @@ from typing import Any
 
 from k3serve.messages import PairRequest, PairResponse, StatusMessage, TransferMetadata
 from kvstore.client import BootstrapClient
+from kvstore.config import P2PHANDSHAKE
 from kvstore.descriptors import CacheRef, PoolLayout, check_fingerprints, plan_runs
 from kvstore.engine import MAX_NOTIFY_BYTES, KVEngine
 from kvstore.errors import BootstrapError, KVStoreError
@@ -62,6 +63,12 @@ class KVSender:
             and fail inside Mooncake.
         on_release: called once (from :meth:`poll`/:meth:`abort`) when the source slot/pages
             are no longer read by any write.
+        fault: an injected fault (:mod:`kvstore.faults`): ``"fail"`` once paired,
+            ``"hang"`` (paired, then nothing until the deadline) or ``"pair"`` (fails before
+            pairing); ``None``: none.
+
+    Attributes:
+        expired: FAILED because the deadline passed (``timeout_s``).
 
     Raises:
         ValueError: ``notify`` not ``te``/``http``.
@@ -83,6 +90,7 @@ class KVSender:
         progress: bool = True,
         fail_first_n: int = 0,
         on_release: Callable[[], None] | None = None,
+        fault: str | None = None,
     ) -> None:
         if notify not in ("te", "http"):
             raise ValueError(f"KVSender.notify: 'te' or 'http', not {notify!r}")
@@ -101,6 +109,7 @@ class KVSender:
         self._failing = False
         self._stopping = threading.Event()  # set with _failing: background retries stop
         self._fail_kind, self._released = "failed", False
+        self.fault, self.expired = fault, False
         self._fp = src_layout.fingerprint()
         self._writes = LayerWrites(
             src_layout, self.src, engine, self._budget, fail_first_n, f"KVSender {ticket}"
@@ -115,7 +124,10 @@ class KVSender:
         self._job: tuple[str, Future] | None = None
         self._done_queued = False
         self.stats: dict[str, float] = {}  # t_paired, t_first_write, t_written, t_done (s)
-        self._start_pairing()
+        if fault == "pair":
+            self._fail(KVStoreError("injected pairing failure (K3SERVE_KV_FAULT_PAIR_FRACTION)"))
+        else:
+            self._start_pairing()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -131,7 +143,8 @@ class KVSender:
             ValueError: the layer has no cache in the layout; ``upto_tokens`` out of range.
         """
         self._writes.mark(layer, upto_tokens)
-        if self._dst is not None and not self._failing and not self._state.terminal:
+        if (self._dst is not None and not self._failing and not self._state.terminal
+                and self.fault != "hang"):
             self._submit_ready(time.monotonic())
 
     def finish(self, metadata: TransferMetadata) -> None:
@@ -150,7 +163,8 @@ class KVSender:
             raise TypeError(f"metadata: expected a TransferMetadata, got {type(metadata).__name__}")
         self._metadata = metadata
         self._writes.mark_all()
-        if self._dst is not None and not self._failing and not self._state.terminal:
+        if (self._dst is not None and not self._failing and not self._state.terminal
+                and self.fault != "hang"):
             self._submit_ready(time.monotonic())
 
     def poll(self) -> KVPoll:
@@ -205,6 +219,10 @@ class KVSender:
             # engine's timeout and abandon window for a chunk in flight.
             quiesce_by_s=max(0.0, self._deadline - time.monotonic())
             + 2 * self.engine.config.transfer_timeout_s,
+            # P2P mode: host:rpc_port, which the decode side may probe (a metadata server's
+            # segment name has no port)
+            sender_session=self.engine.session_id
+            if self.engine.config.metadata_server == P2PHANDSHAKE else None,
         )
 
     def _retrying(self, job: Callable[[], Any], what: str) -> Any:
@@ -235,16 +253,19 @@ class KVSender:
         self._dst_layout = dst_layout
         self._state = KVPoll.WAITING_FOR_INPUT
         self.stats["t_paired"] = now - self._t0
+        if self.fault == "fail":
+            self._fail(KVStoreError("injected transfer failure (K3SERVE_KV_FAULT_FAIL_FRACTION)"))
 
     # ------------------------------------------------------------------ the step
     def _step(self, now: float) -> None:
         if not self._failing and now > self._deadline:
+            self.expired = True
             self._fail(
                 KVStoreError(f"timed out after {self.timeout_s} s in state {self._state.name}")
             )
         if self._state == KVPoll.BOOTSTRAPPING:
             self._step_pairing(now)
-        if self._dst is not None and not self._failing:
+        if self._dst is not None and not self._failing and self.fault != "hang":
             self._submit_ready(now)
         self.engine.progress()
         done_layers, err = self._writes.check(now, self._peer, self._failing)

@@ -19,6 +19,16 @@ Values are raw bytes: a block is ``mla_latent[:, page]`` (``[L_mla, B, D]`` in t
 a snapshot is ``snap_state[:, id]`` (``[L_kda, H, K, V]`` float32) followed by
 ``snap_conv[:, id]`` (``[L_kda, W-1, C]``) — :meth:`k3serve.cache.pools.KVPools.block_bytes`.
 
+What the store holds, for the router (its index's ``store`` holder, priced below a local hit):
+every value a client put (or found already there) is a ``stored`` change, and every value it
+learns has gone — evicted by the master, or lost when it restarted — is a ``removed`` change,
+in order (:meth:`KVStore.drain_changes`; the worker logs them as cache events with
+``source: "store"``). A client learns that a value went (a) at once when a read of it fails or
+a lookup finds absent a key it had reported, (b) within ``reconcile_s`` by itself: the writer
+thread re-checks the keys it reported, ``reconcile_batch`` per pass, with one batched
+``batch_is_exist`` each (so the router stops claiming an evicted prefix within about
+``reported keys / reconcile_batch × reconcile_s``).
+
 Failure model: puts are asynchronous and bounded (``max_pending_bytes``; beyond it a put is
 dropped and counted), never on the engine thread. A store that is down (master gone: RPC
 errors) or full (no space for a put) turns lookups into misses and puts into counted failures,
@@ -30,11 +40,12 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +71,9 @@ class StoreConfig(BaseSettings):
         hostname: this client's address (loopback on one machine).
         max_pending_mb: queued put bytes beyond which puts are dropped (MiB).
         retry_s: probe interval while the store is down (s).
+        reconcile_s: interval of the writer's check that reported keys are still there (s).
+        reconcile_batch: keys checked per reconciliation pass (one ``batch_is_exist``).
+        max_reported: reported keys remembered for reconciliation (the oldest are forgotten).
     """
 
     model_config = SettingsConfigDict(env_prefix=STORE_ENV_PREFIX, extra="ignore", frozen=True)
@@ -71,6 +85,9 @@ class StoreConfig(BaseSettings):
     hostname: str = "127.0.0.1"
     max_pending_mb: int = Field(default=64, ge=1)
     retry_s: float = Field(default=1.0, gt=0)
+    reconcile_s: float = Field(default=2.0, gt=0)
+    reconcile_batch: int = Field(default=4096, ge=1)
+    max_reported: int = Field(default=200_000, ge=1)
 
     @property
     def enabled(self) -> bool:
@@ -97,6 +114,7 @@ class StoreStats:
         put_dropped: puts dropped before sending (queue over ``max_pending_mb``, store down).
         gets: values read; get_bytes: their bytes.
         failures: operations the store refused or that failed (down, full, RPC errors).
+        gone: reported values found gone (evicted, lost), reported as ``removed``.
     """
 
     puts: int = 0
@@ -106,6 +124,7 @@ class StoreStats:
     gets: int = 0
     get_bytes: int = 0
     failures: int = 0
+    gone: int = 0
 
 
 def block_key(fingerprint: str, h: str) -> str:
@@ -157,9 +176,12 @@ class KVStore:
         self._next_probe = 0.0
         self._idle = threading.Event()
         self._idle.set()
-        #: ``(hash, is_snapshot)`` of values now in the store (put or found), for the router's
-        #: index; drained by :meth:`drain_committed` (bounded: the oldest are dropped).
-        self._committed: deque[tuple[str, bool]] = deque(maxlen=100_000)
+        #: ``(hash, is_snapshot, stored)`` changes of what the store holds, in order, for the
+        #: router's index; drained by :meth:`drain_changes` (bounded: the oldest are dropped).
+        self._changes: deque[tuple[str, bool, bool]] = deque(maxlen=100_000)
+        #: keys reported ``stored`` and not since found gone, oldest first (reconciliation)
+        self._reported: OrderedDict[str, None] = OrderedDict()
+        self._next_reconcile = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> KVStore:
@@ -242,13 +264,32 @@ class KVStore:
         """Queue the snapshot at the boundary after block ``h``. Never blocks."""
         return self._enqueue(snapshot_key(self.fingerprint, h), data)
 
-    def drain_committed(self) -> list[tuple[str, bool]]:
-        """``(hash, is_snapshot)`` of the values the store took since the last call."""
+    def drain_changes(self) -> list[tuple[str, bool, bool]]:
+        """``(hash, is_snapshot, stored)`` changes since the last call, in order: ``stored``
+        True — the store took the value (or had it); False — a reported value is gone."""
         out = []
         with contextlib.suppress(IndexError):
             while True:
-                out.append(self._committed.popleft())
+                out.append(self._changes.popleft())
         return out
+
+    def _report(self, key: str) -> None:
+        """The store holds ``key`` (put, or found there): a ``stored`` change."""
+        with self._lock:
+            self._reported.pop(key, None)
+            self._reported[key] = None
+            while len(self._reported) > self.config.max_reported:
+                self._reported.popitem(last=False)
+            self._changes.append((*_parse_key(key), True))
+
+    def _gone(self, keys: Sequence[str], only_reported: bool = True) -> None:
+        """These keys are not in the store (any more): ``removed`` changes for those this
+        client reported (all of them with ``only_reported`` False: a read that failed)."""
+        with self._lock:
+            for key in keys:
+                if self._reported.pop(key, 0) is None or not only_reported:
+                    self.stats.gone += 1
+                    self._changes.append((*_parse_key(key), False))
 
     def _enqueue(self, key: str, data: Any) -> bool:
         n = memoryview(data).nbytes
@@ -271,9 +312,10 @@ class KVStore:
         self._set_state(StoreState.UP)
         while not self._stop.is_set():
             try:
-                item = self._q.get(timeout=self.config.retry_s)
+                item = self._q.get(timeout=min(self.config.retry_s, self.config.reconcile_s))
             except queue.Empty:
-                self._probe()
+                if self._probe():
+                    self._reconcile()
                 continue
             if item is None:
                 return
@@ -288,10 +330,36 @@ class KVStore:
             self._idle.clear()
             try:
                 self._write(batch)
+                self._reconcile()
             finally:
                 with self._lock:
                     self._pending -= sum(n for _, _, n in batch)
                 self._idle.set()
+
+    def _reconcile(self) -> None:
+        """Writer thread, at most every ``reconcile_s``: check the oldest-checked
+        ``reconcile_batch`` reported keys with one ``batch_is_exist``; those gone become
+        ``removed`` changes, those present go to the back of the round."""
+        now = time.monotonic()
+        if now < self._next_reconcile or not self.available:
+            return
+        self._next_reconcile = now + self.config.reconcile_s
+        with self._lock:
+            keys = list(itertools.islice(self._reported, self.config.reconcile_batch))
+        if not keys:
+            return
+        try:
+            ex = self._client.batch_is_exist(keys)
+        except Exception as e:  # noqa: BLE001 - a dead master surfaces as anything
+            log.debug("batch_is_exist: %s", e)
+            return
+        if len(ex) != len(keys) or (ex and all(x < 0 for x in ex)):
+            return  # no answer: the store is down, the next put or probe notices
+        self._gone([k for k, x in zip(keys, ex) if x == 0])
+        with self._lock:
+            for k, x in zip(keys, ex):
+                if x == 1 and k in self._reported:
+                    self._reported.move_to_end(k)
 
     def _write(self, batch: list[tuple[str, Any, int]]) -> None:
         if self.state is StoreState.DOWN and not self._probe():
@@ -309,7 +377,7 @@ class KVStore:
         for (key, data, n), ex in zip(batch, exist, strict=True):
             if ex == 1:
                 self.stats.put_skipped += 1
-                self._committed.append(_parse_key(key))
+                self._report(key)
                 continue
             try:
                 rc = self._client.put(key, data)
@@ -319,7 +387,7 @@ class KVStore:
             if rc == 0:
                 self.stats.puts += 1
                 self.stats.put_bytes += n
-                self._committed.append(_parse_key(key))
+                self._report(key)
                 if self.state is StoreState.FULL:
                     self._set_state(StoreState.UP)
             elif rc in _NO_SPACE:
@@ -369,6 +437,7 @@ class KVStore:
         if ex and all(x < 0 for x in ex):
             self._fail(1, StoreState.DOWN, f"batch_is_exist returned {ex[0]}")
             return set(), set()
+        self._gone([k for k, x in zip(keys, ex) if x == 0])  # evicted since reported
         nb = len(blocks)
         return ({h for h, x in zip(blocks, ex[:nb]) if x == 1},
                 {h for h, x in zip(snapshots, ex[nb:]) if x == 1})
@@ -391,6 +460,8 @@ class KVStore:
             data = b""
         if not data:
             self.stats.failures += 1
+            if self.available:  # the master answered: the value is gone (evicted, lost)
+                self._gone([key], only_reported=False)
             return None
         self.stats.gets += 1
         self.stats.get_bytes += len(data)

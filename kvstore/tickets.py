@@ -11,11 +11,16 @@ equals the bytes this side expects for every layer (from its own layout and the 
 slot/pages). Releasing a failed reservation (``on_release``) is deferred while a paired sender
 might still write into it: until the sender reports that it is quiesced, or until the sender's
 announced ``quiesce_by_s`` (+ ``release_grace_s``) has passed — a late one-sided write would
-otherwise land in pages that already belong to another request.
+otherwise land in pages that already belong to another request — or until the sender is known
+dead: a pending release probes the sender's Transfer Engine port (``host:rpc_port``, from the
+pairing) every ``probe_interval_s`` on a background thread, and a refused connection means
+its process is gone (nothing of it can land any more). A probe that times out proves nothing.
 """
 
 from __future__ import annotations
 
+import queue
+import socket
 import threading
 import time
 import uuid
@@ -51,6 +56,9 @@ class TicketRecord:
     released: bool = False
     finished_at: float | None = None
     transfer_timeout_s: float | None = None  # set: the deadline restarts at pairing
+    expired: bool = False  # FAILED because the deadline passed
+    sender_session: str | None = None  # the sender's TE ``host:rpc_port`` (liveness probes)
+    probed_at: float = 0.0
 
 
 class TicketTable:
@@ -61,16 +69,21 @@ class TicketTable:
         release_grace_s: extra wait after a paired sender's announced quiesce time before a
             failed reservation is released (seconds).
         ticket_ttl_s: finished tickets are forgotten this long after they finish (seconds).
+        probe_interval_s: a failed ticket whose release is pending probes its sender's port
+            this often (seconds; see the module docstring).
     """
 
     def __init__(
-        self, layout: PoolLayout, *, release_grace_s: float = 2.0, ticket_ttl_s: float = 300.0
+        self, layout: PoolLayout, *, release_grace_s: float = 2.0, ticket_ttl_s: float = 300.0,
+        probe_interval_s: float = 1.0,
     ) -> None:
         self.layout = layout
         self.release_grace_s = release_grace_s
         self.ticket_ttl_s = ticket_ttl_s
+        self.probe_interval_s = probe_interval_s
         self._tickets: dict[str, TicketRecord] = {}
         self._lock = threading.RLock()
+        self._probes: queue.SimpleQueue[TicketRecord] | None = None
 
     # ------------------------------------------------------------------ tickets
     def register_ticket(
@@ -161,12 +174,18 @@ class TicketTable:
         with self._lock:
             for rec in list(self._tickets.values()):
                 if not rec.state.terminal and now > rec.deadline:
+                    rec.expired = True
                     self._finish(
                         rec,
                         KVPoll.FAILED,
                         f"timed out after {now - rec.created:.1f} s in state "
                         f"{rec.state.name} (sender {'paired' if rec.sender else 'never paired'})",
                     )
+                if (rec.state == KVPoll.FAILED and not rec.released and rec.sender is not None
+                        and not rec.quiesced and rec.sender_session
+                        and now - rec.probed_at > self.probe_interval_s):
+                    rec.probed_at = now
+                    self._probe(rec)
                 if rec.state == KVPoll.FAILED and not rec.released:
                     safe = (
                         rec.sender is None
@@ -188,6 +207,31 @@ class TicketTable:
         for rec in release:  # outside the lock: callbacks may call back into us
             if rec.on_release is not None:
                 rec.on_release()
+
+    def _probe(self, rec: TicketRecord) -> None:
+        """Queue a liveness probe of ``rec``'s sender (a daemon thread runs them)."""
+        if self._probes is None:
+            self._probes = queue.SimpleQueue()
+            threading.Thread(target=self._probe_loop, args=(self._probes,), daemon=True,
+                             name="kv-sender-probe").start()
+        self._probes.put(rec)
+
+    def _probe_loop(self, probes: queue.SimpleQueue[TicketRecord]) -> None:
+        while True:
+            rec = probes.get()
+            host, _, port = (rec.sender_session or "").rpartition(":")
+            if not host or not port.isdigit():
+                continue
+            try:
+                with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                    pass
+            except ConnectionRefusedError:
+                with self._lock:
+                    if not rec.quiesced:
+                        rec.quiesced = True  # its process is gone: the next pump releases
+                        rec.error = f"{rec.error}; the sender is gone"
+            except OSError:
+                pass  # unreachable or slow: proves nothing
 
     def _finish(self, rec: TicketRecord, state: KVPoll, error: str | None = None) -> None:
         if rec.state.terminal:

@@ -50,6 +50,7 @@ from kvstore import (
     KVPoll,
     KVSender,
 )
+from kvstore.faults import FaultPlan
 from prefill.state import PrefillPhase, PrefillState
 from worker.base import BaseWorker, Failure, sampling_params
 from worker.http import errors
@@ -71,9 +72,16 @@ class PrefillWorker(BaseWorker):
 
     def __init__(self, config, engine=None) -> None:
         super().__init__(config, engine)
-        self.client = BootstrapClient()
+        self.client = BootstrapClient(cluster_token=config.cluster_token)
         self.reqs: dict[str, PrefillState] = {}
         self.cached_source: dict[str, str] = {}  # rid → "local" | "store", until answered
+        c = self.kv_config
+        self.faults = FaultPlan(c.fault_fail_fraction, c.fault_hang_fraction,
+                                c.fault_pair_fraction)
+        if self.faults.active:
+            log.warning("prefill %s: injecting transfer faults (fail %.3g, hang %.3g, pair "
+                        "%.3g)", self.worker_id, c.fault_fail_fraction, c.fault_hang_fraction,
+                        c.fault_pair_fraction)
 
     def close(self) -> None:
         super().close()
@@ -111,13 +119,16 @@ class PrefillWorker(BaseWorker):
         r.num_cached = h.num_cached_tokens
         self._count_hit(r, h)
         c = self.kv_config
+        fault = self.faults.next() if self.faults.active else None
+        if fault is not None:
+            self.metrics.fault(fault)
         try:
             r.sender = KVSender(
                 r.ticket, r.addr, self.layout, CacheRef(h.slot, h.pages, h.num_tokens),
                 engine=self.kv, client=self.client, timeout_s=c.sender_timeout_s,
                 max_retries=c.max_retries, notify=c.notify,
                 fail_first_n=c.fail_first_n + r.fail_first_n,
-                on_release=lambda: self._count_transfer(r))
+                on_release=lambda: self._count_transfer(r), fault=fault)
         except Exception as e:  # noqa: BLE001 - answered as an error
             log.warning("prefill %s: cannot start the transfer: %s", r.rid, e)
             self._abort(r, Failure(502, "transfer_setup_failed",
@@ -147,6 +158,8 @@ class PrefillWorker(BaseWorker):
         if s is None:
             return
         self.metrics.transfer(s.state == KVPoll.SUCCESS, s.bytes_sent, s.stats.get("t_done"))
+        if s.expired:
+            self.metrics.expiry()
         if s.state == KVPoll.FAILED:
             log.info("prefill %s: transfer failed: %s", r.rid, s.error)
 

@@ -290,6 +290,16 @@ def create_app(config: RouterConfig,
             raise APIError(400, str(e), code="invalid_worker") from None
         return RegisterResponse(worker_id=w.name, role=w.role, url=w.url)
 
+    @app.post("/internal/deregister", response_model=RegisterResponse,
+              dependencies=[Depends(check_cluster_token)],
+              responses={403: {"model": ErrorResponse}, 404: {"model": ErrorResponse}})
+    async def deregister(body: RegisterRequest) -> RegisterResponse:
+        """A draining worker (SIGTERM) leaves placement at once; its running requests go on."""
+        w = router.pool.remove(body.url)
+        if w is None:
+            raise APIError(404, f"no worker {body.url} registered", code="unknown_worker")
+        return RegisterResponse(worker_id=w.name, role=w.role, url=w.url)
+
     return app
 
 

@@ -16,7 +16,8 @@ import sys
 from dataclasses import dataclass, field
 
 from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
-from router.placement import POLICIES, PlacementParams
+from router.placement import DEFAULT_POLICY, POLICIES, PlacementParams
+from router.policies.home import HomeParams
 
 
 @dataclass(frozen=True)
@@ -58,16 +59,16 @@ class RouterConfig:
             available decode workers); they wait for a slot in arrival order. A request that
             would pass ``slots + max_queued`` is refused at once with 429 and ``Retry-After``.
         retry_after_s: The ``Retry-After`` of a shed request (429, 503), seconds.
-        placement: Cache-aware policy knobs.
+        placement: Placement knobs (``HomeParams``: the cache-aware ones and ``prefix_home``'s).
 
     Raises:
         ValueError: an unknown policy or a non-positive poll interval / timeout (named).
     """
 
     model: str = "k3-tiny"
-    policy: str = "cache_aware"
-    api_key: str | None = None
-    cluster_token: str | None = None
+    policy: str = DEFAULT_POLICY
+    api_key: str | None = field(default=None, repr=False)  # secrets never in a log line
+    cluster_token: str | None = field(default=None, repr=False)
     tokenizer: str | None = None
     add_bos: bool = True
     poll_interval_s: float = 0.1
@@ -86,7 +87,7 @@ class RouterConfig:
     max_body_bytes: int = 4 << 20
     max_queued: int = 64
     retry_after_s: int = 1
-    placement: PlacementParams = field(default_factory=PlacementParams)
+    placement: PlacementParams = field(default_factory=HomeParams)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--model", default="k3-tiny")
-    ap.add_argument("--policy", default="cache_aware", choices=sorted(POLICIES))
+    ap.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
     ap.add_argument("--api-key", default=None,
                     help=f"bearer token for /v1/* (default: ${API_KEY_ENV}, else open)")
     ap.add_argument("--tokenizer", default=None)

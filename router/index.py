@@ -56,7 +56,7 @@ NO_MATCH = PrefixMatch(0, 0)
 
 
 #: The holder name under which the shared store's content is indexed (workers report their
-#: store puts as cache events with ``source: "store"``).
+#: store puts and the evictions they learn of as cache events with ``source: "store"``).
 STORE = "store"
 
 
@@ -203,8 +203,12 @@ class GlobalIndex:
         return len(parsed)
 
     def _store_cursor(self) -> _Cursor:
-        """The shared store's holder (added on its first event; never resynced: the store's
-        own evictions are not reported, so its entries are a prediction the worker checks)."""
+        """The shared store's holder (added on its first event; never resynced). Every
+        worker's ``source: "store"`` events feed it: ``stored`` for what a worker put (or
+        found there), ``removed`` for what a worker learnt has gone — evicted or lost
+        (:mod:`kvstore.store`: reconciliation of its reported keys every ``reconcile_s``, and
+        at once on a failed read) — so an evicted prefix stops being priced as a store hit.
+        Between an eviction and its report the entry is a prediction the worker checks."""
         if STORE not in self._cursors:
             self.add_worker(STORE)
             self._cursors[STORE].epoch = STORE

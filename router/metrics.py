@@ -48,6 +48,7 @@ METRIC_NAMES = (
     "k3serve:request_prompt_tokens_total",
     "k3serve:request_cached_tokens_total",
     "k3serve:router_predicted_cached_tokens_total",
+    "k3serve:router_migrations_total",
     "k3serve:cache_hit_rate",
     "k3serve:time_to_first_token_seconds",
     "k3serve:inter_token_latency_seconds",
@@ -138,6 +139,10 @@ class RouterMetrics:
             "k3serve:num_requests_waiting",
             "Requests sent to a prefill worker whose first token is not back yet.",
             ["worker"], registry=r)
+        self.migrations = Counter(
+            "k3serve:router_migrations",
+            "Choices moved to another decode worker after theirs failed mid-stream.",
+            registry=r)
 
     def add_worker(self, worker: str, role: str) -> None:
         """Create a worker's series at zero so dashboards see it before its first request.

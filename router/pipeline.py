@@ -34,6 +34,8 @@ from k3serve.messages import (
     PrefillRequest,
     PrefillResponse,
     ReserveRequest,
+    ResumeRequest,
+    ResumeResponse,
     SamplingSpec,
 )
 from router.admission import Admission
@@ -45,9 +47,9 @@ from router.placement import (
     NoWorkerAvailable,
     Placement,
     PlacementRequest,
-    PrefillWorkerState,
     place,
 )
+from router.policies import live_view
 from router.preprocess import Preprocessor, PromptJob, prompt_hashes
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.stream import END, Placed, stream_choice
@@ -61,11 +63,18 @@ log = logging.getLogger("k3serve.router")
 #: Pause before a choice that found every decode worker busy retries its reservation; waiting
 #: choices take turns, so at most 1 / BUSY_RETRY_S such retries per second leave the router.
 BUSY_RETRY_S = 0.005
+#: Placements of one choice before its token #1 (the first and the re-placements).
+FIRST_TOKEN_ATTEMPTS = 3
+#: A migrating choice with no healthy decode worker to go to looks again this often (s).
+RESUME_WAIT_S = 0.25
+
 
 def _failover(e: BaseException) -> bool:
-    """Nothing was computed: the choice may be placed again elsewhere (once); a worker that
-    answered ``busy`` (its queue is full) is skipped too, without counting as failed."""
-    return isinstance(e, WorkerError) and e.retryable and not isinstance(e, PoolBusy)
+    """A worker failed before token #1 (unreachable, killed mid-call, an error answer such as
+    502 ``transfer_pairing_failed``, ``busy``: its queue is full): nothing reached the client,
+    so the choice is placed again — on other workers where there are (both reservations were
+    aborted). No free connection of the router's own pool (``PoolBusy``) is shed instead."""
+    return isinstance(e, WorkerError) and not isinstance(e, PoolBusy)
 
 
 def _busy(e: BaseException) -> bool:
@@ -159,14 +168,10 @@ class Router:
         req = PlacementRequest(len(ids), bs, seq=next(self._seq), max_new_tokens=max_new)
         match = self.pool.match(prompt_hashes(ids, bs, fingerprint, cache_salt),
                                 req.max_cached_blocks)
-        pstates = []
         store = match.get(STORE)  # the shared store's content, if workers report puts
-        for w in prefill:
-            m = match.get(w.url)
-            pstates.append(PrefillWorkerState(
-                w.url, m.usable_blocks if m else 0, m.mla_blocks if m else 0, w.queued_tokens,
-                w.info.prefill_rate or self.config.prefill_rate,
-                store_blocks=store.usable_blocks if store else 0))
+        pstates = [live_view(w.url, match.get(w.url), store, w.queued_tokens,  # + util, rate
+                             w.info.prefill_rate or self.config.prefill_rate, w.recent)
+                   for w in prefill]
         dstates = []
         for w in decode:
             cap = w.info.capacity_tokens
@@ -262,10 +267,9 @@ class Router:
                                max_new_tokens=job.max_new)
         match = self.pool.match(prompt_hashes(job.token_ids, bs, fingerprint, cache_salt),
                                 req.max_cached_blocks)
-        states = [PrefillWorkerState(
-            w.url, match[w.url].usable_blocks if w.url in match else 0,
-            match[w.url].mla_blocks if w.url in match else 0, w.queued_tokens,
-            w.info.prefill_rate or self.config.prefill_rate) for w in live]
+        states = [live_view(w.url, match.get(w.url), None, w.queued_tokens,
+                            w.info.prefill_rate or self.config.prefill_rate, w.recent)
+                  for w in live]
         p = place(req, states, (), self.config.policy, self.config.placement)
         W = self.pool.workers[p.prefill]
         with ExitStack() as hold:
@@ -325,15 +329,22 @@ class Router:
         tried: set[str] = set()
 
         def exclude_failed(state: RetryCallState) -> None:
+            """An unreachable worker (connection refused, 503) leaves placement until a poll
+            succeeds; any failed worker is skipped by this choice while another healthy one
+            of its role is left."""
             e = state.outcome.exception() if state.outcome else None
             if isinstance(e, WorkerError) and e.worker in self.pool.workers:
-                if not e.busy:
-                    self.pool.mark_failed(self.pool.workers[e.worker])
-                tried.add(e.worker)
+                w = self.pool.workers[e.worker]
+                if e.retryable and not e.busy:
+                    self.pool.mark_failed(w)
+                log.warning("request %s-%d: %s failed before token #1 (%s); placing it again",
+                            rid, index, w.name, e)
+                if any(o.url != w.url and o.url not in tried for o in self.pool.live(w.role)):
+                    tried.add(w.url)
 
         async for attempt in AsyncRetrying(retry=retry_if_exception(_failover),
-                                           stop=stop_after_attempt(2), reraise=True,
-                                           before_sleep=exclude_failed):
+                                           stop=stop_after_attempt(FIRST_TOKEN_ATTEMPTS),
+                                           reraise=True, before_sleep=exclude_failed):
             with attempt:
                 n = attempt.retry_state.attempt_number
                 sub = f"{rid}-{index}" + (f"-r{n - 1}" if n > 1 else "")
@@ -344,11 +355,74 @@ class Router:
             if choice == 0:
                 job.cached_tokens = placed.first.num_cached_tokens
                 job.prefill, job.decode = placed.prefill, placed.decode
+            async def resume(failed: Worker, tokens: list[int], lps: list[float | None],
+                             k: int) -> tuple[Worker, str]:
+                return await self._resume(placed, job, spec, cache_salt, failed, tokens, lps, k)
+
             await stream_choice(placed, len(job.token_ids), index, sampling, out,
                                 self.pool, self.metrics, self.tokenizer, self._abort,
                                 ttft_since=arrival if choice == 0 and job.prompt_index == 0
-                                else None)
+                                else None, resume=resume)
         return placed.prefill
+
+    # ------------------------------------------------------------------ migration
+    async def _resume(self, c: Placed, job: PromptJob, spec: SamplingSpec,
+                      cache_salt: str | None, failed: Worker, tokens: list[int],
+                      logprobs: list[float | None], k: int) -> tuple[Worker, str]:
+        """Request migration (:mod:`router.migrate`): continue choice ``c`` on another decode
+        worker after ``tokens`` (token #1 and every token the client has), sampled on with
+        the seed token #1 was sampled with. The new worker's load joins ``c.hold``.
+
+        Returns:
+            The decode worker and the request id (``{sub}-m{k}``) that continue the choice.
+
+        Raises:
+            NoWorkerAvailable: no decode worker took it within ``busy_wait_s``: busy ones are
+                waited for, and with no other healthy one, a healthy one is (the failed worker
+                too, once it answers its polls again: restarted by its supervisor).
+        """
+        if failed.url in self.pool.workers:
+            self.pool.mark_failed(failed)
+        self.metrics.migrations.inc()
+        sub = f"{c.sub}-m{k}"
+        body = ResumeRequest(request_id=sub, prompt_token_ids=job.token_ids,
+                             output_token_ids=tokens, output_logprobs=logprobs,
+                             sampling=spec.model_copy(update={"seed": c.first.seed}),
+                             cache_salt=cache_salt)
+        need = len(job.token_ids) + job.max_new
+        deadline = time.monotonic() + self.config.busy_wait_s
+        tried = {failed.url}  # unreachable now (may come back)
+        refused: set[str] = set()  # answered an error: not asked again
+        while True:
+            live = [w for w in self.pool.live("decode") if w.url not in tried | refused]
+            if not live:
+                if time.monotonic() >= deadline:
+                    raise NoWorkerAvailable(f"no healthy decode worker to resume the request "
+                                            f"on within {self.config.busy_wait_s:g} s")
+                await asyncio.sleep(RESUME_WAIT_S)
+                tried.clear()  # a worker back to health (polls succeed) may take it now
+                continue
+            D = min(live, key=lambda w: (w.running, w.reserved_tokens))
+            with ExitStack() as hold:
+                hold.enter_context(D.load(running=1, reserved_tokens=need))
+                try:
+                    await self.pool._post(D, "/internal/resume", body, ResumeResponse)
+                except WorkerError as e:
+                    if e.busy and time.monotonic() < deadline:
+                        await self._busy_turn(BUSY_RETRY_S, deadline)
+                        continue
+                    log.warning("request %s: resume on %s failed: %s", sub, D.name, e)
+                    if e.retryable and not e.busy:
+                        self.pool.mark_failed(D)
+                        tried.add(D.url)
+                    else:
+                        refused.add(D.url)
+                    continue
+                except asyncio.CancelledError:
+                    self._abort(D, sub)
+                    raise
+                c.hold.enter_context(hold.pop_all())
+            return D, sub
 
     # ------------------------------------------------------------------ one prompt
     async def run_prompt(self, req: CompletionRequest | ChatCompletionRequest, job: PromptJob,

@@ -8,7 +8,7 @@ the simulator can replay traces through the very same policies.
 
 Prefill choice — policies in ``POLICIES`` (a registry; ``register_policy`` adds one):
 
-* ``cache_aware`` (default): estimated TTFT of worker *w* =
+* ``cache_aware``: estimated TTFT of worker *w* =
   ``(queued_tokens_w + prompt_tokens - cached_tokens_w) / prefill_rate_w`` (seconds); the
   KV transfer delays token #2, not TTFT, so it is not in the cost. A load guard first drops
   workers whose queued work (seconds: queued tokens / rate) exceeds
@@ -18,6 +18,8 @@ Prefill choice — policies in ``POLICIES`` (a registry; ``register_policy`` add
 * ``least_load``: least queued prefill work (queued tokens / rate), cache-blind.
 * ``round_robin``: ``seq mod n`` over the healthy workers (``seq`` comes with the request).
 * ``random``: uniform, seeded by ``(seed, seq)`` so a replay is reproducible.
+* ``prefix_home`` (the default, ``DEFAULT_POLICY``) and ``approx_radix``: in
+  :mod:`router.policies` (registered when this module is imported).
 
 Decode choice (all policies): a worker with room for the request (free cache tokens for
 prompt + ``max_tokens`` per choice, a free state slot per choice) and the lightest batch;
@@ -303,11 +305,11 @@ def place(req: PlacementRequest, prefill: Sequence[PrefillWorkerState],
     return Placement(chosen.worker_id, dec, cached, snaps, policy)
 
 
-# Policies of router/policies (prefix_home, approx_radix) register themselves here; imported
-# last because they import this module's classes.
-from router.policies import register_all as _register_more
-
-_register_more()
+# Policies of router/policies (prefix_home, approx_radix) register themselves here when that
+# package finishes importing; imported last because it imports this module's classes (and
+# when it is the one imported first, it is already in sys.modules, partly initialised).
+import router.policies  # noqa: E402, F401
 
 DEFAULT_POLICY = "prefix_home"
-"""The policy the simulator's comparison found best (issue 12; ``k3serve simulate``)."""
+"""The default policy of the live router (``RouterConfig.policy``, ``k3serve serve --policy``)
+and of ``k3serve simulate``: the one the simulator's comparison found best (issue 12)."""

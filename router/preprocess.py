@@ -261,7 +261,9 @@ class Preprocessor:
             n=1, max_tokens=max_new, temperature=req.temperature, top_p=req.top_p,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             seed=seed, stop=tuple(req.stop or ()),
-            stop_token_ids=tuple(self.tokenizer.stop_token_ids), logprobs=logprobs,
+            # ignore_eos: the model's end-of-text ids (EOS, end of message) stop nothing
+            stop_token_ids=() if req.ignore_eos else tuple(self.tokenizer.stop_token_ids),
+            ignore_eos=req.ignore_eos, logprobs=logprobs,
             grammar=grammar, skip_special_tokens=skip_special)
 
 

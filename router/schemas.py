@@ -74,6 +74,9 @@ class _SamplingFields(_Request):
         default=None, json_schema_extra={"maxProperties": 0})
     user: str | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # vLLM's extension: generate past EOS (and the model's other end-of-text ids) up to
+    # max_tokens; explicit stop strings still apply. Benchmarks send it for exact lengths.
+    ignore_eos: bool = False
 
     @field_validator("stop")
     @classmethod

@@ -16,8 +16,9 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from k3serve.messages import PrefillResponse, StreamRequest, finite
+from k3serve.messages import PrefillResponse, finite
 from router.metrics import RouterMetrics
+from router.migrate import DecodeEvents, Resume
 from router.placement import Placement
 from router.workers import Worker, WorkerError, WorkerPool
 
@@ -75,7 +76,7 @@ class Placed:
 async def stream_choice(c: Placed, prompt_len: int, index: int, sampling: SamplingParams,
                         out: asyncio.Queue, pool: WorkerPool, metrics: RouterMetrics,
                         tokenizer, abort: Callable[[Worker, str], None],
-                        ttft_since: float | None = None) -> None:
+                        ttft_since: float | None = None, resume: Resume | None = None) -> None:
     """Put token #1 and then D's tokens #2.. into ``out`` as :class:`Delta` s.
 
     Args:
@@ -87,13 +88,16 @@ async def stream_choice(c: Placed, prompt_len: int, index: int, sampling: Sampli
         pool / metrics / tokenizer: the router's.
         abort: Aborts a request on a worker in the background.
         ttft_since: Arrival time (monotonic s) when this is the request's first token.
+        resume: Moves the request to another decode worker when D fails mid-stream (request
+            migration, :mod:`router.migrate`); ``None``: D's failure ends the choice.
 
     Ends (see :meth:`router.pipeline.Router.run_choice` for the finish reasons) when the
     detokenizer or D finished, or the stream ended without a finish (``length`` at D's model
     length, else ``abort``).
 
     Raises:
-        WorkerError: D failed (the held-back text is delivered first).
+        WorkerError: D failed and the request could not migrate (the held-back text is
+            delivered first).
     """
     from k3serve.tokenizer.detok import IncrementalDetokenizer
 
@@ -113,10 +117,10 @@ async def stream_choice(c: Placed, prompt_len: int, index: int, sampling: Sampli
     itl = metrics.itl.labels(D.name)
     last = time.monotonic()
     n_out = 1
-    body = StreamRequest(request_id=sub, token_id=first.token_id, logprob=finite(first.logprob))
+    src = DecodeEvents(pool, D, sub, (first.token_id, finite(first.logprob)), resume)
     with metrics.running.labels(D.name).track_inprogress():
         try:
-            async for ev in pool.stream(D, body):
+            async for ev in src:
                 t = time.monotonic()
                 for _ in ev.token_ids:
                     itl.observe((t - last) / len(ev.token_ids))
@@ -138,18 +142,19 @@ async def stream_choice(c: Placed, prompt_len: int, index: int, sampling: Sampli
                     await out.put(d)
                 if d.finish_reason:
                     if not ev.finish_reason:  # the router saw the stop first
-                        abort(D, sub)
+                        abort(src.worker, src.sub)
                     break
             if not detok.finished:  # the stream ended without a finish_reason
-                cap = D.info.max_model_len
+                cap = src.worker.info.max_model_len
                 reason = "length" if cap and prompt_len + n_out >= cap else "abort"
                 log.warning("request %s: the decode stream of %s ended without a finish "
-                            "after %d tokens; finishing with %r", sub, D.name, n_out, reason)
-                abort(D, sub)
+                            "after %d tokens; finishing with %r", src.sub, src.worker.name,
+                            n_out, reason)
+                abort(src.worker, src.sub)
                 await out.put(Delta(index, detok.finish(reason).new_text,
                                     finish_reason=reason))
         except BaseException as e:
-            abort(D, sub)
+            abort(src.worker, src.sub)
             if isinstance(e, WorkerError) and not detok.finished:
                 rest = detok.finish("abort").new_text  # deliver the held-back text first
                 if rest:

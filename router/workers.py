@@ -12,8 +12,10 @@ model of :mod:`k3serve.messages` (the request lifecycle: :mod:`k3serve.protocol`
 
 Load figures the placement needs are the router's own account of what it sent
 (:meth:`Worker.load` changes them, and nothing else does): a prefill worker's queued tokens
-(predicted uncached tokens of prefills not answered yet), a decode worker's running requests
-and reserved tokens (prompt + max new tokens).
+(predicted uncached tokens of prefills not answered yet) and its recent account of them
+(:class:`~router.policies.load.RecentLoad`: decayed tokens and requests sent, placement's
+``util`` and ``request_rate``), a decode worker's running requests and reserved tokens
+(prompt + max new tokens).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from k3serve.messages import (
 )
 from k3serve.protocol import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER  # noqa: F401 - re-exported
 from router.index import GlobalIndex, PrefixMatch, ResyncNeeded
+from router.policies.load import RecentLoad
 
 log = logging.getLogger("k3serve.router")
 
@@ -116,6 +119,8 @@ class Worker:
     queued_tokens: int = 0  # prefill: predicted uncached tokens of unanswered prefills
     running: int = 0  # decode: requests reserved and not finished
     reserved_tokens: int = 0  # decode: Σ (prompt + max new tokens) of those
+    #: prefill: decayed uncached tokens / requests sent (``util``, ``request_rate``)
+    recent: RecentLoad = field(default_factory=RecentLoad, repr=False)
     resyncs: int = 0
     task: asyncio.Task | None = field(default=None, repr=False)
     breaker: pybreaker.CircuitBreaker = field(
@@ -146,8 +151,12 @@ class Worker:
         Args:
             running: Decode requests to add (reserved, not finished).
             reserved_tokens: Tokens those requests may occupy (prompt + max new tokens).
-            queued_tokens: Prefill tokens sent and not answered yet (predicted uncached).
+            queued_tokens: Prefill tokens sent and not answered yet (predicted uncached); a
+                prefill (``queued_tokens`` > 0) also counts once in :attr:`recent`, which
+                decays by itself (``util`` / ``request_rate`` of placement).
         """
+        if queued_tokens > 0:
+            self.recent.add(queued_tokens)
         self.running += running
         self.reserved_tokens += reserved_tokens
         self.queued_tokens += queued_tokens
@@ -259,6 +268,15 @@ class WorkerPool:
                     f"and {o.info.block_size} (one layout per cluster: their caches could not "
                     f"be exchanged)")
         check_parallel(url, info, [o for o in self.workers.values() if o.url != url])
+        for o in list(self.workers.values()):  # restarted on another port: the old URL is dead
+            if o.url != url and info.worker_id and o.info.worker_id == info.worker_id:
+                if await self._answers_as(o, info.worker_id):
+                    log.warning("two live workers named %s: %s and %s", info.worker_id, o.url,
+                                url)
+                    continue
+                log.info("worker %s moved %s -> %s: old entry removed", info.worker_id, o.url,
+                         url)
+                self.remove(o.url)
         w = self.workers.get(url)
         if w is not None and w.info.role != info.role:
             raise ValueError(f"worker {url} changed role {w.info.role} -> {info.role}")
@@ -276,6 +294,27 @@ class WorkerPool:
         if w.task is None or w.task.done():
             w.task = asyncio.create_task(self._poll_loop(w), name=f"poll {url}")
         log.info("registered %s worker %s (%s)", info.role, w.name, url)
+        return w
+
+    async def _answers_as(self, w: Worker, worker_id: str) -> bool:
+        """Whether ``w``'s URL still answers ``/internal/info`` as ``worker_id`` (2 s)."""
+        try:
+            body = await self._get(w.url, "/internal/info", timeout=2.0)
+        except WorkerError:
+            return False
+        return isinstance(body, dict) and body.get("worker_id") == worker_id
+
+    def remove(self, url: str) -> Worker | None:
+        """Forget the worker at ``url`` at once (a draining worker's deregistration, or the old
+        URL of a worker that registered again from a new one): it leaves placement and the
+        index, its poller stops; requests already running on it go on. ``None``: unknown."""
+        w = self.workers.pop(url.rstrip("/"), None)
+        if w is None:
+            return None
+        self.index.remove_worker(w.url)
+        if w.task is not None:
+            w.task.cancel()
+        log.info("removed %s worker %s (%s)", w.role, w.name, w.url)
         return w
 
     @property

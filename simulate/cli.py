@@ -20,6 +20,10 @@ def _workers(spec: str) -> tuple[int, int]:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.length_scale is not None:  # a live stack's slice (simulate/live.py)
+        from simulate.live import cmd_live
+
+        return cmd_live(args)
     from simulate import SimConfig, load_calibration, run, trace_facts
     from simulate.report import plot, table, to_json, write_json
     from k3serve.traces import load_trace
@@ -76,6 +80,9 @@ def build_parser(prog: str = "k3serve simulate") -> argparse.ArgumentParser:
                     help="cost-model file (docs/calibration.md; default: CPU k3-tiny)")
     pm.add_argument("--jobs", type=int, default=None, help="parallel processes")
     pm.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from simulate.live import add_live_arguments
+
+    add_live_arguments(pm)
     return pm
 
 

@@ -54,6 +54,7 @@ from router.placement import (
     place,
 )
 from router.policies import RouterView, WorkerView
+from router.policies.load import UTIL_HORIZON_S, RecentLoad
 
 STORE_INTERVALS = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -78,10 +79,17 @@ class SimConfig:
             in blocks (0 = off, today's default).
         poll_s: the router pulls cache events this often (seconds of simulated time).
         util_horizon_s: time constant of the router's decayed account of work sent to each
-            worker (``WorkerView.util`` = decayed predicted compute seconds / horizon).
+            worker (:class:`router.policies.load.RecentLoad`, the live router's own class;
+            ``WorkerView.util`` = decayed predicted compute seconds / horizon).
         calibration: the cost model.
         params: placement knobs passed to every policy.
         fingerprint: the workers' layout fingerprint (must be the traces' hash salt).
+        cache: every prefill worker's cache exactly (a live stack's pages, slots, snapshot
+            budget and snapshot policy: :mod:`simulate.live`); ``None``: sized from
+            ``cache_fraction`` of the working set.
+        router_prefill_rate: the prefill tokens/s the router assumes per worker in its
+            placement costs and load accounts (a live router: what workers report, else
+            ``RouterConfig.prefill_rate``); ``None``: the calibration's true rate.
     """
 
     prefill_workers: int = 32
@@ -92,10 +100,12 @@ class SimConfig:
     store_snapshot_interval: int | None = None
     worker_snapshot_interval: int = 0
     poll_s: float = 0.05
-    util_horizon_s: float = 10.0
+    util_horizon_s: float = UTIL_HORIZON_S
     calibration: Calibration = field(default_factory=Calibration)
     params: PlacementParams = field(default_factory=PlacementParams)
     fingerprint: str = DEFAULT_FINGERPRINT
+    cache: CacheConfig | None = None
+    router_prefill_rate: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefill_workers, int) or self.prefill_workers < 1:
@@ -115,6 +125,8 @@ class SimConfig:
             raise ValueError("store_snapshot_interval: must be ≥ 0 or None")
         if self.worker_snapshot_interval < 0:
             raise ValueError("worker_snapshot_interval: must be ≥ 0")
+        if self.router_prefill_rate is not None and not self.router_prefill_rate > 0:
+            raise ValueError(f"router_prefill_rate: must be > 0, got {self.router_prefill_rate!r}")
         if not self.poll_s >= 0:
             raise ValueError(f"poll_s: must be ≥ 0, got {self.poll_s!r}")
 
@@ -200,9 +212,7 @@ class _Worker:
     busy: bool = False
     computed: int = 0
     router_queued: int = 0  # router's account: predicted uncached tokens not finished
-    sent_recent: float = 0.0  # router's decayed account of predicted uncached tokens sent
-    sent_at: float = 0.0
-    reqs_recent: float = 0.0  # router's decayed count of requests sent
+    recent: RecentLoad = field(default_factory=RecentLoad)  # the live router's util account
     running: int = 0  # requests sent and not finished (SGLang-style load)
 
 
@@ -295,13 +305,18 @@ def replay(reqs: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig
     facts = facts or trace_facts(reqs)
     cal = cfg.calibration
     B = facts.block_size
-    rate = cal.prefill_tokens_per_s
+    rate = cfg.router_prefill_rate or cal.prefill_tokens_per_s  # the router's belief
     scale = time_scale(facts, cfg)
     nb, ns = facts.working_blocks, facts.working_snapshots
     ccfg = CacheConfig(num_pages=max(1, int(cfg.cache_fraction * nb)), num_slots=2,
                        num_snapshots=max(1, int(cfg.cache_fraction * ns)), block_size=B,
                        snapshot_interval_tokens=cfg.worker_snapshot_interval * B)
-    workers = [_Worker(f"p{i}", CacheManager(ccfg, cfg.fingerprint))
+    if cfg.cache is not None:  # a live stack's cache exactly (simulate.live)
+        if cfg.cache.block_size != B:
+            raise ValueError(f"cache.block_size: {cfg.cache.block_size} != the trace's {B}")
+        ccfg = cfg.cache
+    workers = [_Worker(f"p{i}", CacheManager(ccfg, cfg.fingerprint),
+                       recent=RecentLoad(cfg.util_horizon_s))
                for i in range(cfg.prefill_workers)]
     by_name = {w.name: w for w in workers}
     store = None
@@ -410,20 +425,15 @@ def replay(reqs: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig
         s_use, s_mla = (sm.usable_blocks, sm.mla_blocks) if sm else (0, 0)
         radix = view.match(r.hashes)
         states = []
-        hz = cfg.util_horizon_s
         for i, w in enumerate(workers):
-            if w.sent_at != t:
-                decay = math.exp(-(t - w.sent_at) / hz)
-                w.sent_recent *= decay
-                w.reqs_recent *= decay
-                w.sent_at = t
             m = match.get(w.name)
             use, mla = (m.usable_blocks, m.mla_blocks) if m else (0, 0)
             states.append(WorkerView(
                 w.name, max(use, s_use), max(mla, s_mla), w.router_queued, rate,
                 local_blocks=use, store_blocks=s_use,
                 store_tokens_per_s=cal.store_tokens_per_s if store is not None else 0.0,
-                util=w.sent_recent / hz, request_rate=w.reqs_recent / hz, running=w.running, approx_blocks=radix[i], tree_blocks=view.tree_size(i)))
+                util=w.recent.util(rate, t), request_rate=w.recent.request_rate(t),
+                running=w.running, approx_blocks=radix[i], tree_blocks=view.tree_size(i)))
         dstates = [DecodeWorkerState(f"d{i}", running=decode_running[i])
                    for i in range(cfg.decode_workers)]
         req = PlacementRequest(r.num_tokens, B, seq=seq, max_new_tokens=r.output_tokens)
@@ -432,8 +442,7 @@ def replay(reqs: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig
         predicted[seq] = p.predicted_cached_tokens
         w.router_queued += r.num_tokens - p.predicted_cached_tokens
         w.running += 1
-        w.sent_recent += (r.num_tokens - p.predicted_cached_tokens) / rate
-        w.reqs_recent += 1.0
+        w.recent.add(r.num_tokens - p.predicted_cached_tokens, 1.0, now=t)
         view.record(widx[w.name], r.hashes, cap)
         w.queue.append((seq, p.snapshot_at))
         if not w.busy:

@@ -106,6 +106,8 @@ class FakeState:
     stalled: bool = False  # a hung worker: every request waits (unanswered) while it is set
     max_model_len: int = 4096  # reported in /internal/info
     token_delay_s: float = 0.0  # seconds between two streamed tokens (a slower model)
+    # the toy model's token #k (1-based, k >= 2: a decode token) is EOS (ignore_eos tests)
+    eos_at: int | None = None
 
     def __post_init__(self) -> None:
         self.restart()
@@ -219,6 +221,8 @@ def make_worker_app(state: FakeState) -> FastAPI:
             sent = 0
             while not detok.finished and not r["aborted"]:
                 t = toy_next(ctx, sp.seed, sp.temperature)
+                if state.eos_at is not None and sent + 2 == state.eos_at:
+                    t = TOKENIZER.eos_token_id
                 ctx.append(t)
                 o = detok.step(t)
                 sent += 1
@@ -284,8 +288,8 @@ class Stack:
     Args:
         num_prefill / num_decode: Fake workers to start (``start_worker``).
         api_key: The router's API key (``None``: open).
-        **config: Further :class:`RouterConfig` fields (``poll_interval_s`` is 0.02 unless
-            given).
+        **config: Further :class:`RouterConfig` fields (``poll_interval_s`` is 0.02 and
+            ``policy`` ``cache_aware`` unless given).
     """
 
     def __init__(self, num_prefill: int = 2, num_decode: int = 1, api_key: str | None = API_KEY,
@@ -293,6 +297,7 @@ class Stack:
         from router.app import RouterConfig, create_app
 
         config.setdefault("poll_interval_s", 0.02)
+        config.setdefault("policy", "cache_aware")
         self.app = create_app(RouterConfig(model=MODEL, api_key=api_key, cluster_token=TOKEN,
                                            **config))
         self.router = self.app.state.router

@@ -42,7 +42,7 @@ class Proc:
             [sys.executable, "-m", f"{role}.worker", "--host", "127.0.0.1", "--port",
              str(self.port), "--model", "k3-tiny", "--block-size", str(block_size),
              "--num-pages", str(pages), "--num-slots", "32", "--worker-id", name,
-             "--log-level", "info", *extra],
+             "--log-level", "info", "--drain-timeout", "3", *extra],  # stop(): short drain
             cwd=ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 120.0) -> None:

@@ -68,6 +68,8 @@ class BaseWorker(abc.ABC):
     """
 
     role: str = "worker"
+    #: set by :meth:`begin_drain` (SIGTERM): new admissions answer 503 ``draining``
+    draining: bool = False
 
     def __init__(self, config: WorkerConfig, engine: Any = None) -> None:
         self.config = config
@@ -148,6 +150,24 @@ class BaseWorker(abc.ABC):
             self.kv.unregister_layout(self.layout)
         with contextlib.suppress(Exception):
             self.kv.close()
+
+    # ------------------------------------------------------------------ drain
+    def begin_drain(self) -> None:
+        """Stop admitting: from now on ``reserve`` / ``prefill`` / ``generate`` answer 503
+        ``draining`` and ``/health`` answers 503 ``draining``; what runs goes on
+        (:func:`worker.serve.serve` waits for :meth:`num_tracked` to reach 0)."""
+        self.draining = True
+
+    def num_tracked(self) -> int:  # engine thread
+        """Requests this worker still holds anything for: the role's tracked requests that are
+        not :meth:`settled`, plus the engine's own (0: idle, a drain may end)."""
+        reqs = getattr(self, "reqs", {})
+        return sum(1 for r in reqs.values() if not self.settled(r)) + len(self.engine.requests)
+
+    def settled(self, r: Any) -> bool:  # engine thread
+        """Role hook: a tracked request that holds nothing and has nothing left to send (kept
+        a while only so that a late caller gets its final answer)."""
+        return False
 
     # ------------------------------------------------------------------ thread helpers
     def resolve(self, fut: asyncio.Future, value: Any = None,

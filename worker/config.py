@@ -43,7 +43,8 @@ class WorkerEnv(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="K3SERVE_", extra="ignore", frozen=True)
 
-    cluster_token: str | None = Field(default=None, validation_alias=CLUSTER_TOKEN_ENV)
+    cluster_token: str | None = Field(default=None, validation_alias=CLUSTER_TOKEN_ENV,
+                                      repr=False)
     worker_threads: int = Field(default=1, ge=1, validation_alias=THREADS_ENV)
     test_hooks: bool = Field(default=False, validation_alias=TEST_HOOKS_ENV)
 
@@ -87,6 +88,7 @@ class WorkerConfig:
             are sized from it after the weights load (``None``: the explicit sizes).
         max_num_seqs: most running sequences (``None``: ``num_slots``).
         cuda_graphs: CUDA: replay captured decode graphs.
+        drain_timeout_s: SIGTERM: most seconds to wait for running requests before exiting.
     """
 
     role: Role
@@ -107,7 +109,7 @@ class WorkerConfig:
     seed: int = 0
     threads: int = 1
     log_level: str = "warning"
-    cluster_token: str | None = None
+    cluster_token: str | None = field(default=None, repr=False)  # never in a log line
     test_hooks: bool = False
     kv: KVConfig = field(default_factory=KVConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -128,6 +130,7 @@ class WorkerConfig:
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
     cuda_graphs: bool = True
+    drain_timeout_s: float = 60.0  # issue 15: SIGTERM drain
 
     @property
     def url_host(self) -> str:
@@ -197,6 +200,8 @@ def _parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
                     help="most running sequences (default: --num-slots)")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="CUDA: replay captured decode graphs (--no-cuda-graphs: eager)")
+    ap.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
+                    help="SIGTERM: seconds to let running requests finish before exiting")
     return ap
 
 
@@ -241,7 +246,7 @@ def parse_config(role: Role, argv: list[str] | None = None,
         store=_store_config(a), dense_snapshot_blocks=a.dense_snapshot_blocks,
         **_parallel_flags(a),
         gpu_memory_utilization=a.gpu_memory_utilization, max_num_seqs=a.max_num_seqs,
-        cuda_graphs=a.cuda_graphs)
+        cuda_graphs=a.cuda_graphs, drain_timeout_s=a.drain_timeout)
 
 
 def _parallel_flags(a: argparse.Namespace) -> dict:

@@ -36,6 +36,13 @@ from worker.registration import register_loop
 
 log = logging.getLogger("k3serve.worker")
 
+#: The only routes answered without the cluster token (liveness and Prometheus scraping; the
+#: OpenAPI schema and docs are not served). Every other route — the role's too, and any route
+#: added later — needs it (tests/worker/test_security.py enumerates ``app.routes``).
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+#: The routes that admit new work; a draining worker (SIGTERM) answers them 503 ``draining``.
+ADMISSION_PATHS = frozenset({"/internal/reserve", "/internal/prefill", "/internal/generate"})
+
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses=`` entry: :class:`ErrorBody` for ``statuses`` and every other error
@@ -60,6 +67,16 @@ def error_response(status: int, code: str, message: str) -> JSONResponse:
     return JSONResponse(ErrorBody(error=code, message=message).model_dump(), status_code=status)
 
 
+async def stop_registration(app: FastAPI) -> None:
+    """Cancel the app's registration task (a draining worker must not register again)."""
+    reg = getattr(app.state, "registration", None)
+    app.state.registration = None
+    if reg is not None:
+        reg.cancel()
+        with contextlib.suppress(BaseException):
+            await reg
+
+
 def create_app(worker: BaseWorker) -> FastAPI:
     """The worker's FastAPI app: common routes + ``worker.routes(app)``.
 
@@ -72,17 +89,14 @@ def create_app(worker: BaseWorker) -> FastAPI:
     async def lifespan(app: FastAPI):
         worker.aloop = asyncio.get_running_loop()
         worker.start()
-        reg = None
+        app.state.registration = None
         if cfg.router_url:
-            reg = asyncio.create_task(
+            app.state.registration = asyncio.create_task(
                 register_loop(cfg.router_url, worker.url, cfg.cluster_token), name="register")
         try:
             yield
         finally:
-            if reg is not None:
-                reg.cancel()
-                with contextlib.suppress(BaseException):
-                    await reg
+            await stop_registration(app)
             worker.close()
 
     app = FastAPI(title=f"k3serve {worker.role} worker", lifespan=lifespan, docs_url=None,
@@ -91,9 +105,12 @@ def create_app(worker: BaseWorker) -> FastAPI:
     @app.middleware("http")
     async def token_check(request: Request, call_next):
         tok = cfg.cluster_token
-        if (tok and request.url.path.startswith("/internal")
+        if (tok and request.url.path not in PUBLIC_PATHS
                 and not same_secret(request.headers.get(CLUSTER_TOKEN_HEADER), tok)):
             return error_response(403, "forbidden", "missing or wrong cluster token")
+        if worker.draining and request.url.path in ADMISSION_PATHS:
+            return error_response(503, "draining", "this worker is draining (SIGTERM): "
+                                  "place the request elsewhere")
         return await call_next(request)
 
     @app.exception_handler(Failure)
@@ -113,11 +130,12 @@ def create_app(worker: BaseWorker) -> FastAPI:
         return error_response(500, "internal_error", f"{type(e).__name__}: {e}")
 
     @app.get("/health", response_model=WorkerHealth,
-             responses={503: {"model": WorkerHealth, "description": "engine thread died"}})
+             responses={503: {"model": WorkerHealth,
+                              "description": "engine thread died, or draining"}})
     async def health() -> JSONResponse:
-        ok = worker.loop.alive
-        body = WorkerHealth(status="ok" if ok else "engine_stopped", role=worker.role,
-                            worker_id=worker.worker_id)
+        ok = worker.loop.alive and not worker.draining
+        status = "draining" if worker.draining else "ok" if ok else "engine_stopped"
+        body = WorkerHealth(status=status, role=worker.role, worker_id=worker.worker_id)
         return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 
     @app.get("/metrics", response_class=Response)
@@ -154,4 +172,4 @@ def create_app(worker: BaseWorker) -> FastAPI:
     return app
 
 
-__all__ = ["create_app", "error_response", "errors", "json_errors"]
+__all__ = ["ADMISSION_PATHS", "PUBLIC_PATHS", "create_app", "error_response", "errors", "json_errors", "stop_registration"]

@@ -23,6 +23,10 @@ class WorkerMetrics:
         k3serve:num_requests_waiting{worker,role}               gauge
         k3serve:kv_transfer_fallbacks_total{worker,role}        decode recomputed the prefill
         k3serve:kv_transfers_total{worker,role,outcome}         finished transfers by outcome
+        k3serve:kv_transfer_expiries_total{worker,role}         transfers past their deadline
+                                                                (decode: ticket; prefill: sender)
+        k3serve:kv_faults_injected_total{worker,role,kind}      K3SERVE_KV_FAULT_* (fail|hang|pair)
+        k3serve:requests_resumed_total{worker,role}             migrated requests resumed here
         k3serve:expert_routed_tokens_total{worker,role,layer,expert}  routed tokens (issue 16)
 
     Transfers are counted once, by the side that owns the figure: bytes, seconds and outcomes
@@ -58,7 +62,16 @@ class WorkerMetrics:
                                   registry=r)
         self._transfers = Counter("k3serve:kv_transfers", "Finished transfers by outcome.",
                                   lab + ["outcome"], registry=r)
-        for fam in (self._queries, self._bytes, self._fallbacks):
+        self._expiries = Counter("k3serve:kv_transfer_expiries",
+                                 "Transfers that did not complete before their deadline.", lab,
+                                 registry=r)
+        self._faults = Counter("k3serve:kv_faults_injected",
+                               "Transfer faults injected by K3SERVE_KV_FAULT_*_FRACTION.",
+                               lab + ["kind"], registry=r)
+        self._resumed = Counter("k3serve:requests_resumed",
+                                "Requests resumed here after their decode worker failed "
+                                "mid-stream (request migration).", lab, registry=r)
+        for fam in (self._queries, self._bytes, self._fallbacks, self._expiries, self._resumed):
             fam.labels(**self.labels)
         for src in ("local", "store"):
             self._hits.labels(**self.labels, source=src)
@@ -88,6 +101,18 @@ class WorkerMetrics:
 
     def fallback(self) -> None:
         self._fallbacks.labels(**self.labels).inc()
+
+    def expiry(self) -> None:
+        """A transfer ticket (decode) or sender (prefill) reached its deadline."""
+        self._expiries.labels(**self.labels).inc()
+
+    def fault(self, kind: str) -> None:
+        """A transfer fault was injected (``fail`` or ``hang``)."""
+        self._faults.labels(**self.labels, kind=kind).inc()
+
+    def resumed(self) -> None:
+        """A migrated request was resumed here."""
+        self._resumed.labels(**self.labels).inc()
 
     def set_gauges(self, g: dict[str, float]) -> None:
         self._snapshots.labels(**self.labels).set(g["kda_snapshots"])

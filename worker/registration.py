@@ -1,4 +1,5 @@
-"""Registration with the router: ``POST {router}/internal/register``, again after a restart.
+"""Registration with the router: ``POST {router}/internal/register``, again after a restart;
+``POST {router}/internal/deregister`` when the worker drains (SIGTERM).
 
 The worker asks the router's ``GET /health?detail=1`` (:class:`~k3serve.messages.RouterHealth`)
 every ``check_every_s`` whether it still lists this worker's URL; when it does not (first start,
@@ -88,4 +89,25 @@ async def register_loop(router_url: str, url: str, cluster_token: str | None,
                 backoff = min(backoff * 2, check_every_s)
 
 
-__all__ = ["RegistrationRefused", "is_listed", "register_loop", "register_once"]
+async def deregister(router_url: str, url: str, cluster_token: str | None,
+                     timeout_s: float = 3.0) -> bool:
+    """``POST {router}/internal/deregister``: the router stops placing on ``url`` at once
+    (a draining worker). Best effort: never raises.
+
+    Returns:
+        True when the router removed it (False: unreachable, not listed, refused).
+    """
+    headers = {CLUSTER_TOKEN_HEADER: cluster_token} if cluster_token else {}
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, headers=headers, trust_env=False) as c:
+            r = await c.post(f"{router_url}/internal/deregister",
+                             json=RegisterRequest(url=url).model_dump(mode="json"))
+    except httpx.HTTPError as e:
+        log.info("deregistration from %s: %r", router_url, e)
+        return False
+    if r.status_code != 200:
+        log.info("deregistration from %s: HTTP %d %s", router_url, r.status_code, r.text[:200])
+    return r.status_code == 200
+
+
+__all__ = ["RegistrationRefused", "deregister", "is_listed", "register_loop", "register_once"]

@@ -2,19 +2,31 @@
 
 The port is bound before the engine is built, so a taken port ends at once with one line on
 stderr (exit status 2), not a traceback after the model has loaded.
+
+SIGTERM drains (:class:`DrainingServer`): the worker stops admitting (``reserve`` / ``prefill``
+/ ``generate`` answer 503 ``draining``, ``/health`` 503 ``draining``), stops re-registering and
+deregisters from the router (which stops placing there at once), waits until every request it
+holds has finished (at most ``--drain-timeout`` seconds), then exits with status 0. A second
+SIGTERM, or SIGINT, stops at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
+import signal
 import socket
 import sys
+import time
+from types import FrameType
+from typing import Any
 
 from worker.base import BaseWorker
 from worker.config import Role, WorkerConfig, parse_config
 
 EXIT_PORT_IN_USE = 2
+log = logging.getLogger("k3serve.worker")
 
 
 class PortInUseError(OSError):
@@ -38,11 +50,65 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _server_cls() -> type:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server whose first SIGTERM drains the worker before shutting down."""
+
+        def __init__(self, config: Any, worker: BaseWorker, app: Any) -> None:
+            super().__init__(config)
+            self.worker, self.app = worker, app
+            self.drain_task: asyncio.Task | None = None
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            loop = self.worker.aloop
+            if sig != signal.SIGTERM or self.worker.draining or loop is None:
+                super().handle_exit(sig, frame)
+                return
+            self.worker.begin_drain()  # admissions stop now, before the loop runs again
+            loop.call_soon_threadsafe(self._start_drain)
+
+        def _start_drain(self) -> None:
+            self.drain_task = asyncio.ensure_future(self._drain())
+
+        async def _drain(self) -> None:
+            from worker.http import stop_registration
+            from worker.registration import deregister
+
+            w, cfg = self.worker, self.worker.config
+            log.warning("SIGTERM: draining (no new admissions; up to %.0f s)",
+                        cfg.drain_timeout_s)
+            await stop_registration(self.app)
+            if cfg.router_url:
+                await deregister(cfg.router_url, w.url, cfg.cluster_token)
+            deadline = time.monotonic() + cfg.drain_timeout_s
+            left = -1
+            while time.monotonic() < deadline:
+                try:
+                    left = await w.loop.call(w.num_tracked, timeout=5)
+                except Exception as e:  # noqa: BLE001 - the engine thread is gone
+                    log.warning("drain: engine not answering (%r); stopping", e)
+                    break
+                if left == 0:
+                    break
+                await asyncio.sleep(0.05)
+            if left:
+                log.warning("drain: %d requests still held after %.0f s; stopping",
+                            left, cfg.drain_timeout_s)
+            else:
+                log.warning("drain: done; stopping")
+            self.should_exit = True
+
+    return DrainingServer
+
+
 def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = None) -> int:
-    """Run a worker of ``worker_cls`` until SIGTERM; returns the exit status.
+    """Run a worker of ``worker_cls`` until SIGTERM (a drain, see the module docstring);
+    returns the exit status.
 
     Returns:
-        0 after a clean shutdown; :data:`EXIT_PORT_IN_USE` when the port cannot be bound
+        0 after a clean shutdown or a drain; :data:`EXIT_PORT_IN_USE` when the port cannot be bound
         (one line on stderr).
     """
     import uvicorn
@@ -58,9 +124,13 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
         print(f"k3serve {role} worker: error: {e.strerror}", file=sys.stderr, flush=True)
         return EXIT_PORT_IN_USE
     config = config.bound_to(sock.getsockname()[1])
+    if not config.cluster_token:
+        log.warning("no cluster token (K3SERVE_CLUSTER_TOKEN): every internal endpoint of this "
+                    "worker and its kvstore is open to anyone who can reach it")
     worker = worker_cls(config)
-    server = uvicorn.Server(uvicorn.Config(create_app(worker), log_level=config.log_level,
-                                           access_log=False, timeout_graceful_shutdown=3))
+    app = create_app(worker)
+    server = _server_cls()(uvicorn.Config(app, log_level=config.log_level, access_log=False,
+                                          timeout_graceful_shutdown=3), worker, app)
     print(f"k3serve {role} worker {worker.worker_id} listening on {worker.url}", flush=True)
     server.run(sockets=[sock])
     return 0

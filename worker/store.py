@@ -9,6 +9,9 @@
                                       ordinary prefix match finds the deeper hit
 
 A store that is down or full only costs misses (:mod:`kvstore.store` logs the change once).
+What the store takes and what this worker learns has gone from it (evicted, lost) reach the
+router as this worker's cache events with ``source: "store"`` (:func:`store_events`), so the
+router's index stops pricing an evicted prefix as a store hit.
 The hit a request reports counts as ``source="store"`` for the tokens beyond what the worker
 held locally before the import.
 """
@@ -26,6 +29,20 @@ from k3serve.engine.connector import LocalView, StoreBridge
 from kvstore.store import KVStore, StoreConfig
 
 log = logging.getLogger("k3serve.worker")
+
+
+def store_events(changes: list[tuple[str, bool, bool]]) -> list[tuple[str, list[str], bool]]:
+    """:meth:`KVStore.drain_changes` as cache events ``(type, block_hashes, snapshot)``:
+    consecutive changes of one kind share an event, and the order is kept (a value that went
+    and came back ends ``stored``)."""
+    out: list[tuple[str, list[str], bool]] = []
+    for h, snap, stored in changes:
+        type_ = "stored" if stored else "removed"
+        if out and out[-1][0] == type_ and out[-1][2] == snap:
+            out[-1][1].append(h)
+        else:
+            out.append((type_, [h], snap))
+    return out
 
 
 class StoreTier:
@@ -62,12 +79,9 @@ class StoreTier:
             self.bridge.export_new(self.store)
         else:  # skip what was stored while down: the log moves on, nothing is queued
             self.bridge.export_new(None)
-        done = self.store.drain_committed()
         log_ = self.engine.cm.log
-        for snap in (False, True):  # the router learns what the store holds
-            hs = [h for h, s in done if s is snap]
-            if hs:
-                log_.append("stored", hs, snapshot=snap, source="store")
+        for type_, hs, snap in store_events(self.store.drain_changes()):
+            log_.append(type_, hs, snapshot=snap, source="store")  # the router's store holder
         return False
 
     def _import(self, rid: str, view: LocalView, fetched: tuple) -> bool:
@@ -141,10 +155,12 @@ class StoreTier:
         vals = [lab["worker"], lab["role"]]
         ops = CounterMetricFamily("k3serve:store_operations",
                                   "Store operations by kind (put, get, skipped: key present, "
-                                  "dropped: queue full or store down, failed).",
+                                  "dropped: queue full or store down, failed, gone: a "
+                                  "reported value found evicted or lost).",
                                   labels=names + ["op"])
         for op, v in (("put", st.puts), ("get", st.gets), ("skipped", st.put_skipped),
-                      ("dropped", st.put_dropped), ("failed", st.failures)):
+                      ("dropped", st.put_dropped), ("failed", st.failures),
+                      ("gone", st.gone)):
             ops.add_metric(vals + [op], v)
         by = CounterMetricFamily("k3serve:store_bytes", "Bytes written to / read from the store.",
                                  labels=names + ["direction"])
@@ -155,4 +171,4 @@ class StoreTier:
         return [ops, by, up]
 
 
-__all__ = ["StoreTier"]
+__all__ = ["StoreTier", "store_events"]

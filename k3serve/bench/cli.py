@@ -21,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length-scale", type=float, default=0.125,
                    help="tokens per trace token; 512 x this = tokens per trace block "
                         "(match the server's --block-size)")
+    p.add_argument("--output-scale", type=float, default=None,
+                   help="answer tokens per trace answer token (default: --length-scale)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="skip rows longer than this (default: the model's context)")
     p.add_argument("--rate", type=float, default=None,
@@ -52,7 +54,8 @@ def build_workload(args: argparse.Namespace):
     if args.trace:
         return trace_load(args.trace, limit=args.limit, time_scale=args.time_scale,
                           length_scale=args.length_scale, vocab_size=cfg.vocab_size,
-                          max_model_len=args.max_model_len or cfg.max_position_embeddings)
+                          max_model_len=args.max_model_len or cfg.max_position_embeddings,
+                          output_scale=args.output_scale)
     return random_load(rate=args.rate, input_len=args.input_len, output_len=args.output_len,
                        num=args.num, vocab_size=cfg.vocab_size, seed=args.seed)
 

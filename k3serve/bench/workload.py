@@ -1,7 +1,7 @@
 """What ``k3serve bench`` sends: trace rows or a random load, as :class:`BenchRequest` s.
 
-Trace rows map to prompts through :mod:`k3serve.traces` only (the simulator and the tests use
-the same functions): trace block ``i`` of 512 tokens becomes ``block_tokens(hash_ids[i])`` of
+Trace rows map to prompts through :mod:`k3serve.traces` only (``replay_slice``; ``k3serve
+simulate --length-scale`` and the tests use the same functions): trace block ``i`` of 512 tokens becomes ``block_tokens(hash_ids[i])`` of
 ``512 · length_scale`` tokens (pseudo-random ids below the served vocabulary), so equal hash
 ids give equal token blocks and the trace's prefix sharing becomes real prefix sharing. With
 ``512 · length_scale`` equal to the server's block size, one trace block is one cache block.
@@ -51,7 +51,8 @@ class Workload:
 
 
 def trace_load(path: str | Path, *, limit: int | None = None, time_scale: float = 1.0,
-               length_scale: float = 0.125, vocab_size: int, max_model_len: int) -> Workload:
+               length_scale: float = 0.125, vocab_size: int, max_model_len: int,
+               output_scale: float | None = None) -> Workload:
     """Trace rows → requests.
 
     Args:
@@ -59,31 +60,25 @@ def trace_load(path: str | Path, *, limit: int | None = None, time_scale: float 
         limit: first ``limit`` rows only.
         time_scale: arrival times are multiplied by it (0.1: ten times faster).
         length_scale: tokens per trace token; ``512 · length_scale`` tokens per trace block
-            (an integer ≥ 1). Output lengths scale the same way (``⌈out · scale⌉``, ≥ 1).
+            (an integer ≥ 1). Output lengths scale the same way (``⌈out · scale⌉``, ≥ 1)
+            unless ``output_scale`` is given (``⌈out · output_scale⌉``, ≥ 1).
         vocab_size: the served model's vocabulary (token ids drawn below it).
         max_model_len: rows whose prompt + output exceed it are skipped and counted.
 
     Raises:
         ValueError: a bad argument (named) or a bad trace row (see ``read_rows``).
     """
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit: must be >= 1, got {limit}")
     if time_scale <= 0:
         raise ValueError(f"time_scale: must be > 0, got {time_scale}")
-    bt = traces.TRACE_BLOCK * length_scale
-    if bt < 1 or abs(bt - round(bt)) > 1e-9:
-        raise ValueError(f"length_scale: 512 × {length_scale} = {bt} tokens per trace block "
-                         "must be an integer >= 1")
-    rows = traces.read_rows(path)[:limit]
-    reqs = traces.scale_rows(rows, round(bt))
-    kept = [r for r in reqs if r.num_tokens + max(1, r.output_tokens) <= max_model_len]
+    kept, skipped = traces.replay_slice(path, limit=limit, length_scale=length_scale,
+                                        max_model_len=max_model_len, output_scale=output_scale)
     if not kept:
-        return Workload([], len(reqs))
+        return Workload([], skipped)
     oracle = traces.oracle_hits(kept)
     t0 = kept[0].arrival
     out = [BenchRequest((r.arrival - t0) * time_scale, r.tokens(vocab_size),
                         max(1, r.output_tokens), o) for r, o in zip(kept, oracle, strict=True)]
-    return Workload(out, len(reqs) - len(kept), traces.token_oracle(kept),
+    return Workload(out, skipped, traces.token_oracle(kept),
                     traces.snapshot_rule_ceiling(kept))
 
 

@@ -5,6 +5,10 @@
 * unset or ``triton`` — Triton for CUDA tensors (when Triton imports), torch for everything else;
 * ``torch`` — torch everywhere (references; debugging a suspected kernel bug).
 
+``K3SERVE_MLA_PREFILL`` (also read here only): ``sdpa`` sends MLA prefill on the kernel path to
+torch SDPA (:mod:`k3serve.kernels.mla.prefill_sdpa`); unset or ``naive`` keeps the float32
+reference loop. Opt-in until a device run has timed and checked it (CPU-tested only so far).
+
 CPU tensors go to Triton only under ``TRITON_INTERPRET=1`` with ``K3SERVE_KERNELS=triton`` set
 explicitly (how the CPU tests exercise the Triton code). The chunked KDA kernel is forward-only,
 so a call that needs gradients always takes the torch path.
@@ -129,6 +133,37 @@ def mla_decode_absorbed_paged(q_lat, latent_pool, block_table, seq_lens, kv_lora
     return ref(q_lat, latent_pool, block_table, seq_lens, kv_lora, scale)
 
 
+def mla_prefill_impl() -> str:
+    """``"sdpa"`` or ``"naive"`` from ``K3SERVE_MLA_PREFILL`` (unset: ``"naive"``).
+
+    Raises:
+        ValueError: any other value.
+    """
+    val = os.environ.get("K3SERVE_MLA_PREFILL", "").strip().lower() or "naive"
+    if val not in ("naive", "sdpa"):
+        raise ValueError(f"K3SERVE_MLA_PREFILL={val!r}: expected 'naive' or 'sdpa'")
+    return val
+
+
+def mla_prefill_paged(q, latent_pool, block_table, cu_seqlens, num_cached, kv_b_weight,
+                      qk_nope, v_dim, scale):  # fmt: skip
+    """:func:`k3serve.kernels.mla.naive.mla_prefill_naive_paged` contract (output dtype may be
+    ``q.dtype``). With ``K3SERVE_MLA_PREFILL=sdpa``, where :func:`use_triton` allows and no
+    gradient is needed: SDPA in ``q.dtype``
+    (:mod:`k3serve.kernels.mla.prefill_sdpa`, no ``[H, T, L]`` scores in memory); else the naive
+    float32 reference."""
+    if (mla_prefill_impl() == "sdpa" and use_triton(q.device) and q.dtype != torch.float64
+            and not _needs_grad(q, kv_b_weight)):
+        from k3serve.kernels.mla.prefill_sdpa import mla_prefill_sdpa_paged as fast
+
+        return fast(q, latent_pool, block_table, cu_seqlens, num_cached, kv_b_weight, qk_nope,
+                    v_dim, scale)  # fmt: skip
+    from k3serve.kernels.mla.naive import mla_prefill_naive_paged as ref
+
+    return ref(q, latent_pool, block_table, cu_seqlens, num_cached, kv_b_weight, qk_nope, v_dim,
+               scale)  # fmt: skip
+
+
 def rms_norm(x, weight, eps, gate=None):
     """RMSNorm (× ``σ(gate)`` when given): :func:`k3serve.model.layers.rms_norm` contract, in
     ``x.dtype``. One fused Triton launch (:mod:`k3serve.kernels.fused_triton`) when
@@ -208,6 +243,8 @@ __all__ = [
     "glu",
     "kernel_backend",
     "mla_decode_absorbed_paged",
+    "mla_prefill_impl",
+    "mla_prefill_paged",
     "rms_norm",
     "routed_experts",
     "use_triton",

@@ -509,7 +509,7 @@ def _apply(
     """Copy one planned tensor into the model (``dst`` shares the parameter's storage)."""
     if plan.kind == "mxfp4_expert":
         packed, scales = srcs
-        dst.copy_(unpack_mxfp4(packed, scales, dtype=dst.dtype))
+        dst.copy_(unpack_mxfp4(packed.to(dst.device), scales.to(dst.device), dtype=dst.dtype))
         if keep_packed:
             owner = model.get_submodule(plan.ours.rsplit(".", 1)[0])
             device = dst.device
@@ -706,12 +706,15 @@ def load_model(
     else:
         cfg = load_config(os.fspath(source))  # ValueError: neither a preset nor a folder
         folder = None if random_init else Path(source)
-    rng_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = K3ForCausalLM(cfg, dtype=dtype)
-    finally:
-        torch.random.set_rng_state(rng_state)
+    # Weights read from a folder replace the init: build straight on an accelerator then (the
+    # CPU init of a multi-billion-parameter model takes minutes; random init stays on the CPU
+    # so that a seed gives the same weights on every device).
+    dev = torch.device(device)
+    build_on = dev if folder is not None and dev.type == "cuda" else torch.device("cpu")
+    with torch.random.fork_rng(devices=[build_on] if build_on.type == "cuda" else []):
+        torch.manual_seed(seed)
+        with build_on:
+            model = K3ForCausalLM(cfg, dtype=dtype)
     if folder is not None:
         load_checkpoint(model, folder, cfg)
     return LoadedModel(model.to(device).eval(), cfg, None if folder is None else str(folder))

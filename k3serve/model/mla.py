@@ -155,7 +155,7 @@ class MLAMixer(nn.Module):
                 )
                 o = self.absorbed_output(o_lat)
             else:
-                o = mla_ref.mla_prefill_naive_paged(
+                o = dispatch.mla_prefill_paged(
                     q,
                     latent_pool,
                     block_table,

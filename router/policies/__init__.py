@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from router.index import PrefixMatch
 from router.placement import PrefillWorkerState
 
 
@@ -26,20 +27,28 @@ from router.placement import PrefillWorkerState
 class WorkerView(PrefillWorkerState):
     """A prefill worker as the richer policies see it (all extra fields optional).
 
-    ``cached_blocks`` / ``mla_blocks`` are the *effective* depths (the deeper of the worker's
-    own cache and the store), so every policy predicts the hit it will get.
+    Two fillings. The simulator's: ``cached_blocks`` / ``mla_blocks`` are the *effective*
+    depths (the deeper of the worker's own cache and the store) and ``local_blocks`` the own
+    cache's, so every policy predicts the hit it will get. The live router's
+    (``router.pipeline.Router.place``): the plain ``PrefillWorkerState`` meaning
+    (``cached_blocks`` = own cache, ``store_blocks`` = the store's, ``local_blocks`` −1), plus
+    ``util`` / ``request_rate`` from the router's :class:`~router.policies.load.RecentLoad`
+    and ``running`` from its load account; :func:`depths` reads either.
 
     Attributes:
         local_blocks: usable depth in the worker's own cache, blocks (−1: unknown, take
             ``cached_blocks``).
         store_blocks: usable depth in the shared store, blocks (0: no store / no hit).
-        store_tokens_per_s: latent tokens per second a store load delivers (0: no store).
+        store_tokens_per_s: latent tokens per second a store load delivers (0: unknown; a
+            policy then prices a store token at ``PlacementParams.store_token_cost`` of a
+            computed one).
         util: the worker's recent busy fraction by the router's account (predicted uncached
             tokens sent, decayed, over the prefill rate), in ``[0, ∞)``; 0 when unknown.
         request_rate: requests per second the router sent to the worker recently (decayed
             over the same horizon as ``util``); 0 when unknown.
-        running: requests sent and not finished.
-        approx_blocks: depth matched in the router's approximate tree of what it routed here.
+        running: requests sent and not finished (−1: unknown).
+        approx_blocks: depth matched in the router's approximate tree of what it routed here
+            (−1: no tree; policies take ``mla_blocks``).
         tree_blocks: size of that tree, blocks.
     """
 
@@ -48,8 +57,8 @@ class WorkerView(PrefillWorkerState):
     store_tokens_per_s: float = 0.0
     util: float = 0.0
     request_rate: float = 0.0
-    running: int = 0
-    approx_blocks: int = 0
+    running: int = -1
+    approx_blocks: int = -1
     tree_blocks: int = 0
 
 
@@ -57,6 +66,20 @@ def local_depth(w: PrefillWorkerState) -> int:
     """Usable blocks in the worker's own cache (``cached_blocks`` for a plain state)."""
     lb = getattr(w, "local_blocks", -1)
     return w.cached_blocks if lb < 0 else lb
+
+
+def depths(w: PrefillWorkerState, cap: int) -> tuple[int, int]:
+    """``(effective, local)`` usable depth of a prompt on ``w``, blocks, each ≤ ``cap``.
+
+    Effective = what the worker reuses once it has loaded what the store adds; local = its
+    own cache. A plain state (``local_blocks`` −1): local ``cached_blocks``, effective the
+    deeper of that and ``store_blocks``; a simulator view: ``cached_blocks`` is effective.
+    """
+    lb = getattr(w, "local_blocks", -1)
+    if lb < 0:
+        loc = min(w.cached_blocks, cap)
+        return max(loc, min(w.store_blocks, cap)), loc
+    return min(w.cached_blocks, cap), min(lb, cap)
 
 
 class RouterView:
@@ -130,6 +153,26 @@ class RouterView:
         return len(self._lru[worker])
 
 
+def live_view(worker_id: str, match: PrefixMatch | None, store: PrefixMatch | None,
+              queued_tokens: int, prefill_rate: float, recent: RecentLoad,
+              now: float | None = None) -> WorkerView:
+    """The live router's view of one prefill worker (``router.pipeline.Router.place``).
+
+    Args:
+        worker_id: the worker's URL.
+        match: its entry of ``GlobalIndex.match`` (``None``: holds nothing of the prompt).
+        store: the ``store`` holder's entry (``None``: no store / nothing there).
+        queued_tokens: the router's queued prefill tokens on it (``Worker.queued_tokens``).
+        prefill_rate: its prefill tokens/s.
+        recent: its :class:`RecentLoad` (``Worker.recent``): ``util`` and ``request_rate``.
+        now: the account's clock reading (``None``: read it).
+    """
+    return WorkerView(
+        worker_id, match.usable_blocks if match else 0, match.mla_blocks if match else 0,
+        queued_tokens, prefill_rate, store_blocks=store.usable_blocks if store else 0,
+        util=recent.util(prefill_rate, now), request_rate=recent.request_rate(now))
+
+
 def register_all() -> None:
     """Register this package's policies in ``router.placement.POLICIES`` (idempotent)."""
     from router.placement import register_policy
@@ -140,4 +183,9 @@ def register_all() -> None:
     register_policy("approx_radix", approx_radix)
 
 
-__all__ = ["RouterView", "WorkerView", "local_depth", "register_all"]
+from router.policies.load import RecentLoad  # noqa: E402 - after the classes it sits beside
+
+register_all()
+
+__all__ = ["RecentLoad", "RouterView", "WorkerView", "depths", "live_view", "local_depth",
+           "register_all"]

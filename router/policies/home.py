@@ -34,10 +34,20 @@ whose queued work exceeds ``guard_factor × least + guard_seconds`` (the ``cache
 guard) is skipped unless it holds the best prefix and its queue is below
 ``overload_seconds``. Ties → less queued, then a rotation by ``seq``.
 
-On plain ``PrefillWorkerState`` objects (the live router's today: no store, ``util``,
-``request_rate``) the bound and the externality are inactive: the policy is the cost above
-under the queue guard. Knobs: :class:`HomeParams` (chosen with
-benchmarks/simulate_grid.py on three traces; see the issue-12 report).
+The live router feeds it the same figures as the simulator: ``util`` and ``request_rate``
+come from one :class:`router.policies.load.RecentLoad` per worker in ``router.workers.Worker``
+(the simulator uses the same class), and the store's depth from the index's ``store`` holder
+(a plain state's ``store_blocks``; :func:`router.policies.depths`). On plain
+``PrefillWorkerState`` objects without ``util`` the bound and the externality are inactive:
+the policy is the cost above under the queue guard.
+
+Knobs: :class:`HomeParams`, chosen with benchmarks/simulate_grid.py over the three traces
+(Mooncake, conversation, agent), with and without the store, at the issue-12 defaults. The
+median TTFT is set by the last partial block of deep hits (≈ 7 ms at 8,000 tokens/s) plus the
+waits of the ~2 % of short requests that land behind a long cold prefill on their home; a
+lighter queue weight (0.5) and duplication weight (1.0) than the first cut (1.0, 3.0) keep
+hit / oracle and the balance and make ``prefix_home``'s p50 the lowest on all six runs
+(benchmarks/RESULTS_simulate.md).
 """
 
 from __future__ import annotations
@@ -46,7 +56,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.placement import PlacementParams, PlacementRequest, PrefillWorkerState
-from router.policies import local_depth
+from router.policies import depths
+from router.policies.load import UTIL_HORIZON_S
 
 
 @dataclass(frozen=True)
@@ -66,13 +77,13 @@ class HomeParams(PlacementParams):
             it for the requests that follow).
     """
 
-    dup_weight: float = 3.0
+    dup_weight: float = 1.0
     balance_slack: float = 0.10
-    util_horizon_s: float = 10.0
+    util_horizon_s: float = UTIL_HORIZON_S
     overload_seconds: float = 2.0
     balance_weight: float = 20.0
     ext_weight: float = 1.0
-    queue_weight: float = 1.0
+    queue_weight: float = 0.5
 
 
 _DEFAULT = HomeParams()
@@ -84,7 +95,8 @@ def prefix_home(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
     hp = params if isinstance(params, HomeParams) else _DEFAULT
     n = len(workers)
     B, L, cap = req.block_size, req.num_prompt_tokens, req.max_cached_blocks
-    depth = [min(w.cached_blocks, cap) for w in workers]
+    dl = [depths(w, cap) for w in workers]
+    depth = [e for e, _ in dl]
     best = max(depth)
     queued = [w.queued_tokens / w.prefill_rate for w in workers]
     least = min(queued)
@@ -109,10 +121,11 @@ def prefix_home(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
                 if not hp.balance_weight:
                     continue
                 cost += hp.balance_weight * excess * H
-        loc = min(local_depth(w), cap)
-        sr = getattr(w, "store_tokens_per_s", 0.0)
-        if c > loc and sr > 0:
-            cost += (c - loc) * B / sr
+        loc = dl[i][1]
+        if c > loc:  # the store supplies (c − loc) blocks: their load time
+            sr = getattr(w, "store_tokens_per_s", 0.0)
+            cost += (c - loc) * B * (1 / sr if sr > 0 else params.store_token_cost
+                                     / w.prefill_rate)
         key = (cost, q, (i - req.seq) % n)
         if best_key is None or key < best_key:
             best_i, best_key = i, key

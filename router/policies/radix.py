@@ -12,8 +12,9 @@ per worker of the prompts it routed there (not the workers' real caches) and dec
 
 Defaults as published: ``cache_threshold = 0.3``, ``balance_abs_threshold = 64``,
 ``balance_rel_threshold = 1.5``. Ties rotate by ``seq``. Reads :class:`router.policies.
-WorkerView`'s ``approx_blocks``, ``tree_blocks`` and ``running``; on plain states it falls back
-to ``mla_blocks`` (the exact index) and queued tokens.
+WorkerView`'s ``approx_blocks``, ``tree_blocks`` and ``running``; where they are unknown (plain
+states, −1: the live router keeps no approximate tree) it falls back to ``mla_blocks`` (the
+exact index) and queued tokens.
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ def approx_radix(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
     """SGLang-router-style choice over approximate trees (module docstring)."""
     n = len(workers)
     rot = [(i - req.seq) % n for i in range(n)]
-    load = [getattr(w, "running", None) for w in workers]
-    if any(x is None for x in load):
+    load = [getattr(w, "running", -1) for w in workers]
+    if any(x < 0 for x in load):
         load = [w.queued_tokens for w in workers]
     lo, hi = min(load), max(load)
     if hi - lo > BALANCE_ABS_THRESHOLD and hi > BALANCE_REL_THRESHOLD * lo:
         return min(range(n), key=lambda i: (load[i], rot[i]))
-    match = [getattr(w, "approx_blocks", w.mla_blocks) for w in workers]
+    match = [a if (a := getattr(w, "approx_blocks", -1)) >= 0 else w.mla_blocks
+             for w in workers]
     best = max(match)
     if best * req.block_size > CACHE_THRESHOLD * req.num_prompt_tokens:
         return min(range(n), key=lambda i: (-match[i], load[i], rot[i]))

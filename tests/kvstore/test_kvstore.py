@@ -746,6 +746,95 @@ def test_inprocess_decode_abort_refuses_http_completion(pair):
     assert "client went away" in rx.error
 
 
+def test_fault_plan_schedule_and_config():
+    from kvstore.faults import FaultPlan
+
+    plan = FaultPlan(0.1, 0.1, 0.1)
+    faults = [plan.next() for _ in range(100)]
+    assert faults.count("fail") == faults.count("hang") == faults.count("pair") == 10
+    assert (faults[4], faults[7], faults[1]) == ("fail", "hang", "pair")  # deterministic
+    assert not FaultPlan().active and all(FaultPlan().next() is None for _ in range(50))
+    assert [FaultPlan(1.0).next() for _ in range(3)] == ["fail"] * 3
+    with pytest.raises(ValueError, match="fail_fraction"):
+        FaultPlan(1.5)
+    with pytest.raises(ValueError):
+        FaultPlan(0.6, 0.3, 0.3)
+    cfg = KVConfig.from_env({"K3SERVE_KV_FAULT_FAIL_FRACTION": "0.1",
+                             "K3SERVE_KV_FAULT_HANG_FRACTION": "0.05"})
+    assert (cfg.fault_fail_fraction, cfg.fault_hang_fraction) == (0.1, 0.05)
+    with pytest.raises(ValueError, match="K3SERVE_KV_FAULT_HANG_FRACTION"):
+        KVConfig.from_env({"K3SERVE_KV_FAULT_HANG_FRACTION": "2"})
+
+
+def test_inprocess_injected_fail_and_hang_expire_on_both_sides(pair):
+    """An injected failure is reported once paired; a hung sender writes nothing, so the
+    ticket expires at its deadline (receiver) and the sender at its own; both release."""
+    n = 2 * B
+    released = []
+    rx = KVReceiver(pair["server"], CacheRef(3, (56, 57), n), timeout_s=10,
+                    on_release=lambda: released.append("fail"))
+    tx = make_sender(pair, rx, CacheRef(1, (12, 13), n), fault="fail")
+    for l in range(TINY.num_layers):
+        tx.layer_ready(l)
+    tx.finish(meta_for(n))
+    run_until(lambda: tx.state.terminal and rx.released, 10, tx, rx)
+    assert tx.state == KVPoll.FAILED and rx.state == KVPoll.FAILED
+    assert "injected" in rx.error and not rx.expired and not tx.expired
+    rx2 = KVReceiver(pair["server"], CacheRef(3, (58, 59), n), timeout_s=0.3,
+                     pair_timeout_s=10, on_release=lambda: released.append("hang"))
+    tx2 = make_sender(pair, rx2, CacheRef(1, (14, 15), n), fault="hang", timeout_s=1.0)
+    for l in range(TINY.num_layers):
+        tx2.layer_ready(l)
+    tx2.finish(meta_for(n))
+    run_until(lambda: rx2.state.terminal, 5, tx2, rx2)
+    assert rx2.state == KVPoll.FAILED and rx2.expired and "timed out" in rx2.error
+    assert not tx2.state.terminal and tx2.bytes_sent == 0  # nothing written: it hangs
+    run_until(lambda: tx2.state.terminal and rx2.released, 10, tx2, rx2)
+    assert tx2.state == KVPoll.FAILED and tx2.expired
+    assert released == ["fail", "hang"]
+    rx3 = KVReceiver(pair["server"], CacheRef(3, (62,), B), timeout_s=10)
+    tx3 = make_sender(pair, rx3, CacheRef(1, (16,), B), fault="pair")
+    run_until(lambda: tx3.state.terminal, 5, tx3)
+    assert tx3.state == KVPoll.FAILED and "t_paired" not in tx3.stats  # → 502 at prefill
+    assert rx3.poll() == KVPoll.BOOTSTRAPPING  # never paired: the router's abort frees it
+    rx3.abort("prefill answered 502")
+    assert rx3.released
+
+
+def test_failed_ticket_of_a_dead_sender_is_released_without_its_quiesce_wait(pair):
+    """A paired sender announces when it stops writing (quiesce_by_s): a failed ticket's
+    reservation waits for that while the sender's TE port answers, and is released as soon
+    as the port refuses connections (the sender's process is gone)."""
+    srv = pair["server"]
+    alive = socket.socket()
+    alive.bind(("127.0.0.1", 0))
+    alive.listen()
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead_port = dead.getsockname()[1]
+    dead.close()
+    released, rxs = [], []
+    for name, port in (("alive", alive.getsockname()[1]), ("dead", dead_port)):
+        rx = KVReceiver(srv, CacheRef(2, (60 + len(rxs),), B), timeout_s=10,
+                        on_release=lambda n=name: released.append(n))
+        st, _ = srv.pair(PairRequest(ticket=rx.ticket, sender=f"s-{name}", quiesce_by_s=60,
+                                     fingerprint=srv.layout.fingerprint(),
+                                     sender_session=f"127.0.0.1:{port}"))
+        assert st == 200
+        rx.abort("the prefill worker went away")
+        rxs.append(rx)
+    run_until(lambda: rxs[1].released, 5, *rxs)
+    assert released == ["dead"] and "gone" in rxs[1].error
+    time.sleep(2.5 * srv.probe_interval_s)  # probed again meanwhile: still answers
+    for rx in rxs:
+        rx.poll()
+    assert not rxs[0].released
+    alive.close()  # now it is gone too
+    run_until(lambda: rxs[0].released, 5, *rxs)
+    for rx in rxs:
+        rx.close()
+
+
 def test_inprocess_manifest_short_and_timeout(pair):
     srv = pair["server"]
     rx = KVReceiver(srv, CacheRef(0, (1, 2), 2 * B), timeout_s=10)

@@ -1,18 +1,23 @@
 """Store tier pieces without a live stack: snapshot points, fetch plan, import bookkeeping, pool
-bytes round trip, the router's store holder and pricing, the client's down/full handling."""
+bytes round trip, the router's store holder and pricing, the client's down/full handling, and
+evictions reaching the router's index (reconciliation, failed reads)."""
 
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
+from k3serve.cache.events import EventLog, make_state
 from k3serve.cache.manager import CacheManager
 from k3serve.cache.prefix import fetch_plan, log_snapshot_points
 from k3serve.cache.specs import CacheConfig
 from kvstore.store import KVStore, StoreConfig, StoreState, block_key, snapshot_key
 from router.index import STORE, GlobalIndex
 from router.placement import PlacementParams, PlacementRequest, PrefillWorkerState, cache_aware
+from router.policies import RecentLoad, WorkerView, live_view
+from worker.store import store_events
 
 
 def test_log_snapshot_points_are_dense_then_doubling():
@@ -144,7 +149,7 @@ def test_client_down_full_and_recovery(caplog):
         assert fake.data[block_key(s.fingerprint, "h")] == b"x" * 10
         assert s.lookup(["h", "g"], ["h"]) == ({"h"}, set())
         assert s.get_block("h") == b"x" * 10
-        assert s.drain_committed() == [("h", False)]
+        assert s.drain_changes() == [("h", False, True)]
         fake.rc = -200  # full: a failed put, reads still served
         s.put_snapshot("s", b"y")
         s.flush()
@@ -166,5 +171,92 @@ def test_client_down_full_and_recovery(caplog):
         assert snapshot_key(s.fingerprint, "s3") in fake.data
         downs = [r for r in caplog.records if "is down" in r.getMessage()]
         assert len(downs) == 1
+    finally:
+        s.close()
+
+
+class _Reported:
+    """One worker's store client feeding the router's index as the live stack does: the
+    client's changes → the worker's cache event log (``StoreTier.export``) → the router's
+    poll (``GlobalIndex.apply_events``) → the ``store`` holder placement prices."""
+
+    def __init__(self, store: KVStore):
+        self.store = store
+        self.log = EventLog()
+        self.idx = GlobalIndex()
+        self.idx.add_worker("w")
+        self.idx.load_state("w", make_state(self.log.epoch, 0, [], []))
+
+    def pull(self) -> None:
+        for type_, hs, snap in store_events(self.store.drain_changes()):
+            self.log.append(type_, hs, snapshot=snap, source="store")
+        self.idx.apply_events("w", self.log.since(self.idx.cursor("w")[1]))
+
+    def store_view(self, chain: list[str]) -> WorkerView:
+        """A prefill worker holding nothing itself, 100 tokens queued, as the router sees it."""
+        m = self.idx.match(chain, len(chain))
+        return live_view("p", m.get("p"), m.get(STORE), 100, 10_000.0, RecentLoad())
+
+
+def test_store_eviction_is_reported_and_no_longer_priced_as_a_store_hit():
+    fake = _FakeClient()
+    s = KVStore(StoreConfig(url="127.0.0.1:1", retry_s=0.05, reconcile_s=0.05), "f" * 32,
+                client=fake).start()
+    r = _Reported(s)
+    chain = ["a", "b", "c", "d"]
+    req = PlacementRequest(4 * 64 + 10, 64)
+    try:
+        for h in "abc":
+            s.put_block(h, b"x" * 8)
+        s.put_snapshot("c", b"y" * 8)
+        assert s.flush()
+        r.pull()
+        assert r.idx.store_depth(chain) == 3 and r.store_view(chain).store_blocks == 3
+        cold = PrefillWorkerState("cold", queued_tokens=0)  # idle, holds nothing
+        assert cache_aware(req, [cold, r.store_view(chain)], PlacementParams()) == 1
+        # the master evicts block b; nobody reads it: the writer's reconciliation notices
+        del fake.data[block_key(s.fingerprint, "b")]
+        t_end = time.monotonic() + 10
+        while r.idx.store_depth(chain) and time.monotonic() < t_end:
+            time.sleep(0.02)
+            r.pull()
+        assert r.idx.store_depth(chain) == 0 and r.store_view(chain).store_blocks == 0
+        assert s.stats.gone == 1
+        assert cache_aware(req, [cold, r.store_view(chain)], PlacementParams()) == 0
+        # put again (a worker computed it anew): claimed again, in order
+        s.put_block("b", b"x" * 8)
+        assert s.flush()
+        r.pull()
+        assert r.idx.store_depth(chain) == 3
+    finally:
+        s.close()
+
+
+def test_failed_store_read_reports_at_once():
+    """A worker that finds a value gone when it reads it (evicted between lookup and get), or a
+    lookup that finds absent a key it reported, reports it without waiting for reconciliation."""
+    fake = _FakeClient()
+    s = KVStore(StoreConfig(url="127.0.0.1:1", reconcile_s=3600), "f" * 32, client=fake).start()
+    r = _Reported(s)
+    try:
+        for h in "ab":
+            s.put_block(h, b"x" * 8)
+            s.put_snapshot(h, b"y" * 8)
+        assert s.flush()
+        r.pull()
+        assert r.idx.store_depth(["a", "b"]) == 2
+        del fake.data[snapshot_key(s.fingerprint, "b")]
+        assert s.get_snapshot("b") is None
+        r.pull()
+        assert r.idx.store_depth(["a", "b"]) == 1
+        del fake.data[block_key(s.fingerprint, "a")]
+        assert s.lookup(["a", "b"], []) == ({"b"}, set())
+        r.pull()
+        assert r.idx.store_depth(["a", "b"]) == 0
+        # a lookup of keys nobody reported adds nothing to the log
+        n = r.log.last_seq
+        assert s.lookup(["zz"], ["zz"]) == (set(), set())
+        r.pull()
+        assert r.log.last_seq == n
     finally:
         s.close()

@@ -32,6 +32,7 @@ def test_exposed_names_exactly_design_section_6():
         "k3serve:request_prompt_tokens_total",
         "k3serve:request_cached_tokens_total",
         "k3serve:router_predicted_cached_tokens_total",
+        "k3serve:router_migrations_total",
         "k3serve:cache_hit_rate",
         "k3serve:num_requests_running",
         "k3serve:num_requests_waiting",

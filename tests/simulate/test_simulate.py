@@ -229,6 +229,13 @@ def test_prefix_home_keeps_a_holder_with_a_queue_and_spills_when_overloaded():
 
     plain = [PrefillWorkerState("a", 3, 3, 0, 1000.0), PrefillWorkerState("b", 0, 0, 0, 1000.0)]
     assert place(req, plain, policy="prefix_home").prefill == "a"
+    # ... with the live router's store depth (``store_blocks`` beside the own cache): a store
+    # hit beats a miss, a local hit beats the same depth from the store
+    st = [PrefillWorkerState("miss", 0, 0, 0, 1000.0),
+          PrefillWorkerState("store", 0, 0, 0, 1000.0, store_blocks=9)]
+    assert place(req, st, policy="prefix_home").prefill == "store"
+    st.append(PrefillWorkerState("local", 9, 9, 0, 1000.0, store_blocks=9))
+    assert place(req, st, policy="prefix_home").prefill == "local"
 
 
 def test_router_view_matches_and_evicts():

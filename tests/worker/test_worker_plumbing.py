@@ -31,7 +31,8 @@ ROUTES = {
     "decode": {("get", "/internal/info"), ("get", "/internal/cache_events"),
                ("get", "/internal/cache_state"), ("get", "/internal/requests"),
                ("post", "/internal/abort"), ("post", "/internal/reserve"),
-               ("post", "/internal/generate"), ("post", "/internal/stream")},
+               ("post", "/internal/generate"), ("post", "/internal/stream"),
+               ("post", "/internal/resume")},
 }
 ROLES = {"prefill": PrefillWorker, "decode": DecodeWorker}
 

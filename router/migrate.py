@@ -1,0 +1,97 @@
+"""Request migration: a choice's decode events that survive the death of its decode worker.
+
+When the decode stream of a choice fails mid-way (the worker was killed, its connection
+dropped, it sent an error event), :class:`DecodeEvents` asks the router to resume the request
+on another decode worker — ``POST /internal/resume`` with the prompt and every token the
+client already has (token #1 and the ones streamed since; they count as output there:
+``max_tokens``, the penalties, stop tokens), sampled on with the request's seed at position
+``L + len(outputs)`` (the sampler's noise is keyed by ``(seed, choice, position)``,
+:mod:`k3serve.engine.sampler`, so seeded sampling continues exactly) — and goes on with that
+worker's stream. The router's own detokenizer (stop strings, held-back text) lives in
+:func:`router.stream.stream_choice` and is not touched, so the client's stream continues with
+no gap and no repeated token::
+
+    stream(D0) ── tokens ──▶ consumer          (tokens += each event the consumer took)
+        │ WorkerError
+        ▼
+    resume(D0, tokens) ─▶ (D1, sub-m1) ─▶ stream(D1) ── tokens after `tokens` ──▶ consumer
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from k3serve.messages import StreamEvent, StreamRequest
+from router.workers import Worker, WorkerError, WorkerPool
+
+log = logging.getLogger("k3serve.router")
+
+#: A choice migrates at most this many times (then its failure reaches the client).
+MAX_MIGRATIONS = 2
+
+#: ``resume(failed worker, output token ids, their logprobs, attempt k ≥ 1)`` → the decode
+#: worker and request id that continue the choice (raises ``WorkerError`` /
+#: ``NoWorkerAvailable`` when none can).
+Resume = Callable[[Worker, list[int], list[float | None], int], Awaitable[tuple[Worker, str]]]
+
+
+class DecodeEvents:
+    """The :class:`StreamEvent` s of one choice from token #2 on, across decode workers.
+
+    Args:
+        pool: the router's worker pool.
+        worker / sub: the decode worker and request id the choice streams from first.
+        first: token #1 and its logprob (what the prefill worker answered).
+        resume: see :data:`Resume`; ``None``: no migration (a failure is raised).
+
+    Attributes:
+        worker / sub: where the choice streams from now (abort it there).
+        tokens: every output token handed to the consumer (token #1 first).
+        migrations: how many times the choice moved.
+    """
+
+    def __init__(self, pool: WorkerPool, worker: Worker, sub: str,
+                 first: tuple[int, float | None], resume: Resume | None) -> None:
+        self.pool, self.worker, self.sub, self.resume = pool, worker, sub, resume
+        self.tokens: list[int] = [first[0]]
+        self.logprobs: list[float | None] = [first[1]]
+        self.migrations = 0
+
+    async def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        """Yield the events; an event is counted as delivered once the consumer asks for the
+        next one (or the stream ends), so a migration resumes after exactly those tokens.
+
+        Raises:
+            WorkerError: the stream failed and no migration was possible (``resume`` is
+                ``None``, ``MAX_MIGRATIONS`` reached, or no decode worker could take it).
+        """
+        body = StreamRequest(request_id=self.sub, token_id=self.tokens[0],
+                             logprob=self.logprobs[0])
+        while True:
+            try:
+                async for ev in self.pool.stream(self.worker, body):
+                    yield ev
+                    self.tokens += ev.token_ids
+                    self.logprobs += [lp.logprob for lp in ev.logprobs[:len(ev.token_ids)]]
+                    self.logprobs += [None] * (len(self.tokens) - len(self.logprobs))
+                return
+            except WorkerError as e:
+                if self.resume is None or self.migrations >= MAX_MIGRATIONS:
+                    raise
+                failed = self.worker
+                self.migrations += 1
+                log.warning("request %s: the decode stream of %s failed after %d tokens (%s); "
+                            "migrating it (%d)", self.sub, failed.url, len(self.tokens), e,
+                            self.migrations)
+                try:
+                    self.worker, self.sub = await self.resume(
+                        failed, list(self.tokens), list(self.logprobs), self.migrations)
+                except Exception as e2:  # noqa: BLE001 - the original failure is the news
+                    log.warning("request %s: migration failed: %r", self.sub, e2)
+                    raise e from None
+            body = StreamRequest(request_id=self.sub, token_id=self.tokens[-1],
+                                 logprob=self.logprobs[-1])
+
+
+__all__ = ["MAX_MIGRATIONS", "DecodeEvents", "Resume"]

@@ -1,0 +1,84 @@
+"""The router's recent account of what it sent one prefill worker: ``util`` and ``request_rate``.
+
+One implementation for the live router (``router.workers.Worker.load`` adds to it when a
+prefill is sent; ``router.pipeline.Router.place`` reads it into the :class:`~router.policies.
+WorkerView` it hands placement) and for the simulator (``simulate.engine``, the same calls at
+simulated times), so ``prefix_home``'s bounded-load and externality terms see the same figures
+in both.
+
+Both figures are exponentially decayed sums with time constant ``horizon_s``::
+
+    tokens(t) = Σ_sent uncached_tokens_i · exp(−(t − t_i) / H)
+    util(t, rate) = tokens(t) / (rate · H)        # busy fraction: compute seconds sent per second
+    request_rate(t) = Σ_sent exp(−(t − t_i) / H) / H    # requests per second
+
+A worker that receives ``r`` tokens per second at a prefill rate ``R`` converges to
+``util = r / R`` (and ``request_rate`` to its requests per second) after a few ``H``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+#: Default time constant of the account, seconds (``HomeParams.util_horizon_s``).
+UTIL_HORIZON_S = 10.0
+
+
+class RecentLoad:
+    """Decayed account of uncached prefill tokens and requests sent to one worker.
+
+    Args:
+        horizon_s: time constant ``H`` of the decay, seconds (> 0).
+        clock: monotonic seconds when a call gives no ``now`` (default ``time.monotonic``).
+
+    Raises:
+        ValueError: ``horizon_s`` ≤ 0.
+    """
+
+    __slots__ = ("horizon_s", "clock", "_tokens", "_requests", "_at")
+
+    def __init__(self, horizon_s: float = UTIL_HORIZON_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not horizon_s > 0:
+            raise ValueError(f"horizon_s: must be > 0, got {horizon_s!r}")
+        self.horizon_s = float(horizon_s)
+        self.clock = clock
+        self._tokens = 0.0
+        self._requests = 0.0
+        self._at: float | None = None
+
+    def _decay(self, now: float | None) -> None:
+        t = self.clock() if now is None else now
+        if self._at is None:
+            self._at = t
+        elif t > self._at:
+            d = math.exp(-(t - self._at) / self.horizon_s)
+            self._tokens *= d
+            self._requests *= d
+            self._at = t
+
+    def add(self, tokens: float, requests: float = 1.0, now: float | None = None) -> None:
+        """Count one placement: ``tokens`` predicted uncached prefill tokens, ``requests``
+        requests, sent at ``now`` (seconds on the account's clock; ``None``: the clock)."""
+        self._decay(now)
+        self._tokens += tokens
+        self._requests += requests
+
+    def tokens(self, now: float | None = None) -> float:
+        """Decayed uncached tokens sent (tokens)."""
+        self._decay(now)
+        return self._tokens
+
+    def util(self, rate: float, now: float | None = None) -> float:
+        """Recent busy fraction at prefill ``rate`` tokens/s: ``tokens / (rate · H)``, ≥ 0."""
+        return self.tokens(now) / (rate * self.horizon_s)
+
+    def request_rate(self, now: float | None = None) -> float:
+        """Recent requests per second sent (decayed count / ``H``), ≥ 0."""
+        self._decay(now)
+        return self._requests / self.horizon_s
+
+
+__all__ = ["UTIL_HORIZON_S", "RecentLoad"]
