@@ -31,6 +31,7 @@ from k3serve.messages import (
     same_secret,
 )
 from k3serve.protocol import CLUSTER_TOKEN_HEADER
+from router.admission import Ticket, overloaded
 from router.config import RouterConfig, main
 from router.errors import APIError, install_handlers, unavailable
 from router.pipeline import Router, cancel
@@ -38,10 +39,17 @@ from router.placement import NoWorkerAvailable
 from router.preprocess import parse_request
 from router.render import ChoiceAcc, Render, sse_frame
 from router.replicas import REPLICA_HEADER, Registry
-from router.responses import ErrorResponse, ModelCard, ModelList, new_id
+from router.responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    new_id,
+)
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.stream import END, Delta
-from router.workers import WorkerError
+from router.workers import PoolBusy, WorkerError
 
 __all__ = ["Router", "RouterConfig", "create_app", "main"]
 
@@ -92,11 +100,22 @@ def create_app(config: RouterConfig,
     async def serve(request: Request, chat: bool) -> Response:
         arrival = time.monotonic()
         check_api_key(request)
-        req = parse_request(await request.body(),
-                            ChatCompletionRequest if chat else CompletionRequest, config.model)
+        req = parse_request(await read_body(request, config.max_body_bytes),
+                            ChatCompletionRequest if chat else CompletionRequest, config.model,
+                            max_prompts=config.max_prompts)
         limit = router.max_model_len
         jobs = (router.pre.chat_jobs(req, limit) if chat
                 else router.pre.completion_jobs(req, limit))
+        ticket = router.admission.admit(len(jobs) * req.n)  # 429 + Retry-After past capacity
+        try:
+            return await run(request, req, jobs, arrival, ticket)
+        except BaseException:
+            ticket.release()
+            raise
+
+    async def run(request: Request, req: Any, jobs: list, arrival: float,
+                  ticket: Ticket) -> Response:
+        chat = isinstance(req, ChatCompletionRequest)
         rid = new_id("chatcmpl" if chat else "cmpl")
         render = Render(router.tokenizer, config.model, req, rid)
         out, tasks, num_choices = router.execute(req, jobs, rid, arrival)
@@ -124,6 +143,10 @@ def create_app(config: RouterConfig,
                 return e
             if isinstance(e, NoWorkerAvailable):
                 return unavailable(str(e))
+            if isinstance(e, PoolBusy) or (isinstance(e, WorkerError) and e.busy):
+                log.info("request %s shed: %s", rid, e)
+                return overloaded("the server is overloaded; retry", config.retry_after_s,
+                                  status=503)
             log.warning("request %s failed: %s", rid, e)  # worker addresses stay in the log
             return APIError(503, "a worker failed while serving the request; retry",
                             "server_error", code="worker_error")
@@ -157,6 +180,7 @@ def create_app(config: RouterConfig,
             gone.cancel()  # a streaming response watches for a disconnect itself
         if not req.stream:
             await cancel(tasks)
+            ticket.release()
             observe_e2e()
             return JSONResponse(render.full(jobs, accs), headers=replica)
 
@@ -186,18 +210,41 @@ def create_app(config: RouterConfig,
                 yield DONE_FRAME
             finally:
                 await cancel(tasks)
+                ticket.release()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **(replica or {})})
 
     # ---------------------------------------------------------------- public API
-    @app.post("/v1/completions")
+    # The bodies are parsed by hand (parse_request: caps, surrogates, the model's name); the
+    # schema still names them, with every error status the routes answer.
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest),
+              responses=_api_responses(CompletionResponse))
     async def completions(request: Request) -> Response:
         return await serve(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest),
+              responses=_api_responses(ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
         return await serve(request, chat=True)
+
+    base_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = base_openapi()
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            for m in (CompletionRequest, ChatCompletionRequest):
+                js = m.model_json_schema(ref_template="#/components/schemas/{model}")
+                comps.update(js.pop("$defs", {}))
+                js["properties"]["model"]["enum"] = [config.model]  # the one it serves
+                comps[m.__name__] = js
+            _bound_token_ids(comps["CompletionRequest"]["properties"]["prompt"],
+                             router.tokenizer.vocab_size)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     def card() -> ModelCard:
         return ModelCard(id=config.model, max_model_len=router.max_model_len)
@@ -271,6 +318,58 @@ async def _refresh_metrics(router: Router, every_s: float = 1.0) -> None:
     while True:
         router.metrics.refresh_window()
         await asyncio.sleep(every_s)
+
+
+def _bound_token_ids(schema: Any, vocab: int) -> None:
+    """Give every token-id item of a ``prompt`` schema its ``maximum`` (``vocab - 1``)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "integer" and node.get("minimum") == 0:
+                node["maximum"] = vocab - 1
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def _json_body(model: type) -> dict[str, Any]:
+    """``openapi_extra`` naming ``model`` as a route's JSON request body."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": ref}}}}
+
+
+def _api_responses(ok: type) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of a completion route: the JSON answer or an SSE stream, and the
+    OpenAI-style errors (429 and 503 with ``Retry-After``)."""
+    err = {"model": ErrorResponse}
+    retry = {**err, "headers": {"Retry-After": {"schema": {"type": "integer"},
+                                                "description": "seconds"}}}
+    return {200: {"model": ok, "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                  "description": "the completion, or its chunks with stream=true"},
+            400: err, 401: err, 404: err, 413: err, 429: retry, 503: retry}
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, read up to ``limit`` bytes.
+
+    Raises:
+        APIError: 413 ``request_too_large`` when ``Content-Length`` or the bytes received pass
+            ``limit`` (nothing more is read).
+    """
+    too_large = APIError(413, f"request body is larger than {limit} bytes",
+                         code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 async def _client_gone(request: Request) -> None:

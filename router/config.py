@@ -35,7 +35,8 @@ class RouterConfig:
             chat templates are used as given).
         poll_interval_s: Seconds between cache-event pulls of each worker.
         poll_timeout_s: Timeout of one cache-event pull, seconds: ``unhealthy_after`` slow
-            pulls in a row take a stuck (alive but unresponsive) worker out of placement.
+            pulls in a row take a stuck (alive but unresponsive) worker out of placement. The
+            polls have their own connection pool: request traffic never starves them.
         unhealthy_after: Failed pulls in a row that take a worker out of placement.
         timeout_s: Timeout of one internal call, seconds (a stream: between two events).
         max_model_len: Longest prompt + output in tokens; ``None`` = the workers' (or the
@@ -43,6 +44,22 @@ class RouterConfig:
         prefill_rate: Prefill tokens/s assumed for workers that do not report one.
         busy_wait_s: How long a request waits for room while every decode worker answers
             ``busy`` (no free slot or pages) before it fails with 503, seconds.
+        deadline_s: Seconds a request-path call (reserve, prefill, the wait between two
+            stream events) waits on a worker that is no longer available (its polls fail, or
+            its breaker is open) before it fails as hung; a healthy (busy) worker is waited
+            for up to ``timeout_s``.
+        pool_timeout_s: Seconds a request waits for a free connection of the request pool;
+            past it the request is shed (503 + ``Retry-After``), no worker is blamed.
+        max_connections: Size of the request path's connection pool.
+        breaker_fail_max: Request-path failures in a row that open a worker's circuit
+            breaker (placement skips it until a trial request succeeds).
+        breaker_reset_s: Seconds an open breaker waits before one trial request, seconds.
+        max_prompts: Most prompts in one ``/v1/completions`` batch (more: 400).
+        max_body_bytes: Largest request body, bytes (more: 413).
+        max_queued: Choices admitted beyond the decode workers' slots (Σ ``num_slots`` of the
+            available decode workers); they wait for a slot in arrival order. A request that
+            would pass ``slots + max_queued`` is refused at once with 429 and ``Retry-After``.
+        retry_after_s: The ``Retry-After`` of a shed request (429, 503), seconds.
         placement: Placement knobs (``HomeParams``: the cache-aware ones and ``prefix_home``'s).
         replica: This process's index among the router replicas (``--replicas N``,
             :mod:`router.replicas`); ``None``: the only router process.
@@ -67,6 +84,15 @@ class RouterConfig:
     max_model_len: int | None = None
     prefill_rate: float = 10_000.0
     busy_wait_s: float = 60.0
+    deadline_s: float = 30.0
+    pool_timeout_s: float = 5.0
+    max_connections: int = 1024
+    breaker_fail_max: int = 3
+    breaker_reset_s: float = 5.0
+    max_prompts: int = 256
+    max_body_bytes: int = 4 << 20
+    max_queued: int = 64
+    retry_after_s: int = 1
     placement: PlacementParams = field(default_factory=HomeParams)
     replica: int | None = None
     registry_dir: str | None = None
@@ -77,8 +103,14 @@ class RouterConfig:
             raise ValueError(f"policy: {self.policy!r} is not one of {sorted(POLICIES)}")
         if self.poll_interval_s <= 0:
             raise ValueError("poll_interval_s: must be > 0")
-        if self.poll_timeout_s <= 0:
-            raise ValueError("poll_timeout_s: must be > 0")
+        for name in ("poll_timeout_s", "deadline_s", "pool_timeout_s", "breaker_reset_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0")
+        for name in ("max_connections", "breaker_fail_max", "max_prompts", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1")
+        if self.max_queued < 0 or self.retry_after_s < 0:
+            raise ValueError("max_queued, retry_after_s: must be >= 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--poll-interval", type=float, default=0.1, help="seconds")
     ap.add_argument("--poll-timeout", type=float, default=10.0,
                     help="seconds one cache-event pull may take before it counts as failed")
+    ap.add_argument("--deadline", type=float, default=30.0,
+                    help="seconds a request waits on an unavailable (hung) worker")
+    ap.add_argument("--max-prompts", type=int, default=256,
+                    help="most prompts in one /v1/completions batch")
+    ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    ap.add_argument("--max-queued", type=int, default=64,
+                    help="choices admitted beyond the decode slots (then 429)")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--prefill-rate", type=float, default=10_000.0, help="tokens/s")
     ap.add_argument("--log-level", default="warning")
@@ -115,7 +154,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         cluster_token=os.environ.get(CLUSTER_TOKEN_ENV) or None, tokenizer=args.tokenizer,
         add_bos=not args.no_bos, poll_interval_s=args.poll_interval,
-        poll_timeout_s=args.poll_timeout,
+        poll_timeout_s=args.poll_timeout, deadline_s=args.deadline,
+        max_prompts=args.max_prompts, max_body_bytes=args.max_body_bytes,
+        max_queued=args.max_queued,
         max_model_len=args.max_model_len, prefill_rate=args.prefill_rate,
         replica=args.replica_index,
         registry_dir=os.environ.get(REGISTRY_ENV) if args.replica_index is not None else None,

@@ -2,8 +2,9 @@
 
 Every error answer is ``{"error": {"message", "type", "param", "code"}}``
 (:class:`router.schemas.ErrorResponse`): bad input 400, bad API key 401, wrong cluster token
-403, unknown route or model 404, no healthy worker or a worker failure 503 — never a 500
-(an unexpected exception is logged and answered 503).
+403, unknown route or model 404, a body past the size limit 413, a router at capacity 429,
+no healthy worker or a worker failure 503 — never a 500 (an unexpected exception is logged
+and answered 503). Every 429 and 503 carries ``Retry-After`` (seconds).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from router.responses import ErrorInfo, ErrorResponse, validation_error_info
 
 log = logging.getLogger("k3serve.router")
 
+#: ``Retry-After`` (seconds) of a 429 / 503 that names none.
+RETRY_AFTER_S = 1
+
 
 class APIError(Exception):
     """An error answered as ``{"error": {...}}`` with an HTTP status.
@@ -27,13 +31,19 @@ class APIError(Exception):
     Args:
         status: HTTP status.
         message / type / param / code: the OpenAI error fields.
+        retry_after: ``Retry-After`` header, seconds (a 429 or 503 without one gets
+            :data:`RETRY_AFTER_S`).
     """
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        if retry_after is None and status in (429, 503):
+            retry_after = RETRY_AFTER_S
+        self.retry_after = retry_after
 
     @classmethod
     def invalid(cls, errors: list[Any]) -> APIError:
@@ -50,7 +60,9 @@ class APIError(Exception):
         return ErrorResponse(error=self.info).model_dump()
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None \
+            else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def unavailable(message: str) -> APIError:

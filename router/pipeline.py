@@ -38,6 +38,7 @@ from k3serve.messages import (
     ResumeResponse,
     SamplingSpec,
 )
+from router.admission import Admission
 from router.config import RouterConfig
 from router.index import STORE
 from router.metrics import RouterMetrics
@@ -52,7 +53,7 @@ from router.policies import live_view
 from router.preprocess import Preprocessor, PromptJob, prompt_hashes
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.stream import END, Placed, stream_choice
-from router.workers import Worker, WorkerError, WorkerPool
+from router.workers import PoolBusy, Worker, WorkerError, WorkerPool
 
 if TYPE_CHECKING:
     from k3serve.sampling import SamplingParams
@@ -70,9 +71,10 @@ RESUME_WAIT_S = 0.25
 
 def _failover(e: BaseException) -> bool:
     """A worker failed before token #1 (unreachable, killed mid-call, an error answer such as
-    502 ``transfer_pairing_failed``): nothing reached the client, so the choice is placed
-    again — on other workers where there are (both reservations were aborted)."""
-    return isinstance(e, WorkerError) and not e.busy
+    502 ``transfer_pairing_failed``, ``busy``: its queue is full): nothing reached the client,
+    so the choice is placed again — on other workers where there are (both reservations were
+    aborted). No free connection of the router's own pool (``PoolBusy``) is shed instead."""
+    return isinstance(e, WorkerError) and not isinstance(e, PoolBusy)
 
 
 def _busy(e: BaseException) -> bool:
@@ -97,7 +99,15 @@ class Router:
         self.pool = WorkerPool(config.model, config.cluster_token, config.poll_interval_s,
                                config.unhealthy_after, config.timeout_s, transport,
                                on_worker=lambda w: self.metrics.add_worker(w.name, w.role),
-                               poll_timeout_s=config.poll_timeout_s)
+                               poll_timeout_s=config.poll_timeout_s,
+                               deadline_s=config.deadline_s,
+                               pool_timeout_s=config.pool_timeout_s,
+                               max_connections=config.max_connections,
+                               breaker_fail_max=config.breaker_fail_max,
+                               breaker_reset_s=config.breaker_reset_s)
+        self.admission = Admission(
+            lambda: sum(w.info.capacity.num_slots for w in self.pool.live("decode")),
+            config.max_queued, config.retry_after_s)
         self.tokenizer = get_tokenizer(config.tokenizer or config.model)
         self.pre = Preprocessor(self.tokenizer, config.add_bos)
         # replicas: each starts its rotation elsewhere, so their ties do not all pick the same
@@ -126,12 +136,12 @@ class Router:
 
     @property
     def max_model_len(self) -> int:
-        """Longest prompt + output, tokens: config, else the smallest a worker reports, else
-        the model config's ``max_position_embeddings``."""
+        """Longest prompt + output, tokens: config, else the smallest an available (healthy,
+        breaker closed) worker reports, else the model config's ``max_position_embeddings``."""
         if self.config.max_model_len:
             return self.config.max_model_len
         reported = [w.info.max_model_len for w in self.pool.workers.values()
-                    if w.info.max_model_len]
+                    if w.info.max_model_len and w.available]
         if reported:
             return min(reported)
         if self._model_len is None:
@@ -326,7 +336,7 @@ class Router:
             e = state.outcome.exception() if state.outcome else None
             if isinstance(e, WorkerError) and e.worker in self.pool.workers:
                 w = self.pool.workers[e.worker]
-                if e.retryable:
+                if e.retryable and not e.busy:
                     self.pool.mark_failed(w)
                 log.warning("request %s-%d: %s failed before token #1 (%s); placing it again",
                             rid, index, w.name, e)
@@ -441,10 +451,11 @@ class Router:
         async def choice(j: int) -> Worker | None:
             q = first_out if j == 0 else out
             try:
-                return await self.run_choice(
-                    job, job.prompt_index * n + j, j,
-                    self.pre.sampling(req, job.max_new, j, base_seed), req.cache_salt, rid,
-                    arrival, q)
+                async with self.admission.seat():  # a decode slot, in arrival order
+                    return await self.run_choice(
+                        job, job.prompt_index * n + j, j,
+                        self.pre.sampling(req, job.max_new, j, base_seed), req.cache_salt,
+                        rid, arrival, q)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - delivered to the consumer

@@ -28,21 +28,25 @@ R = TypeVar("R", CompletionRequest, ChatCompletionRequest)
 GOLDEN = 0x9E3779B97F4A7C15
 
 
-def parse_request(raw: bytes, model: type[R], served_model: str) -> R:
+def parse_request(raw: bytes, model: type[R], served_model: str,
+                  max_prompts: int | None = None) -> R:
     """Parse and validate a public request body.
 
     Args:
         raw: The HTTP body.
         model: ``CompletionRequest`` or ``ChatCompletionRequest``.
         served_model: The model this router serves (``model`` must name it).
+        max_prompts: Most prompts of a batch ``prompt`` (checked before the schema, so a huge
+            batch costs no validation); ``None``: no cap.
 
     Raises:
         APIError: 400 for JSON the parser rejects (also nesting past the recursion limit, an
             integer past Python's digit limit), a non-object, a lone UTF-16 surrogate, a
-            schema error (the field named), another model.
+            schema error (the field named), another model, more than ``max_prompts`` prompts
+            (``too_many_prompts``).
     """
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_float=_number)
     except (ValueError, RecursionError) as e:
         # ValueError: JSONDecodeError, bad UTF-8, an int past Python's digit limit;
         # RecursionError: nesting deeper than the parser's recursion limit
@@ -50,6 +54,11 @@ def parse_request(raw: bytes, model: type[R], served_model: str) -> R:
                        code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    batch = data.get("prompt")
+    if (max_prompts is not None and isinstance(batch, list) and len(batch) > max_prompts
+            and not all(isinstance(x, int) for x in batch)):
+        raise APIError(400, f"prompt: {len(batch)} prompts in one request; at most "
+                       f"{max_prompts}", param="prompt", code="too_many_prompts")
     bad = _lone_surrogate_field(data)
     if bad is not None:  # "\ud800": valid JSON, but no tokenizer or body can encode it
         raise APIError(400, f"{bad}: a string holds an unpaired UTF-16 surrogate escape",
@@ -62,6 +71,13 @@ def parse_request(raw: bytes, model: type[R], served_model: str) -> R:
         raise APIError(400, f"The model `{req.model}` does not exist; this server serves "
                        f"`{served_model}`.", param="model", code="model_not_found")
     return req
+
+
+def _number(text: str) -> int | float:
+    """A JSON number with a fraction or exponent: an ``int`` when its value is integral
+    (``2.0``, ``1e3``: JSON Schema's integers, so integer fields take them), else a float."""
+    f = float(text)
+    return int(f) if f.is_integer() and abs(f) < 2**63 else f
 
 
 _SURROGATE = re.compile(r"[\ud800-\udfff]")

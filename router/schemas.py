@@ -23,6 +23,26 @@ MAX_STOP = 16
 MAX_COMPLETION_LOGPROBS = 5
 MAX_CHAT_TOP_LOGPROBS = 20
 
+#: A token id in a prompt (the published schema says ``>= 0``; the validator names the field).
+TokenId = Annotated[int, Field(json_schema_extra={"minimum": 0})]
+
+
+def _message_schema(schema: dict[str, Any]) -> None:
+    """The published schema of :class:`ChatMessage`: what its validator accepts, so that a
+    message valid by the schema is accepted (``content`` required and not null except on an
+    assistant's ``tool_calls``; ``tool_calls`` only on assistant messages; ``tool_call_id``
+    required on tool messages)."""
+    schema["allOf"] = [
+        {"if": {"properties": {"role": {"const": "assistant"}}, "required": ["tool_calls"]},
+         "then": {"properties": {"tool_calls": {"type": "array", "minItems": 1}}},
+         "else": {"required": ["content"],
+                  "properties": {"content": {"not": {"type": "null"}},
+                                 "tool_calls": {"type": "null"}}}},
+        {"if": {"properties": {"role": {"const": "tool"}}},
+         "then": {"required": ["tool_call_id"],
+                  "properties": {"tool_call_id": {"type": "string", "minLength": 1}}}},
+    ]
+
 
 class _Request(BaseModel):
     # strict: JSON types only ("5" is not an int, true is not 1); unknown fields ignored.
@@ -50,7 +70,8 @@ class _SamplingFields(_Request):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(  # not supported: only {} or null
+        default=None, json_schema_extra={"maxProperties": 0})
     user: str | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     # vLLM's extension: generate past EOS (and the model's other end-of-text ids) up to
@@ -95,11 +116,14 @@ class CompletionRequest(_SamplingFields):
     top alternatives per sampled token.
     """
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: (str | Annotated[list[TokenId], Field(min_length=1)]
+              | Annotated[list[str], Field(min_length=1)]
+              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                          Field(min_length=1)])
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
-    echo: bool = False
-    suffix: str | None = None
+    echo: bool = Field(default=False, json_schema_extra={"enum": [False]})  # not supported
+    suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0})
     best_of: Annotated[int, Field(ge=1)] | None = None
 
     @field_validator("prompt")
@@ -166,6 +190,8 @@ class ChatMessage(_Request):
     message with ``tool_calls`` (``null`` or absent there); a ``tool`` message names the call
     it answers in ``tool_call_id``.
     """
+
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_message_schema)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None

@@ -24,12 +24,15 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import httpx
-from httpx_sse import SSEError, aconnect_sse
+import pybreaker
+from httpx_sse import EventSource, SSEError
 from pydantic import BaseModel, ValidationError
 
 from k3serve.messages import (
@@ -65,11 +68,46 @@ class WorkerError(RuntimeError):
     """
 
     def __init__(self, worker: str, message: str, retryable: bool = False,
-                 busy: bool = False) -> None:
+                 busy: bool = False, status: int | None = None, hung: bool = False) -> None:
         super().__init__(f"{worker}: {message}")
         self.worker = worker
         self.retryable = retryable or busy
         self.busy = busy
+        self.status = status  # the worker's HTTP status, if it answered
+        self.hung = hung  # no answer within the request path's deadline
+
+    @property
+    def fault(self) -> bool:
+        """The worker is at fault (unreachable, hung, 5xx other than ``busy``, malformed
+        answer): its circuit breaker counts it."""
+        return not self.busy and (self.status is None or self.status >= 500)
+
+
+class PoolBusy(WorkerError):
+    """No free connection of the router's request pool within its pool timeout: the router
+    is overloaded (answered 503 with ``Retry-After``); the worker is not at fault."""
+
+    @property
+    def fault(self) -> bool:
+        return False
+
+
+def _worker_fault(e: BaseException) -> bool:
+    return isinstance(e, WorkerError) and e.fault
+
+
+def _cut_off(b: pybreaker.CircuitBreaker) -> bool:
+    """The breaker is open and its reset timeout has not elapsed (no trial call yet)."""
+    if b.current_state != pybreaker.STATE_OPEN:
+        return False
+    opened = b._state_storage.opened_at  # pybreaker keeps no public accessor for it
+    return opened is None or (datetime.now(UTC) - opened).total_seconds() < b.reset_timeout
+
+
+class _BreakerLog(pybreaker.CircuitBreakerListener):
+    def state_change(self, cb: pybreaker.CircuitBreaker, old: Any, new: Any) -> None:
+        log.warning("worker %s: circuit %s -> %s", cb.name, getattr(old, "name", None),
+                    new.name)
 
 
 @dataclass
@@ -126,6 +164,17 @@ class Worker:
             return own
         return min(own, self.reported.free_slots)
 
+    breaker: pybreaker.CircuitBreaker = field(
+        default_factory=lambda: pybreaker.CircuitBreaker(fail_max=3, reset_timeout=5.0,
+                                                         exclude=[lambda e: not _worker_fault(e)],
+                                                         throw_new_error_on_trip=False),
+        repr=False)
+
+    @property
+    def available(self) -> bool:
+        """Placement may use it: healthy (its polls answer) and its breaker not open."""
+        return self.healthy and not _cut_off(self.breaker)
+
     @property
     def name(self) -> str:
         """Metric label: the worker's own id, else its URL."""
@@ -164,41 +213,72 @@ class Worker:
 class WorkerPool:
     """Registered workers, their cache index, pollers, and the HTTP calls to them.
 
+    Two HTTP clients with their own connection pools: ``client`` for the request path
+    (reserve, prefill, streams, aborts) and ``health`` for registration reads and the
+    cache-event pollers, so that request traffic can never starve the health checks; a
+    request that finds no free connection within ``pool_timeout_s`` fails with
+    :class:`PoolBusy` (the router is overloaded; no worker failed).
+
+    Each worker has a circuit breaker (:mod:`pybreaker`) fed by request-path calls: after
+    ``breaker_fail_max`` failures in a row (connection refused, a call given up on a hung
+    worker, a 5xx other than ``busy``) the breaker opens and placement skips the
+    worker; after ``breaker_reset_s`` one trial request may go there again (half-open), and
+    its success closes the breaker. A re-registration (restart) closes it too.
+
     Args:
         model: The served model name; workers of another model are refused.
         cluster_token: Sent on every internal call; ``None`` sends none.
         poll_interval_s: Seconds between cache-event pulls of one worker.
         unhealthy_after: Failed pulls in a row that mark a worker unhealthy.
-        timeout_s: Timeout of a single internal call (streams: between events).
+        timeout_s: Timeout of one internal call (a stream: between two events).
         transport: httpx transport (tests route calls to in-process apps).
         on_worker: Called with each worker once registered (metrics series).
         poll_timeout_s: Timeout of one cache-event pull (the health check): a worker that is
-            alive but stuck (stopped, wedged) fails its polls and leaves placement instead of
-            taking requests that would wait ``timeout_s`` for it.
+            alive but stuck (stopped, wedged) fails its polls and leaves placement.
+        deadline_s: Seconds a request-path call (reserve, prefill, the wait between two
+            stream events) waits on a worker that is not available (polls failing, breaker
+            open) before it fails as hung; a healthy worker is waited for up to ``timeout_s``.
+        pool_timeout_s: Seconds a request-path call waits for a free connection.
+        max_connections: Size of the request path's connection pool.
+        breaker_fail_max: Request-path failures in a row that open a worker's breaker.
+        breaker_reset_s: Seconds an open breaker waits before a trial request.
     """
 
     def __init__(self, model: str, cluster_token: str | None, poll_interval_s: float = 0.1,
                  unhealthy_after: int = 3, timeout_s: float = 600.0,
                  transport: httpx.AsyncBaseTransport | None = None,
                  on_worker: Callable[[Worker], None] | None = None,
-                 poll_timeout_s: float = 10.0) -> None:
+                 poll_timeout_s: float = 10.0, deadline_s: float = 30.0,
+                 pool_timeout_s: float = 5.0, max_connections: int = 1024,
+                 breaker_fail_max: int = 3, breaker_reset_s: float = 5.0) -> None:
         self.model = model
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
         self.unhealthy_after = unhealthy_after
+        self.deadline_s = deadline_s
+        self.breaker_fail_max = breaker_fail_max
+        self.breaker_reset_s = breaker_reset_s
         self.index = GlobalIndex()
         self.workers: dict[str, Worker] = {}
         self._on_worker = on_worker
         headers = {CLUSTER_TOKEN_HEADER: cluster_token} if cluster_token else {}
-        # Every open stream holds a connection: no cap on them (httpx's default of 100 would
-        # queue the 101st stream), a few more idle ones kept than httpx's 20 (fewer reconnects),
+        # Every open stream holds a connection: a large bounded pool (httpx's default of 100
+        # would queue the 101st stream; past ``max_connections`` a call waits
+        # ``pool_timeout_s``, then sheds as PoolBusy), a few more idle ones kept than httpx's 20
+        # (fewer reconnects),
         # not many more (httpcore scans every pooled connection on each request), and none kept
         # past 2 s (< uvicorn's 5 s keep-alive: a connection is never reused as it closes).
         self.client = httpx.AsyncClient(
             headers=headers, transport=transport,
-            timeout=httpx.Timeout(timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32,
-                                keepalive_expiry=2.0))
+            limits=httpx.Limits(max_connections=max_connections,
+                                max_keepalive_connections=min(max_connections, 32),
+                                keepalive_expiry=2.0),
+            timeout=httpx.Timeout(timeout_s, connect=5.0, pool=pool_timeout_s))
+        # Its own pool (a handful of connections: one poller per worker) and short timeouts.
+        self.health = httpx.AsyncClient(
+            headers=headers, transport=transport,
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
+            timeout=httpx.Timeout(timeout_s, connect=min(5.0, poll_timeout_s)))
         self._closed = False
 
     async def close(self) -> None:
@@ -211,6 +291,7 @@ class WorkerPool:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         await self.client.aclose()
+        await self.health.aclose()
 
     # ------------------------------------------------------------------ registry
     async def register(self, url: str) -> Worker:
@@ -222,7 +303,8 @@ class WorkerPool:
                 tensor-parallel degree differs from a registered worker's (:func:`check_parallel`).
         """
         url = url.rstrip("/")
-        info = _parse(WorkerInfo, url, "/internal/info", await self._get(url, "/internal/info"))
+        info = _parse(WorkerInfo, url, "/internal/info",
+                      await self._get(url, "/internal/info", timeout=self.poll_timeout_s))
         if info.model != self.model:
             raise ValueError(f"worker {url} serves model {info.model!r}, router serves "
                              f"{self.model!r}")
@@ -249,12 +331,14 @@ class WorkerPool:
             raise ValueError(f"worker {url} changed role {w.info.role} -> {info.role}")
         if w is None:
             w = Worker(url, info)
+            w.breaker = self._breaker(url)
             self.workers[url] = w
             self.index.add_worker(url)
             if self._on_worker:
                 self._on_worker(w)
         else:  # a restart: new info, same load account; the new epoch forces a resync
             w.info, w.healthy, w.failures = info, True, 0
+            w.breaker.close()
         await self.sync(w)
         if w.task is None or w.task.done():
             w.task = asyncio.create_task(self._poll_loop(w), name=f"poll {url}")
@@ -290,8 +374,15 @@ class WorkerPool:
         return None
 
     def live(self, role: str) -> list[Worker]:
-        """Healthy workers of a role, in registration order."""
-        return [w for w in self.workers.values() if w.role == role and w.healthy]
+        """Workers of a role that placement may use, in registration order: healthy (their
+        last polls answered) and not cut off by an open breaker."""
+        return [w for w in self.workers.values() if w.role == role and w.available]
+
+    def _breaker(self, url: str) -> pybreaker.CircuitBreaker:
+        return pybreaker.CircuitBreaker(
+            fail_max=self.breaker_fail_max, reset_timeout=self.breaker_reset_s,
+            exclude=[lambda e: not _worker_fault(e)], name=url,
+            listeners=[_BreakerLog()], throw_new_error_on_trip=False)
 
     def match(self, hashes: list[str], max_blocks: int) -> dict[str, PrefixMatch]:
         """``GlobalIndex.match`` keyed by worker URL."""
@@ -348,25 +439,78 @@ class WorkerPool:
         w.healthy = False
         w.failures = max(w.failures, self.unhealthy_after)
 
+    @contextlib.contextmanager
+    def calling(self, w: Worker, what: str) -> Iterator[None]:
+        """Run one request-path call to ``w`` through its breaker.
+
+        Raises:
+            WorkerError: the breaker is open (``retryable``: nothing was sent), or the call
+                failed (the breaker counts it when the worker is at fault).
+            PoolBusy: no free connection (not counted: the router is overloaded).
+        """
+        if _cut_off(w.breaker):
+            raise WorkerError(w.url, f"{what}: circuit open", retryable=True)
+        try:
+            with w.breaker.calling():
+                yield
+        except pybreaker.CircuitBreakerError:
+            raise WorkerError(w.url, f"{what}: circuit open", retryable=True) from None
+
     # ------------------------------------------------------------------ calls
     async def _get(self, url: str, path: str, params: Mapping[str, Any] | None = None,
                    timeout: float | None = None) -> Any:
+        """A GET off the request path (info, cache events and state) on the health client."""
         try:
-            r = await self.client.get(url + path, params=params,
+            r = await self.health.get(url + path, params=params,
                                       timeout=httpx.USE_CLIENT_DEFAULT if timeout is None
-                                      else httpx.Timeout(timeout, connect=5.0))
+                                      else httpx.Timeout(timeout,
+                                                         connect=min(5.0, timeout)))
         except httpx.HTTPError as e:
             raise WorkerError(url, f"GET {path}: {e!r}", retryable=True) from None
         return _json_body(url, path, r)
 
     async def _post(self, w: Worker, path: str, body: BaseModel, answer: type[M]) -> M:
+        with self.calling(w, path):
+            try:
+                r = await self._bounded(w, self.client.post(w.url + path,
+                                                            json=body.model_dump(mode="json")))
+            except httpx.PoolTimeout:
+                raise PoolBusy(w.url, f"POST {path}: no free connection") from None
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                raise WorkerError(w.url, f"POST {path}: {e!r}", retryable=True) from None
+            except httpx.TimeoutException as e:
+                raise WorkerError(w.url, f"POST {path}: no answer in time: {e!r}",
+                                  hung=True) from None
+            except httpx.HTTPError as e:
+                raise WorkerError(w.url, f"POST {path}: {e!r}") from None
+            return _parse(answer, w.url, path, _json_body(w.url, path, r))
+
+    async def _bounded(self, w: Worker, call: Any) -> Any:
+        """Await an internal call in a task of its own; give up once it has waited
+        ``deadline_s`` while ``w`` is not available (its polls fail: hung or dead; or its
+        breaker is open). A worker whose polls answer is busy, not hung: it is waited for up
+        to the call timeout.
+
+        The task is cancelled at most once, here: a second cancellation of the caller
+        cannot interrupt the closing of its connection (see :meth:`stream`).
+
+        Raises:
+            WorkerError: ``hung``, past the deadline on an unavailable worker.
+        """
+        t = asyncio.ensure_future(call)
+        started = time.monotonic()
         try:
-            r = await self.client.post(w.url + path, json=body.model_dump(mode="json"))
-        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-            raise WorkerError(w.url, f"POST {path}: {e!r}", retryable=True) from None
-        except httpx.HTTPError as e:
-            raise WorkerError(w.url, f"POST {path}: {e!r}") from None
-        return _parse(answer, w.url, path, _json_body(w.url, path, r))
+            while True:
+                done, _ = await asyncio.wait([t], timeout=min(1.0, self.deadline_s))
+                if done:
+                    return t.result()
+                if time.monotonic() - started >= self.deadline_s and not w.available:
+                    t.cancel()
+                    raise WorkerError(w.url, f"no answer within {self.deadline_s:g} s from an "
+                                             f"unavailable worker", hung=True)
+        except asyncio.CancelledError:
+            t.cancel()
+            raise
 
     async def reserve(self, w: Worker, body: ReserveRequest) -> ReserveResponse:
         """``POST /internal/reserve`` on a decode worker.
@@ -408,25 +552,59 @@ class WorkerPool:
         Raises:
             WorkerError: connection failure, non-2xx status, malformed or error event.
         """
-        try:
-            async with aconnect_sse(self.client, "POST", w.url + "/internal/stream",
-                                    json=body.model_dump(mode="json")) as source:
-                r = source.response
-                if r.status_code // 100 != 2:
-                    await r.aread()
-                    raise WorkerError(w.url, f"stream: HTTP {r.status_code}: {r.text[:200]}",
-                                      retryable=r.status_code == 503)
-                async for sse in source.aiter_sse():
-                    if sse.data.strip() == "[DONE]":
+        with self.calling(w, "/internal/stream"):
+            events: asyncio.Queue = asyncio.Queue()
+            reader = asyncio.create_task(self._read_stream(w, body, events))
+            try:
+                while True:
+                    ev = (events.get_nowait() if not events.empty()
+                          else await self._bounded(w, events.get()))
+                    if ev is None:
                         return
-                    ev = _parse_json(StreamEvent, w.url, "stream", sse.data)
-                    if ev.error is not None and not ev.token_ids:
-                        raise WorkerError(w.url, f"stream: {ev.error}")
+                    if isinstance(ev, BaseException):
+                        raise ev
                     yield ev
                     if ev.finish_reason:
                         return
+            finally:
+                # The reader owns the connection and is cancelled once, here: a close that a
+                # second cancellation interrupts (a client that goes away cancels its choices
+                # more than once) leaves the connection checked out of the pool for good,
+                # and a pool of such connections starves every later call.
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([reader], timeout=5.0)
+
+    async def _read_stream(self, w: Worker, body: StreamRequest, events: asyncio.Queue) -> None:
+        """Read D's SSE stream into ``events``: ``StreamEvent`` s, then ``None`` at the end or
+        the ``WorkerError`` that ended it."""
+        try:
+            req = self.client.build_request(
+                "POST", w.url + "/internal/stream", json=body.model_dump(mode="json"),
+                headers={"Accept": "text/event-stream", "Cache-Control": "no-store"})
+            async with contextlib.aclosing(await self.client.send(req, stream=True)) as r:
+                if r.status_code // 100 != 2:
+                    await r.aread()
+                    raise WorkerError(w.url, f"stream: HTTP {r.status_code}: {r.text[:200]}",
+                                      retryable=r.status_code == 503, status=r.status_code)
+                async for sse in EventSource(r).aiter_sse():
+                    if sse.data.strip() == "[DONE]":
+                        break
+                    ev = _parse_json(StreamEvent, w.url, "stream", sse.data)
+                    if ev.error is not None and not ev.token_ids:
+                        raise WorkerError(w.url, f"stream: {ev.error}")
+                    events.put_nowait(ev)
+                    if ev.finish_reason:
+                        break
+            events.put_nowait(None)
+        except WorkerError as e:
+            events.put_nowait(e)
+        except httpx.PoolTimeout:
+            events.put_nowait(PoolBusy(w.url, "stream: no free connection"))
+        except httpx.TimeoutException as e:
+            events.put_nowait(WorkerError(w.url, f"stream: no event in time: {e!r}", hung=True))
         except (httpx.HTTPError, SSEError) as e:
-            raise WorkerError(w.url, f"stream: {e!r}") from None
+            events.put_nowait(WorkerError(w.url, f"stream: {e!r}"))
 
     async def stream_batches(self, w: Worker, body: StreamRequest
                              ) -> AsyncIterator[list[StreamEvent]]:
@@ -491,7 +669,7 @@ def _json_body(url: str, path: str, r: httpx.Response) -> Any:
                 err = r.json()
                 busy = isinstance(err, dict) and err.get("error") == "busy"
         raise WorkerError(url, f"{path}: HTTP {r.status_code}: {r.text[:300]}",
-                          retryable=r.status_code == 503, busy=busy)
+                          retryable=r.status_code == 503, busy=busy, status=r.status_code)
     try:
         return r.json()
     except (json.JSONDecodeError, ValueError):

@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import openai
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from prometheus_client.parser import text_string_to_metric_families
 from sse_starlette import EventSourceResponse
 
 from decode.stream import take_ready
@@ -55,6 +57,8 @@ from k3serve.tokenizer.detok import IncrementalDetokenizer
 from router.workers import CLUSTER_TOKEN_HEADER
 
 MODEL = "k3-tiny"
+API_KEY = "sk-test-key"
+TOKEN = "cluster-secret"
 FINGERPRINT = "fake-layout"
 TOKENIZER = get_tokenizer(MODEL)
 END_BODY = object()  # a fake decode stream's queue: end the body (no finish event)
@@ -103,6 +107,9 @@ class FakeState:
     # end each decode stream after this many tokens with this finish_reason (None: no finish
     # event at all, only ``[DONE]``): a decode worker that aborts, or stops at its own limit
     cut_stream: tuple[int, str | None] | None = None
+    stalled: bool = False  # a hung worker: every request waits (unanswered) while it is set
+    max_model_len: int = 4096  # reported in /internal/info
+    token_delay_s: float = 0.0  # seconds between two streamed tokens (a slower model)
     # the toy model's token #k (1-based, k >= 2: a decode token) is EOS (ignore_eos tests)
     eos_at: int | None = None
     num_pages: int = 256  # cache pages (block_size tokens each); restart() applies a change
@@ -141,12 +148,14 @@ def make_worker_app(state: FakeState) -> FastAPI:
                 and request.headers.get(CLUSTER_TOKEN_HEADER) != state.cluster_token:
             state.unauthorized += 1
             return JSONResponse(ErrorBody(error="forbidden").model_dump(), status_code=403)
+        while state.stalled:
+            await asyncio.sleep(0.01)
         return await call_next(request)
 
     @app.get("/internal/info")
     async def info() -> WorkerInfo:
         return WorkerInfo(role=state.role, model=MODEL, fingerprint=FINGERPRINT,
-                          block_size=state.block_size, max_model_len=4096,
+                          block_size=state.block_size, max_model_len=state.max_model_len,
                           worker_id=f"{state.role}@{state.url.rsplit(':', 1)[-1]}",
                           capacity=Capacity(num_pages=state.num_pages, num_slots=8,
                                             num_snapshots=16))
@@ -268,7 +277,7 @@ def make_worker_app(state: FakeState) -> FastAPI:
                         return
                     if state.hang_after is not None and sent >= state.hang_after:
                         await r["abort_ev"].wait()
-                    await asyncio.sleep(state.step_s)
+                    await asyncio.sleep(state.step_s + state.token_delay_s)
             finally:
                 r["done"] = True
 
@@ -334,3 +343,72 @@ def start_worker(role: str, cluster_token: str | None) -> tuple[FakeState, Serve
     srv = ServerThread(make_worker_app(state))
     state.url = srv.url
     return state, srv.start()
+
+
+class Stack:
+    """A live router (``ServerThread``) with fake prefill and decode workers registered.
+
+    Args:
+        num_prefill / num_decode: Fake workers to start (``start_worker``).
+        api_key: The router's API key (``None``: open).
+        **config: Further :class:`RouterConfig` fields (``poll_interval_s`` is 0.02 and
+            ``policy`` ``cache_aware`` unless given).
+    """
+
+    def __init__(self, num_prefill: int = 2, num_decode: int = 1, api_key: str | None = API_KEY,
+                 **config: Any) -> None:
+        from router.app import RouterConfig, create_app
+
+        config.setdefault("poll_interval_s", 0.02)
+        config.setdefault("policy", "cache_aware")
+        self.app = create_app(RouterConfig(model=MODEL, api_key=api_key, cluster_token=TOKEN,
+                                           **config))
+        self.router = self.app.state.router
+        self.srv = ServerThread(self.app).start()
+        self.url = self.srv.url
+        self.prefill: list = []
+        self.decode: list = []
+        try:  # stop what was started when a later start or registration fails
+            for _ in range(num_prefill):
+                self.prefill.append(start_worker("prefill", TOKEN))
+            for _ in range(num_decode):
+                self.decode.append(start_worker("decode", TOKEN))
+            for st, _ in self.prefill + self.decode:
+                r = httpx.post(self.url + "/internal/register", json={"url": st.url},
+                               headers={CLUSTER_TOKEN_HEADER: TOKEN})
+                assert r.status_code == 200, r.text
+        except BaseException:
+            self.close()
+            raise
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none",
+                                    max_retries=0)
+
+    def post(self, path: str, body=None, key: str | None = API_KEY, **kw) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(self.url + path, json=body, headers=headers, timeout=30, **kw)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", params={"detail": 1}).json()
+
+    def wait_indexed(self, snapshots: int = 1, timeout: float = 10.0) -> None:
+        """Wait until the router's index holds ``snapshots`` prefill snapshots in total."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = sum(w["snapshots"] for w in self.health()["workers"] if w["role"] == "prefill")
+            if got >= snapshots:
+                return
+            time.sleep(0.02)
+        raise AssertionError("router index never caught up with the workers' events")
+
+    def metrics(self) -> dict[str, float]:
+        out = {}
+        for fam in text_string_to_metric_families(httpx.get(self.url + "/metrics").text):
+            for s in fam.samples:
+                lab = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{lab}}}"] = s.value
+        return out
+
+    def close(self) -> None:
+        for _, srv in self.prefill + self.decode:
+            srv.stop()
+        self.srv.stop()

@@ -16,74 +16,12 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from router_fakes import TOKENIZER, ServerThread, start_worker, toy_generate
+from router_fakes import API_KEY, MODEL, TOKEN, TOKENIZER, Stack, toy_generate
 
 from k3serve.sampling import SamplingParams
-from router.app import RouterConfig, create_app
 from router.workers import CLUSTER_TOKEN_HEADER
 
-API_KEY = "sk-test-key"
-TOKEN = "cluster-secret"
-MODEL = "k3-tiny"
 B = 16  # the fake workers' block size
-
-
-class Stack:
-    def __init__(self, num_prefill: int = 2, num_decode: int = 1, api_key: str | None = API_KEY,
-                 policy: str = "cache_aware", busy_wait_s: float = 60.0) -> None:
-        self.app = create_app(RouterConfig(model=MODEL, policy=policy, api_key=api_key,
-                                           cluster_token=TOKEN, poll_interval_s=0.02,
-                                           busy_wait_s=busy_wait_s))
-        self.router = self.app.state.router
-        self.srv = ServerThread(self.app).start()
-        self.url = self.srv.url
-        self.prefill: list = []
-        self.decode: list = []
-        try:  # stop what was started when a later start or registration fails
-            for _ in range(num_prefill):
-                self.prefill.append(start_worker("prefill", TOKEN))
-            for _ in range(num_decode):
-                self.decode.append(start_worker("decode", TOKEN))
-            for st, _ in self.prefill + self.decode:
-                r = httpx.post(self.url + "/internal/register", json={"url": st.url},
-                               headers={CLUSTER_TOKEN_HEADER: TOKEN})
-                assert r.status_code == 200, r.text
-        except BaseException:
-            self.close()
-            raise
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none",
-                                    max_retries=0)
-
-    def post(self, path: str, body=None, key: str | None = API_KEY, **kw) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.post(self.url + path, json=body, headers=headers, timeout=30, **kw)
-
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", params={"detail": 1}).json()
-
-    def wait_indexed(self, snapshots: int = 1, timeout: float = 10.0) -> None:
-        """Wait until the router's index holds ``snapshots`` prefill snapshots in total."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = sum(w["snapshots"] for w in self.health()["workers"] if w["role"] == "prefill")
-            if got >= snapshots:
-                return
-            time.sleep(0.02)
-        raise AssertionError("router index never caught up with the workers' events")
-
-    def metrics(self) -> dict[str, float]:
-        out = {}
-        for fam in text_string_to_metric_families(httpx.get(self.url + "/metrics").text):
-            for s in fam.samples:
-                lab = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{lab}}}"] = s.value
-        return out
-
-    def close(self) -> None:
-        for _, srv in self.prefill + self.decode:
-            srv.stop()
-        self.srv.stop()
 
 
 @pytest.fixture(scope="module")

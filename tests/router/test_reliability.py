@@ -1,0 +1,209 @@
+"""The router when workers break (issue 15, part A), against fake workers (router_fakes):
+
+* clients that go away leak no connection of the router, and request traffic that exhausts
+  the request path's connection pool leaves every worker healthy (the health polls have their
+  own pool); the starved requests are shed with 503 and ``Retry-After``, and the router
+  serves again once connections free up;
+* a hung worker leaves placement within a few polls, the requests already waiting on it give
+  up at ``deadline_s`` (not the call timeout), and it rejoins with its index resynced;
+* a worker whose request-path calls keep failing opens its circuit breaker: placement skips
+  it (though its polls answer) until a trial request succeeds;
+* ``max_model_len`` is the minimum over the available workers only.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from router_fakes import MODEL, TOKEN, Stack, start_worker
+
+from k3serve.messages import CacheState
+from router.workers import CLUSTER_TOKEN_HEADER
+
+
+def _wait(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _complete(s: Stack, prompt: str, max_tokens: int = 3, **kw) -> httpx.Response:
+    return httpx.post(s.url + "/v1/completions", json={
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw},
+        timeout=20)
+
+
+class _Holder:
+    """A streaming request on a raw socket: reads until its first SSE event, then keeps the
+    connection open (neither reading nor closing) until ``close()``."""
+
+    def __init__(self, url: str, prompt: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 200,
+                           "stream": True}).encode()
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                          b"Content-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        got = b""
+        while b"data:" not in got:
+            chunk = self.sock.recv(65536)
+            assert chunk, got
+            got += chunk
+        self.status = int(got.split(b" ", 2)[1])
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_large_batch_that_the_client_gives_up_on_leaves_every_worker_healthy():
+    """The failure of the issue: a batch of many prompts (one connection per choice) filled the
+    connection pool that the health polls shared; they failed with ``PoolTimeout`` and every
+    worker was marked unhealthy while each answered its own /health. Choices now run on the
+    decode slots (``Admission.seat``) and the polls have their own pool."""
+    s = Stack(num_prefill=1, num_decode=1, api_key=None, poll_timeout_s=1.0)
+    try:
+        (dec, _), = s.decode
+        dec.hang_after = 1  # every stream stalls after one token until the router aborts it
+        body = {"model": MODEL, "prompt": [f"batch {i} " * 3 for i in range(120)],
+                "max_tokens": 50}  # more choices than httpx's default pool (100 connections)
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up, as in the issue
+            httpx.post(s.url + "/v1/completions", json=body, timeout=6.0)
+        _wait(lambda: all(w.running == 0 for w in s.router.pool.workers.values()),
+              timeout=30, what="every choice of the batch to end")
+        _wait(lambda: s.health()["num_workers_healthy"] == 2, timeout=5, what="healthy")
+        dec.hang_after = None
+        r = _complete(s, "still serving")
+        assert r.status_code == 200, r.text
+    finally:
+        s.close()
+
+
+def test_exhausted_request_pool_sheds_requests_and_leaves_workers_healthy():
+    """The failure of the issue: requests that hold every connection of the router's pool
+    starved the health polls (PoolTimeout) and every worker was marked unhealthy for good."""
+    s = Stack(num_prefill=1, num_decode=1, api_key=None, max_connections=3,
+              pool_timeout_s=0.3, poll_timeout_s=0.2, unhealthy_after=2, max_queued=64)
+    holders: list[_Holder] = []
+    try:
+        (dec, _), = s.decode
+        dec.hang_after = 1  # streams stall after one token until the router aborts them
+        for i in range(3):  # one connection each to the decode worker: the pool is full
+            holders.append(_Holder(s.url, f"hold {i} " * 4))
+            assert holders[-1].status == 200
+        shed = []
+        for i in range(3):  # no connection within pool_timeout_s: shed, no worker blamed
+            r = _complete(s, f"starved {i}")
+            assert r.status_code == 503, r.text
+            assert r.headers.get("retry-after") == "1"
+            assert r.json()["error"]["code"] == "overloaded"
+            shed.append(r)
+        for _ in range(10):  # many poll timeouts later, the polls still answer
+            h = s.health()
+            assert h["num_workers_healthy"] == 2, h
+            time.sleep(0.05)
+        for w in s.router.pool.workers.values():
+            assert w.breaker.current_state == "closed" and w.available
+    finally:
+        for h in holders:
+            h.close()
+    try:
+        _wait(lambda: all(w.running == 0 for w in s.router.pool.workers.values()),
+              what="the held streams to be aborted")
+        dec.hang_after = None
+        r = _complete(s, "after the storm")
+        assert r.status_code == 200, r.text
+    finally:
+        s.close()
+
+
+def test_hung_worker_leaves_placement_waiting_requests_end_at_the_deadline_and_it_rejoins():
+    s = Stack(num_prefill=2, num_decode=1, api_key=None, poll_timeout_s=0.2,
+              unhealthy_after=2, deadline_s=1.0, timeout_s=600.0)
+    try:
+        (a, _), (b, _) = s.prefill
+        for i in range(4):
+            assert _complete(s, f"warm {i} " * 6).status_code == 200
+        _wait(lambda: s.router.pool.index.num_blocks(a.url) > 0, what="a's blocks indexed")
+        a.stalled = True  # a hangs: answers nothing, polls included
+        a_url = a.url
+        # Requests placed on a before it is found out give up at deadline_s (1 s), not at the
+        # call timeout (600 s): the client's 20 s timeout would fire first otherwise.
+        outcomes = [_complete(s, f"during {i} " * 6).status_code for i in range(3)]
+        assert all(c in (200, 503) for c in outcomes), outcomes
+        _wait(lambda: not s.router.pool.workers[a_url].healthy, what="a marked unhealthy")
+        assert s.health()["num_prefill_healthy"] == 1
+        n_b = len(b.prefills)
+        for i in range(4):  # placement skips a
+            r = _complete(s, f"after {i} " * 6)
+            assert r.status_code == 200, r.text
+        assert len(b.prefills) == n_b + 4
+        for i in range(3):  # a gets more cache while it is out of the router's sight
+            a.cm.run_prefill(10_000 + i, list(range(40 + i * 40, 120 + i * 40)))
+        a.stalled = False
+        _wait(lambda: s.router.pool.workers[a_url].healthy, what="a healthy again")
+        want = CacheState.model_validate(a.cm.cache_state())
+        _wait(lambda: s.router.pool.index.num_blocks(a_url) == len(want.blocks),
+              what="a's index resynced")
+        assert s.health()["num_prefill_healthy"] == 2
+    finally:
+        s.close()
+
+
+def test_failing_worker_opens_its_breaker_and_closes_after_a_good_trial():
+    s = Stack(num_prefill=2, num_decode=1, api_key=None, breaker_fail_max=2,
+              breaker_reset_s=60.0, policy="round_robin")
+    try:
+        (a, _), _ = s.prefill
+        a.fail_prefill = 1000  # a's polls answer, its prefills fail (503, not "busy")
+        for i in range(8):
+            r = _complete(s, f"br {i} " * 5)
+            assert r.status_code == 200, r.text  # failed over to b
+        wa = s.router.pool.workers[a.url]
+        failures = 1000 - a.fail_prefill
+        assert failures == 2, failures  # the breaker opened after breaker_fail_max
+        assert wa.healthy and wa.breaker.current_state == "open" and not wa.available
+        assert s.health()["num_prefill_healthy"] == 1
+        a.fail_prefill = 0
+        wa.breaker.reset_timeout = 0.2  # (instead of waiting a minute)
+        time.sleep(0.3)  # past the reset timeout: the next request may try a again
+        n_a = len(a.prefills)
+        for i in range(6):
+            assert _complete(s, f"again {i} " * 5).status_code == 200
+        assert wa.breaker.current_state == "closed" and len(a.prefills) > n_a
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("death", ["stopped", "hung"])
+def test_max_model_len_is_the_minimum_over_available_workers(death):
+    s = Stack(num_prefill=1, num_decode=1, api_key=None, poll_timeout_s=0.2,
+              unhealthy_after=2)
+    short, srv = start_worker("decode", TOKEN)
+    try:
+        short.max_model_len = 64
+        r = httpx.post(s.url + "/internal/register", json={"url": short.url},
+                       headers={CLUSTER_TOKEN_HEADER: TOKEN})
+        assert r.status_code == 200, r.text
+        card = httpx.get(s.url + f"/v1/models/{MODEL}").json()
+        assert card["max_model_len"] == 64
+        r = _complete(s, "x" * 70, max_tokens=8)
+        assert r.status_code == 400, r.text  # past the short worker's length
+        if death == "stopped":
+            srv.stop()
+        else:
+            short.stalled = True
+        _wait(lambda: not s.router.pool.workers[short.url].healthy, what="short one out")
+        card = httpx.get(s.url + f"/v1/models/{MODEL}").json()
+        assert card["max_model_len"] == 4096
+        r = _complete(s, "x" * 70, max_tokens=8)
+        assert r.status_code == 200, r.text
+    finally:
+        short.stalled = False
+        srv.stop()
+        s.close()
