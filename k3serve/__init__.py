@@ -27,4 +27,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'k3serve' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "ModelConfig", "__version__"]
+__all__ = ["LLM", "ModelConfig", "SamplingParams", "__version__"]

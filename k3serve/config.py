@@ -568,4 +568,4 @@ def load_config(name_or_dir: str) -> ModelConfig:
     raise ValueError(f"model: {name_or_dir!r} is neither a preset {sorted(PRESETS)} nor a folder")
 
 
-__all__ = ["ModelConfig", "PRESETS", "load_config", "TINY_VOCAB"]
+__all__ = ["PRESETS", "TINY_VOCAB", "ModelConfig", "load_config"]

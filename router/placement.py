@@ -308,7 +308,7 @@ def place(req: PlacementRequest, prefill: Sequence[PrefillWorkerState],
 # Policies of router/policies (prefix_home, approx_radix) register themselves here when that
 # package finishes importing; imported last because it imports this module's classes (and
 # when it is the one imported first, it is already in sys.modules, partly initialised).
-import router.policies  # noqa: E402, F401
+import router.policies  # noqa: F401
 
 DEFAULT_POLICY = "prefix_home"
 """The default policy of the live router (``RouterConfig.policy``, ``k3serve serve --policy``)

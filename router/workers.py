@@ -32,7 +32,6 @@ from typing import Any, TypeVar
 
 import httpx
 import pybreaker
-from httpx_sse import EventSource, SSEError
 from pydantic import BaseModel, ValidationError
 
 from k3serve.messages import (
@@ -539,7 +538,21 @@ class WorkerPool:
             log.info("abort %s on %s failed: %r", request_id, w.url, e)
 
     async def stream(self, w: Worker, body: StreamRequest) -> AsyncIterator[StreamEvent]:
-        """``POST /internal/stream``: yield each SSE ``data:`` event as a ``StreamEvent``.
+        """``POST /internal/stream``: yield each SSE ``data:`` event as a ``StreamEvent``
+        (:meth:`stream_batches`, one event at a time).
+
+        Raises:
+            WorkerError: as :meth:`stream_batches`.
+        """
+        async for batch in self.stream_batches(w, body):
+            for ev in batch:
+                yield ev
+
+    async def stream_batches(self, w: Worker, body: StreamRequest
+                             ) -> AsyncIterator[list[StreamEvent]]:
+        """``POST /internal/stream`` on a decode worker: yield, per network read, every event
+        that arrived in it (a non-empty list of ``StreamEvent`` s, in order), so the relay
+        handles tokens that arrived together at once (:mod:`router.sse` parses the raw body).
 
         Args:
             w: The decode worker.
@@ -547,24 +560,26 @@ class WorkerPool:
                 decode worker continues from it when the transfer failed).
 
         Ends after an event with a ``finish_reason``, a ``data: [DONE]`` event, or the end of
-        the body; the caller tells from the events whether the stream finished.
+        the body; the caller tells from the events whether the stream finished. The wait
+        between two batches is bounded like every request-path call (:meth:`_bounded`).
 
         Raises:
-            WorkerError: connection failure, non-2xx status, malformed or error event.
+            WorkerError: connection failure, non-2xx status, malformed or error event
+                (``PoolBusy``: no free connection; ``hung``: no event in time).
         """
         with self.calling(w, "/internal/stream"):
-            events: asyncio.Queue = asyncio.Queue()
-            reader = asyncio.create_task(self._read_stream(w, body, events))
+            batches: asyncio.Queue = asyncio.Queue()
+            reader = asyncio.create_task(self._read_stream(w, body, batches))
             try:
                 while True:
-                    ev = (events.get_nowait() if not events.empty()
-                          else await self._bounded(w, events.get()))
-                    if ev is None:
+                    item = (batches.get_nowait() if not batches.empty()
+                            else await self._bounded(w, batches.get()))
+                    if item is None:
                         return
-                    if isinstance(ev, BaseException):
-                        raise ev
-                    yield ev
-                    if ev.finish_reason:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+                    if item[-1].finish_reason:
                         return
             finally:
                 # The reader owns the connection and is cancelled once, here: a close that a
@@ -575,9 +590,10 @@ class WorkerPool:
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait([reader], timeout=5.0)
 
-    async def _read_stream(self, w: Worker, body: StreamRequest, events: asyncio.Queue) -> None:
-        """Read D's SSE stream into ``events``: ``StreamEvent`` s, then ``None`` at the end or
-        the ``WorkerError`` that ended it."""
+    async def _read_stream(self, w: Worker, body: StreamRequest, batches: asyncio.Queue) -> None:
+        """Read D's SSE stream into ``batches``: a list of ``StreamEvent`` s per network read,
+        then ``None`` at the end, or the ``WorkerError`` that ended it (after the events
+        before it)."""
         try:
             req = self.client.build_request(
                 "POST", w.url + "/internal/stream", json=body.model_dump(mode="json"),
@@ -587,62 +603,36 @@ class WorkerPool:
                     await r.aread()
                     raise WorkerError(w.url, f"stream: HTTP {r.status_code}: {r.text[:200]}",
                                       retryable=r.status_code == 503, status=r.status_code)
-                async for sse in EventSource(r).aiter_sse():
-                    if sse.data.strip() == "[DONE]":
-                        break
-                    ev = _parse_json(StreamEvent, w.url, "stream", sse.data)
-                    if ev.error is not None and not ev.token_ids:
-                        raise WorkerError(w.url, f"stream: {ev.error}")
-                    events.put_nowait(ev)
-                    if ev.finish_reason:
-                        break
-            events.put_nowait(None)
-        except WorkerError as e:
-            events.put_nowait(e)
-        except httpx.PoolTimeout:
-            events.put_nowait(PoolBusy(w.url, "stream: no free connection"))
-        except httpx.TimeoutException as e:
-            events.put_nowait(WorkerError(w.url, f"stream: no event in time: {e!r}", hung=True))
-        except (httpx.HTTPError, SSEError) as e:
-            events.put_nowait(WorkerError(w.url, f"stream: {e!r}"))
-
-    async def stream_batches(self, w: Worker, body: StreamRequest
-                             ) -> AsyncIterator[list[StreamEvent]]:
-        """``POST /internal/stream`` as :meth:`stream`, but yields, per network read, every
-        event that arrived in it (a non-empty list, in order): the relay handles tokens that
-        arrived together at once (:mod:`router.sse` parses the raw body).
-
-        Raises:
-            WorkerError: as :meth:`stream`.
-        """
-        try:
-            async with self.client.stream("POST", w.url + "/internal/stream",
-                                          json=body.model_dump(mode="json")) as r:
-                if r.status_code // 100 != 2:
-                    await r.aread()
-                    raise WorkerError(w.url, f"stream: HTTP {r.status_code}: {r.text[:200]}",
-                                      retryable=r.status_code == 503)
-                reader = SSEReader()
+                sse = SSEReader()
+                done = False
                 async for chunk in r.aiter_raw():
                     batch: list[StreamEvent] = []
-                    for data in reader.feed(chunk):
-                        if data.strip() == b"[DONE]":
-                            if batch:
-                                yield batch
-                            return
-                        ev = _parse_json(StreamEvent, w.url, "stream", data)
-                        if ev.error is not None and not ev.token_ids:
-                            if batch:
-                                yield batch
-                            raise WorkerError(w.url, f"stream: {ev.error}")
-                        batch.append(ev)
-                        if ev.finish_reason:
-                            yield batch
-                            return
-                    if batch:
-                        yield batch
+                    try:
+                        for data in sse.feed(chunk):
+                            if data.strip() == b"[DONE]":
+                                done = True
+                                break
+                            ev = _parse_json(StreamEvent, w.url, "stream", data)
+                            if ev.error is not None and not ev.token_ids:
+                                raise WorkerError(w.url, f"stream: {ev.error}")
+                            batch.append(ev)
+                            if ev.finish_reason:
+                                done = True
+                                break
+                    finally:
+                        if batch:
+                            batches.put_nowait(batch)
+                    if done:
+                        break
+            batches.put_nowait(None)
+        except WorkerError as e:
+            batches.put_nowait(e)
+        except httpx.PoolTimeout:
+            batches.put_nowait(PoolBusy(w.url, "stream: no free connection"))
+        except httpx.TimeoutException as e:
+            batches.put_nowait(WorkerError(w.url, f"stream: no event in time: {e!r}", hung=True))
         except httpx.HTTPError as e:
-            raise WorkerError(w.url, f"stream: {e!r}") from None
+            batches.put_nowait(WorkerError(w.url, f"stream: {e!r}"))
 
 
 def check_parallel(url: str, info: WorkerInfo, others: list[Worker]) -> None:

@@ -35,8 +35,6 @@ from dataclasses import dataclass, field, replace
 
 from k3serve.cache.manager import CacheManager
 from k3serve.cache.specs import CacheConfig
-from simulate.calibration import Calibration
-from simulate.store import STORE_ID, SimStore
 from k3serve.traces import (
     DEFAULT_FINGERPRINT,
     TRACE_BLOCK,
@@ -55,6 +53,8 @@ from router.placement import (
 )
 from router.policies import RouterView, WorkerView
 from router.policies.load import UTIL_HORIZON_S, RecentLoad
+from simulate.calibration import Calibration
+from simulate.store import STORE_ID, SimStore
 
 STORE_INTERVALS = (1, 2, 4, 8, 16, 32, 64, 128)
 

@@ -8,8 +8,8 @@ import queue as _queue
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 
-from simulate.engine import PolicyResult, SimConfig, TraceFacts, replay, trace_facts
 from k3serve.traces import TraceRequest
+from simulate.engine import PolicyResult, SimConfig, TraceFacts, replay, trace_facts
 
 _JOB: dict = {}
 

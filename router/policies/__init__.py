@@ -183,7 +183,7 @@ def register_all() -> None:
     register_policy("approx_radix", approx_radix)
 
 
-from router.policies.load import RecentLoad  # noqa: E402 - after the classes it sits beside
+from router.policies.load import RecentLoad
 
 register_all()
 

@@ -37,7 +37,7 @@ class RecentLoad:
         ValueError: ``horizon_s`` ≤ 0.
     """
 
-    __slots__ = ("horizon_s", "clock", "_tokens", "_requests", "_at")
+    __slots__ = ("_at", "_requests", "_tokens", "clock", "horizon_s")
 
     def __init__(self, horizon_s: float = UTIL_HORIZON_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
