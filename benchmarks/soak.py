@@ -200,11 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=30.0, help="RSS baseline after this, s")
     ap.add_argument("--seed", type=int, default=15)
     ap.add_argument("--log-dir", default=None)
+    ap.add_argument("--log-level", default=None, help="workers' --log-level (e.g. info)")
     ap.add_argument("--out", default=None, help="also write the raw figures as JSON here")
     a = ap.parse_args(argv)
     key = "sk-soak"
     stack = start_stack(model="k3-tiny", num_prefill=a.prefill, num_decode=a.decode,
-                        api_key=key, block_size=16, log_dir=a.log_dir, supervise=True)
+                        api_key=key, block_size=16, log_dir=a.log_dir, supervise=True,
+                        extra_worker_args=["--log-level", a.log_level] if a.log_level else None)
     try:
         run = asyncio.run(drive(stack, key, a.rate, min(a.duration, 600.0), a.sample, a.seed))
         state = wait_idle(stack)
