@@ -3,6 +3,7 @@ stack for up to 10 minutes; reports RSS growth per process, pages left held, tra
 
     python benchmarks/soak.py                       # 10 min, 4 req/s, 1 prefill + 1 decode
     python benchmarks/soak.py --duration 120 --out /tmp/soak.json
+    python benchmarks/soak.py --rate 1 --log-dir /tmp/soak --log-level info   # per-transfer lines
 
 It starts its own stack (``deploy.launcher.start_stack``: router + workers, k3-tiny, loopback),
 sends requests at fixed intervals (open loop: a slow stack does not lower the offered rate;
@@ -11,7 +12,8 @@ client after its first chunk), samples every process' RSS (``/proc/PID/status`` 
 ``--sample`` seconds, and at the end waits for the workers to go idle and reads their own
 counters: pages / slots / snapshots in use, reservations, open tickets
 (``/internal/info``, ``/kv/health``) and the transfer outcome counters
-(``k3serve:kv_transfers_total{outcome}``, ``k3serve:kv_transfer_fallbacks_total``).
+(``k3serve:kv_transfers_total{outcome}``, ``k3serve:kv_transfer_expiries_total``,
+``k3serve:kv_transfer_fallbacks_total``).
 
 RSS growth is measured from the first sample after a 30 s warm-up (allocators, caches and
 compiled kernels settle) to the last; figures are for the run's machine only.
@@ -111,7 +113,8 @@ def _one_state(c: httpx.Client, url: str) -> dict:
         "live_requests": sum(1 for r in reqs if r["phase"] != "done"),
         "transfers_ok": metric(m, "k3serve:kv_transfers_total", outcome="success"),
         "transfers_failed": metric(m, "k3serve:kv_transfers_total", outcome="failed"),
-        "fallbacks": metric(m, "k3serve:kv_transfer_fallbacks_total")}
+        "fallbacks": metric(m, "k3serve:kv_transfer_fallbacks_total"),
+        "expiries": metric(m, "k3serve:kv_transfer_expiries_total")}
 
 
 async def drive(stack: Stack, key: str, rate: float, duration: float, sample_s: float,
@@ -177,16 +180,16 @@ def report(run: dict, state: list[dict], warmup_s: float, rate: float) -> str:
         lines.append(f"| {name} | {base[name]:.0f} | {last[name]:.0f} | "
                      f"{last[name] - base[name]:+.1f} |")
     lines += ["", ("| worker | pages used | slots used | snapshots used | reserved | live "
-                   "requests | transfers ok | transfers failed | fallbacks |"),
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                   "requests | transfers ok | transfers failed | expiries | fallbacks |"),
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for w in state:
         if "unreachable" in w:
-            lines.append(f"| {w['url']} | unreachable: {w['unreachable'][:60]} |||||||")
+            lines.append(f"| {w['url']} | unreachable: {w['unreachable'][:60]} ||||||||")
             continue
         lines.append(f"| {w['role']} {w['url']} | {w['pages_used']} | {w['slots_used']} | "
                      f"{w['snapshots_used']} | {w['num_reserved']} | {w['live_requests']} | "
                      f"{w['transfers_ok']:.0f} | {w['transfers_failed']:.0f} | "
-                     f"{w['fallbacks']:.0f} |")
+                     f"{w['expiries']:.0f} | {w['fallbacks']:.0f} |")
     return "\n".join(lines)
 
 
@@ -200,11 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=30.0, help="RSS baseline after this, s")
     ap.add_argument("--seed", type=int, default=15)
     ap.add_argument("--log-dir", default=None)
+    ap.add_argument("--log-level", default=None, help="workers' --log-level (e.g. info)")
     ap.add_argument("--out", default=None, help="also write the raw figures as JSON here")
     a = ap.parse_args(argv)
     key = "sk-soak"
     stack = start_stack(model="k3-tiny", num_prefill=a.prefill, num_decode=a.decode,
-                        api_key=key, block_size=16, log_dir=a.log_dir, supervise=True)
+                        api_key=key, block_size=16, log_dir=a.log_dir, supervise=True,
+                        extra_worker_args=["--log-level", a.log_level] if a.log_level else None)
     try:
         run = asyncio.run(drive(stack, key, a.rate, min(a.duration, 600.0), a.sample, a.seed))
         state = wait_idle(stack)

@@ -72,6 +72,14 @@ class PrefillWorker(BaseWorker):
 
     def __init__(self, config, engine=None) -> None:
         super().__init__(config, engine)
+        # An admitted prompt's sender runs under a deadline from admission on: admit a prompt
+        # only while little prefill work runs ahead of it (FCFS), so its own prefill ends in
+        # about (cap + its tokens) of compute however long the queue is (the queue waits
+        # unadmitted, with no sender). Uncapped, every queued prompt is admitted and they all
+        # share the steps: under load each one's prefill outlasts the sender's deadline.
+        cap = config.max_prefill_backlog
+        cap = self.engine.scheduler.max_num_batched_tokens if cap is None else cap
+        self.engine.scheduler.max_prefill_backlog = cap if cap > 0 else None
         self.client = BootstrapClient(cluster_token=config.cluster_token)
         self.reqs: dict[str, PrefillState] = {}
         self.cached_source: dict[str, str] = {}  # rid → "local" | "store", until answered
@@ -162,6 +170,9 @@ class PrefillWorker(BaseWorker):
             self.metrics.expiry()
         if s.state == KVPoll.FAILED:
             log.info("prefill %s: transfer failed: %s", r.rid, s.error)
+        log.info("prefill %s: transfer %s in %.2f s (%d tokens, %d runs, %d B): %s", r.rid,
+                 s.state.name, s.elapsed_s, s.src.num_tokens, s.num_runs, s.bytes_sent,
+                 {k: round(v, 3) for k, v in s.stats.items()})
 
     def on_outputs(self, outs: list) -> None:
         for out in outs:

@@ -29,14 +29,14 @@ def _free_port() -> int:
 
 class Proc:
     def __init__(self, role: str, name: str, block_size: int, log_dir: Path, pages: int = 512,
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), env: dict[str, str] | None = None):
         """``python -m {role}.worker`` on a free loopback port; ``extra`` flags come last (they
-        override the defaults here)."""
+        override the defaults here); ``env``: more environment variables (``K3SERVE_KV_*``)."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"{name}.log"
         env = dict(os.environ, K3SERVE_CLUSTER_TOKEN=TOKEN, K3SERVE_TEST_HOOKS="1",
-                   K3SERVE_WORKER_THREADS="1", PYTHONUNBUFFERED="1")
+                   K3SERVE_WORKER_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
         self._out = open(self.log, "w")  # noqa: SIM115 - closed in stop()
         self.p = subprocess.Popen(
             [sys.executable, "-m", f"{role}.worker", "--host", "127.0.0.1", "--port",

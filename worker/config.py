@@ -89,6 +89,9 @@ class WorkerConfig:
         max_num_seqs: most running sequences (``None``: ``num_slots``).
         cuda_graphs: CUDA: replay captured decode graphs.
         drain_timeout_s: SIGTERM: most seconds to wait for running requests before exiting.
+        max_prefill_backlog: prefill workers: admit no new prompt while the running prefills
+            have this many tokens left to compute (``None``: ``max_num_batched_tokens``; 0: no
+            cap); see :mod:`k3serve.engine.scheduler`.
     """
 
     role: Role
@@ -131,6 +134,7 @@ class WorkerConfig:
     max_num_seqs: int | None = None
     cuda_graphs: bool = True
     drain_timeout_s: float = 60.0  # issue 15: SIGTERM drain
+    max_prefill_backlog: int | None = None  # issue 15: bounded prefill concurrency
 
     @property
     def url_host(self) -> str:
@@ -202,6 +206,9 @@ def _parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
                     help="CUDA: replay captured decode graphs (--no-cuda-graphs: eager)")
     ap.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
                     help="SIGTERM: seconds to let running requests finish before exiting")
+    ap.add_argument("--max-prefill-backlog", type=int, default=None, metavar="TOKENS",
+                    help="prefill: admit no new prompt while the running prefills have this "
+                         "many tokens left (default: --max-num-batched-tokens; 0: no cap)")
     return ap
 
 
@@ -246,7 +253,8 @@ def parse_config(role: Role, argv: list[str] | None = None,
         store=_store_config(a), dense_snapshot_blocks=a.dense_snapshot_blocks,
         **_parallel_flags(a),
         gpu_memory_utilization=a.gpu_memory_utilization, max_num_seqs=a.max_num_seqs,
-        cuda_graphs=a.cuda_graphs, drain_timeout_s=a.drain_timeout)
+        cuda_graphs=a.cuda_graphs, drain_timeout_s=a.drain_timeout,
+        max_prefill_backlog=a.max_prefill_backlog)
 
 
 def _parallel_flags(a: argparse.Namespace) -> dict:

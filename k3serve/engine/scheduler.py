@@ -8,9 +8,19 @@ One :meth:`Scheduler.schedule` call plans one engine step::
          prefill → min(budget, chunk_end - num_computed)   (chunks end on snapshot points)
        no page for it → preempt the newest preemptible running sequence (recompute later),
        retry; if the sequence itself is the newest, it is preempted.
-    2. waiting sequences, FCFS, while budget and slots last (none after a preemption):
+    2. waiting sequences, FCFS, while budget and slots last (none after a preemption) and,
+       with ``max_prefill_backlog`` set, while the running prefills have fewer than that many
+       tokens left to compute:
          hit = prefix match; first chunk = min(budget, chunk_end - hit); admit or stop
          (pages for the chunk; a hook may ask for more, e.g. the whole prompt).
+
+Chunks end on snapshot points (log-spaced: small ones early in a prompt), so the oldest
+prefill seldom fills a step and the rest of the budget admits the next waiting sequences:
+without a backlog cap, every waiting prompt that finds a slot is admitted and all of them
+share the steps, each one's time from admission to token #1 growing with the queue
+(processor sharing). A prefill worker sets the cap: a request's sender starts at admission
+under a deadline, so an admitted prefill must finish in about (cap + its own tokens) of
+compute, whatever the queue behind it (which waits unadmitted, FCFS).
 
 A preempted sequence releases its slot and pages (its computed full blocks stay cached) and
 goes back to the head of the queue with prompt := all its tokens; re-admission matches the
@@ -96,6 +106,9 @@ class Scheduler:
         max_num_batched_tokens: token budget per step (≥ 1).
         max_num_seqs: most running sequences (≤ the manager's slots).
         hook: optional :class:`SchedulerHook` (settable later: ``scheduler.hook = …``).
+        max_prefill_backlog: admit no waiting sequence while the running prefills have this
+            many tokens or more left to compute (tokens; ``None``: no cap; settable later).
+            A sequence is always admitted when no prefill runs, whatever its length.
 
     Raises:
         ValueError: a limit < 1.
@@ -107,9 +120,13 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         hook: SchedulerHook | None = None,
+        max_prefill_backlog: int | None = None,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens, max_num_seqs: must be ≥ 1")
+        if max_prefill_backlog is not None and max_prefill_backlog < 1:
+            raise ValueError("max_prefill_backlog: must be ≥ 1 or None")
+        self.max_prefill_backlog = max_prefill_backlog
         self.cm = cm
         self.hook = hook
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -205,11 +222,14 @@ class Scheduler:
             budget -= n
             i += 1
 
+        cap = self.max_prefill_backlog
+        backlog = self.prefill_backlog() if cap is not None else 0
         while (
             self.waiting
             and budget > 0
             and not out.preempted
             and len(self.running) < self.max_num_seqs
+            and (cap is None or backlog < cap)
         ):
             seq = self.waiting[0]
             sid = seq.seq_id
@@ -228,7 +248,13 @@ class Scheduler:
             self.running.append(seq)
             out.prefills.append(ScheduledSeq(seq, n, adm))
             budget -= n
+            backlog += target - seq.num_computed
         return out
+
+    def prefill_backlog(self) -> int:
+        """Tokens the running prefills have left to compute (chunks planned this step still
+        count: they are not computed yet)."""
+        return sum(s.target - s.num_computed for s in self.running if s.is_prefill)
 
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerHook", "SchedulerOutput"]

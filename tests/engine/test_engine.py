@@ -22,6 +22,7 @@ from k3serve.engine.engine import EngineConfig, LLMEngine
 from k3serve.engine.llm import LLM, load_model
 from k3serve.engine.runner import RunBatch
 from k3serve.engine.sampler import SamplingRow, sample
+from k3serve.engine.scheduler import Scheduler
 from k3serve.engine.sequence import SeqStatus
 from k3serve.model.batch import make_batch
 from k3serve.sampling import SamplingParams
@@ -636,3 +637,36 @@ def test_runner_execute_is_the_run_seam(model):
     assert [b.is_decode for b in seen] == [False, False, True, True, True]  # one token per row
     assert all(b.layer_hook is None for b in seen)
     assert llm.engine.stats.num_forwards == len(seen)
+
+
+def test_prefill_backlog_cap_admits_prompts_fcfs(model):
+    """Issue 15 (soak): uncapped, chunks ending on snapshot points leave budget that admits
+    every waiting prompt, and all of them share the steps; with ``max_prefill_backlog`` a
+    prompt is admitted only while fewer tokens than the cap are left to prefill, so prompts
+    are computed nearly one after another, each finishing in about (cap + its length) of
+    compute — with the same tokens."""
+    rng = random.Random(15)
+    prompts = _prompts(rng, 6, 24, 33)
+    params = SamplingParams(max_tokens=2, **GREEDY)
+
+    def run(cap):
+        llm = _llm(max_num_batched_tokens=16, dense_snapshot_blocks=4)  # 4-token chunks first
+        e = llm.engine
+        e.scheduler.max_prefill_backlog = cap
+        for i, p in enumerate(prompts):
+            e.add_request(f"r{i}", p, params)
+        most, outs = 0, {}
+        while e.has_unfinished_requests():
+            for o in e.step():
+                if o.finished:
+                    outs[o.request_id] = o.outputs[0].token_ids
+            most = max(most, sum(s.is_prefill for s in e.scheduler.running))
+        return most, [outs[f"r{i}"] for i in range(len(prompts))]
+
+    most_uncapped, outs_uncapped = run(None)
+    most_capped, outs_capped = run(8)
+    assert most_uncapped >= 4  # the failure mode: most of the queue prefilling at once
+    assert most_capped <= 2  # one prompt, plus the next once fewer than 8 tokens are left
+    assert outs_capped == outs_uncapped == [alone(model, p, 2) for p in prompts]
+    with pytest.raises(ValueError, match="max_prefill_backlog"):
+        Scheduler(_llm().engine.cm, 16, 4, max_prefill_backlog=0)
