@@ -185,9 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # bad input, a missing or unwritable file
         print(f"k3serve: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        import httpx  # the bench's client: a server that is not there
+
+        if isinstance(e, httpx.HTTPError):
+            print(f"k3serve: error: {e!r}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

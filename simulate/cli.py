@@ -87,9 +87,16 @@ def build_parser(prog: str = "k3serve simulate") -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from k3serve.cache.allocator import CacheFullError
+
     args = build_parser().parse_args(argv)
     try:
         return int(cmd_simulate(args) or 0)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # bad input, a missing or unwritable file
         print(f"k3serve simulate: error: {e}", file=sys.stderr)
+        return 2
+    except CacheFullError as e:  # one prompt needs more than a whole worker cache
+        print(f"k3serve simulate: error: a trace row does not fit one prefill worker's cache "
+              f"({e}); raise --cache-fraction, or scale the trace down (--length-scale)",
+              file=sys.stderr)
         return 2

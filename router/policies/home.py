@@ -23,7 +23,7 @@ Bounded load (consistent hashing with bounded loads, Mirrokni, Thorup & Zadimogh
 applied to prefixes, as a soft bound): ``util_w`` (``WorkerView.util``) is the worker's
 recent busy fraction by the router's own account (predicted uncached compute sent, decayed
 over ``H = util_horizon_s``); with this request's ``x_w = compute_w / H``,
-``excess_w = util_w + x_w − (1 + balance_slack) · (Σ util + x_w) / n``. A worker past its
+``excess_w = util_w + x_w − max((1 + balance_slack) · (Σ util + x_w) / n, balance_floor)``. A worker past its
 share pays for the excess, so a hot prefix spills to the next-cheapest worker — typically one
 holding part of it — which becomes a second home: hot prefixes get replicated just as much as
 their load needs, cold ones stay single. Requests whose move would waste the most (deep hits,
@@ -75,6 +75,11 @@ class HomeParams(PlacementParams):
         ext_weight: weight of the externality ``λ_w · compute_w² / 2``.
         queue_weight: extra weight of the worker's queue (the wait this request adds behind
             it for the requests that follow).
+        balance_floor: a busy fraction below which no worker is past the load bound (the
+            bound is ``max((1 + ε) · mean, balance_floor)``): on a nearly idle pool relative
+            imbalance costs nothing, so a prompt goes to the worker holding its prefix — the
+            continuous form of the ``⌈(1 + ε) · m / n⌉`` capacity of bounded-load hashing, which
+            never falls below one.
     """
 
     dup_weight: float = 1.0
@@ -84,6 +89,7 @@ class HomeParams(PlacementParams):
     balance_weight: float = 20.0
     ext_weight: float = 1.0
     queue_weight: float = 0.5
+    balance_floor: float = 0.01
 
 
 _DEFAULT = HomeParams()
@@ -116,7 +122,8 @@ def prefix_home(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
         cost += hp.ext_weight * getattr(w, "request_rate", 0.0) * compute * compute / 2
         if bounded:
             x = compute / H
-            excess = util[i] + x - (1 + hp.balance_slack) * (total_util + x) / n  # type: ignore
+            bound = max((1 + hp.balance_slack) * (total_util + x) / n, hp.balance_floor)
+            excess = util[i] + x - bound  # type: ignore
             if excess > 0:
                 if not hp.balance_weight:
                     continue

@@ -14,9 +14,9 @@ from router_fakes import FINGERPRINT, MODEL
 from k3serve.messages import Capacity, WorkerInfo
 from router.config import RouterConfig
 from router.pipeline import Router
-from router.placement import DEFAULT_POLICY, POLICIES, register_policy
+from router.placement import DEFAULT_POLICY, POLICIES, PlacementRequest, register_policy
 from router.policies import WorkerView
-from router.policies.home import prefix_home
+from router.policies.home import HomeParams, prefix_home
 from router.policies.load import RecentLoad
 from router.workers import Worker
 
@@ -132,3 +132,29 @@ def test_default_policy_spreads_cold_work_by_recent_load():
         assert abs(20 + got.count("http://p0") - got.count("http://p1")) <= 2
     finally:
         asyncio.run(router.close())
+
+
+def test_default_policy_keeps_a_repeat_at_home_on_an_idle_pool():
+    """The new-user failure: one prompt prefilled on p1 a moment ago, the same prompt again on
+    an otherwise idle pool. p1 holds 41 of its 42 blocks; its recent account is all the pool
+    has done, so relative to the mean it is 'over its share' — but at a busy fraction far below
+    ``balance_floor`` that must cost nothing: the repeat goes home (it went to p0 and missed
+    before the floor)."""
+    clk = Clock()
+    r0, r1 = RecentLoad(H, clk), RecentLoad(H, clk)
+    r1.add(168)
+    clk.t += 0.1
+    views = [WorkerView("p0", 0, 0, 0, 10_000.0, util=r0.util(10_000.0),
+                        request_rate=r0.request_rate()),
+             WorkerView("p1", 41, 41, 0, 10_000.0, util=r1.util(10_000.0),
+                        request_rate=r1.request_rate())]
+    req = PlacementRequest(168, 4, seq=0, max_new_tokens=16)
+    assert views[1].util > 0 and views[0].util == 0
+    assert prefix_home(req, views, HomeParams()) == 1
+    # the floor is what keeps it there: without it the bound is relative only and it moves
+    assert prefix_home(req, views, HomeParams(balance_floor=0.0)) == 0
+    # a truly busy home still spills cold-ish work (the bound applies above the floor)
+    r1.add(10 * 10_000 * H)
+    busy = [views[0], WorkerView("p1", 1, 1, 0, 10_000.0, util=r1.util(10_000.0),
+                                 request_rate=r1.request_rate())]
+    assert prefix_home(req, busy, HomeParams()) == 0
