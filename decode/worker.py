@@ -432,16 +432,21 @@ class DecodeWorker(BaseWorker):
     def routes(self, app: Any) -> None:
         worker = self
 
-        @app.post("/internal/reserve", response_model=ReserveResponse,
-                  responses=errors(400, 403, 503))
-        async def reserve(body: ReserveRequest) -> ReserveResponse:
-            params = sampling_params(body.sampling)
+        async def engine_call(fn: Any, *args: Any) -> Any:
+            """``fn(*args)`` on the engine thread; a full cache → 503 ``busy``, bad input →
+            400 ``invalid_request``."""
             try:
-                return await worker.loop.call(worker._reserve, body, params, asyncio.Queue())
+                return await worker.loop.call(fn, *args)
             except CacheFullError as e:
                 raise Failure(503, "busy", str(e)) from None
             except ValueError as e:
                 raise Failure(400, "invalid_request", str(e)) from None
+
+        @app.post("/internal/reserve", response_model=ReserveResponse,
+                  responses=errors(400, 403, 503))
+        async def reserve(body: ReserveRequest) -> ReserveResponse:
+            params = sampling_params(body.sampling)
+            return await engine_call(worker._reserve, body, params, asyncio.Queue())
 
         @app.post("/internal/generate", response_model=PrefillResponse,
                   responses=errors(400, 403, 409, 503, 504))
@@ -449,12 +454,7 @@ class DecodeWorker(BaseWorker):
             """Monolithic serving: prefill and decode here; answers token #1."""
             params = sampling_params(body.sampling)
             fut = asyncio.get_running_loop().create_future()
-            try:
-                await worker.loop.call(worker._generate, body, params, asyncio.Queue(), fut)
-            except CacheFullError as e:
-                raise Failure(503, "busy", str(e)) from None
-            except ValueError as e:
-                raise Failure(400, "invalid_request", str(e)) from None
+            await engine_call(worker._generate, body, params, asyncio.Queue(), fut)
             try:
                 return await asyncio.wait_for(asyncio.shield(fut), GENERATE_TIMEOUT_S)
             except TimeoutError:
@@ -470,12 +470,7 @@ class DecodeWorker(BaseWorker):
         async def resume(body: ResumeRequest) -> ResumeResponse:
             """Request migration: continue a request after the tokens already streamed."""
             params = sampling_params(body.sampling)
-            try:
-                return await worker.loop.call(worker._resume, body, params, asyncio.Queue())
-            except CacheFullError as e:
-                raise Failure(503, "busy", str(e)) from None
-            except ValueError as e:
-                raise Failure(400, "invalid_request", str(e)) from None
+            return await engine_call(worker._resume, body, params, asyncio.Queue())
 
         @app.post("/internal/stream", response_class=StreamEventsResponse,
                   responses={200: {"model": StreamEvent,
