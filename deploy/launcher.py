@@ -360,7 +360,70 @@ def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
     p.add_argument("--store", action="store_true",
                    help="start a mooncake_master on loopback: a shared DRAM store below the "
                         "workers (prefixes cross workers; turn 2 hits after PD)")
+    _add_passthrough(p)
     return p
+
+
+#: Flags of ``router.app`` / ``{prefill,decode}.worker`` the launcher sets itself.
+_LAUNCHER_OWNS = {"help", "host", "port", "model", "policy", "api_key", "replicas",
+                  "replica_index", "fd", "advertise_host", "router_url", "worker_id",
+                  "block_size", "device", "store_url"}
+
+
+def _component_parsers() -> dict[str, argparse.ArgumentParser]:
+    from router.config import build_parser as router_parser
+    from worker.config import WorkerEnv, _parser
+
+    return {"router": router_parser(), "worker": _parser("prefill", WorkerEnv())}
+
+
+def _add_passthrough(p: argparse.ArgumentParser) -> None:
+    """Add the router's and the workers' own flags (those the launcher does not set) to
+    ``p``, in two groups, defaulting to "not given" so only what the user typed is passed on;
+    a flag both know (``--log-level``) goes to both."""
+    seen: set[str] = set()
+    for name, parser in _component_parsers().items():
+        group = p.add_argument_group(
+            f"{name} flags", "passed to the router process(es)" if name == "router" else
+            "passed to every prefill and decode worker (python -m prefill.worker --help)")
+        for a in parser._actions:
+            if a.dest in _LAUNCHER_OWNS or a.dest in seen or a.help == argparse.SUPPRESS:
+                continue
+            seen.add(a.dest)
+            shown = "" if a.default in (None, False) or "default" in (a.help or "") else (
+                f"(default: {a.default})")
+            kwargs = dict(dest=a.dest, default=argparse.SUPPRESS, metavar=a.metavar,
+                          help=" ".join(filter(None, [a.help, shown])) or None)
+            flags = a.option_strings
+            if isinstance(a, argparse.BooleanOptionalAction):
+                kwargs["action"] = argparse.BooleanOptionalAction
+                flags = flags[:1]  # it adds the --no- form itself
+            elif a.nargs == 0:  # store_true
+                kwargs["action"] = "store_true"
+                kwargs.pop("metavar")
+            else:
+                kwargs.update(type=a.type, choices=a.choices)
+            group.add_argument(*flags, **kwargs)
+
+
+def passthrough_args(args: argparse.Namespace) -> dict[str, list[str]]:
+    """The flags of ``args`` that belong to the router / the workers, as argv lists
+    (``{"router": [...], "worker": [...]}``); empty lists when none were given."""
+    out: dict[str, list[str]] = {}
+    for name, parser in _component_parsers().items():
+        argv: list[str] = []
+        for a in parser._actions:
+            if a.dest in _LAUNCHER_OWNS or not hasattr(args, a.dest):
+                continue
+            value, flag = getattr(args, a.dest), a.option_strings[0]
+            if isinstance(a, argparse.BooleanOptionalAction):
+                argv.append(flag if value else "--no-" + flag[2:])
+            elif a.nargs == 0:
+                argv += [flag] if value else []
+            else:
+                argv += [flag, str(value)]
+        out[name] = argv
+    return out
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -371,7 +434,12 @@ def serve(args: argparse.Namespace) -> int:
     Raises:
         ValueError: ``--ray`` without ``--config``, or ``--config`` without ``--ray``.
     """
+    extra = passthrough_args(args)
     if args.ray:
+        if extra["router"] or extra["worker"]:
+            given = " ".join(x for x in extra["router"] + extra["worker"] if x.startswith("--"))
+            raise ValueError(f"{given}: with --ray the router and worker settings come from "
+                             "--config (deploy/configs/*.yaml)")
         if not args.config:
             raise ValueError("--config: `serve --ray` needs a deployment config "
                              "(deploy/configs/*.yaml)")
@@ -386,6 +454,7 @@ def serve(args: argparse.Namespace) -> int:
         block_size=args.block_size, device=args.device, sd_dir=args.sd_dir,
         store=args.store, monolithic=args.monolithic, supervise=True,
         max_restarts=args.max_restarts, routers=args.routers,
+        extra_router_args=extra["router"], extra_worker_args=extra["worker"],
     )
     stopping = False
 
@@ -430,5 +499,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["BACKENDS", "Component", "LaunchBackend", "PortInUseError", "Stack", "StartupError",
-           "address_warning", "backend", "build_parser", "check_port_free", "main", "serve", "start_stack",
+           "address_warning", "backend", "build_parser", "check_port_free", "main", "passthrough_args",
+           "serve", "start_stack",
            "wait_ready"]

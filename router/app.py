@@ -355,9 +355,15 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The request body, read up to ``limit`` bytes.
 
     Raises:
-        APIError: 413 ``request_too_large`` when ``Content-Length`` or the bytes received pass
+        APIError: 400 ``unsupported_media_type`` for a ``Content-Type`` that is not JSON
+            (``application/json`` or ``*/*+json``; none given is read as JSON, as FastAPI
+            does); 413 ``request_too_large`` when ``Content-Length`` or the bytes received pass
             ``limit`` (nothing more is read).
     """
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        raise APIError(400, f"Content-Type {media!r}: the body must be JSON (send "
+                       "`Content-Type: application/json`)", code="unsupported_media_type")
     too_large = APIError(413, f"request body is larger than {limit} bytes",
                          code="request_too_large")
     length = request.headers.get("content-length", "")

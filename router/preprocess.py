@@ -41,12 +41,13 @@ def parse_request(raw: bytes, model: type[R], served_model: str,
 
     Raises:
         APIError: 400 for JSON the parser rejects (also nesting past the recursion limit, an
-            integer past Python's digit limit), a non-object, a lone UTF-16 surrogate, a
-            schema error (the field named), another model, more than ``max_prompts`` prompts
-            (``too_many_prompts``).
+            integer past Python's digit limit, ``NaN`` / ``Infinity``), a non-object, a lone
+            UTF-16 surrogate, a schema error (the field named), more than ``max_prompts``
+            prompts (``too_many_prompts``); 404 ``model_not_found`` for another model (as
+            OpenAI and vLLM answer).
     """
     try:
-        data = json.loads(raw, parse_float=_number)
+        data = json.loads(raw, parse_float=_number, parse_constant=_not_a_number)
     except (ValueError, RecursionError) as e:
         # ValueError: JSONDecodeError, bad UTF-8, an int past Python's digit limit;
         # RecursionError: nesting deeper than the parser's recursion limit
@@ -68,9 +69,15 @@ def parse_request(raw: bytes, model: type[R], served_model: str,
     except ValidationError as e:
         raise APIError.invalid(e.errors()) from None
     if req.model != served_model:
-        raise APIError(400, f"The model `{req.model}` does not exist; this server serves "
+        raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
                        f"`{served_model}`.", param="model", code="model_not_found")
     return req
+
+
+def _not_a_number(text: str) -> float:
+    """``NaN`` / ``Infinity`` / ``-Infinity``: Python's parser takes them, JSON (RFC 8259 §6)
+    does not, and no sampling field means anything by them."""
+    raise ValueError(f"{text} is not a JSON number (RFC 8259 §6)")
 
 
 def _number(text: str) -> int | float:

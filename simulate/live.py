@@ -212,8 +212,10 @@ def cmd_live(args: argparse.Namespace) -> int:
                                    time_scale=args.time_scale, output_scale=args.output_scale)
     cfg = shape.sim_config(cal)
     facts = trace_facts(reqs)
-    policies = args.policy or [RouterConfig.policy]
-    results = run(reqs, policies, cfg, jobs=1, progress=not args.no_progress, facts=facts)
+    from router.placement import POLICIES
+    default = RouterConfig.policy  # the live router's default, first (the table's reference)
+    policies = args.policy or sorted(POLICIES, key=lambda n: (n != default, n))
+    results = run(reqs, policies, cfg, jobs=args.jobs, progress=not args.no_progress, facts=facts)
     kind = f"{p} monolithic" if shape.monolithic else f"{p} prefill + {d} decode"
     print(f"trace {args.trace}: {facts.num_requests} requests sent, {skipped} skipped, "
           f"{facts.total_tokens:,} prompt tokens (block {facts.block_size}); stack {kind}, "

@@ -28,6 +28,7 @@ def write_plots(run: RunOutcome, out_dir: str | Path, title: str = "k3serve benc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -79,6 +80,7 @@ def write_plots(run: RunOutcome, out_dir: str | Path, title: str = "k3serve benc
         ax.plot(q[:, 0], q[:, 2], label="streaming (router gauge)")
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("requests")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # request counts: whole ticks
     ax.set_title(f"{title}: queue depth over time")
     ax.grid(alpha=0.3)
     ax.legend()

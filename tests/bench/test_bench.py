@@ -186,3 +186,19 @@ def test_simulate_cli_models_the_live_stack(tmp_path):
         assert doc["live"]["stack"]["decode"] == shape.decode
         assert doc["setup"]["requests"] == 15 and doc["setup"]["block_size"] == BLOCK
     assert main([*args, "--workers", "2:1", "--length-scale", "0.001"]) == 2  # bad scale
+
+
+def test_simulate_cli_live_shape_lists_every_policy(capsys):
+    """Without ``--policy`` the live-shape mode compares every placement policy, as the
+    trace mode does (a new user saw only the default's row)."""
+    from router.placement import POLICIES
+    from simulate.cli import main
+
+    args = ["--trace", str(SLICE), "--length-scale", str(LENGTH_SCALE), "--output-scale",
+            str(OUTPUT_SCALE), "--max-model-len", str(MAX_MODEL_LEN), "--time-scale",
+            str(TIME_SCALE), "--workers", "2:1", "--no-progress"]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    body = lines[next(i for i, x in enumerate(lines) if x.startswith("---")) + 1:]
+    rows = [line.split()[0] for line in body if line.strip()]
+    assert set(POLICIES) <= set(rows), rows

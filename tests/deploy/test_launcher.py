@@ -110,3 +110,20 @@ def test_children_exit_when_the_launcher_is_killed(tmp_path):
             if _alive(k):
                 os.kill(k, signal.SIGKILL)
         log.close()
+
+
+def test_serve_passes_router_and_worker_flags_through():
+    """``k3serve serve`` takes the router's and the workers' own flags (a vLLM user expects
+    ``--max-num-seqs`` there) and passes only those given; ``--log-level`` reaches both."""
+    from deploy.launcher import build_parser, passthrough_args, serve
+
+    p = build_parser()
+    assert passthrough_args(p.parse_args([])) == {"router": [], "worker": []}
+    got = passthrough_args(p.parse_args(["--max-queued", "5", "--num-pages", "64",
+                                         "--no-cuda-graphs", "--log-level", "info"]))
+    assert got == {"router": ["--max-queued", "5", "--log-level", "info"],
+                   "worker": ["--num-pages", "64", "--log-level", "info", "--no-cuda-graphs"]}
+    with pytest.raises(SystemExit):  # a typed flag keeps its type check
+        p.parse_args(["--num-pages", "many"])
+    with pytest.raises(ValueError, match="--max-queued"):  # Ray takes them from --config
+        serve(p.parse_args(["--ray", "--config", "x.yaml", "--max-queued", "5"]))

@@ -283,7 +283,8 @@ def test_k3serve_serve_prints_url_and_sigterm_stops_every_child(tmp_path):
     exe = Path(sys.executable).with_name("k3serve")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "k3serve.cli"]
     p = subprocess.Popen([*cmd, "serve", "--port", str(port), "--prefill", "1", "--decode", "1",
-                          "--block-size", str(B)], cwd=ROOT, stdout=subprocess.PIPE,
+                          "--block-size", str(B), "--max-prompts", "2", "--num-pages", "96"],
+                         cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     kids: list[int] = []
     try:
@@ -300,6 +301,14 @@ def test_k3serve_serve_prints_url_and_sigterm_stops_every_child(tmp_path):
         kids = _children(p.pid)
         assert len(kids) == 3, kids  # router + 1 prefill + 1 decode
         assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == MODEL
+        # the router's and the workers' own flags pass through `k3serve serve`
+        r = httpx.post(url + "/v1/completions", timeout=10, json={
+            "model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_prompts"
+        argvs = {k: open(f"/proc/{k}/cmdline").read().split("\0") for k in kids}
+        workers = [a for a in argvs.values() if any(x.endswith(".worker") for x in a)]
+        assert len(workers) == 2 and all(
+            a[a.index("--num-pages") + 1] == "96" for a in workers), argvs
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
     finally:

@@ -191,7 +191,11 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": [999999]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
-    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 400, "model"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", b'{"model": "%s", "prompt": "x", "temperature": NaN}' % MODEL.encode(),
+     400, None),
+    ("/v1/completions", b'{"model": "%s", "prompt": "x", "top_p": Infinity}' % MODEL.encode(),
+     400, None),
     ("/v1/completions", {"model": MODEL, "prompt": "x" * 5000}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "prompt"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
@@ -210,7 +214,7 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "tools": [{"type": "function"}]}, 400, None),
     ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
-     400, "model"),
+     404, "model"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
                                                             "content": "y" * 5000}]},
      400, "messages"),
@@ -438,3 +442,20 @@ def test_busy_decode_is_waited_for_then_503_and_load_counters_return_to_zero():
             assert (w.running, w.reserved_tokens, w.queued_tokens) == (0, 0, 0), w
     finally:
         s.close()
+
+
+def test_body_must_be_json_by_content_type(stack):
+    """A non-JSON ``Content-Type`` is a 400 naming it (FastAPI / vLLM refuse it too); no
+    type, a charset parameter or a ``+json`` type are read as JSON."""
+    ok = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for media in ("text/plain", "application/x-www-form-urlencoded"):
+        r = httpx.post(stack.url + "/v1/completions", content=ok,
+                       headers={**auth, "Content-Type": media})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "unsupported_media_type"
+        assert media in r.json()["error"]["message"]
+    for media in (None, "application/json; charset=utf-8", "application/vnd.x+json"):
+        r = httpx.post(stack.url + "/v1/completions", content=ok,
+                       headers={**auth, **({"Content-Type": media} if media else {})})
+        assert r.status_code == 200, (media, r.text)
