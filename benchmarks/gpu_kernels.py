@@ -19,8 +19,11 @@ Timing (issue 17): every implementation, ours and fla's, is warmed up the same w
 timed ``K3SERVE_BENCH_REP`` = 30 times, each run alone between CUDA events after an L2 flush;
 prefill rows alternate ours / fla in two rounds and report the median of all 60 runs of each.
 
-Usage: ``python benchmarks/gpu_kernels.py [--out DIR] [--quick]`` (prints one table last; on a
-machine without CUDA it says so and exits 0). Issue 17's marks: prefill ≥ 1.0× fla
+Usage: ``python benchmarks/gpu_kernels.py [--out DIR] [--quick] [--only decode,mla,prefill]
+[--prefill-shapes 32768x12,512x16x64] [--knobs state_warps=8]`` (decode and MLA rows first, then
+prefill rows until ``K3SERVE_BENCH_BUDGET_S``, skipping a row whose new head count would cost
+fla's autotuning past it; prints one table last; on a machine without CUDA it says so and exits
+0). MLA rows time the tuned table's pick (``mla_decode_config``) and neighbours of it. Issue 17's marks: prefill ≥ 1.0× fla
 ``chunk_kda`` at every shape (plain, K3 gate, varlen); MLA decode ≥ 0.85 of copy bandwidth at
 256×32k and ≥ 0.75 at 64×4k; KDA decode step ≥ 0.9 at 256 sequences.
 """
@@ -153,10 +156,14 @@ def prefill_rows(rows, bw, rate, fla, quick, shapes=None):
     if shapes is None:
         shapes = [(T, H, 1) for T in Ts for H in Hs]
         shapes += [(512, H, 64) for H in ([16] if quick else [16, 32])]
+    seen_h: set = set()
     for T, H, N in shapes:
-        if time.time() - T0 > BUDGET_S:
+        # a head count fla has not seen costs its autotuning (~90 s) on top of the row
+        need = 30 if H in seen_h or fla is None else 120
+        if time.time() - T0 > BUDGET_S - need:
             log(f"prefill T={T} H={H} N={N}: skipped (time budget)")
             continue
+        seen_h.add(H)
         K = V = 128
         TT = T * N
         q, k, v, g, f, A_log, dt_bias, beta, h0 = kda_prefill_inputs(TT, H)
@@ -223,11 +230,12 @@ def decode_rows(rows, bw, fla, quick):
         slots = torch.randperm(S, device="cuda", generator=gen)[:N]
         nbytes = 2 * N * H * K * V * 4
         best = None
-        for bv, nw in [(16, 2), (32, 4), (64, 4), (64, 8), (128, 8)]:
-            t = bench(fused_recurrent_kda_step_triton, q, k, v, g, beta, pool, slots, block_v=bv, num_warps=nw)
-            log(f"decode N={N} BV={bv} warps={nw}: {t * 1e3:.1f} us")
+        for bv, nw, flat in [(64, 4, True), (64, 4, False), (32, 2, True), (128, 4, True), (64, 8, True)]:
+            t = bench(fused_recurrent_kda_step_triton, q, k, v, g, beta, pool, slots, block_v=bv,
+                      num_warps=nw, flat_grid=flat)  # fmt: skip
+            log(f"decode N={N} BV={bv} warps={nw} flat={flat}: {t * 1e3:.1f} us")
             if best is None or t < best[0]:
-                best = (t, bv, nw)
+                best = (t, bv, nw, flat)
         t_fla = float("nan")
         if fla is not None:
             try:
@@ -237,9 +245,9 @@ def decode_rows(rows, bw, fla, quick):
                     initial_state=pool, inplace_final_state=True, cu_seqlens=cu, ssm_state_indices=slots)  # fmt: skip
             except Exception as e:  # noqa: BLE001
                 log(f"fla decode failed: {e!r}")
-        t, bv, nw = best
+        t, bv, nw, flat = best
         rows.append(("decode", f"N={N} H={H}", "ours", t, t_fla, nbytes / bw * 1e3, nbytes / (t * 1e-3) / bw,
-                     f"BV={bv} warps={nw} fla/ours={t_fla / t:.2f}"))  # fmt: skip
+                     f"BV={bv} warps={nw} {'flat' if flat else '3-D'} grid fla/ours={t_fla / t:.2f}"))  # fmt: skip
         log(rows[-1])
         # adjacent conv step (channels q|k|v, kernel 4)
         Cc, W = 3 * H * K, 4
@@ -253,11 +261,9 @@ def decode_rows(rows, bw, fla, quick):
 
 
 def mla_rows(rows, bw, quick):
-    import triton
-
     from k3serve.kernels.mla.decode_triton import (
-        default_num_splits,
         mla_decode_absorbed_paged_triton,
+        mla_decode_config,
     )
     from k3serve.kernels.mla.naive import mla_decode_absorbed_paged
 
@@ -279,25 +285,27 @@ def mla_rows(rows, bw, quick):
             nbytes = int(lens.sum()) * D * 2
             ref = mla_decode_absorbed_paged(q[:3].float(), pool, bt[:3], lens[:3], DC, 192**-0.5)
             best = None
-            auto = default_num_splits(N, 1, L, sms)
-            for ns in sorted({auto, triton.cdiv(4 * sms, N), triton.cdiv(16 * sms, N)}):
-                for bn, nw, st in [(32, 4, 2), (64, 8, 2), (64, 4, 3)]:
-                    args = (q, pool, bt, lens, DC, 192**-0.5)
-                    kw = {"num_splits": ns, "block_n": bn, "num_warps": nw, "num_stages": st}
-                    try:
-                        out = mla_decode_absorbed_paged_triton(*args, **kw)
-                        err = ((out[:3] - ref).abs().max() / ref.abs().max()).item()
-                        t = bench(mla_decode_absorbed_paged_triton, *args, **kw)
-                    except Exception as e:  # noqa: BLE001
-                        log(f"mla BN={bn} warps={nw} stages={st} failed: {e!r}")
-                        continue
-                    log(f"mla N={N} L={L} splits={ns} BN={bn} warps={nw} stages={st}: {t * 1e3:.1f} us err={err:.1e}")
-                    if best is None or t < best[0]:
-                        best = (t, ns, bn, nw, st, err)
+            auto = mla_decode_config(N, 1, L, sms)  # the tuned table's pick
+            cands = {auto}
+            cands |= {(ns, *auto[1:]) for ns in ([2, 3, 4, 5, 6, 8] if N <= 64 else [1, 2, 3])}
+            cands |= {(auto[0], 32, 4, 2), (auto[0], 128, 4, 2), (auto[0], 64, 4, 3)}
+            for ns, bn, nw, st in sorted(cands):
+                args = (q, pool, bt, lens, DC, 192**-0.5)
+                kw = {"num_splits": ns, "block_n": bn, "num_warps": nw, "num_stages": st}
+                try:
+                    out = mla_decode_absorbed_paged_triton(*args, **kw)
+                    err = ((out[:3] - ref).abs().max() / ref.abs().max()).item()
+                    t = bench(mla_decode_absorbed_paged_triton, *args, **kw)
+                except Exception as e:  # noqa: BLE001
+                    log(f"mla BN={bn} warps={nw} stages={st} failed: {e!r}")
+                    continue
+                log(f"mla N={N} L={L} splits={ns} BN={bn} warps={nw} stages={st}: {t * 1e3:.1f} us err={err:.1e}")
+                if best is None or t < best[0]:
+                    best = (t, ns, bn, nw, st, err)
             t, ns, bn, nw, st, err = best
             rows.append(("mla", f"N={N} L={L // 1024}k", "ours", t, float("nan"), nbytes / bw * 1e3,
                          nbytes / (t * 1e-3) / bw,
-                         f"splits={ns} (auto {auto}) BN={bn} warps={nw} stages={st} err={err:.1e}"))  # fmt: skip
+                         f"splits={ns} BN={bn} warps={nw} stages={st} (table: {auto}) err={err:.1e}"))  # fmt: skip
             log(rows[-1])
             torch.cuda.empty_cache()
 
@@ -320,6 +328,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="prefill,decode,mla")
+    ap.add_argument("--knobs", default="",
+                    help="chunk_triton.KNOBS overrides, e.g. state_bv=64,state_warps=8")
     ap.add_argument("--prefill-shapes", default=None,
                     help="prefill rows to run, e.g. 32768x12,512x16x64 (T x H [x N seqs])")
     args = ap.parse_args()
@@ -338,6 +348,14 @@ def main() -> int:
     import triton
 
     shapes = parse_shapes(args.prefill_shapes) if args.prefill_shapes else None
+    if args.knobs:
+        from k3serve.kernels.kda import chunk_triton
+
+        for kv in args.knobs.split(","):
+            key, val = kv.split("=")
+            if key not in chunk_triton.KNOBS:
+                raise SystemExit(f"--knobs: unknown knob {key!r} (known: {sorted(chunk_triton.KNOBS)})")
+            chunk_triton.KNOBS[key] = None if val == "None" else int(val)
     bw, rate = ceilings()
     card = torch.cuda.get_device_name()
     fla_v = getattr(sys.modules.get("fla"), "__version__", "–")
@@ -347,9 +365,10 @@ def main() -> int:
     rows: list = []
     parts = args.only.split(",")
     try:
-        for name, fn in (("prefill", lambda: prefill_rows(rows, bw, rate, fla, args.quick, shapes)),
-                         ("decode", lambda: decode_rows(rows, bw, fla, args.quick)),
-                         ("mla", lambda: mla_rows(rows, bw, args.quick))):  # fmt: skip
+        # the cheap parts first; prefill rows stop at the time budget
+        for name, fn in (("decode", lambda: decode_rows(rows, bw, fla, args.quick)),
+                         ("mla", lambda: mla_rows(rows, bw, args.quick)),
+                         ("prefill", lambda: prefill_rows(rows, bw, rate, fla, args.quick, shapes))):  # fmt: skip
             if name in parts:
                 try:
                     fn()

@@ -132,7 +132,8 @@ def test_chunk_triton_rejects():
 # ---------------------------------------------------------------- decode step + conv step (tiny)
 
 
-def test_decode_step_triton_pool_view():
+@pytest.mark.parametrize("flat,evict", [(True, False), (False, True)], ids=["flat", "3d-evict"])
+def test_decode_step_triton_pool_view(flat, evict):
     N, H, K, V, S = 5, 2, 16, 32, 11
     gen = torch.Generator().manual_seed(5)
     q, k, v, g, beta, *_ = kda_inputs(N, 1, H, K, V, seed=5)
@@ -142,7 +143,8 @@ def test_decode_step_triton_pool_view():
     pool_ref = big[1].clone()
     o_ref = fused_recurrent_kda_step(q, k, v, g, beta, pool_ref, slots)
     before = big.clone()
-    o = fused_recurrent_kda_step_triton(q, k, v, g, beta, big[1], slots, block_v=16)
+    o = fused_recurrent_kda_step_triton(q, k, v, g, beta, big[1], slots, block_v=16, flat_grid=flat,
+                                        evict_first=evict)  # fmt: skip
     assert rel_err(o, o_ref) < 1e-5
     assert rel_err(big[1], pool_ref) < 1e-5
     assert torch.equal(big[0], before[0]) and torch.equal(big[2], before[2])
@@ -194,15 +196,32 @@ def mla_inputs(N, H, kv_lora, rope, page, lens, dtype=torch.float32, seed=0):
     return q, pool, bt.to(DEV), torch.tensor(lens, device=DEV)
 
 
-@pytest.mark.parametrize("splits", [1, 3], ids=lambda s: f"S{s}")
-def test_mla_decode_triton_tiny(splits):
+@pytest.mark.parametrize("splits,bn", [(1, 16), (3, 16), (3, 32), (1, 32)], ids=lambda s: str(s))
+def test_mla_decode_triton_tiny(splits, bn):
+    # pages of 16: BN 16 reads the page table once per block, BN 32 spans two pages; 1 split
+    # normalises in the one launch (no merge)
     lens = [1, 37, 100]
     q, pool, bt, sl = mla_inputs(3, 4, 64, 16, 16, lens)
     scale = 48**-0.5
     ref = mla_decode_absorbed_paged(q.cpu().double(), pool.cpu().double(), bt.cpu(), sl.cpu(), 64, scale)
-    out = mla_decode_absorbed_paged_triton(q, pool, bt, sl, 64, scale, num_splits=splits, block_n=16)
+    out = mla_decode_absorbed_paged_triton(q, pool, bt, sl, 64, scale, num_splits=splits, block_n=bn,
+                                           num_warps=4, num_stages=2)  # fmt: skip
     assert out.shape == (3, 4, 64) and out.dtype == torch.float32
     assert rel_err(out, ref) < 1e-4
+
+
+def test_mla_decode_config_table():
+    from k3serve.kernels.mla.decode_triton import DEFAULT_KNOBS, TUNED, mla_decode_config
+
+    for (p0, l0), cfg in TUNED.items():
+        assert mla_decode_config(p0, 1, l0) == cfg  # the measured shapes get their own entry
+    s, *knobs = mla_decode_config(4, 1, 100)  # far from the table: the heuristic
+    assert s >= 1 and tuple(knobs) == DEFAULT_KNOBS
+    (p0, l0), (s0, *_) = next(iter(TUNED.items()))
+    assert mla_decode_config(p0 * 2, 1, l0)[0] == max(1, round(s0 / 2))  # twice the programs
+    with pytest.raises(ValueError, match="block_n"):
+        q, pool, bt, sl = mla_inputs(1, 4, 64, 16, 16, [5])
+        mla_decode_absorbed_paged_triton(q, pool, bt, sl, 64, 0.1, num_splits=1, block_n=24)
 
 
 # ---------------------------------------------------------------- dispatch

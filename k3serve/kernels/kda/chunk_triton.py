@@ -36,6 +36,26 @@ G_MIN = -10.0
 BT = 64  # chunk
 BC = 16  # sub-chunk
 
+# Launch knobs of the four kernels (``*_stages`` None = Triton's default). Set from the H200
+# sweeps in ``benchmarks/RESULTS_gpu_kernels.md``; ``benchmarks/gpu_kernels_sweep.py`` varies them.
+KNOBS: dict[str, int | None] = {
+    "intra_warps": 4,
+    "intra_stages": None,
+    "state_bv": 32,  # V columns per state program (for K > 64; 64 otherwise)
+    "state_warps": 4,
+    "state_stages": None,
+    "out_bv": 64,
+    "out_warps": 4,
+    "out_stages": None,
+}
+
+
+def _launch(warps, stages) -> dict:
+    kw = {"num_warps": warps}
+    if stages is not None:
+        kw["num_stages"] = stages
+    return kw
+
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -85,7 +105,11 @@ def _gate_cumsum_kernel(
 
 @triton.jit
 def _inv_diag16(Akk, t0, i_h, r0, L, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """(I + N)⁻¹ of the 16×16 diagonal block at row ``r0`` (N strictly lower, read from Akk)."""
+    """(I + N)⁻¹ of the 16×16 diagonal block at row ``r0`` (N strictly lower, read from Akk).
+
+    Forward substitution, one row per step. (Run 4 tried the nilpotent product
+    (I − N)(I + N²)(I + N⁴)(I + N⁸) instead: same time, so this is not the intra kernel's cost.)
+    """
     o = tl.arange(0, BC)
     rows = r0 + o
     m = (rows[:, None] < L) & (o[None, :] < o[:, None])
@@ -97,6 +121,27 @@ def _inv_diag16(Akk, t0, i_h, r0, L, H: tl.constexpr, BT: tl.constexpr, BC: tl.c
         a = a + tl.sum(a[:, None] * X, 0)
         X = tl.where((o == i)[:, None], a[None, :], X)
     return X + (o[:, None] == o[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _block_solve(Ai0, Ai1, Ai2, Ai3, L10, L20, L21, L30, L31, L32, R0, R1, R2, R3, PREC: tl.constexpr):
+    """X = (I + β·Akk)⁻¹ R for a 64-row chunk by 16-row blocks: ``X_i = Ai_i (R_i − Σ_j<i L_ij X_j)``."""
+    X0 = tl.dot(Ai0, R0, input_precision=PREC)
+    X1 = tl.dot(Ai1, R1 - tl.dot(L10, X0, input_precision=PREC), input_precision=PREC)
+    X2 = tl.dot(
+        Ai2,
+        R2 - tl.dot(L20, X0, input_precision=PREC) - tl.dot(L21, X1, input_precision=PREC),
+        input_precision=PREC,
+    )
+    X3 = tl.dot(
+        Ai3,
+        R3
+        - tl.dot(L30, X0, input_precision=PREC)
+        - tl.dot(L31, X1, input_precision=PREC)
+        - tl.dot(L32, X2, input_precision=PREC),
+        input_precision=PREC,
+    )
+    return X0, X1, X2, X3
 
 
 @triton.jit
@@ -227,21 +272,7 @@ def _intra_kernel(
         R1 = _rhs_k(k, G, beta, Kd, gC, t0, i_h, BC, L, o_k, H, K, BC)
         R2 = _rhs_k(k, G, beta, Kd, gC, t0, i_h, 2 * BC, L, o_k, H, K, BC)
         R3 = _rhs_k(k, G, beta, Kd, gC, t0, i_h, 3 * BC, L, o_k, H, K, BC)
-        X0 = tl.dot(Ai0, R0, input_precision=PREC)
-        X1 = tl.dot(Ai1, R1 - tl.dot(L10, X0, input_precision=PREC), input_precision=PREC)
-        X2 = tl.dot(
-            Ai2,
-            R2 - tl.dot(L20, X0, input_precision=PREC) - tl.dot(L21, X1, input_precision=PREC),
-            input_precision=PREC,
-        )
-        X3 = tl.dot(
-            Ai3,
-            R3
-            - tl.dot(L30, X0, input_precision=PREC)
-            - tl.dot(L31, X1, input_precision=PREC)
-            - tl.dot(L32, X2, input_precision=PREC),
-            input_precision=PREC,
-        )
+        X0, X1, X2, X3 = _block_solve(Ai0, Ai1, Ai2, Ai3, L10, L20, L21, L30, L31, L32, R0, R1, R2, R3, PREC)
         _store_rows(W, X0, t0, i_h, 0, L, o_k, H, K, BC)
         _store_rows(W, X1, t0, i_h, BC, L, o_k, H, K, BC)
         _store_rows(W, X2, t0, i_h, 2 * BC, L, o_k, H, K, BC)
@@ -254,21 +285,7 @@ def _intra_kernel(
         R1 = _rhs_v(v, beta, t0, i_h, BC, L, o_v, H, V, BC)
         R2 = _rhs_v(v, beta, t0, i_h, 2 * BC, L, o_v, H, V, BC)
         R3 = _rhs_v(v, beta, t0, i_h, 3 * BC, L, o_v, H, V, BC)
-        X0 = tl.dot(Ai0, R0, input_precision=PREC)
-        X1 = tl.dot(Ai1, R1 - tl.dot(L10, X0, input_precision=PREC), input_precision=PREC)
-        X2 = tl.dot(
-            Ai2,
-            R2 - tl.dot(L20, X0, input_precision=PREC) - tl.dot(L21, X1, input_precision=PREC),
-            input_precision=PREC,
-        )
-        X3 = tl.dot(
-            Ai3,
-            R3
-            - tl.dot(L30, X0, input_precision=PREC)
-            - tl.dot(L31, X1, input_precision=PREC)
-            - tl.dot(L32, X2, input_precision=PREC),
-            input_precision=PREC,
-        )
+        X0, X1, X2, X3 = _block_solve(Ai0, Ai1, Ai2, Ai3, L10, L20, L21, L30, L31, L32, R0, R1, R2, R3, PREC)
         _store_rows(U, X0, t0, i_h, 0, L, o_v, H, V, BC)
         _store_rows(U, X1, t0, i_h, BC, L, o_v, H, V, BC)
         _store_rows(U, X2, t0, i_h, 2 * BC, L, o_v, H, V, BC)
@@ -460,7 +477,7 @@ def chunk_kda_triton(
             ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
         return o, ht
     BK = min(64, K)
-    BV = min(64, V)
+    BV = min(KNOBS["out_bv"], V)
     Gc = torch.empty(B, T, H, K, dtype=torch.float32, device=dev)
     gate = 0 if A_log is None else (1 if lower_bound is not None else 2)
     _gate_cumsum_kernel[(nch, H)](
@@ -475,22 +492,23 @@ def chunk_kda_triton(
     U = torch.empty(B, T, H, V, dtype=io, device=dev)
     _intra_kernel[(nch, H)](
         q, k, v, beta, Gc, Aqk, Akk, W, U, Kd, cu, cidx, scale,
-        H=H, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=BV, PREC=prec, num_warps=4,
+        H=H, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(64, V), PREC=prec,
+        **_launch(KNOBS["intra_warps"], KNOBS["intra_stages"]),
     )  # fmt: skip
     h = torch.empty(nch, H, K, V, dtype=io, device=dev)
     vnew = torch.empty(B, T, H, V, dtype=io, device=dev)
-    BVs = min(32 if K > 64 else 64, V)
+    BVs = min(KNOBS["state_bv"] if K > 64 else 64, V)
     h0 = initial_state.contiguous() if initial_state is not None else None
     _state_kernel[(N, H, triton.cdiv(V, BVs))](
         W, U, Kd, Gc, h, vnew, h0 if h0 is not None else h, ht if ht is not None else h, cu, coff,
         H=H, K=K, V=V, BT=BT, BV=BVs, HAS_H0=h0 is not None, STORE_HT=ht is not None, PREC=prec,
-        num_warps=4,
+        **_launch(KNOBS["state_warps"], KNOBS["state_stages"]),
     )  # fmt: skip
     _output_kernel[(nch, H, triton.cdiv(V, BV))](
         q, Gc, Aqk, h, vnew, o, cu, cidx, scale,
-        H=H, K=K, V=V, BT=BT, BV=BV, PREC=prec, num_warps=4,
+        H=H, K=K, V=V, BT=BT, BV=BV, PREC=prec, **_launch(KNOBS["out_warps"], KNOBS["out_stages"]),
     )  # fmt: skip
     return o, ht
 
 
-__all__ = ["G_MIN", "chunk_kda_triton"]
+__all__ = ["G_MIN", "KNOBS", "chunk_kda_triton"]

@@ -39,8 +39,18 @@ def _kda_step_kernel(
     K: tl.constexpr,
     V: tl.constexpr,
     BV: tl.constexpr,
+    FLAT: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
-    i_n, i_h, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    if FLAT:
+        # 1-D grid, V-block fastest: neighbouring programs stream neighbouring state bytes
+        NVB: tl.constexpr = (V + BV - 1) // BV
+        i = tl.program_id(0).to(tl.int64)
+        i_v = i % NVB
+        i_h = (i // NVB) % H
+        i_n = i // (NVB * H)
+    else:
+        i_n, i_h, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots + i_n).to(tl.int64)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -52,12 +62,18 @@ def _kda_step_kernel(
     b_v = tl.load(v + (i_n * H + i_h) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
     b_b = tl.load(beta + i_n * H + i_h).to(tl.float32)
     p_s = pool + slot * s_slot + i_h * s_h + o_k[:, None] * s_k + o_v[None, :] * s_v
-    S = tl.load(p_s, mask=m_v[None, :], other=0.0).to(tl.float32)
+    if EVICT:  # the state is touched once per step: keep it from crowding L2
+        S = tl.load(p_s, mask=m_v[None, :], other=0.0, eviction_policy="evict_first").to(tl.float32)
+    else:
+        S = tl.load(p_s, mask=m_v[None, :], other=0.0).to(tl.float32)
     S = S * tl.exp(b_g)[:, None]
     b_u = b_b * (b_v - tl.sum(b_k[:, None] * S, 0))
     S = S + b_k[:, None] * b_u[None, :]
     b_o = tl.sum(b_q[:, None] * S, 0)
-    tl.store(p_s, S.to(pool.dtype.element_ty), mask=m_v[None, :])
+    if EVICT:
+        tl.store(p_s, S.to(pool.dtype.element_ty), mask=m_v[None, :], eviction_policy="evict_first")
+    else:
+        tl.store(p_s, S.to(pool.dtype.element_ty), mask=m_v[None, :])
     tl.store(o + (i_n * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
 
 
@@ -73,6 +89,8 @@ def fused_recurrent_kda_step_triton(
     *,
     block_v: int | None = None,
     num_warps: int = 4,
+    flat_grid: bool = True,
+    evict_first: bool = False,
 ) -> torch.Tensor:
     r"""One KDA decode step in place on ``state_pool[slots]``; same contract as
     :func:`k3serve.kernels.kda.fused_recurrent_kda_step`.
@@ -87,6 +105,9 @@ def fused_recurrent_kda_step_triton(
         block_v (int, optional): V columns per program (default 64: best of the H200 sweep in
             ``benchmarks/RESULTS_gpu_kernels.md``).
         num_warps (int): warps per program (tuning knob).
+        flat_grid (bool): one grid axis with the V-block fastest (neighbouring programs read
+            neighbouring state bytes) instead of a ``(N, H, V-blocks)`` grid.
+        evict_first (bool): L2 eviction hint on the state load / store.
 
     Returns:
         ``o [N, H, V]`` in ``v.dtype``.
@@ -111,9 +132,11 @@ def fused_recurrent_kda_step_triton(
     o = torch.empty(N, H, V, dtype=v.dtype, device=v.device)
     if N == 0:
         return o
-    _kda_step_kernel[(N, H, triton.cdiv(V, BV))](
+    nvb = triton.cdiv(V, BV)
+    grid = (N * H * nvb,) if flat_grid else (N, H, nvb)
+    _kda_step_kernel[grid](
         q, k, v, g, beta, state_pool, slots, o, scale, *state_pool.stride(),
-        H=H, K=K, V=V, BV=BV, num_warps=num_warps,
+        H=H, K=K, V=V, BV=BV, FLAT=flat_grid, EVICT=evict_first, num_warps=num_warps,
     )  # fmt: skip
     return o
 
