@@ -10,7 +10,7 @@
 # the tree):
 #   .devcarry/whl/        cp312 wheels: fla-core 0.6.0, fastapi, starlette, pydantic(+core),
 #                         pydantic-settings, python-dotenv, annotated-types, typing-inspection,
-#                         typing-extensions, uvicorn, sse-starlette, httpx-sse, tenacity,
+#                         typing-extensions, uvicorn, sse-starlette, httpx-sse, tenacity, pybreaker,
 #                         llguidance, opentelemetry-api
 #   .devcarry/mc.tar.xz   mooncake-transfer-engine-cuda13 0.3.14 slimmed to the transfer engine:
 #                         mooncake/{__init__.py,engine.so,libetcd_wrapper.so,libasio.so} and the
@@ -34,7 +34,7 @@ PIP=(python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
      --platform manylinux2014_x86_64 --platform any)
 "${PIP[@]}" -q -d "$D/whl" fla-core==0.6.0 fastapi starlette pydantic pydantic-core \
   pydantic-settings python-dotenv annotated-types typing-inspection typing-extensions uvicorn \
-  sse-starlette httpx-sse tenacity llguidance opentelemetry-api
+  sse-starlette httpx-sse tenacity pybreaker llguidance opentelemetry-api
 "${PIP[@]}" -q -d "$T" mooncake-transfer-engine-cuda13==0.3.14
 (cd "$T" && mkdir x slim && cd x && unzip -q ../mooncake_transfer_engine_cuda13-*.whl \
   && mkdir -p ../slim/mooncake ../slim/mooncake_transfer_engine_cuda13.libs \

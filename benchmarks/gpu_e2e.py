@@ -438,6 +438,12 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--gpu-init", action="store_true",
+                    help="draw the random init on the GPU (seconds; other numbers than the CPU "
+                         "init of the same seed)")
+    ap.add_argument("--prefill-shapes", default="1x2048,1x8192,8x8192",
+                    help="batch x prompt, comma separated")
     ap.add_argument("--mla-prefill", default="naive,sdpa",
                     help="MLA prefill implementations to time (K3SERVE_MLA_PREFILL values)")
     a = ap.parse_args()
@@ -449,13 +455,14 @@ def main():
     t0 = time.time()
     bw, mm = ceilings()
     log(f"copy {bw / 1e12:.2f} TB/s, bf16 mm {mm / 1e12:.0f} TFLOP/s")
-    model, cfg, moes = build()
+    model, cfg, moes = build(on_gpu=a.gpu_init)
     log(f"built k3-mini ({model.num_params() / 1e9:.2f} B params) in {time.time() - t0:.0f}s")
     checks = [] if a.skip_check else correctness(model, cfg, moes)
     for c in checks:
         log(f"check {c['name']}: rel {c['rel_err']:.2e} argmax {c['argmax_agree']}")
     set_mode(moes, "triton", "grouped", True)
-    decode = decode_bench(model, cfg, moes, bw, a.batches, a.context, a.iters, checks)
+    decode = [] if a.skip_decode else decode_bench(model, cfg, moes, bw, a.batches, a.context,
+                                                   a.iters, checks)  # fmt: skip
     for c in checks:
         if c["name"].startswith("decode batch"):
             log(f"check {c['name']}: rel {c['rel_err']:.2e} argmax {c['argmax_agree']}")
@@ -463,7 +470,8 @@ def main():
     for impl in ([] if a.skip_prefill else a.mla_prefill.split(",")):
         os.environ["K3SERVE_MLA_PREFILL"] = impl
         try:
-            rows = prefill_bench(model, cfg, mm, [(1, 2048), (1, 8192), (8, 8192)])
+            shapes = [tuple(int(v) for v in x.split("x")) for x in a.prefill_shapes.split(",")]
+            rows = prefill_bench(model, cfg, mm, shapes)
         except (RuntimeError, ValueError) as e:  # keep the decode figures if a shape fails
             log(f"prefill ({impl}) failed: {type(e).__name__}: {e}")
             rows = []

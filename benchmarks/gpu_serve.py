@@ -29,10 +29,12 @@ Usage: ``python benchmarks/gpu_serve.py [--out DIR] [--folder DIR] [--requests 8
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import datetime
 import itertools
 import json
+import re
 import statistics
 import sys
 import time
@@ -150,7 +152,8 @@ def served(folder: Path, out: Path, log_dir: str, msgs: list[dict], max_tokens: 
 
     t0 = time.time()
     stack = start_stack(model=str(folder), num_prefill=1, num_decode=1, device="cuda",
-                        ready_timeout=420.0, log_dir=log_dir)
+                        ready_timeout=420.0, log_dir=log_dir,
+                        extra_worker_args=["--log-level", "info"])  # per-transfer timings
     res: dict = {"startup_s": time.time() - t0}
     log(f"stack up in {res['startup_s']:.1f} s at {stack.url}")
     try:
@@ -217,7 +220,29 @@ def served(folder: Path, out: Path, log_dir: str, msgs: list[dict], max_tokens: 
         (out / "metrics.txt").write_text("\n\n".join(f"## {u}\n{t}" for u, t in mets.items()))
     finally:
         stack.stop()
+    res["transfers_logged"] = transfer_log(Path(log_dir))
     return res
+
+
+_TRANSFER = re.compile(r"transfer (\w+) in ([\d.]+) s \((\d+) tokens, (\d+) runs, (\d+) B\): (\{.*\})")
+
+
+def transfer_log(log_dir: Path) -> list[dict]:
+    """The prefill worker's per-transfer info lines (``prefill/worker.py`` ``_count_transfer``):
+    state, seconds from admission, tokens, runs, bytes and the sender's stage times
+    (``t_paired``, ``t_first_write``, ``t_written``, ``t_done``, seconds from admission)."""
+    out = []
+    for f in sorted(log_dir.glob("*")):
+        if not f.is_file():
+            continue
+        for line in f.read_text(errors="replace").splitlines():
+            m = _TRANSFER.search(line)
+            if m:
+                st = ast.literal_eval(m.group(6))
+                out.append({"state": m.group(1), "seconds": float(m.group(2)),
+                            "tokens": int(m.group(3)), "runs": int(m.group(4)),
+                            "bytes": int(m.group(5)), **st})
+    return out
 
 
 def main() -> int:
@@ -277,6 +302,13 @@ def main() -> int:
         lines.append(f"transfer {t['worker']}: {t['bytes'] / 1e6:.1f} MB in {t['count']:.0f} "
                      f"transfers, {t['seconds_sum']:.3f} s → {t['gb_per_s']} GB/s, "
                      f"fallbacks {t['fallbacks']:.0f}")
+    ok = [t for t in res.get("transfers_logged", []) if t["state"] == "SUCCESS"
+          and "t_written" in t and "t_first_write" in t]  # fmt: skip
+    if ok:
+        w = statistics.median(t["t_written"] - t["t_first_write"] for t in ok)
+        lines.append(f"prefill log: {len(ok)} transfers, median {statistics.median(t['bytes'] for t in ok) / 1e6:.1f} MB, "
+                     f"first write → all written median {w * 1e3:.1f} ms, admission → done median "
+                     f"{statistics.median(t['seconds'] for t in ok) * 1e3:.0f} ms")  # fmt: skip
     (out / "serve.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     return 0

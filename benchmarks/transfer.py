@@ -16,7 +16,15 @@ prefill side. Per preset it measures, on the same pools and the same merged runs
 The receiver confirms each transfer (its manifest check); the first repetition of each preset
 also compares a SHA-256 of the request's bytes on both sides.
 
-Usage: ``python benchmarks/transfer.py [--presets k3-tiny,k3-mini] [--reps 5]``
+GPU pools (``--device cuda``, both processes' pools on the GPU): ``--staging host`` sends them
+through the pinned host mirrors (:mod:`kvstore.staging`: device → host copy per layer at the
+sender, TE host → host, host → device at the receiver before SUCCESS — ``stage-in ms`` is that
+last copy, timed in the peer, and ``kv+in GB/s`` counts it); ``--staging direct`` registers the
+GPU pools with the TE (Mooncake's tcp transport then moves CUDA memory itself). ``raw`` is TE on
+whatever is registered (host mirrors, or GPU memory). ``--json PATH`` writes the rows.
+
+Usage: ``python benchmarks/transfer.py [--presets k3-tiny,k3-mini] [--reps 5]
+[--device cpu|cuda] [--staging auto|host|direct] [--json PATH]``
 """
 
 from __future__ import annotations
@@ -39,14 +47,21 @@ from k3serve.config import PRESETS
 from k3serve.messages import PairRequest, SamplingSpec, TransferMetadata
 from kvstore import BootstrapClient, CacheRef, KVEngine, KVPoll, KVSender, PoolLayout
 from kvstore.descriptors import plan_runs
-from kvstore.loopback import fill_pools, make_pools, pool_layout, request_digest
+from kvstore.loopback import fill_pools, make_pools, register_pools, request_digest
 
 BLOCK = 64
 TOKENS = {"k3-tiny": 1024, "k3-mini": 4096}
 
 
+def _pythonpath() -> str:
+    """The repository first, then what the caller had (the device carries mooncake there)."""
+    return os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 class Peer:
-    def __init__(self, model: str, slots: int, pages: int) -> None:
+    def __init__(
+        self, model: str, slots: int, pages: int, device: str = "cpu", staging: str = "auto"
+    ) -> None:
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -61,13 +76,17 @@ class Peer:
                 "--block-size",
                 str(BLOCK),
                 "--no-fill",
+                "--device",
+                device,
+                "--staging",
+                staging,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={**os.environ, "PYTHONPATH": _pythonpath()},
         )
         self.info = self._read(120)
 
@@ -107,18 +126,17 @@ def _drive(tx: KVSender, timeout_s: float = 60.0) -> None:
         raise RuntimeError(f"transfer failed: {tx.error}")
 
 
-def bench_preset(name: str, reps: int) -> dict:
+def bench_preset(name: str, reps: int, device: str = "cpu", staging: str = "auto") -> dict:
     cfg = PRESETS[name]
     n = TOKENS[name]
     k = -(-n // BLOCK)
     pages = 2 * k + 4
-    peer = Peer(name, 2, pages)
+    peer = Peer(name, 2, pages, device, staging)
     eng = KVEngine()
     client = BootstrapClient()
-    pools = make_pools(cfg, 2, pages, BLOCK)
+    pools = make_pools(cfg, 2, pages, BLOCK, device=device)
     fill_pools(pools, 0)
-    layout = pool_layout(cfg, pools)
-    eng.register_layout(layout)
+    layout = register_pools(eng, cfg, pools, staging)  # the mirror's layout when staged
     rng = random.Random(0)
     src_contig = CacheRef(0, tuple(range(k)), n)
     dst_contig = {"slot": 1, "pages": list(range(k + 2, 2 * k + 2)), "num_tokens": n}
@@ -189,18 +207,22 @@ def bench_preset(name: str, reps: int) -> dict:
                 raise RuntimeError(f"receiver: {out}")
             if verify and out["digest"] != request_digest(pools, src):
                 raise RuntimeError("bytes differ at the destination")
-            return {"total": total, "after_pair": total - tx.stats["t_paired"], "compute": compute}
+            return {"total": total, "after_pair": total - tx.stats["t_paired"], "compute": compute,
+                    "stage_in": float(out.get("stage_in_s", 0.0))}  # fmt: skip
 
         raw_once(src_contig, dst_contig)  # warm the connection
         kv_once(src_contig, dst_contig, verify=True)
         kv_once(src_frag, dst_frag, verify=True)
         # interleaved, so that load from other processes hits both paths alike
-        m: dict[str, list[float]] = {k: [] for k in ("raw", "kv", "kv_ap", "raw_f", "kv_f")}
+        keys = ("raw", "kv", "kv_ap", "kv_in", "stage_in", "raw_f", "kv_f")
+        m: dict[str, list[float]] = {k: [] for k in keys}
         for _ in range(reps):
             m["raw"].append(raw_once(src_contig, dst_contig))
             x = kv_once(src_contig, dst_contig)
             m["kv"].append(x["total"])
             m["kv_ap"].append(x["after_pair"])
+            m["kv_in"].append(x["total"] + x["stage_in"])
+            m["stage_in"].append(x["stage_in"])
             m["raw_f"].append(raw_once(src_frag, dst_frag))
             m["kv_f"].append(kv_once(src_frag, dst_frag)["total"])
         med = {k: statistics.median(v) for k, v in m.items()}
@@ -211,6 +233,8 @@ def bench_preset(name: str, reps: int) -> dict:
         exposed = statistics.median(x["total"] - x["compute"] for x in ov)
         return {
             "preset": name,
+            "device": device,
+            "staging": "host" if eng.staging is not None else "direct",
             "tokens": n,
             "payload": payload,
             "runs": len(runs),
@@ -234,21 +258,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="k3-tiny,k3-mini")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--device", default="cpu", help="where both sides' pools live (cpu, cuda)")
+    ap.add_argument("--staging", default="auto", choices=("auto", "host", "direct"))
+    ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args()
-    rows = [bench_preset(p, args.reps) for p in args.presets.split(",")]
+    rows = [bench_preset(p, args.reps, args.device, args.staging) for p in args.presets.split(",")]
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
     gbs = lambda r, k: r["payload"] / r[k] / 1e9
     print(
         "\nthroughput (payload bytes / time, median of interleaved repetitions; ratio = median of "
         "raw time / kvstore time)"
     )
     print(
-        f"{'preset':8} {'tokens':>6} {'payload MB':>10} | {'runs':>5} {'raw GB/s':>8} {'kv GB/s':>7} "
-        f"{'kv/raw':>6} {'kv excl.pair':>12} | {'frag runs':>9} {'raw GB/s':>8} {'kv GB/s':>7} {'kv/raw':>6}"
+        f"{'preset':8} {'pools':>5} {'staging':>7} {'tokens':>6} {'payload MB':>10} | {'runs':>5} "
+        f"{'raw GB/s':>8} {'kv GB/s':>7} {'kv/raw':>6} {'kv excl.pair':>12} {'stage-in ms':>11} "
+        f"{'kv+in GB/s':>10} | {'frag runs':>9} {'raw GB/s':>8} {'kv GB/s':>7} {'kv/raw':>6}"
     )
     for r in rows:
         print(
-            f"{r['preset']:8} {r['tokens']:>6} {r['payload'] / 1e6:>10.2f} | {r['runs']:>5} "
-            f"{gbs(r, 'raw'):>8.2f} {gbs(r, 'kv'):>7.2f} {r['ratio']:>6.2f} {gbs(r, 'kv_ap'):>12.2f} | "
+            f"{r['preset']:8} {r['device']:>5} {r['staging']:>7} {r['tokens']:>6} "
+            f"{r['payload'] / 1e6:>10.2f} | {r['runs']:>5} "
+            f"{gbs(r, 'raw'):>8.2f} {gbs(r, 'kv'):>7.2f} {r['ratio']:>6.2f} {gbs(r, 'kv_ap'):>12.2f} "
+            f"{r['stage_in'] * 1e3:>11.2f} {gbs(r, 'kv_in'):>10.2f} | "
             f"{r['frag_runs']:>9} {gbs(r, 'raw_f'):>8.2f} {gbs(r, 'kv_f'):>7.2f} {r['ratio_f']:>6.2f}"
         )
     print("\noverlap with a simulated prefill (sleep `layer ms` per layer, then layer_ready)")

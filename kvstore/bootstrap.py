@@ -89,7 +89,9 @@ class KVBootstrapServer(TicketTable):
     daemon thread).
 
     Args:
-        engine: this process's :class:`~kvstore.engine.KVEngine` (its pools registered).
+        engine: this process's :class:`~kvstore.engine.KVEngine` (its pools registered). With
+            host staging (``engine.staging``), a ticket's cache is copied mirror → device
+            pools when its ``done`` arrives, before it turns SUCCESS.
         layout: this process's :class:`PoolLayout` (the destination addresses).
         host, port: where to listen (port 0: any free port; see :attr:`address`).
         release_grace_s, ticket_ttl_s: see :class:`TicketTable`.
@@ -107,7 +109,13 @@ class KVBootstrapServer(TicketTable):
         ticket_ttl_s: float = 300.0,
         cluster_token: str | None = None,
     ) -> None:
-        super().__init__(layout, release_grace_s=release_grace_s, ticket_ttl_s=ticket_ttl_s)
+        staging = getattr(engine, "staging", None)
+        super().__init__(
+            layout,
+            release_grace_s=release_grace_s,
+            ticket_ttl_s=ticket_ttl_s,
+            on_landed=staging.stage_in_ref if staging is not None else None,
+        )
         self.engine = engine
         self.cluster_token = cluster_token
         self.host, self.port = host, port

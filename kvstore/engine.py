@@ -153,6 +153,8 @@ class KVEngine:
             f"{c.hostname}:{self.rpc_port}" if c.metadata_server == P2PHANDSHAKE else c.hostname
         )
         self._lock = threading.RLock()
+        #: host staging of device pools (:mod:`kvstore.staging`), set by :meth:`register_pools`
+        self.staging: Any = None
         self._registered: dict[int, int] = {}
         self._queued: dict[str, deque[_Chunk]] = {}
         self._inflight: dict[str, list[_Chunk]] = {}
@@ -196,6 +198,32 @@ class KVEngine:
     def unregister_layout(self, layout: PoolLayout) -> None:
         for r in layout.regions:
             self.unregister(r.base)
+
+    def register_pools(
+        self, pools: Any, *, extra: dict[str, Any] | None = None, staging: str = "auto"
+    ) -> PoolLayout:
+        """Register a worker's transfer pools and return the layout to advertise.
+
+        Args:
+            pools: a ``k3serve.cache.pools.KVPools`` (duck-typed, see
+                :meth:`PoolLayout.from_kvpools`).
+            extra: fingerprint extras (default ``pools.cfg.fingerprint_fields()``).
+            staging: ``K3SERVE_KV_STAGING``: ``auto`` (CUDA pools go through a pinned host
+                mirror, CPU pools are registered as they are), ``host`` or ``direct``
+                (:mod:`kvstore.staging`). With staging, :attr:`staging` holds the mirror and
+                the returned layout is the mirror's (host addresses, the same fingerprint).
+
+        Raises:
+            ValueError: an unknown ``staging`` mode; the pools do not describe a layout.
+            TransferError: op ``register``.
+        """
+        from kvstore.staging import make_staging  # torch: imported only by workers
+
+        layout = PoolLayout.from_kvpools(pools, extra=extra)
+        self.staging = make_staging(staging, pools, layout)
+        adv = self.staging.layout if self.staging is not None else layout
+        self.register_layout(adv)
+        return adv
 
     # ------------------------------------------------------------------ writes
     def write(self, peer: str, runs: Iterable[Run] | Iterable[tuple[int, int, int]]) -> int:

@@ -1,7 +1,8 @@
 """A stand-alone decode-side peer for loopback tests and benchmarks (not used in serving).
 
 Run ``python -m kvstore.loopback --model k3-tiny --slots 4 --pages 64 --block-size 16``: it
-allocates the pools of docs/INTERFACES.md §1 (random contents), registers them with a
+allocates the pools of docs/INTERFACES.md §1 (random contents; ``--device cuda`` puts them on
+the GPU, ``--staging host|direct|auto`` as ``K3SERVE_KV_STAGING``), registers them with a
 :class:`KVEngine`, starts a :class:`KVBootstrapServer`, prints one JSON line
 ``{"ready": true, "bootstrap": "host:port", "session": "host:rpc_port", "pid": N}`` and then
 answers JSON commands, one per line on stdin, one JSON line each on stdout:
@@ -25,6 +26,7 @@ import json
 import os
 import sys
 import time
+import types
 from typing import Any
 
 import torch
@@ -40,21 +42,38 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def make_pools(
-    cfg: ModelConfig, slots: int, pages: int, block_size: int, cache_dtype: str | None = None
+    cfg: ModelConfig,
+    slots: int,
+    pages: int,
+    block_size: int,
+    cache_dtype: str | None = None,
+    device: str = "cpu",
 ) -> dict[str, torch.Tensor]:
     """Zeroed pools: ``kda_state [L_kda, S, H, K, V]`` fp32, ``conv_state [L_kda, S, W-1, 3HK]``
-    and ``mla_latent [L_mla, P, B, D]`` in ``cache_dtype`` (default: the model dtype)."""
+    and ``mla_latent [L_mla, P, B, D]`` in ``cache_dtype`` (default: the model dtype), on
+    ``device``."""
     dt = _DTYPES[cache_dtype or cfg.dtype]
     h, k = cfg.kda_num_heads, cfg.kda_head_dim
+    kw = {"device": device}
     return {
-        "kda_state": torch.zeros(cfg.num_kda_layers, slots, h, k, k, dtype=torch.float32),
+        "kda_state": torch.zeros(cfg.num_kda_layers, slots, h, k, k, dtype=torch.float32, **kw),
         "conv_state": torch.zeros(
-            cfg.num_kda_layers, slots, cfg.kda_conv_kernel - 1, cfg.kda_conv_dim, dtype=dt
+            cfg.num_kda_layers, slots, cfg.kda_conv_kernel - 1, cfg.kda_conv_dim, dtype=dt, **kw
         ),
         "mla_latent": torch.zeros(
-            cfg.num_mla_layers, pages, block_size, cfg.mla_latent_dim, dtype=dt
+            cfg.num_mla_layers, pages, block_size, cfg.mla_latent_dim, dtype=dt, **kw
         ),
     }
+
+
+def register_pools(
+    engine: KVEngine, cfg: ModelConfig, pools: dict[str, torch.Tensor], staging: str = "auto"
+) -> PoolLayout:
+    """Register ``pools`` with ``engine`` as a worker does (:meth:`KVEngine.register_pools`:
+    CUDA pools through a host mirror unless ``staging='direct'``); returns the layout to
+    advertise / send from."""
+    ns = types.SimpleNamespace(cfg=cfg, **pools)
+    return engine.register_pools(ns, extra=cfg.fingerprint_fields(), staging=staging)
 
 
 def pool_layout(cfg: ModelConfig, pools: dict[str, torch.Tensor]) -> PoolLayout:
@@ -72,7 +91,7 @@ def pool_layout(cfg: ModelConfig, pools: dict[str, torch.Tensor]) -> PoolLayout:
 def fill_pools(pools: dict[str, torch.Tensor], seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     for t in pools.values():
-        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))  # CPU draw: same on any device
 
 
 def _request_views(pools: dict[str, torch.Tensor], ref: CacheRef) -> list[torch.Tensor]:
@@ -89,7 +108,7 @@ def request_digest(pools: dict[str, torch.Tensor], ref: CacheRef) -> str:
     latents of tokens ``[0, num_tokens)``): equal on both sides iff the transfer is exact."""
     h = hashlib.sha256()
     for v in _request_views(pools, ref):
-        h.update(v.contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(v.contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -123,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--cache-dtype", default=None)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--device", default="cpu", help="where the pools live (cpu, cuda)")
+    ap.add_argument("--staging", default="auto", choices=("auto", "host", "direct"))
     ap.add_argument("--release-grace-s", type=float, default=0.5)
     ap.add_argument(
         "--no-fill", action="store_true", help="leave pools zeroed (faster for benchmarks)"
@@ -130,14 +151,25 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     cfg = PRESETS[args.model]
-    pools = make_pools(cfg, args.slots, args.pages, args.block_size, args.cache_dtype)
+    pools = make_pools(
+        cfg, args.slots, args.pages, args.block_size, args.cache_dtype, device=args.device
+    )
     if not args.no_fill:
         fill_pools(pools, args.seed)
     snap = {k: v.clone() for k, v in pools.items()}
-    layout = pool_layout(cfg, pools)
     engine = KVEngine(EngineConfig())
-    engine.register_layout(layout)
+    layout = register_pools(engine, cfg, pools, args.staging)
     server = KVBootstrapServer(engine, layout, release_grace_s=args.release_grace_s).start()
+    stage_in_s: list[float] = []  # seconds of each mirror → device copy (host staging)
+    if server.on_landed is not None:
+        landed = server.on_landed
+
+        def timed(ref: CacheRef) -> None:
+            t = time.perf_counter()
+            landed(ref)
+            stage_in_s.append(time.perf_counter() - t)
+
+        server.on_landed = timed
     rx: dict[str, KVReceiver] = {}
     releases: dict[str, int] = {}
 
@@ -187,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
                     "released": r.released,
                     "releases": releases.get(r.ticket, 0),
                     "layers": r.layers_received,
+                    "staging": engine.staging is not None,
+                    "stage_in_s": stage_in_s[-1] if stage_in_s else 0.0,
                 }
                 if r.state == KVPoll.SUCCESS and r.result is not None:
                     res = r.result

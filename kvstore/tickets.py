@@ -71,13 +71,18 @@ class TicketTable:
         ticket_ttl_s: finished tickets are forgotten this long after they finish (seconds).
         probe_interval_s: a failed ticket whose release is pending probes its sender's port
             this often (seconds; see the module docstring).
+        on_landed: called with a ticket's reservation once its bytes are complete, before it
+            turns SUCCESS (host staging copies them mirror → device pools there,
+            :meth:`kvstore.staging.HostStaging.stage_in_ref`); an exception fails the ticket.
     """
 
     def __init__(
         self, layout: PoolLayout, *, release_grace_s: float = 2.0, ticket_ttl_s: float = 300.0,
         probe_interval_s: float = 1.0,
+        on_landed: Callable[[CacheRef], None] | None = None,
     ) -> None:
         self.layout = layout
+        self.on_landed = on_landed
         self.release_grace_s = release_grace_s
         self.ticket_ttl_s = ticket_ttl_s
         self.probe_interval_s = probe_interval_s
@@ -288,6 +293,13 @@ class TicketTable:
             sender_seconds=msg.elapsed_s,
             seconds=time.monotonic() - rec.created,
         )
+        if self.on_landed is not None:
+            try:
+                self.on_landed(rec.ref)
+            except Exception as e:  # noqa: BLE001 - the request recomputes; never a crash
+                rec.result = None
+                self._finish(rec, KVPoll.FAILED, f"copying the landed cache in failed: {e!r}")
+                return False, rec.error or ""
         self._finish(rec, KVPoll.SUCCESS)
         return True, rec.state.name
 

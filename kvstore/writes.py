@@ -10,7 +10,9 @@ tokens ``[0, num_tokens)`` and its slot state were submitted and every write of 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore.descriptors import CacheRef, PoolLayout, Run, layer_runs
 from kvstore.engine import KVEngine, TransferHandle
@@ -26,9 +28,10 @@ _BAD_ADDR = 8  # never registered by anyone: a write there fails inside Mooncake
 class _Part:
     layer: int
     runs: list[Run]
-    handle: TransferHandle
+    handle: TransferHandle | None  # None: waiting for its staging copy (not submitted yet)
     retry_at: float | None = None  # scheduled resubmission time (monotonic s)
     finished: bool = False
+    ready: Callable[[], bool] | None = None  # staging copy landed? (None: nothing to wait for)
 
 
 class LayerWrites:
@@ -42,6 +45,9 @@ class LayerWrites:
         fail_first_n: test hook: the first n submissions go to an unregistered address and
             fail inside Mooncake.
         tag: log prefix.
+        staging: the engine's host staging (:mod:`kvstore.staging`; default
+            ``engine.staging``): each layer's bytes are copied device → pinned mirror first and
+            its writes submitted once that copy landed; ``layout`` is then the mirror's.
     """
 
     def __init__(
@@ -52,8 +58,10 @@ class LayerWrites:
         budget: RetryBudget,
         fail_first_n: int = 0,
         tag: str = "",
+        staging: Any = None,
     ) -> None:
         self.layout, self.src, self.engine, self.budget = layout, src, engine, budget
+        self.staging = staging if staging is not None else getattr(engine, "staging", None)
         self.layers = layout.layers
         self._inject_left = int(fail_first_n)
         self._tag = tag
@@ -97,7 +105,13 @@ class LayerWrites:
             if with_state:
                 self._state_sent.add(layer)
             if runs:
-                self._parts.append(_Part(layer, runs, self._submit(peer, runs)))
+                ready = None
+                if self.staging is not None:
+                    ready = self.staging.stage_out(self.src, layer, start, upto, with_state)
+                if ready is None or ready():
+                    self._parts.append(_Part(layer, runs, self._submit(peer, runs)))
+                else:  # submitted by check() once the device → host copy landed
+                    self._parts.append(_Part(layer, runs, None, ready=ready))
                 submitted = True
             elif with_state:
                 self.layer_bytes.setdefault(layer, 0)
@@ -126,6 +140,13 @@ class LayerWrites:
         for p in self._parts:
             if p.finished:
                 continue
+            if p.handle is None:  # staging copy in flight; failing: never submitted
+                if failing:
+                    p.finished = True
+                    continue
+                if p.ready is not None and not p.ready():
+                    continue
+                p.handle = self._submit(peer, p.runs)
             h = p.handle
             if h.error is not None:
                 if failing:
@@ -163,7 +184,11 @@ class LayerWrites:
         return (
             self._sent_upto.get(layer, 0) == self.src.num_tokens
             and layer in self._state_sent
-            and all(p.finished and p.handle.done for p in self._parts if p.layer == layer)
+            and all(
+                p.finished and p.handle is not None and p.handle.done
+                for p in self._parts
+                if p.layer == layer
+            )
         )
 
     def all_written(self) -> bool:
@@ -171,7 +196,7 @@ class LayerWrites:
 
     def settled(self) -> bool:
         """No write of ours is queued or in flight (the source may be reused)."""
-        return all(p.handle.settled for p in self._parts)
+        return all(p.handle is None or p.handle.settled for p in self._parts)
 
     @property
     def num_runs(self) -> int:

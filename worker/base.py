@@ -23,7 +23,7 @@ from k3serve.messages import (
     WorkerUsage,
 )
 from k3serve.sampling import SamplingParams
-from kvstore import KVEngine, PoolLayout
+from kvstore import KVEngine
 from worker.config import WorkerConfig
 from worker.loop import EngineLoop, build_engine, parallel_info
 from worker.metrics import WorkerMetrics
@@ -84,10 +84,11 @@ class BaseWorker(abc.ABC):
         self.kv = KVEngine(self.kv_config.engine_config())
         # the pairing check compares the same model + weights fields as the hash salt
         # a multi-rank instance transfers through rank 0's full-layout staging pools
-        self.layout = PoolLayout.from_kvpools(self.engine.runner.transfer_pools,
-                                              extra=self.engine.fingerprint_fields)
+        # CUDA pools go through a pinned host mirror (K3SERVE_KV_STAGING, kvstore/staging.py)
+        self.layout = self.kv.register_pools(self.engine.runner.transfer_pools,
+                                             extra=self.engine.fingerprint_fields,
+                                             staging=self.kv_config.staging)
         self.metrics.add_expert_load(self.engine.runner.model)
-        self.kv.register_layout(self.layout)
         self.loop = EngineLoop(self.engine, self._tick_all, self.on_outputs, self.fail_all)
         self.aloop: asyncio.AbstractEventLoop | None = None
         self.store = self._store_tier()

@@ -68,9 +68,9 @@ def test_short_block_table_raises() -> None:
 
 
 def test_dispatch_takes_sdpa_only_where_kernels_run(monkeypatch) -> None:
-    """Default: the naive reference (bit-identical to it), also on the kernel path; with
-    K3SERVE_MLA_PREFILL=sdpa the SDPA path where kernels run (as on CUDA), equal to float32
-    rounding; a bad value raises."""
+    """Default on CPU tensors: the naive reference (bit-identical to it), also on the kernel
+    path; with K3SERVE_MLA_PREFILL=sdpa the SDPA path where kernels run (as on CUDA), equal to
+    float32 rounding; a bad value raises; unset on CUDA: SDPA."""
     args = _case(5, [7, 0], [12, 30])
     scale = (NOPE + ROPE) ** -0.5
     ref = mla_prefill_naive_paged(*args, NOPE, V, scale)
@@ -96,3 +96,9 @@ def test_dispatch_takes_sdpa_only_where_kernels_run(monkeypatch) -> None:
     monkeypatch.setenv("K3SERVE_MLA_PREFILL", "flash")
     with pytest.raises(ValueError, match="K3SERVE_MLA_PREFILL"):
         dispatch.mla_prefill_paged(*args, NOPE, V, scale)
+    # unset: SDPA is the default for CUDA tensors only (timed and checked on an H200)
+    monkeypatch.delenv("K3SERVE_MLA_PREFILL")
+    assert dispatch.mla_prefill_impl("cuda") == dispatch.mla_prefill_impl("cuda:1") == "sdpa"
+    assert dispatch.mla_prefill_impl("cpu") == dispatch.mla_prefill_impl() == "naive"
+    monkeypatch.setenv("K3SERVE_MLA_PREFILL", "naive")
+    assert dispatch.mla_prefill_impl("cuda") == "naive"

@@ -1,0 +1,39 @@
+#!/bin/bash
+# Issue 11, one device call: KV transfer GB/s between two processes' GPU pools (direct TE vs
+# host staging), MLA prefill naive vs SDPA at 2k / 8k prompts, and must-show 1 (the GPU pytest:
+# fast path == reference within bf16 tolerance, MXFP4 == dequantised-bf16 experts).
+#
+#   source .devcarry/setup.sh; cd <this checkout>; bash benchmarks/gpu_issue11.sh "$OUT"
+#
+# Writes into OUT (7 files): run.log, env.txt, transfer_direct.json, transfer_host.json,
+# fastpath.json, gpu_e2e.json, RESULTS_gpu_e2e.md. Every step has its own time limit so a
+# slow one leaves the others' results.
+set -u
+OUT=${1:?usage: gpu_issue11.sh OUT}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+exec > >(tee -a "$OUT/run.log") 2>&1
+t0=$(date +%s)
+step() { echo "=== $(( $(date +%s) - t0 )) s: $*"; }
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  python3 -c 'import mooncake.engine; print("mooncake TE import ok")'
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+step "transfer: k3-mini, GPU pools, direct TE (GPU memory registered)"
+timeout 70 python3 benchmarks/transfer.py --presets k3-mini --reps 3 --device cuda \
+  --staging direct --json "$OUT/transfer_direct.json" 2>&1 | grep -v -e '^I1' -e '^W1'
+step "transfer: k3-mini, GPU pools, host staging"
+timeout 50 python3 benchmarks/transfer.py --presets k3-mini --reps 3 --device cuda \
+  --staging host --json "$OUT/transfer_host.json" 2>&1 | grep -v -e '^I1' -e '^W1'
+
+step "MLA prefill: naive vs sdpa (k3-mini, 1x2048, 1x8192, 8x8192)"
+timeout 180 python3 benchmarks/gpu_e2e.py --out "$OUT" --skip-check --skip-decode --gpu-init \
+  --mla-prefill naive,sdpa
+
+step "must-show 1: tests/gpu (fast path vs reference, MXFP4 vs bf16 experts)"
+K3SERVE_GPU_REPORT="$OUT/fastpath.json" timeout 180 python3 -m pytest -q -p no:cacheprovider \
+  -m gpu tests/gpu -x -s --timeout 170 2>&1 | grep -v '^  *"' | tail -60
+step "done"
