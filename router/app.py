@@ -62,7 +62,8 @@ def create_app(config: RouterConfig,
 
     Args:
         config: Router configuration.
-        transport: httpx transport for the internal calls (tests); default: the network.
+        transport: httpx transport for registration reads and cache-event polls; default:
+            the network (the request path always goes over it).
 
     Returns:
         The app; ``app.state.router`` is its ``Router``.

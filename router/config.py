@@ -233,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
                 return supervise(_without_replicas(argv), args.replicas, sock)
             finally:
                 sock.close()
-    server = uvicorn.Server(uvicorn.Config(create_app(config), log_level=args.log_level))
+    # access lines are INFO records: above INFO none would be written, so none is made
+    level = logging.getLevelName(args.log_level.upper())
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(config), log_level=args.log_level,
+        access_log=not isinstance(level, int) or level <= logging.INFO))
     try:
         server.run(sockets=[sock])
     finally:

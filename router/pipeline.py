@@ -87,7 +87,8 @@ class Router:
 
     Args:
         config: The router's configuration.
-        transport: httpx transport for internal calls (tests route them in-process).
+        transport: httpx transport for registration reads and cache-event polls (the request
+            path always goes over the network: ``WorkerPool.session``).
     """
 
     def __init__(self, config: RouterConfig,
@@ -172,7 +173,8 @@ class Router:
                                 req.max_cached_blocks)
         store = match.get(STORE)  # the shared store's content, if workers report puts
         pstates = [live_view(w.url, match.get(w.url), store, w.placement_queued_tokens,
-                             w.info.prefill_rate or self.config.prefill_rate, w.recent)
+                             w.info.prefill_rate or self.config.prefill_rate,
+                             w.placement_load)
                    for w in prefill]
         dstates = []
         for w in decode:
@@ -269,7 +271,8 @@ class Router:
         match = self.pool.match(prompt_hashes(job.token_ids, bs, fingerprint, cache_salt),
                                 req.max_cached_blocks)
         states = [live_view(w.url, match.get(w.url), None, w.placement_queued_tokens,
-                            w.info.prefill_rate or self.config.prefill_rate, w.recent)
+                            w.info.prefill_rate or self.config.prefill_rate,
+                            w.placement_load)
                   for w in live]
         p = place(req, states, (), self.config.policy, self.config.placement)
         W = self.pool.workers[p.prefill]
@@ -449,7 +452,7 @@ class Router:
                     return
 
         async def choice(j: int) -> Worker | None:
-            q = first_out if j == 0 else out
+            q = first_out if j == 0 and n > 1 else out  # n = 1: nothing to wake
             try:
                 async with self.admission.seat():  # a decode slot, in arrival order
                     return await self.run_choice(
@@ -464,16 +467,18 @@ class Router:
             finally:
                 await q.put(END)
 
+        if n == 1:  # one choice: its deltas go straight to ``out``
+            await choice(0)
+            return
         relay_task = asyncio.create_task(relay())
         first = asyncio.create_task(choice(0))
         others: list[asyncio.Task] = []
         try:
-            if n > 1:
-                await relay_done.wait()
-                if job.prefill is not None:  # pull its events: the prompt is indexed now
-                    with contextlib.suppress(WorkerError):
-                        await self.pool.sync(job.prefill)
-                others = [asyncio.create_task(choice(j)) for j in range(1, n)]
+            await relay_done.wait()
+            if job.prefill is not None:  # pull its events: the prompt is indexed now
+                with contextlib.suppress(WorkerError):
+                    await self.pool.sync(job.prefill)
+            others = [asyncio.create_task(choice(j)) for j in range(1, n)]
             await asyncio.gather(first, relay_task, *others)
         finally:
             for t in (first, relay_task, *others):

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
+import aiohttp
 import httpx
 import pybreaker
 from pydantic import BaseModel, ValidationError
@@ -47,7 +48,7 @@ from k3serve.messages import (
 )
 from k3serve.protocol import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER  # noqa: F401 - re-exported
 from router.index import GlobalIndex, PrefixMatch, ResyncNeeded
-from router.policies.load import RecentLoad
+from router.policies.load import PoolLoad, RecentLoad
 from router.sse import SSEReader
 
 log = logging.getLogger("k3serve.router")
@@ -122,6 +123,9 @@ class Worker:
     reserved_tokens: int = 0  # decode: Σ (prompt + max new tokens) of those
     #: prefill: decayed uncached tokens / requests sent (``util``, ``request_rate``)
     recent: RecentLoad = field(default_factory=RecentLoad, repr=False)
+    #: prefill: decayed tokens the worker computed by its cache events (every replica's
+    #: requests; :class:`~router.policies.load.PoolLoad`)
+    seen: RecentLoad = field(default_factory=RecentLoad, repr=False)
     resyncs: int = 0
     task: asyncio.Task | None = field(default=None, repr=False)
     reported: WorkerLoad | None = None  # the worker's own figures, with its cache events
@@ -137,6 +141,15 @@ class Worker:
             return self.queued_tokens
         return max(self.queued_tokens,
                    self.reported.queued_prefill_tokens + self.sent_since_report)
+
+    @property
+    def placement_load(self) -> PoolLoad | RecentLoad:
+        """``util`` / ``request_rate`` for placement: the larger of the own account and the
+        pool's (the worker's computed tokens by its events plus what this router sent since
+        its last report); the own account alone before the worker reported its load."""
+        if self.reported is None:
+            return self.recent
+        return PoolLoad(self.recent, self.seen, self.sent_since_report)
 
     def report(self, load: WorkerLoad | None) -> None:
         """A new load report from the worker (its cache-event poll)."""
@@ -212,11 +225,12 @@ class Worker:
 class WorkerPool:
     """Registered workers, their cache index, pollers, and the HTTP calls to them.
 
-    Two HTTP clients with their own connection pools: ``client`` for the request path
-    (reserve, prefill, streams, aborts) and ``health`` for registration reads and the
-    cache-event pollers, so that request traffic can never starve the health checks; a
-    request that finds no free connection within ``pool_timeout_s`` fails with
-    :class:`PoolBusy` (the router is overloaded; no worker failed).
+    Two HTTP clients with their own connection pools: :attr:`session` (aiohttp) for the
+    request path (reserve, prefill, generate, resume, streams, aborts) and ``health`` (httpx)
+    for registration reads and the cache-event pollers, so that request traffic can never
+    starve the health checks; a request that finds no free connection within
+    ``pool_timeout_s`` fails with :class:`PoolBusy` (the router is overloaded; no worker
+    failed).
 
     Each worker has a circuit breaker (:mod:`pybreaker`) fed by request-path calls: after
     ``breaker_fail_max`` failures in a row (connection refused, a call given up on a hung
@@ -230,7 +244,8 @@ class WorkerPool:
         poll_interval_s: Seconds between cache-event pulls of one worker.
         unhealthy_after: Failed pulls in a row that mark a worker unhealthy.
         timeout_s: Timeout of one internal call (a stream: between two events).
-        transport: httpx transport (tests route calls to in-process apps).
+        transport: httpx transport of the ``health`` client (registration reads, cache-event
+            polls); the request path always goes over the network.
         on_worker: Called with each worker once registered (metrics series).
         poll_timeout_s: Timeout of one cache-event pull (the health check): a worker that is
             alive but stuck (stopped, wedged) fails its polls and leaves placement.
@@ -261,19 +276,19 @@ class WorkerPool:
         self.workers: dict[str, Worker] = {}
         self._on_worker = on_worker
         headers = {CLUSTER_TOKEN_HEADER: cluster_token} if cluster_token else {}
-        # Every open stream holds a connection: a large bounded pool (httpx's default of 100
-        # would queue the 101st stream; past ``max_connections`` a call waits
-        # ``pool_timeout_s``, then sheds as PoolBusy), a few more idle ones kept than httpx's 20
-        # (fewer reconnects),
-        # not many more (httpcore scans every pooled connection on each request), and none kept
-        # past 2 s (< uvicorn's 5 s keep-alive: a connection is never reused as it closes).
-        self.client = httpx.AsyncClient(
-            headers=headers, transport=transport,
-            limits=httpx.Limits(max_connections=max_connections,
-                                max_keepalive_connections=min(max_connections, 32),
-                                keepalive_expiry=2.0),
-            timeout=httpx.Timeout(timeout_s, connect=5.0, pool=pool_timeout_s))
-        # Its own pool (a handful of connections: one poller per worker) and short timeouts.
+        # The request path (reserve, prefill, generate, resume, streams, aborts) on aiohttp: its
+        # C HTTP parser costs a fraction of httpx + httpcore + anyio per call and per streamed
+        # read (issue 19: most of the router's fixed cost per request was there). Every open
+        # stream holds a connection; at most ``max_connections`` calls run at once (past that
+        # a call waits ``pool_timeout_s`` for a turn, then sheds as PoolBusy); idle connections
+        # are kept 2 s (< uvicorn's 5 s keep-alive: a connection is never reused as it closes).
+        self._headers = headers
+        self._timeout_s = timeout_s
+        self._pool_timeout_s = pool_timeout_s
+        self._slots = asyncio.Semaphore(max_connections)
+        self._session: aiohttp.ClientSession | None = None  # made in the running loop
+        # Registration reads and the cache-event pollers: httpx (``transport``: tests may route
+        # them in-process), its own pool (one poller per worker) and short timeouts.
         self.health = httpx.AsyncClient(
             headers=headers, transport=transport,
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=64),
@@ -289,7 +304,8 @@ class WorkerPool:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        await self.client.aclose()
+        if self._session is not None:
+            await self._session.close()
         await self.health.aclose()
 
     # ------------------------------------------------------------------ registry
@@ -404,6 +420,12 @@ class WorkerPool:
                 events = self.index.parse_events(w.url, body)
                 w.report(events.load)
                 self.index.apply_events(w.url, events)
+                # computed blocks (new, local MLA blocks): the pool's account of the worker
+                computed = sum(len(ev.block_hashes) for ev in events.events
+                               if ev.seq > after and ev.type == "stored"
+                               and not ev.snapshot and ev.source == "local")
+                if computed:
+                    w.seen.add(computed * w.info.block_size, requests=0.0)
             except ResyncNeeded as e:
                 log.info("resync %s: %s", w.url, e)
                 state = await self._get(w.url, "/internal/cache_state")
@@ -468,21 +490,71 @@ class WorkerPool:
             raise WorkerError(url, f"GET {path}: {e!r}", retryable=True) from None
         return _json_body(url, path, r)
 
-    async def _post(self, w: Worker, path: str, body: BaseModel, answer: type[M]) -> M:
-        with self.calling(w, path):
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The request path's HTTP client (made on first use, in the running event loop)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                headers=self._headers,
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0,
+                                              sock_read=self._timeout_s))
+        return self._session
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, w: Worker, what: str) -> AsyncIterator[None]:
+        """One of the request path's ``max_connections`` concurrent calls.
+
+        Raises:
+            PoolBusy: none free within ``pool_timeout_s``.
+        """
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self._pool_timeout_s)
+        except TimeoutError:
+            raise PoolBusy(w.url, f"{what}: no free connection") from None
+        try:
+            yield
+        finally:
+            self._slots.release()
+
+    async def _call(self, w: Worker, path: str, body: BaseModel) -> tuple[int, bytes]:
+        """``POST`` a message on the request path; returns (status, body bytes).
+
+        Raises:
+            WorkerError: connection refused or failed (``retryable``), no answer within the
+                call timeout (``hung``), a broken answer; ``PoolBusy``: no free connection.
+        """
+        async with self._slot(w, f"POST {path}"):
             try:
-                r = await self._bounded(w, self.client.post(w.url + path,
-                                                            json=body.model_dump(mode="json")))
-            except httpx.PoolTimeout:
-                raise PoolBusy(w.url, f"POST {path}: no free connection") from None
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                async with self.session.post(
+                        w.url + path, data=body.model_dump_json().encode(),
+                        headers={"Content-Type": "application/json"}) as r:
+                    return r.status, await r.read()
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
                 raise WorkerError(w.url, f"POST {path}: {e!r}", retryable=True) from None
-            except httpx.TimeoutException as e:
+            except TimeoutError as e:
                 raise WorkerError(w.url, f"POST {path}: no answer in time: {e!r}",
                                   hung=True) from None
-            except httpx.HTTPError as e:
+            except aiohttp.ClientError as e:
                 raise WorkerError(w.url, f"POST {path}: {e!r}") from None
-            return _parse(answer, w.url, path, _json_body(w.url, path, r))
+
+    async def _post(self, w: Worker, path: str, body: BaseModel, answer: type[M]) -> M:
+        """A request-path call: ``body`` posted to ``w``, the answer validated as ``answer``.
+
+        Raises:
+            WorkerError: as :meth:`_call`; a non-2xx status (``busy`` for a 503 ``busy``),
+                an answer that is not a valid ``answer``.
+        """
+        with self.calling(w, path):
+            status, data = await self._bounded(w, self._call(w, path, body))
+            _check_status(w.url, path, status, data)
+            try:
+                return answer.model_validate_json(data)
+            except ValidationError as e:
+                if e.errors()[0].get("type") == "json_invalid":
+                    raise WorkerError(w.url, f"{path}: answer is not JSON") from None
+                raise WorkerError(w.url, f"{path}: malformed {answer.__name__}: "
+                                         f"{_first(e)}") from None
 
     async def _bounded(self, w: Worker, call: Any) -> Any:
         """Await an internal call in a task of its own; give up once it has waited
@@ -531,9 +603,12 @@ class WorkerPool:
     async def abort(self, w: Worker, request_id: str) -> None:
         """Best-effort ``POST /internal/abort`` (errors are logged, never raised)."""
         try:
-            await self.client.post(w.url + "/internal/abort",
-                                   json=AbortRequest(request_id=request_id).model_dump(),
-                                   timeout=5.0)
+            async with self.session.post(
+                    w.url + "/internal/abort",
+                    data=AbortRequest(request_id=request_id).model_dump_json().encode(),
+                    headers={"Content-Type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(total=5.0)) as r:
+                await r.read()
         except Exception as e:  # noqa: BLE001 - best effort
             log.info("abort %s on %s failed: %r", request_id, w.url, e)
 
@@ -570,10 +645,33 @@ class WorkerPool:
         with self.calling(w, "/internal/stream"):
             batches: asyncio.Queue = asyncio.Queue()
             reader = asyncio.create_task(self._read_stream(w, body, batches))
+            # The bound on the wait between two batches (as :meth:`_bounded`, without a task
+            # and a timer per batch): one timer per stream looks every ``min(1, deadline_s)``
+            # s whether the wait has lasted ``deadline_s`` on an unavailable worker.
+            loop = asyncio.get_running_loop()
+            every = min(1.0, self.deadline_s)
+            waiting: float | None = None  # monotonic start of the current wait
+            timer: asyncio.TimerHandle | None = None
+
+            def watch() -> None:
+                nonlocal timer
+                if waiting is not None and time.monotonic() - waiting >= self.deadline_s \
+                        and not w.available:
+                    batches.put_nowait(WorkerError(
+                        w.url, f"no answer within {self.deadline_s:g} s from an unavailable "
+                               f"worker", hung=True))
+                    return
+                timer = loop.call_later(every, watch)
+
+            timer = loop.call_later(every, watch)
             try:
                 while True:
-                    item = (batches.get_nowait() if not batches.empty()
-                            else await self._bounded(w, batches.get()))
+                    if batches.empty():
+                        waiting = time.monotonic()
+                        item = await batches.get()
+                        waiting = None
+                    else:
+                        item = batches.get_nowait()
                     if item is None:
                         return
                     if isinstance(item, BaseException):
@@ -582,6 +680,7 @@ class WorkerPool:
                     if item[-1].finish_reason:
                         return
             finally:
+                timer.cancel()
                 # The reader owns the connection and is cancelled once, here: a close that a
                 # second cancellation interrupts (a client that goes away cancels its choices
                 # more than once) leaves the connection checked out of the pool for good,
@@ -595,17 +694,17 @@ class WorkerPool:
         then ``None`` at the end, or the ``WorkerError`` that ended it (after the events
         before it)."""
         try:
-            req = self.client.build_request(
-                "POST", w.url + "/internal/stream", json=body.model_dump(mode="json"),
-                headers={"Accept": "text/event-stream", "Cache-Control": "no-store"})
-            async with contextlib.aclosing(await self.client.send(req, stream=True)) as r:
-                if r.status_code // 100 != 2:
-                    await r.aread()
-                    raise WorkerError(w.url, f"stream: HTTP {r.status_code}: {r.text[:200]}",
-                                      retryable=r.status_code == 503, status=r.status_code)
+            async with self._slot(w, "stream"), self.session.post(
+                    w.url + "/internal/stream", data=body.model_dump_json().encode(),
+                    headers={"Content-Type": "application/json",
+                             "Accept": "text/event-stream", "Cache-Control": "no-store"}) as r:
+                if r.status // 100 != 2:
+                    text = (await r.read()).decode("utf-8", "replace")
+                    raise WorkerError(w.url, f"stream: HTTP {r.status}: {text[:200]}",
+                                      retryable=r.status == 503, status=r.status)
                 sse = SSEReader()
                 done = False
-                async for chunk in r.aiter_raw():
+                async for chunk in r.content.iter_any():
                     batch: list[StreamEvent] = []
                     try:
                         for data in sse.feed(chunk):
@@ -627,11 +726,11 @@ class WorkerPool:
             batches.put_nowait(None)
         except WorkerError as e:
             batches.put_nowait(e)
-        except httpx.PoolTimeout:
-            batches.put_nowait(PoolBusy(w.url, "stream: no free connection"))
-        except httpx.TimeoutException as e:
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+            batches.put_nowait(WorkerError(w.url, f"stream: {e!r}", retryable=True))
+        except TimeoutError as e:
             batches.put_nowait(WorkerError(w.url, f"stream: no event in time: {e!r}", hung=True))
-        except httpx.HTTPError as e:
+        except aiohttp.ClientError as e:
             batches.put_nowait(WorkerError(w.url, f"stream: {e!r}"))
 
 
@@ -649,6 +748,21 @@ def check_parallel(url: str, info: WorkerInfo, others: list[Worker]) -> None:
                 f"tp: worker {url} ({info.role}) has tp={info.tp}; registered worker {o.url} "
                 f"({o.info.role}) has tp={o.info.tp} (one tensor-parallel degree per cluster: "
                 f"prefill and decode caches are exchanged rank for rank)")
+
+
+def _check_status(url: str, path: str, status: int, data: bytes) -> None:
+    """Raise ``WorkerError`` for a non-2xx answer (``busy``: a 503 whose body is
+    ``{"error": "busy", ...}``)."""
+    if status // 100 == 2:
+        return
+    busy = False
+    if status == 503:
+        with contextlib.suppress(ValueError):
+            err = json.loads(data)
+            busy = isinstance(err, dict) and err.get("error") == "busy"
+    text = data.decode("utf-8", "replace")
+    raise WorkerError(url, f"{path}: HTTP {status}: {text[:300]}", retryable=status == 503,
+                      busy=busy, status=status)
 
 
 def _json_body(url: str, path: str, r: httpx.Response) -> Any:

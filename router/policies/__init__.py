@@ -154,7 +154,7 @@ class RouterView:
 
 
 def live_view(worker_id: str, match: PrefixMatch | None, store: PrefixMatch | None,
-              queued_tokens: int, prefill_rate: float, recent: RecentLoad,
+              queued_tokens: int, prefill_rate: float, recent: RecentLoad | PoolLoad,
               now: float | None = None) -> WorkerView:
     """The live router's view of one prefill worker (``router.pipeline.Router.place``).
 
@@ -164,7 +164,9 @@ def live_view(worker_id: str, match: PrefixMatch | None, store: PrefixMatch | No
         store: the ``store`` holder's entry (``None``: no store / nothing there).
         queued_tokens: the router's queued prefill tokens on it (``Worker.queued_tokens``).
         prefill_rate: its prefill tokens/s.
-        recent: its :class:`RecentLoad` (``Worker.recent``): ``util`` and ``request_rate``.
+        recent: its :class:`RecentLoad` (``Worker.recent``) or :class:`PoolLoad`
+            (``Worker.placement_load``: the larger of the own and the pool's account):
+            ``util`` and ``request_rate``.
         now: the account's clock reading (``None``: read it).
     """
     return WorkerView(
@@ -183,9 +185,9 @@ def register_all() -> None:
     register_policy("approx_radix", approx_radix)
 
 
-from router.policies.load import RecentLoad
+from router.policies.load import PoolLoad, RecentLoad
 
 register_all()
 
-__all__ = ["RecentLoad", "RouterView", "WorkerView", "depths", "live_view", "local_depth",
-           "register_all"]
+__all__ = ["PoolLoad", "RecentLoad", "RouterView", "WorkerView", "depths", "live_view",
+           "local_depth", "register_all"]

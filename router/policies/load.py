@@ -81,4 +81,39 @@ class RecentLoad:
         return self._requests / self.horizon_s
 
 
-__all__ = ["UTIL_HORIZON_S", "RecentLoad"]
+class PoolLoad:
+    """``util`` and ``request_rate`` of one prefill worker as a router replica sees them:
+    ``util`` is the larger of its own account (``own``: what this router sent) and the pool's
+    (``seen``: the tokens the worker computed, by its cache events, which every replica pulls,
+    plus ``pending`` tokens this router sent after the last pull); ``request_rate`` is the own
+    account's (the events do not count requests, and an estimate of the others' from their
+    tokens swings with the size of the few requests this router sent).
+
+    One router alone reads its own account (it counts a prefill when sent, the events a poll
+    later and without the last partial block); N replicas that share nothing read the pool's,
+    so each bounds the load on the traffic of all N rather than on its own 1/N (issue 19).
+    Blocks a worker loads from the shared store are stored events too: with a store the
+    pool's figure over-counts compute (placement then sees that worker busier).
+
+    Args:
+        own: the router's :class:`RecentLoad` (``Worker.recent``).
+        seen: a :class:`RecentLoad` of computed tokens from the worker's events (no requests).
+        pending: tokens sent since the last pull (``Worker.sent_since_report``), ≥ 0.
+    """
+
+    __slots__ = ("own", "pending", "seen")
+
+    def __init__(self, own: RecentLoad, seen: RecentLoad, pending: float = 0.0) -> None:
+        self.own, self.seen, self.pending = own, seen, pending
+
+    def util(self, rate: float, now: float | None = None) -> float:
+        """Busy fraction at ``rate`` tokens/s: ``max(own, pool)``, ≥ 0."""
+        return max(self.own.util(rate, now),
+                   (self.seen.tokens(now) + self.pending) / (rate * self.seen.horizon_s))
+
+    def request_rate(self, now: float | None = None) -> float:
+        """Requests per second this router sent (the own account), ≥ 0."""
+        return self.own.request_rate(now)
+
+
+__all__ = ["UTIL_HORIZON_S", "PoolLoad", "RecentLoad"]
