@@ -47,6 +47,13 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 PREFILL0, DECODE0, DECODE1 = 1, 3, 4
 
 
+#: seconds a call waits on a worker out of placement (the router's ``--deadline``); the
+#: cache-event polls keep their default 10 s timeout: only the liveness probe (GET /health,
+#: answered without the engine thread) takes a stopped worker out of placement quickly
+DEADLINE_S = 3
+#: the router's view must show a stopped worker gone within this (the polls alone: ≥ 30 s)
+OUT_WITHIN_S = 15
+
 #: the workers' environment: injected faults, deadlines short enough for a test
 FAULT_ENV = {"K3SERVE_KV_FAULT_FAIL_FRACTION": "0.1", "K3SERVE_KV_FAULT_HANG_FRACTION": "0.1",
              "K3SERVE_KV_FAULT_PAIR_FRACTION": "0.1",
@@ -63,7 +70,7 @@ def stack(tmp_path_factory):
     try:
         st = start_stack(model=MODEL, num_prefill=2, num_decode=2, api_key=KEY, block_size=B,
                          log_dir=str(logs), ready_timeout=180,
-                         extra_router_args=["--poll-timeout", "2"])
+                         extra_router_args=["--deadline", str(DEADLINE_S)])
     finally:
         for k, v in saved.items():
             if v is None:
@@ -138,11 +145,37 @@ def usage(stack, url: str) -> dict:
     return httpx.get(url + "/internal/info", headers=h, timeout=10).json()["usage"]
 
 
+def router_health(url: str) -> dict:
+    return httpx.get(url + "/health", params={"detail": 1}, timeout=10).json()
+
+
+async def watch_health(url: str, low: list[int], stop: asyncio.Event) -> None:
+    """Record the fewest workers the router held in placement while ``stop`` is unset."""
+    async with httpx.AsyncClient(timeout=10) as c:
+        while not stop.is_set():
+            low.append((await c.get(url + "/health")).json()["num_workers_healthy"])
+            await asyncio.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def baseline(stack):
-    """Every request's (text, finish, tokens) without a fault, streamed concurrently."""
+    """Every request's (text, finish, tokens) without a fault, streamed concurrently; every
+    worker (engine threads busy on the CPU) stays in placement all the while."""
     bodies = [body(i) for i in range(N_STREAMS)]
-    return run_all(stack.url, bodies)
+    low: list[int] = []
+
+    async def go():
+        stop = asyncio.Event()
+        w = asyncio.create_task(watch_health(stack.url, low, stop))
+        async with httpx.AsyncClient(timeout=120) as c:
+            got = await asyncio.gather(*(stream(c, stack.url, b) for b in bodies))
+        stop.set()
+        await w
+        return got
+
+    got = asyncio.run(go())
+    assert low and min(low) == 4, low  # a busy worker is not a hung one
+    return got
 
 
 def test_injected_transfer_faults_lose_no_request(stack, baseline):
@@ -162,6 +195,50 @@ def test_injected_transfer_faults_lose_no_request(stack, baseline):
     while sum(metric(u, "k3serve:kv_transfer_expiries_total") for u in prefill) < hangs:
         assert time.monotonic() < t_end, "a hung sender did not expire"
         time.sleep(0.3)
+
+
+def test_a_stopped_prefill_worker_leaves_placement_within_seconds_and_rejoins(stack, baseline):
+    """SIGSTOP of prefill-0 mid-load (alive, answering nothing): its liveness probes go
+    unanswered and the router takes it out of placement within seconds (its cache-event polls,
+    10 s each, would take ≥ 30 s); the requests waiting on it give up at ``--deadline`` and are
+    placed again — every stream completes with its fault-free text. SIGCONT: it rejoins and
+    the router's index of it is resynced from its events."""
+    victim, url = stack.procs[PREFILL0], stack.worker_urls[PREFILL0 - 1]
+    seen: dict[str, float] = {}
+
+    async def stop(started: list[asyncio.Event]) -> None:
+        t_end = time.monotonic() + 60
+        while sum(s.is_set() for s in started) < len(started) // 4:
+            assert time.monotonic() < t_end, "the streams did not start"
+            await asyncio.sleep(0.005)
+        os.kill(victim.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        async with httpx.AsyncClient(timeout=10) as c:
+            while (await c.get(stack.url + "/health")).json()["num_prefill_healthy"] != 1:
+                assert time.monotonic() - t0 < OUT_WITHIN_S, "the stopped worker stayed in"
+                await asyncio.sleep(0.1)
+        seen["out"] = time.monotonic() - t0
+
+    try:
+        got = run_all(stack.url, [body(i) for i in range(N_STREAMS)], stop)
+        assert "out" in seen
+        for i, (want, have) in enumerate(zip(baseline, got)):
+            assert have == want, (i, body(i), want, have)
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    h = {"X-K3serve-Cluster-Token": stack.cluster_token}
+    t_end = time.monotonic() + 60
+    while True:  # back in placement, its index equal to its cache (resynced from its events)
+        r = router_health(stack.url)
+        mine = next(w for w in r["workers"] if w["url"] == url)
+        blocks = len(httpx.get(url + "/internal/cache_state", headers=h,
+                               timeout=10).json()["blocks"])
+        if r["num_prefill_healthy"] == 2 and mine["blocks"] == blocks > 0:
+            break
+        assert time.monotonic() < t_end, (r, blocks)
+        time.sleep(0.2)
+    assert httpx.post(stack.url + "/v1/completions", headers=AUTH, timeout=60,
+                      json=body(0)).status_code == 200
 
 
 def test_kill_decode_mid_stream_migrates_every_stream(stack, baseline):
