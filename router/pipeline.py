@@ -356,7 +356,10 @@ class Router:
                     self.pool.mark_failed(w)
                 log.warning("request %s-%d: %s failed before token #1 (%s); placing it again",
                             rid, index, w.name, e)
-                if any(o.url != w.url and o.url not in tried for o in self.pool.live(w.role)):
+                others = {o.url for o in self.pool.live(w.role) if o.url != w.url}
+                if others:  # skip the worker that failed last; the others get another turn
+                    if others <= tried:
+                        tried.difference_update(others)
                     tried.add(w.url)
 
         try:

@@ -248,8 +248,10 @@ class WorkerPool:
         poll_timeout_s: Timeout of one cache-event pull (the health check): a worker that is
             alive but stuck (stopped, wedged) fails its polls and leaves placement.
         deadline_s: Seconds a request-path call (reserve, prefill, the wait between two
-            stream events) waits on a worker that is not available (polls failing, breaker
-            open) before it fails as hung; a healthy worker is waited for up to ``timeout_s``.
+            stream events) waits on a worker that does not answer (its liveness probes or its
+            polls fail) before it fails as hung; a worker that answers is waited for up to
+            ``timeout_s`` (an open breaker alone does not cut calls already running: a busy
+            worker catching up after a stall would fail them all).
         pool_timeout_s: Seconds a request-path call waits for a free connection.
         max_connections: Size of the request path's connection pool.
         breaker_fail_max: Request-path failures in a row that open a worker's breaker.
@@ -554,9 +556,9 @@ class WorkerPool:
 
     async def _bounded(self, w: Worker, call: Any) -> Any:
         """Await an internal call in a task of its own; give up once it has waited
-        ``deadline_s`` while ``w`` is not available (its polls fail: hung or dead; or its
-        breaker is open). A worker whose polls answer is busy, not hung: it is waited for up
-        to the call timeout.
+        ``deadline_s`` while ``w`` does not answer (:attr:`Worker.alive` or
+        :attr:`Worker.healthy` false: hung or dead). A worker that answers is busy, not hung:
+        it is waited for up to the call timeout, whatever its breaker says.
 
         The task is cancelled at most once, here: a second cancellation of the caller
         cannot interrupt the closing of its connection (see :meth:`stream`).
@@ -571,10 +573,11 @@ class WorkerPool:
                 done, _ = await asyncio.wait([t], timeout=min(1.0, self.deadline_s))
                 if done:
                     return t.result()
-                if time.monotonic() - started >= self.deadline_s and not w.available:
+                if (time.monotonic() - started >= self.deadline_s
+                        and not (w.alive and w.healthy)):
                     t.cancel()
-                    raise WorkerError(w.url, f"no answer within {self.deadline_s:g} s from an "
-                                             f"unavailable worker", hung=True)
+                    raise WorkerError(w.url, f"no answer within {self.deadline_s:g} s from a "
+                                             f"worker that stopped answering", hung=True)
         except asyncio.CancelledError:
             t.cancel()
             raise

@@ -8,7 +8,11 @@
   up at ``deadline_s`` (not the call timeout), and it rejoins with its index resynced;
 * a worker whose request-path calls keep failing opens its circuit breaker: placement skips
   it (though its polls answer) until a trial request succeeds;
-* ``max_model_len`` is the minimum over the available workers only.
+* ``max_model_len`` is the minimum over the available workers only;
+* a worker whose bounded queue is full (503 ``busy`` + ``Retry-After``) is passed over, not
+  blamed; every worker busy → 503 + ``Retry-After`` to the client;
+* a worker's 400 before token #1 reaches the client once (not placed again);
+* after a migration the running gauge and the ITL histogram follow the new decode worker.
 """
 
 from __future__ import annotations

@@ -8,13 +8,18 @@ short deadlines). The tests run in file order:
 0. the injected faults lose no request: every failed or hung transfer is recomputed by the
    decode worker (``k3serve:kv_transfer_fallbacks_total``), the hung ones expire on both sides
    (``k3serve:kv_transfer_expiries_total``), and the requests whose prefill worker answered
-   502 ``transfer_pairing_failed`` are placed again.
-1. kill -9 of a decode worker while ``N_STREAMS`` streaming requests run: every stream
+   502 ``transfer_pairing_failed`` are placed again. While the fault-free baseline runs (the
+   engine threads busy on the CPU) every worker stays in placement.
+1. SIGSTOP of a prefill worker mid-load: its liveness probes (``GET /health``, answered
+   without the engine thread) go unanswered and the router takes it out of placement within
+   seconds (the cache-event polls keep their 10 s timeout); requests waiting on it give up at
+   ``--deadline`` and are placed again; SIGCONT: it rejoins, its index resynced.
+2. kill -9 of a decode worker while ``N_STREAMS`` (50) streaming requests run: every stream
    completes and its text equals the same request run before the fault (greedy, and seeded
    sampling with presence / frequency / repetition penalties): nothing duplicated or skipped.
    The router moved the streams of the dead worker (``k3serve:router_migrations_total``) and
    the surviving decode worker resumed them (``k3serve:requests_resumed_total``).
-2. kill -9 of a prefill worker mid-load: every request completes (those in flight on it are
+3. kill -9 of a prefill worker mid-load: every request completes (those in flight on it are
    placed again on the other prefill worker), with the texts of the fault-free runs; the
    surviving decode worker frees every slot, page and ticket of the orphans.
 
@@ -23,7 +28,7 @@ On main before this change: (0) there is no fault injection nor expiry counter, 
 ``finish_reason``; (2) the requests in flight on the dead prefill worker get 503 (not placed
 again) and their decode reservations stay held for the sender's quiesce window (~50 s).
 
-CI-sized: ``N_STREAMS`` streams of ≤ 32 tokens; ``benchmarks/migration.py`` runs 50.
+Streams of ≤ 32 tokens; the faults other than the decode kill use the first ``N_LOAD``.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ import pytest
 B = 16
 KEY = "sk-migr"
 MODEL = "k3-tiny"
-N_STREAMS = 16
+N_STREAMS = 50  # must-show 1: the kill -9 of a decode worker
+N_LOAD = 16  # the other faults' load (the first N_LOAD requests)
 MAX_TOKENS = 32
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # launcher order: router, prefill-0, prefill-1, decode-0, decode-1
@@ -77,6 +83,7 @@ def stack(tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    st.log_dir = logs
     try:
         yield st
     finally:
@@ -149,12 +156,22 @@ def router_health(url: str) -> dict:
     return httpx.get(url + "/health", params={"detail": 1}, timeout=10).json()
 
 
-async def watch_health(url: str, low: list[int], stop: asyncio.Event) -> None:
-    """Record the fewest workers the router held in placement while ``stop`` is unset."""
+async def watch_health(url: str, seen: list[bool], stop: asyncio.Event) -> None:
+    """Record, while ``stop`` is unset, whether every worker's polls answer (the router's
+    ``healthy``; an open breaker — the injected faults open one now and then — is another
+    matter)."""
     async with httpx.AsyncClient(timeout=10) as c:
         while not stop.is_set():
-            low.append((await c.get(url + "/health")).json()["num_workers_healthy"])
+            ws = (await c.get(url + "/health", params={"detail": 1})).json()["workers"]
+            seen.append(len(ws) == 4 and all(w["healthy"] for w in ws))
             await asyncio.sleep(0.1)
+
+
+def liveness_misses(stack) -> list[str]:
+    """The router's log lines of a worker taken out of placement (liveness or polls)."""
+    text = (stack.log_dir / "router.log").read_text(errors="replace")
+    return [ln for ln in text.splitlines()
+            if "liveness probes in a row" in ln or "unhealthy after" in ln]
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +179,7 @@ def baseline(stack):
     """Every request's (text, finish, tokens) without a fault, streamed concurrently; every
     worker (engine threads busy on the CPU) stays in placement all the while."""
     bodies = [body(i) for i in range(N_STREAMS)]
-    low: list[int] = []
+    low: list[bool] = []
 
     async def go():
         stop = asyncio.Event()
@@ -174,7 +191,8 @@ def baseline(stack):
         return got
 
     got = asyncio.run(go())
-    assert low and min(low) == 4, low  # a busy worker is not a hung one
+    assert low and all(low), low  # a busy worker is not a hung one
+    assert liveness_misses(stack) == []
     return got
 
 
@@ -220,7 +238,7 @@ def test_a_stopped_prefill_worker_leaves_placement_within_seconds_and_rejoins(st
         seen["out"] = time.monotonic() - t0
 
     try:
-        got = run_all(stack.url, [body(i) for i in range(N_STREAMS)], stop)
+        got = run_all(stack.url, [body(i) for i in range(N_LOAD)], stop)
         assert "out" in seen
         for i, (want, have) in enumerate(zip(baseline, got)):
             assert have == want, (i, body(i), want, have)
@@ -239,6 +257,11 @@ def test_a_stopped_prefill_worker_leaves_placement_within_seconds_and_rejoins(st
         time.sleep(0.2)
     assert httpx.post(stack.url + "/v1/completions", headers=AUTH, timeout=60,
                       json=body(0)).status_code == 200
+    # what the router gave up on while it was stopped ends there too: nothing left held
+    t_end = time.monotonic() + 60
+    while (u := usage(stack, url))["slots_used"] or u["num_engine_requests"]:
+        assert time.monotonic() < t_end, u
+        time.sleep(0.3)
 
 
 def test_kill_decode_mid_stream_migrates_every_stream(stack, baseline):
@@ -280,7 +303,7 @@ def test_kill_prefill_mid_load_loses_no_request(stack, baseline):
                 await asyncio.sleep(0.002)
         os.kill(victim.pid, signal.SIGKILL)
 
-    got = run_all(stack.url, [body(i) for i in range(N_STREAMS)], kill)
+    got = run_all(stack.url, [body(i) for i in range(N_LOAD)], kill)
     assert victim.wait(10) is not None
     for i, (want, have) in enumerate(zip(baseline, got)):
         assert have == want, (i, body(i), want, have)
