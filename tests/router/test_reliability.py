@@ -150,7 +150,9 @@ def test_hung_worker_leaves_placement_waiting_requests_end_at_the_deadline_and_i
         for i in range(3):  # a gets more cache while it is out of the router's sight
             a.cm.run_prefill(10_000 + i, list(range(40 + i * 40, 120 + i * 40)))
         a.stalled = False
-        _wait(lambda: s.router.pool.workers[a_url].healthy, what="a healthy again")
+        # back in placement: polls and liveness probe answer (and its breaker, opened by the
+        # calls that gave up on it, lets a trial through after breaker_reset_s)
+        _wait(lambda: s.router.pool.workers[a_url].available, what="a available again")
         want = CacheState.model_validate(a.cm.cache_state())
         _wait(lambda: s.router.pool.index.num_blocks(a_url) == len(want.blocks),
               what="a's index resynced")
