@@ -64,8 +64,10 @@ log = logging.getLogger("k3serve.router")
 #: Pause before a choice that found every decode worker busy retries its reservation; waiting
 #: choices take turns, so at most 1 / BUSY_RETRY_S such retries per second leave the router.
 BUSY_RETRY_S = 0.005
-#: Placements of one choice before its token #1 (the first and the re-placements).
-FIRST_TOKEN_ATTEMPTS = 3
+#: Placements of one choice before its token #1 (the first and the re-placements): enough
+#: that a worker that hangs or dies mid-call, on top of transient transfer failures on the
+#: others (a failed pairing, a dropped connection), does not fail the request.
+FIRST_TOKEN_ATTEMPTS = 5
 #: A migrating choice with no healthy decode worker to go to looks again this often (s).
 RESUME_WAIT_S = 0.25
 
