@@ -7,7 +7,9 @@ tokens of ``--token-delay`` s; requests arrive open-loop at 10 × that rate (the
 admits slots + ``max_queued`` at once and refuses the rest). Prints: requests admitted / refused (by status), whether
 every refusal had ``Retry-After``, whether every admitted one completed with the right text,
 p50 / p99 latency of the admitted ones next to an unloaded baseline, and the router
-process's RSS before, at peak and after (back to baseline).
+process's RSS before, at peak and after: "before" is taken after a warm-up burst of the same
+shape (``--warm-seconds``) and a ``gc.collect()``, "after" 2 s after the overload and another
+``gc.collect()`` (``--tracemalloc``: the allocation sites that grew in between).
 
 Run: ``python benchmarks/overload.py [--seconds 30] [--factor 10]``.
 """
@@ -21,6 +23,7 @@ import resource
 import statistics
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import httpx
@@ -87,6 +90,10 @@ def main() -> int:
     ap.add_argument("--factor", type=int, default=10)
     ap.add_argument("--max-queued", type=int, default=8)
     ap.add_argument("--token-delay", type=float, default=0.5)
+    ap.add_argument("--warm-seconds", type=float, default=10.0,
+                    help="a burst of the overload's shape before the RSS baseline")
+    ap.add_argument("--tracemalloc", action="store_true",
+                    help="also print the allocation sites that grew (slower)")
     args = ap.parse_args()
     s = Stack(num_prefill=1, num_decode=2, api_key=None, max_queued=args.max_queued)
     try:
@@ -94,11 +101,19 @@ def main() -> int:
             st.token_delay_s = args.token_delay
         service_s = 8 * args.token_delay  # one request on a slot
         capacity = 16 / service_s  # requests/s the slots serve
-        warm = asyncio.run(drive(s.url, capacity / 4, 5.0, 8))  # warm-up + unloaded baseline
+        warm = asyncio.run(drive(s.url, capacity / 4, 5.0, 8))  # unloaded latency baseline
         base = [r[1] for r in warm if r[0] == 200]
+        # RSS baseline after a warm-up burst of the same shape as the overload (the allocator's
+        # arenas, httpx / h11 / pydantic caches and the metrics' label children reach their
+        # working size), so that "after" compares like with like
+        asyncio.run(drive(s.url, args.factor * capacity, args.warm_seconds, 8))
+        time.sleep(2.0)
         gc.collect()
         rss0 = rss_mib()
         peak = [rss0]
+        if args.tracemalloc:
+            tracemalloc.start(16)
+            snap0 = tracemalloc.take_snapshot()
 
         async def watch(stop: asyncio.Event) -> None:
             while not stop.is_set():
@@ -120,6 +135,13 @@ def main() -> int:
         time.sleep(2.0)
         gc.collect()
         rss1 = rss_mib()
+        if args.tracemalloc:
+            snap1 = tracemalloc.take_snapshot()
+            print("tracemalloc: largest growth by allocation site, warm-up → after")
+            for st in snap1.compare_to(snap0, "traceback")[:8]:
+                print(f"  {st.size_diff / 1024:+9.1f} KiB {st.count_diff:+7d} blocks  "
+                      f"{st.traceback.format()[-1].strip()}")
+            tracemalloc.stop()
         adm = [r for r in rec if r[0] == 200]
         ref = [r for r in rec if r[0] != 200]
         lat = [r[1] for r in adm]

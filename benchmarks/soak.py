@@ -7,8 +7,10 @@ stack for up to 10 minutes; reports RSS growth per process, pages left held, tra
 
 It starts its own stack (``deploy.launcher.start_stack``: router + workers, k3-tiny, loopback),
 sends requests at fixed intervals (open loop: a slow stack does not lower the offered rate;
-prompts of 4–200 words, ``max_tokens`` 4–32, half of them streamed, 1 in 10 cut by the
-client after its first chunk), samples every process' RSS (``/proc/PID/status`` VmRSS) every
+prompts of 4–48 words, 2–12 output tokens with ``ignore_eos`` — short enough that 4 req/s
+is within what 1 prefill + 1 decode k3-tiny worker serve on a 2-core CPU box (with 4–200
+words and up to 32 tokens it served ~0.6 req/s there) — half of them streamed, 1 in 10 cut by
+the client after its first chunk; ``--words`` / ``--tokens`` change the ranges), samples every process' RSS (``/proc/PID/status`` VmRSS) every
 ``--sample`` seconds, and at the end waits for the workers to go idle and reads their own
 counters: pages / slots / snapshots in use, reservations, open tickets
 (``/internal/info``, ``/kv/health``) and the transfer outcome counters
@@ -60,12 +62,15 @@ def metric(text: str, name: str, **labels: str) -> float:
                and all(w in line.split("}", 1)[0] for w in want))
 
 
-async def one(c: httpx.AsyncClient, url: str, rng: random.Random, key: str) -> tuple[str, float]:
-    """One request; ``(outcome, seconds)``."""
-    n = rng.randint(4, 200)
+async def one(c: httpx.AsyncClient, url: str, rng: random.Random, key: str,
+              words: tuple[int, int] = (4, 48), tokens: tuple[int, int] = (2, 12)
+              ) -> tuple[str, float]:
+    """One request of ``words`` prompt words and ``tokens`` output tokens (uniform, inclusive;
+    ``ignore_eos``: the output length is the one drawn); ``(outcome, seconds)``."""
+    n = rng.randint(*words)
     body = {"model": "k3-tiny", "prompt": " ".join(rng.choice(WORDS) for _ in range(n)),
-            "max_tokens": rng.randint(4, 32), "temperature": rng.choice([0.0, 0.8]),
-            "stream": rng.random() < 0.5}
+            "max_tokens": rng.randint(*tokens), "ignore_eos": True,
+            "temperature": rng.choice([0.0, 0.8]), "stream": rng.random() < 0.5}
     cut = body["stream"] and rng.random() < 0.2  # 1 in 10 of all requests
     t0 = time.monotonic()
     h = {"Authorization": f"Bearer {key}"}
@@ -118,7 +123,8 @@ def _one_state(c: httpx.Client, url: str) -> dict:
 
 
 async def drive(stack: Stack, key: str, rate: float, duration: float, sample_s: float,
-                seed: int, grace_s: float = 60.0) -> dict:
+                seed: int, grace_s: float = 60.0, words: tuple[int, int] = (4, 48),
+                tokens: tuple[int, int] = (2, 12)) -> dict:
     """Offer ``rate`` req/s for ``duration`` s, then give what is still running ``grace_s`` s
     (the rest is cancelled and counted ``unfinished``); progress on stderr every sample."""
     rng = random.Random(seed)
@@ -139,16 +145,18 @@ async def drive(stack: Stack, key: str, rate: float, duration: float, sample_s: 
                       f"(ok {done.count('ok')}), RSS MiB {samples[-1][1]}", file=sys.stderr,
                       flush=True)
             tasks.append(asyncio.create_task(one(c, stack.url, random.Random(rng.random()),
-                                                 key)))
+                                                 key, words, tokens)))
             i += 1
             await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
+        offered_s = time.monotonic() - t0
         _, pending = await asyncio.wait(tasks, timeout=grace_s) if tasks else ((), ())
         for t in pending:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         results = [t.result() if not t.cancelled() else ("unfinished", 0.0) for t in tasks]
     samples.append((time.monotonic() - t0, {n: rss_mb(p) for n, p in pids.items()}))
-    return {"results": results, "samples": samples, "elapsed": time.monotonic() - t0}
+    return {"results": results, "samples": samples, "elapsed": time.monotonic() - t0,
+            "offered_s": offered_s}
 
 
 def wait_idle(stack: Stack, timeout: float = 60.0) -> list[dict]:
@@ -171,7 +179,10 @@ def report(run: dict, state: list[dict], warmup_s: float, rate: float) -> str:
     q = statistics.quantiles(lat, n=100) if len(lat) >= 2 else [0.0] * 99
     base = next((s for t, s in run["samples"] if t >= warmup_s), run["samples"][0][1])
     last = run["samples"][-1][1]
-    lines = [(f"requests: {len(res)} in {run['elapsed']:.0f} s (offered {rate:g} req/s); "
+    span = max(1e-9, run.get("offered_s", run["elapsed"]))
+    served = sum(1 for o, _ in res if o in ("ok", "cut")) / span
+    lines = [(f"requests: {len(res)} in {run['elapsed']:.0f} s (offered {rate:g} req/s, "
+              f"served {served:.2f} req/s over the offered span); "
               f"outcomes: {dict(sorted(outcomes.items()))}"),
              f"latency of completed requests: p50 {q[49]:.2f} s, p99 {q[98]:.2f} s", "",
              "| process | RSS after warm-up (MiB) | RSS at end (MiB) | growth (MiB) |",
@@ -202,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample", type=float, default=5.0, help="RSS sample interval, seconds")
     ap.add_argument("--warmup", type=float, default=30.0, help="RSS baseline after this, s")
     ap.add_argument("--seed", type=int, default=15)
+    ap.add_argument("--words", type=int, nargs=2, default=(4, 48), metavar=("MIN", "MAX"),
+                    help="prompt words per request (uniform)")
+    ap.add_argument("--tokens", type=int, nargs=2, default=(2, 12), metavar=("MIN", "MAX"),
+                    help="output tokens per request (uniform; ignore_eos)")
     ap.add_argument("--log-dir", default=None)
     ap.add_argument("--log-level", default=None, help="workers' --log-level (e.g. info)")
     ap.add_argument("--out", default=None, help="also write the raw figures as JSON here")
@@ -211,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                         api_key=key, block_size=16, log_dir=a.log_dir, supervise=True,
                         extra_worker_args=["--log-level", a.log_level] if a.log_level else None)
     try:
-        run = asyncio.run(drive(stack, key, a.rate, min(a.duration, 600.0), a.sample, a.seed))
+        run = asyncio.run(drive(stack, key, a.rate, min(a.duration, 600.0), a.sample, a.seed,
+                                words=tuple(a.words), tokens=tuple(a.tokens)))
         state = wait_idle(stack)
     finally:
         stack.stop()

@@ -23,6 +23,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from k3serve.messages import StreamEvent, StreamRequest
+from router.metrics import RouterMetrics
 from router.workers import Worker, WorkerError, WorkerPool
 
 log = logging.getLogger("k3serve.router")
@@ -36,6 +37,40 @@ MAX_MIGRATIONS = 2
 Resume = Callable[[Worker, list[int], list[float | None], int], Awaitable[tuple[Worker, str]]]
 
 
+class ServedBy:
+    """The per-decode-worker series of one choice — ``running`` (gauge) and ``itl``
+    (histogram) of :class:`~router.metrics.RouterMetrics`, labelled with the worker's name —
+    kept on the worker that serves the choice now: after a migration :meth:`follow` moves the
+    choice's count from the failed worker's gauge to the new one's and later inter-token
+    latencies go to the new worker's histogram. :meth:`close` (once, when the choice ends)
+    takes the count off.
+
+    Args:
+        metrics: the router's metrics.
+        worker: the decode worker the choice streams from first.
+    """
+
+    def __init__(self, metrics: RouterMetrics, worker: Worker) -> None:
+        self.metrics, self.name = metrics, worker.name
+        self.itl = metrics.itl.labels(self.name)
+        metrics.running.labels(self.name).inc()
+        self._open = True
+
+    def follow(self, worker: Worker) -> None:
+        """The choice is served by ``worker`` now (a no-op when it already was)."""
+        if worker.name == self.name or not self._open:
+            return
+        self.metrics.running.labels(self.name).dec()
+        self.name = worker.name
+        self.itl = self.metrics.itl.labels(self.name)
+        self.metrics.running.labels(self.name).inc()
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.metrics.running.labels(self.name).dec()
+
+
 class DecodeEvents:
     """The :class:`StreamEvent` s of one choice from token #2 on, across decode workers, in
     batches (the events that arrived in one network read).
@@ -45,6 +80,8 @@ class DecodeEvents:
         worker / sub: the decode worker and request id the choice streams from first.
         first: token #1 and its logprob (what the prefill worker answered).
         resume: see :data:`Resume`; ``None``: no migration (a failure is raised).
+        served: the choice's per-worker metric series, moved to the new worker as soon as a
+            migration found one (``None``: none kept).
 
     Attributes:
         worker / sub: where the choice streams from now (abort it there).
@@ -53,8 +90,10 @@ class DecodeEvents:
     """
 
     def __init__(self, pool: WorkerPool, worker: Worker, sub: str,
-                 first: tuple[int, float | None], resume: Resume | None) -> None:
+                 first: tuple[int, float | None], resume: Resume | None,
+                 served: ServedBy | None = None) -> None:
         self.pool, self.worker, self.sub, self.resume = pool, worker, sub, resume
+        self.served = served
         self.tokens: list[int] = [first[0]]
         self.logprobs: list[float | None] = [first[1]]
         self.migrations = 0
@@ -91,6 +130,8 @@ class DecodeEvents:
                 try:
                     self.worker, self.sub = await self.resume(
                         failed, list(self.tokens), list(self.logprobs), self.migrations)
+                    if self.served is not None:
+                        self.served.follow(self.worker)
                 except Exception as e2:  # noqa: BLE001 - the original failure is the news
                     log.warning("request %s: migration failed: %r", self.sub, e2)
                     raise e from None
@@ -98,4 +139,4 @@ class DecodeEvents:
                                  logprob=self.logprobs[-1])
 
 
-__all__ = ["MAX_MIGRATIONS", "DecodeEvents", "Resume"]
+__all__ = ["MAX_MIGRATIONS", "DecodeEvents", "Resume", "ServedBy"]

@@ -40,6 +40,7 @@ from k3serve.messages import (
 )
 from router.admission import Admission
 from router.config import RouterConfig
+from router.errors import APIError
 from router.index import STORE
 from router.metrics import RouterMetrics
 from router.placement import (
@@ -63,8 +64,10 @@ log = logging.getLogger("k3serve.router")
 #: Pause before a choice that found every decode worker busy retries its reservation; waiting
 #: choices take turns, so at most 1 / BUSY_RETRY_S such retries per second leave the router.
 BUSY_RETRY_S = 0.005
-#: Placements of one choice before its token #1 (the first and the re-placements).
-FIRST_TOKEN_ATTEMPTS = 3
+#: Placements of one choice before its token #1 (the first and the re-placements): enough
+#: that a worker that hangs or dies mid-call, on top of transient transfer failures on the
+#: others (a failed pairing, a dropped connection), does not fail the request.
+FIRST_TOKEN_ATTEMPTS = 5
 #: A migrating choice with no healthy decode worker to go to looks again this often (s).
 RESUME_WAIT_S = 0.25
 
@@ -73,8 +76,19 @@ def _failover(e: BaseException) -> bool:
     """A worker failed before token #1 (unreachable, killed mid-call, an error answer such as
     502 ``transfer_pairing_failed``, ``busy``: its queue is full): nothing reached the client,
     so the choice is placed again — on other workers where there are (both reservations were
-    aborted). No free connection of the router's own pool (``PoolBusy``) is shed instead."""
-    return isinstance(e, WorkerError) and not isinstance(e, PoolBusy)
+    aborted). No free connection of the router's own pool (``PoolBusy``) is shed instead, and
+    a request the worker refused (a 4xx such as 400 ``invalid_request``: every worker would)
+    is answered as it is (:func:`_refused`)."""
+    return isinstance(e, WorkerError) and not isinstance(e, PoolBusy) and not e.client_error
+
+
+def _refused(e: WorkerError) -> Exception:
+    """A worker's 400 before token #1 as the client's 400 (the worker's code and message);
+    another 4xx stays a ``WorkerError`` (the router's own fault, answered 503)."""
+    if e.status != 400:
+        return e
+    return APIError(400, f"the request was refused by a worker: {e.detail or e}",
+                    code=e.code or "invalid_request")
 
 
 def _busy(e: BaseException) -> bool:
@@ -162,8 +176,11 @@ class Router:
         Raises:
             NoWorkerAvailable: no healthy prefill or decode worker.
         """
-        prefill = [w for w in self.pool.live("prefill") if w.url not in exclude]
-        decode = [w for w in self.pool.live("decode") if w.url not in exclude]
+        # ``exclude``: workers this choice failed on; skipped only while another of the role
+        # is live (the one that failed first may be the only one left once another hung)
+        live_p, live_d = self.pool.live("prefill"), self.pool.live("decode")
+        prefill = [w for w in live_p if w.url not in exclude] or live_p
+        decode = [w for w in live_d if w.url not in exclude] or live_d
         if not prefill or not decode or self.pool.layout is None:
             raise NoWorkerAvailable(
                 f"no healthy {'prefill' if not prefill else 'decode'} worker")
@@ -262,7 +279,8 @@ class Router:
         """Place the choice on one worker W (cache-aware over the workers' prefixes and queued
         prefill), ``POST /internal/generate`` there: token #1. W's decode load is held in the
         returned ``hold`` for the stream, as a decode worker's is in the PD path."""
-        live = [w for w in self.pool.live("decode") if w.url not in exclude]
+        live = ([w for w in self.pool.live("decode") if w.url not in exclude]
+                or self.pool.live("decode"))
         if not live or self.pool.layout is None:
             raise NoWorkerAvailable("no healthy worker")
         fingerprint, bs = self.pool.layout
@@ -343,18 +361,26 @@ class Router:
                     self.pool.mark_failed(w)
                 log.warning("request %s-%d: %s failed before token #1 (%s); placing it again",
                             rid, index, w.name, e)
-                if any(o.url != w.url and o.url not in tried for o in self.pool.live(w.role)):
+                others = {o.url for o in self.pool.live(w.role) if o.url != w.url}
+                if others:  # skip the worker that failed last; the others get another turn
+                    if others <= tried:
+                        tried.difference_update(others)
                     tried.add(w.url)
 
-        async for attempt in AsyncRetrying(retry=retry_if_exception(_failover),
-                                           stop=stop_after_attempt(FIRST_TOKEN_ATTEMPTS),
-                                           reraise=True, before_sleep=exclude_failed):
-            with attempt:
-                n = attempt.retry_state.attempt_number
-                sub = f"{rid}-{index}" + (f"-r{n - 1}" if n > 1 else "")
-                first_token = (self._first_token_monolithic if self.monolithic
-                               else self._first_token)
-                placed = await first_token(job, spec, cache_salt, sub, frozenset(tried))
+        try:
+            async for attempt in AsyncRetrying(retry=retry_if_exception(_failover),
+                                               stop=stop_after_attempt(FIRST_TOKEN_ATTEMPTS),
+                                               reraise=True, before_sleep=exclude_failed):
+                with attempt:
+                    n = attempt.retry_state.attempt_number
+                    sub = f"{rid}-{index}" + (f"-r{n - 1}" if n > 1 else "")
+                    first_token = (self._first_token_monolithic if self.monolithic
+                                   else self._first_token)
+                    placed = await first_token(job, spec, cache_salt, sub, frozenset(tried))
+        except WorkerError as e:
+            if e.client_error:
+                raise _refused(e) from None
+            raise
         with placed.hold:
             if choice == 0:
                 job.cached_tokens = placed.first.num_cached_tokens

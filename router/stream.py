@@ -9,6 +9,7 @@ text (stop strings, stop tokens and ``max_tokens`` decided here exactly as offli
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from k3serve.messages import PrefillResponse, StreamEvent, finite
 from router.metrics import RouterMetrics, observe_many
-from router.migrate import DecodeEvents, Resume
+from router.migrate import DecodeEvents, Resume, ServedBy
 from router.placement import Placement
 from router.workers import Worker, WorkerError, WorkerPool
 
@@ -170,18 +171,18 @@ async def stream_choice(c: Placed, prompt_len: int, index: int, sampling: Sampli
         abort(D, sub)
         return
 
-    itl = metrics.itl.labels(D.name)
     last = time.monotonic()
     n_out = 1
-    src = DecodeEvents(pool, D, sub, (first.token_id, finite(first.logprob)), resume)
-    with metrics.running.labels(D.name).track_inprogress():
+    served = ServedBy(metrics, D)  # running / itl of the worker serving it now (migration)
+    src = DecodeEvents(pool, D, sub, (first.token_id, finite(first.logprob)), resume, served)
+    with contextlib.closing(served):
         try:
             async for batch in src:
                 d = relay_batch(index, batch, detok)
                 t = time.monotonic()
                 n = len(d.token_ids)
                 if n:
-                    observe_many(itl, (t - last) / n, n)
+                    observe_many(served.itl, (t - last) / n, n)
                 last = t
                 n_out += n
                 if d.token_ids or d.text or d.finish_reason:

@@ -68,13 +68,22 @@ class WorkerError(RuntimeError):
     """
 
     def __init__(self, worker: str, message: str, retryable: bool = False,
-                 busy: bool = False, status: int | None = None, hung: bool = False) -> None:
+                 busy: bool = False, status: int | None = None, hung: bool = False,
+                 code: str | None = None, detail: str | None = None) -> None:
         super().__init__(f"{worker}: {message}")
         self.worker = worker
         self.retryable = retryable or busy
         self.busy = busy
         self.status = status  # the worker's HTTP status, if it answered
         self.hung = hung  # no answer within the request path's deadline
+        self.code = code  # the worker's ErrorBody ``error``, if it sent one
+        self.detail = detail  # ... and its ``message``
+
+    @property
+    def client_error(self) -> bool:
+        """The worker refused the request itself (a 4xx such as 400 ``invalid_request``):
+        another worker would refuse it the same way, so it is not placed again."""
+        return self.status is not None and 400 <= self.status < 500 and not self.busy
 
     @property
     def fault(self) -> bool:
@@ -118,6 +127,8 @@ class Worker:
     info: WorkerInfo
     healthy: bool = True
     failures: int = 0
+    alive: bool = True  # its liveness probe (``GET /health``) answers
+    misses: int = 0  # liveness probes in a row that got no answer in time
     queued_tokens: int = 0  # prefill: predicted uncached tokens of unanswered prefills
     running: int = 0  # decode: requests reserved and not finished
     reserved_tokens: int = 0  # decode: Σ (prompt + max new tokens) of those
@@ -128,6 +139,7 @@ class Worker:
     seen: RecentLoad = field(default_factory=RecentLoad, repr=False)
     resyncs: int = 0
     task: asyncio.Task | None = field(default=None, repr=False)
+    live_task: asyncio.Task | None = field(default=None, repr=False)
     reported: WorkerLoad | None = None  # the worker's own figures, with its cache events
     sent_since_report: int = 0  # prefill tokens this router sent after that report
 
@@ -184,8 +196,9 @@ class Worker:
 
     @property
     def available(self) -> bool:
-        """Placement may use it: healthy (its polls answer) and its breaker not open."""
-        return self.healthy and not _cut_off(self.breaker)
+        """Placement may use it: healthy (its polls answer), alive (its liveness probe
+        answers) and its breaker not open."""
+        return self.healthy and self.alive and not _cut_off(self.breaker)
 
     @property
     def name(self) -> str:
@@ -250,12 +263,24 @@ class WorkerPool:
         poll_timeout_s: Timeout of one cache-event pull (the health check): a worker that is
             alive but stuck (stopped, wedged) fails its polls and leaves placement.
         deadline_s: Seconds a request-path call (reserve, prefill, the wait between two
-            stream events) waits on a worker that is not available (polls failing, breaker
-            open) before it fails as hung; a healthy worker is waited for up to ``timeout_s``.
+            stream events) waits on a worker that does not answer (its liveness probes or its
+            polls fail) before it fails as hung; a worker that answers is waited for up to
+            ``timeout_s`` (an open breaker alone does not cut calls already running: a busy
+            worker catching up after a stall would fail them all).
         pool_timeout_s: Seconds a request-path call waits for a free connection.
         max_connections: Size of the request path's connection pool.
         breaker_fail_max: Request-path failures in a row that open a worker's breaker.
         breaker_reset_s: Seconds an open breaker waits before a trial request.
+        live_interval_s / live_timeout_s / live_misses: the liveness probe, a second task per
+            worker on the health client: ``GET /health`` every ``live_interval_s``, which the
+            worker answers on its event loop without waiting for its engine thread (a worker
+            busy computing answers it at once; its cache-event pulls wait for the engine
+            thread between two steps, so their timeout must stay long). ``live_misses``
+            probes in a row with no answer within ``live_timeout_s`` (or an answer 5xx other
+            than ``draining``) take the worker out of placement (:attr:`Worker.alive`): a
+            stopped (``SIGSTOP``) or wedged process leaves within
+            ``live_misses × (live_interval_s + live_timeout_s)`` seconds; one answer brings
+            it back.
     """
 
     def __init__(self, model: str, cluster_token: str | None, poll_interval_s: float = 0.1,
@@ -264,8 +289,13 @@ class WorkerPool:
                  on_worker: Callable[[Worker], None] | None = None,
                  poll_timeout_s: float = 10.0, deadline_s: float = 30.0,
                  pool_timeout_s: float = 5.0, max_connections: int = 1024,
-                 breaker_fail_max: int = 3, breaker_reset_s: float = 5.0) -> None:
+                 breaker_fail_max: int = 3, breaker_reset_s: float = 5.0,
+                 live_interval_s: float = 0.5, live_timeout_s: float = 1.5,
+                 live_misses: int = 2) -> None:
         self.model = model
+        self.live_interval_s = live_interval_s
+        self.live_timeout_s = live_timeout_s
+        self.live_misses = live_misses
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
         self.unhealthy_after = unhealthy_after
@@ -298,7 +328,7 @@ class WorkerPool:
     async def close(self) -> None:
         """Stop every poller and close the HTTP client."""
         self._closed = True
-        tasks = [w.task for w in self.workers.values() if w.task]
+        tasks = [t for w in self.workers.values() for t in (w.task, w.live_task) if t]
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -352,11 +382,13 @@ class WorkerPool:
             if self._on_worker:
                 self._on_worker(w)
         else:  # a restart: new info, same load account; the new epoch forces a resync
-            w.info, w.healthy, w.failures = info, True, 0
+            w.info, w.healthy, w.failures, w.alive, w.misses = info, True, 0, True, 0
             w.breaker.close()
         await self.sync(w)
         if w.task is None or w.task.done():
             w.task = asyncio.create_task(self._poll_loop(w), name=f"poll {url}")
+        if w.live_task is None or w.live_task.done():
+            w.live_task = asyncio.create_task(self._live_loop(w), name=f"live {url}")
         log.info("registered %s worker %s (%s)", info.role, w.name, url)
         return w
 
@@ -376,8 +408,9 @@ class WorkerPool:
         if w is None:
             return None
         self.index.remove_worker(w.url)
-        if w.task is not None:
-            w.task.cancel()
+        for t in (w.task, w.live_task):
+            if t is not None:
+                t.cancel()
         log.info("removed %s worker %s (%s)", w.role, w.name, w.url)
         return w
 
@@ -454,6 +487,43 @@ class WorkerPool:
                     log.warning("worker %s unhealthy after %d failed polls: %s", w.url,
                                 w.failures, e)
             await asyncio.sleep(self.poll_interval_s)
+
+    async def probe(self, w: Worker) -> bool:
+        """One liveness probe: ``GET /health`` within ``live_timeout_s``. True when the
+        worker's event loop answered: any status below 500 (a worker without the route
+        answers 404, alive all the same) or 503 ``draining``; False on no answer in time, a
+        refused connection, or another 5xx (``engine_stopped``: its engine thread died)."""
+        try:
+            r = await self.health.get(w.url + "/health",
+                                      timeout=httpx.Timeout(self.live_timeout_s))
+        except httpx.HTTPError:
+            return False
+        if r.status_code < 500:
+            return True
+        with contextlib.suppress(ValueError):
+            body = r.json()
+            return isinstance(body, dict) and body.get("status") == "draining"
+        return False
+
+    async def _live_loop(self, w: Worker) -> None:
+        while not self._closed:
+            try:
+                ok = await self.probe(w)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a probe that cannot run is a miss
+                ok = False
+            if ok:
+                if not w.alive:
+                    log.info("worker %s answers its liveness probe again", w.url)
+                w.misses, w.alive = 0, True
+            else:
+                w.misses += 1
+                if w.alive and w.misses >= self.live_misses:
+                    w.alive = False
+                    log.warning("worker %s out of placement: %d liveness probes in a row "
+                                "unanswered within %g s", w.url, w.misses, self.live_timeout_s)
+            await asyncio.sleep(self.live_interval_s)
 
     def mark_failed(self, w: Worker) -> None:
         """A request-path call could not reach the worker: skip it until a poll succeeds."""
@@ -558,9 +628,9 @@ class WorkerPool:
 
     async def _bounded(self, w: Worker, call: Any) -> Any:
         """Await an internal call in a task of its own; give up once it has waited
-        ``deadline_s`` while ``w`` is not available (its polls fail: hung or dead; or its
-        breaker is open). A worker whose polls answer is busy, not hung: it is waited for up
-        to the call timeout.
+        ``deadline_s`` while ``w`` does not answer (:attr:`Worker.alive` or
+        :attr:`Worker.healthy` false: hung or dead). A worker that answers is busy, not hung:
+        it is waited for up to the call timeout, whatever its breaker says.
 
         The task is cancelled at most once, here: a second cancellation of the caller
         cannot interrupt the closing of its connection (see :meth:`stream`).
@@ -575,10 +645,11 @@ class WorkerPool:
                 done, _ = await asyncio.wait([t], timeout=min(1.0, self.deadline_s))
                 if done:
                     return t.result()
-                if time.monotonic() - started >= self.deadline_s and not w.available:
+                if (time.monotonic() - started >= self.deadline_s
+                        and not (w.alive and w.healthy)):
                     t.cancel()
-                    raise WorkerError(w.url, f"no answer within {self.deadline_s:g} s from an "
-                                             f"unavailable worker", hung=True)
+                    raise WorkerError(w.url, f"no answer within {self.deadline_s:g} s from a "
+                                             f"worker that stopped answering", hung=True)
         except asyncio.CancelledError:
             t.cancel()
             raise
@@ -767,13 +838,16 @@ def _check_status(url: str, path: str, status: int, data: bytes) -> None:
 
 def _json_body(url: str, path: str, r: httpx.Response) -> Any:
     if r.status_code // 100 != 2:
-        busy = False
-        if r.status_code == 503:
-            with contextlib.suppress(ValueError):
-                err = r.json()
-                busy = isinstance(err, dict) and err.get("error") == "busy"
+        err: Any = None
+        with contextlib.suppress(ValueError):
+            err = r.json()
+        code = err.get("error") if isinstance(err, dict) else None
+        detail = err.get("message") if isinstance(err, dict) else None
+        busy = r.status_code == 503 and code == "busy"
         raise WorkerError(url, f"{path}: HTTP {r.status_code}: {r.text[:300]}",
-                          retryable=r.status_code == 503, busy=busy, status=r.status_code)
+                          retryable=r.status_code == 503, busy=busy, status=r.status_code,
+                          code=code if isinstance(code, str) else None,
+                          detail=detail if isinstance(detail, str) else None)
     try:
         return r.json()
     except (json.JSONDecodeError, ValueError):

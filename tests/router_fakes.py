@@ -97,6 +97,8 @@ class FakeState:
     url: str = ""
     fail_prefill: int = 0  # answer this many prefills with 503
     busy_reserves: int = 0  # answer this many reservations with 503 "busy" (no decode room)
+    busy_prefills: int = 0  # answer this many prefills with 503 "busy" + Retry-After (queue full)
+    invalid_prefills: int = 0  # answer this many prefills with 400 "invalid_request"
     reservations: dict[str, dict[str, Any]] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
     # validated /internal/prefill bodies as dicts, "_cached": the tokens the fake reused
@@ -190,6 +192,15 @@ def make_worker_app(state: FakeState) -> FastAPI:
         if state.fail_prefill > 0:
             state.fail_prefill -= 1
             return JSONResponse(ErrorBody(error="overloaded").model_dump(), status_code=503)
+        if state.busy_prefills > 0:
+            state.busy_prefills -= 1
+            return JSONResponse(ErrorBody(error="busy", message="queue full").model_dump(),
+                                status_code=503, headers={"Retry-After": "1"})
+        if state.invalid_prefills > 0:
+            state.invalid_prefills -= 1
+            return JSONResponse(ErrorBody(error="invalid_request",
+                                          message="prompt_token_ids: bad token").model_dump(),
+                                status_code=400)
         rec = b.model_dump()
         state.prefills.append(rec)
         state.queued_prefill_tokens += len(b.prompt_token_ids)

@@ -92,6 +92,10 @@ class WorkerConfig:
         max_prefill_backlog: prefill workers: admit no new prompt while the running prefills
             have this many tokens left to compute (``None``: ``max_num_batched_tokens``; 0: no
             cap); see :mod:`k3serve.engine.scheduler`.
+        max_queued: most admission calls (``reserve`` / ``prefill`` / ``generate`` /
+            ``resume``) this worker holds unanswered at once — its queue; one more is answered
+            503 ``busy`` with ``Retry-After`` (:mod:`worker.http`) and the router places it
+            elsewhere. 0: no bound.
     """
 
     role: Role
@@ -135,6 +139,7 @@ class WorkerConfig:
     cuda_graphs: bool = True
     drain_timeout_s: float = 60.0  # issue 15: SIGTERM drain
     max_prefill_backlog: int | None = None  # issue 15: bounded prefill concurrency
+    max_queued: int = 256  # issue 15: bounded worker queue (then 503 busy + Retry-After)
 
     @property
     def url_host(self) -> str:
@@ -209,6 +214,9 @@ def _parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
     ap.add_argument("--max-prefill-backlog", type=int, default=None, metavar="TOKENS",
                     help="prefill: admit no new prompt while the running prefills have this "
                          "many tokens left (default: --max-num-batched-tokens; 0: no cap)")
+    ap.add_argument("--max-queued", type=int, default=256, metavar="N",
+                    help="most admission calls (reserve/prefill/generate/resume) held "
+                         "unanswered at once; more: 503 busy + Retry-After (0: no bound)")
     return ap
 
 
@@ -254,7 +262,18 @@ def parse_config(role: Role, argv: list[str] | None = None,
         **_parallel_flags(a),
         gpu_memory_utilization=a.gpu_memory_utilization, max_num_seqs=a.max_num_seqs,
         cuda_graphs=a.cuda_graphs, drain_timeout_s=a.drain_timeout,
-        max_prefill_backlog=a.max_prefill_backlog)
+        max_prefill_backlog=a.max_prefill_backlog, max_queued=_max_queued(a.max_queued))
+
+
+def _max_queued(n: int) -> int:
+    """``--max-queued``, checked.
+
+    Raises:
+        SystemExit: a negative value (names the flag).
+    """
+    if n < 0:
+        raise SystemExit(f"--max-queued: must be ≥ 0, got {n}")
+    return n
 
 
 def _parallel_flags(a: argparse.Namespace) -> dict:

@@ -42,6 +42,11 @@ log = logging.getLogger("k3serve.worker")
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 #: The routes that admit new work; a draining worker (SIGTERM) answers them 503 ``draining``.
 ADMISSION_PATHS = frozenset({"/internal/reserve", "/internal/prefill", "/internal/generate"})
+#: The routes whose unanswered calls make the worker's queue, bounded by
+#: ``WorkerConfig.max_queued`` (one more: 503 ``busy`` with ``Retry-After``).
+QUEUED_PATHS = ADMISSION_PATHS | {"/internal/resume"}
+#: ``Retry-After`` of a call refused because the queue is full, seconds.
+RETRY_AFTER_S = 1
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -62,9 +67,12 @@ def json_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return out
 
 
-def error_response(status: int, code: str, message: str) -> JSONResponse:
-    """An :class:`ErrorBody` answer."""
-    return JSONResponse(ErrorBody(error=code, message=message).model_dump(), status_code=status)
+def error_response(status: int, code: str, message: str,
+                   retry_after: int | None = None) -> JSONResponse:
+    """An :class:`ErrorBody` answer (with a ``Retry-After`` header, seconds, if given)."""
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(ErrorBody(error=code, message=message).model_dump(), status_code=status,
+                        headers=headers)
 
 
 async def stop_registration(app: FastAPI) -> None:
@@ -101,6 +109,7 @@ def create_app(worker: BaseWorker) -> FastAPI:
 
     app = FastAPI(title=f"k3serve {worker.role} worker", lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
+    app.state.queued = 0  # admission calls unanswered now (QUEUED_PATHS)
 
     @app.middleware("http")
     async def token_check(request: Request, call_next):
@@ -111,7 +120,20 @@ def create_app(worker: BaseWorker) -> FastAPI:
         if worker.draining and request.url.path in ADMISSION_PATHS:
             return error_response(503, "draining", "this worker is draining (SIGTERM): "
                                   "place the request elsewhere")
-        return await call_next(request)
+        if request.url.path not in QUEUED_PATHS:
+            return await call_next(request)
+        # the bounded queue: admission calls held unanswered (a prefill until token #1)
+        if cfg.max_queued and app.state.queued >= cfg.max_queued:
+            worker.metrics.shed()
+            return error_response(
+                503, "busy", f"{worker.worker_id}: {app.state.queued} requests queued "
+                f"(max_queued {cfg.max_queued}); place the request elsewhere or retry",
+                retry_after=RETRY_AFTER_S)
+        app.state.queued += 1
+        try:
+            return await call_next(request)
+        finally:
+            app.state.queued -= 1
 
     @app.exception_handler(Failure)
     async def _failure(_: Request, e: Failure) -> JSONResponse:
@@ -171,4 +193,4 @@ def create_app(worker: BaseWorker) -> FastAPI:
     return app
 
 
-__all__ = ["ADMISSION_PATHS", "PUBLIC_PATHS", "create_app", "error_response", "errors", "json_errors", "stop_registration"]
+__all__ = ["ADMISSION_PATHS", "PUBLIC_PATHS", "QUEUED_PATHS", "create_app", "error_response", "errors", "json_errors", "stop_registration"]

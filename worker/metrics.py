@@ -71,7 +71,11 @@ class WorkerMetrics:
         self._resumed = Counter("k3serve:requests_resumed",
                                 "Requests resumed here after their decode worker failed "
                                 "mid-stream (request migration).", lab, registry=r)
-        for fam in (self._queries, self._bytes, self._fallbacks, self._expiries, self._resumed):
+        self._shed = Counter("k3serve:requests_shed",
+                             "Admissions refused with 503 busy + Retry-After: the worker's "
+                             "queue (--max-queued) was full.", lab, registry=r)
+        for fam in (self._queries, self._bytes, self._fallbacks, self._expiries, self._resumed,
+                    self._shed):
             fam.labels(**self.labels)
         for src in ("local", "store"):
             self._hits.labels(**self.labels, source=src)
@@ -113,6 +117,10 @@ class WorkerMetrics:
     def resumed(self) -> None:
         """A migrated request was resumed here."""
         self._resumed.labels(**self.labels).inc()
+
+    def shed(self) -> None:
+        """An admission was refused: the queue was full."""
+        self._shed.labels(**self.labels).inc()
 
     def set_gauges(self, g: dict[str, float]) -> None:
         self._snapshots.labels(**self.labels).set(g["kda_snapshots"])

@@ -3,8 +3,9 @@
 One stack for the module (``start_stack(supervise=True)``: router + 1 prefill + 1 decode,
 k3-tiny, block size 16, an API key); the tests run in order:
 
-1. ``kill -9`` of the decode worker: the supervisor starts it again on a fresh port, the router
-   replaces the old entry with the new URL, the next completion succeeds; nothing else died.
+1. ``kill -9`` of the only decode worker while streams run: the supervisor starts it again on
+   a fresh port, the router replaces the old entry with the new URL, and the streams migrate
+   to it once it registered (text equal to the fault-free run); nothing else died.
 2. SIGTERM of the decode worker while it holds a reservation: at once its ``/health`` says
    ``draining``, the router no longer lists it, a new reservation is refused with 503
    ``draining``; the held request still completes (prefill → transfer → stream); then the
@@ -18,6 +19,7 @@ between failed starts (tenacity), a router past its limit ends the stack, a work
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -36,6 +38,8 @@ from tests.worker_procs import _sampling, _stream
 B = 16
 KEY = "sk-supervision-test"
 PROMPT = "The quick brown fox jumps over the lazy dog and"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+N_STREAMS = 4
 
 
 @pytest.fixture(scope="module")
@@ -74,17 +78,59 @@ def _until(pred, timeout: float, what: str, step: float = 0.1):
     raise AssertionError(f"not within {timeout:.0f} s: {what}")
 
 
-def test_a_killed_worker_is_restarted_on_fresh_ports_and_serves(stack):
-    assert _complete(stack).status_code == 200
+async def _streams(url: str, n: int, during=None) -> list[tuple[str, str | None]]:
+    """``n`` streaming completions at once (greedy, ≤ 32 tokens): (text, finish_reason) each;
+    ``during(started)`` runs alongside once every stream has its first text."""
+    async def one(c: httpx.AsyncClient, i: int, started: asyncio.Event):
+        text, finish = "", None
+        async with c.stream("POST", url + "/v1/completions", headers=AUTH, json={
+                "model": "k3-tiny", "prompt": f"{PROMPT} {i}", "max_tokens": 32,
+                "temperature": 0, "ignore_eos": True, "stream": True}) as r:
+            assert r.status_code == 200, (await r.aread())[:300]
+            async for line in r.aiter_lines():
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    continue
+                ev = json.loads(line[5:])
+                assert "error" not in ev, ev
+                for ch in ev.get("choices") or ():
+                    text += ch.get("text") or ""
+                    finish = ch.get("finish_reason") or finish
+                    started.set()
+        return text, finish
+
+    async with httpx.AsyncClient(timeout=180) as c:
+        started = [asyncio.Event() for _ in range(n)]
+        tasks = [asyncio.create_task(one(c, i, s)) for i, s in enumerate(started)]
+        if during is not None:
+            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
+            await during()
+        return await asyncio.gather(*tasks)
+
+
+def test_the_only_decode_worker_killed_mid_stream_restarts_and_its_streams_migrate(stack):
+    """kill -9 of the ONLY decode worker while streams run: the supervisor starts it again on
+    a fresh port, the router replaces the old entry with the new URL (same worker id), and
+    every stream migrates to it once it registered — each completes with the text of the
+    same request run without the fault; nothing else died."""
+    want = asyncio.run(_streams(stack.url, N_STREAMS))
+    assert all(f == "length" for _, f in want), want
     d = stack.specs.index(next(s for s in stack.specs if s.name == "decode-0"))
     old_url, old = stack.worker_urls[stack.specs[d].url_index], stack.procs[d]
-    old.kill()  # kill -9
-    old.wait()
-    new_url = _until(lambda: (u := stack.worker_urls[stack.specs[d].url_index]) != old_url
-                     and u, 30, "the supervisor restarts the decode worker")
-    # the router replaces the dead entry by the new URL (same worker id), healthy
-    _until(lambda: (ws := _router_workers(stack)).get(new_url) and old_url not in ws, 120,
-           f"the router lists {new_url} healthy and forgets {old_url}", step=0.3)
+
+    async def kill() -> None:
+        old.kill()  # kill -9, mid-stream
+
+    got = asyncio.run(_streams(stack.url, N_STREAMS, kill))
+    assert old.wait(10) is not None
+    assert got == want
+    new_url = stack.worker_urls[stack.specs[d].url_index]
+    assert new_url != old_url  # restarted by the supervisor, on a fresh port
+    ws = _router_workers(stack)
+    assert ws.get(new_url) and old_url not in ws, ws
+    text = httpx.get(stack.url + "/metrics", timeout=10).text
+    migrated = sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                   if ln.startswith("k3serve:router_migrations_total"))
+    assert migrated >= 1
     r = _complete(stack)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
     assert stack.procs[d] is not old and stack.procs[d].poll() is None

@@ -8,7 +8,11 @@
   up at ``deadline_s`` (not the call timeout), and it rejoins with its index resynced;
 * a worker whose request-path calls keep failing opens its circuit breaker: placement skips
   it (though its polls answer) until a trial request succeeds;
-* ``max_model_len`` is the minimum over the available workers only.
+* ``max_model_len`` is the minimum over the available workers only;
+* a worker whose bounded queue is full (503 ``busy`` + ``Retry-After``) is passed over, not
+  blamed; every worker busy → 503 + ``Retry-After`` to the client;
+* a worker's 400 before token #1 reaches the client once (not placed again);
+* after a migration the running gauge and the ITL histogram follow the new decode worker.
 """
 
 from __future__ import annotations
@@ -146,7 +150,9 @@ def test_hung_worker_leaves_placement_waiting_requests_end_at_the_deadline_and_i
         for i in range(3):  # a gets more cache while it is out of the router's sight
             a.cm.run_prefill(10_000 + i, list(range(40 + i * 40, 120 + i * 40)))
         a.stalled = False
-        _wait(lambda: s.router.pool.workers[a_url].healthy, what="a healthy again")
+        # back in placement: polls and liveness probe answer (and its breaker, opened by the
+        # calls that gave up on it, lets a trial through after breaker_reset_s)
+        _wait(lambda: s.router.pool.workers[a_url].available, what="a available again")
         want = CacheState.model_validate(a.cm.cache_state())
         _wait(lambda: s.router.pool.index.num_blocks(a_url) == len(want.blocks),
               what="a's index resynced")
@@ -207,3 +213,114 @@ def test_max_model_len_is_the_minimum_over_available_workers(death):
         short.stalled = False
         srv.stop()
         s.close()
+
+
+def test_a_busy_prefill_worker_is_passed_over_and_all_busy_is_503_with_retry_after():
+    """A worker whose bounded queue is full answers 503 ``busy`` + ``Retry-After``
+    (worker/http.py): the router places the request on another worker without blaming the
+    busy one; when every prefill worker is busy the client gets 503 + ``Retry-After``."""
+    s = Stack(num_prefill=2, num_decode=1, api_key=None, policy="round_robin")
+    try:
+        (a, _), (b, _) = s.prefill
+        a.busy_prefills = 1000
+        for i in range(4):
+            r = _complete(s, f"busy {i} " * 4)
+            assert r.status_code == 200, r.text
+        assert len(b.prefills) == 4 and not a.prefills
+        wa = s.router.pool.workers[a.url]
+        assert wa.available and wa.breaker.current_state == "closed"  # busy, not failed
+        b.busy_prefills = 1000
+        r = _complete(s, "all busy")
+        assert r.status_code == 503, r.text
+        assert r.headers.get("retry-after") == "1"
+        assert r.json()["error"]["code"] == "overloaded"
+        a.busy_prefills = b.busy_prefills = 0
+        assert _complete(s, "room again").status_code == 200
+    finally:
+        s.close()
+
+
+def test_a_400_from_a_worker_before_token_1_is_passed_through_and_not_retried():
+    """A deterministic refusal (400 ``invalid_request``) is not placed again on other workers
+    (it used to be tried up to 3 times and answered 503): the client gets the 400 once."""
+    s = Stack(num_prefill=2, num_decode=1, api_key=None, policy="round_robin")
+    try:
+        (a, _), (b, _) = s.prefill
+        a.invalid_prefills = b.invalid_prefills = 10
+        r = _complete(s, "refused " * 4)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "invalid_request" and "bad token" in err["message"], err
+        assert a.invalid_prefills + b.invalid_prefills == 19  # one worker asked, once
+        (d, _), = s.decode
+        _wait(lambda: len(d.aborted) >= 1, what="the reservation on D aborted")
+        for w in s.router.pool.workers.values():
+            assert w.available and w.breaker.current_state == "closed"
+    finally:
+        s.close()
+
+
+def test_migrated_choice_counts_running_and_itl_on_the_worker_that_serves_it():
+    """After a migration the running gauge and the ITL histogram follow the new decode worker
+    (router/migrate.py ``ServedBy``; they kept the first worker's label before)."""
+    import asyncio
+    from contextlib import ExitStack
+    from types import SimpleNamespace
+
+    from k3serve.messages import PrefillResponse, StreamEvent
+    from k3serve.sampling import SamplingParams
+    from k3serve.tokenizer import get_tokenizer
+    from router.metrics import RouterMetrics
+    from router.placement import Placement
+    from router.stream import END, Placed, stream_choice
+    from router.workers import WorkerError
+
+    def worker(name: str):
+        return SimpleNamespace(url=f"http://{name}", name=name,
+                               info=SimpleNamespace(max_model_len=4096))
+
+    P, D0, D1 = worker("p0"), worker("d0"), worker("d1")
+    metrics = RouterMetrics()
+    seen: dict[str, float] = {}
+
+    def running(name: str) -> float:
+        return metrics.running.labels(name)._value.get()
+
+    class Pool:
+        async def stream_batches(self, w, body):
+            if w is D0:
+                for t in (11, 12):
+                    yield [StreamEvent(token_ids=[t])]
+                seen["d0 while streaming"] = running("d0")
+                raise WorkerError(w.url, "stream: killed")
+            seen["d0 after migration"], seen["d1 after migration"] = running("d0"), running("d1")
+            for t in (13, 14):
+                yield [StreamEvent(token_ids=[t])]
+            yield [StreamEvent(token_ids=[15], finish_reason="length")]
+
+    async def resume(failed, tokens, lps, k):
+        return D1, "sub-m1"
+
+    async def go() -> list:
+        out: asyncio.Queue = asyncio.Queue()
+        c = Placed("sub", Placement("http://p0", "http://d0", 0), P, D0,
+                   PrefillResponse(request_id="sub", token_id=10, position=4, seed=0),
+                   ExitStack())
+        await stream_choice(c, 4, 0, SamplingParams(max_tokens=6, ignore_eos=True), out,
+                            Pool(), metrics, get_tokenizer(MODEL), lambda w, s: None,
+                            resume=resume)
+        items = []
+        while not out.empty():
+            items.append(out.get_nowait())
+        return items
+
+    items = asyncio.run(go())
+    assert [t for d in items if d is not END for t in d.token_ids] == [10, 11, 12, 13, 14, 15]
+    assert seen == {"d0 while streaming": 1, "d0 after migration": 0, "d1 after migration": 1}
+    assert running("d0") == running("d1") == 0
+
+    def itl_count(name: str) -> float:
+        return sum(s.value for fam in metrics.itl.collect() for s in fam.samples
+                   if s.name.endswith("_count") and s.labels.get("worker") == name)
+
+    assert (itl_count("d0"), itl_count("d1")) == (2, 3)

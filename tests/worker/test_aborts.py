@@ -1,6 +1,7 @@
 """Must-show 3 of issue 15: aborts and disconnects at random moments free everything.
 
-A real 1 prefill + 1 decode pair (tests/worker_procs.py, k3-tiny, block size 16); many short
+A real 1 prefill + 1 decode pair (tests/worker/conftest.py ``shared_pair``: k3-tiny, block
+size 16, shared with test_transfer_load.py); many short
 requests driven as the router drives them (reserve on D → prefill on P → stream from D), each
 cut at a random moment (seeded RNG) in one of four phases:
 
@@ -39,23 +40,15 @@ from tests.worker_procs import HEADERS, Proc, _request, _sampling
 
 B = 16
 N = int(os.environ.get("K3SERVE_ABORTS_N", "120"))
-CONCURRENCY = 24
+CONCURRENCY = 32  # = the decode slots: every cut reaches its phase (no 503 busy)
 PHASES = ("reserve", "prefill", "transfer", "decode")
 SETTLE_S = 30.0
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("abort-logs")
-    P = Proc("prefill", "prefill-ab", B, logs, pages=256)
-    D = Proc("decode", "decode-ab", B, logs, pages=256)
-    try:
-        P.wait_ready()
-        D.wait_ready()
-        yield P, D
-    finally:
-        P.stop()
-        D.stop()
+def pair(shared_pair):
+    """The session's prefill + decode pair (tests/worker/conftest.py)."""
+    return shared_pair
 
 
 def _counters(c: httpx.Client, url: str, bootstrap: str | None) -> dict[str, int]:

@@ -8,13 +8,18 @@ short deadlines). The tests run in file order:
 0. the injected faults lose no request: every failed or hung transfer is recomputed by the
    decode worker (``k3serve:kv_transfer_fallbacks_total``), the hung ones expire on both sides
    (``k3serve:kv_transfer_expiries_total``), and the requests whose prefill worker answered
-   502 ``transfer_pairing_failed`` are placed again.
-1. kill -9 of a decode worker while ``N_STREAMS`` streaming requests run: every stream
+   502 ``transfer_pairing_failed`` are placed again. While the fault-free baseline runs (the
+   engine threads busy on the CPU) every worker stays in placement.
+1. SIGSTOP of a prefill worker mid-load: its liveness probes (``GET /health``, answered
+   without the engine thread) go unanswered and the router takes it out of placement within
+   seconds (the cache-event polls keep their 10 s timeout); requests waiting on it give up at
+   ``--deadline`` and are placed again; SIGCONT: it rejoins, its index resynced.
+2. kill -9 of a decode worker while ``N_STREAMS`` (50) streaming requests run: every stream
    completes and its text equals the same request run before the fault (greedy, and seeded
    sampling with presence / frequency / repetition penalties): nothing duplicated or skipped.
    The router moved the streams of the dead worker (``k3serve:router_migrations_total``) and
    the surviving decode worker resumed them (``k3serve:requests_resumed_total``).
-2. kill -9 of a prefill worker mid-load: every request completes (those in flight on it are
+3. kill -9 of a prefill worker mid-load: every request completes (those in flight on it are
    placed again on the other prefill worker), with the texts of the fault-free runs; the
    surviving decode worker frees every slot, page and ticket of the orphans.
 
@@ -23,7 +28,7 @@ On main before this change: (0) there is no fault injection nor expiry counter, 
 ``finish_reason``; (2) the requests in flight on the dead prefill worker get 503 (not placed
 again) and their decode reservations stay held for the sender's quiesce window (~50 s).
 
-CI-sized: ``N_STREAMS`` streams of ≤ 32 tokens; ``benchmarks/migration.py`` runs 50.
+Streams of ≤ 32 tokens; the faults other than the decode kill use the first ``N_LOAD``.
 """
 
 from __future__ import annotations
@@ -40,12 +45,20 @@ import pytest
 B = 16
 KEY = "sk-migr"
 MODEL = "k3-tiny"
-N_STREAMS = 16
+N_STREAMS = 50  # must-show 1: the kill -9 of a decode worker
+N_LOAD = 16  # the other faults' load (the first N_LOAD requests)
 MAX_TOKENS = 32
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # launcher order: router, prefill-0, prefill-1, decode-0, decode-1
 PREFILL0, DECODE0, DECODE1 = 1, 3, 4
 
+
+#: seconds a call waits on a worker out of placement (the router's ``--deadline``); the
+#: cache-event polls keep their default 10 s timeout: only the liveness probe (GET /health,
+#: answered without the engine thread) takes a stopped worker out of placement quickly
+DEADLINE_S = 3
+#: the router's view must show a stopped worker gone within this (the polls alone: ≥ 30 s)
+OUT_WITHIN_S = 15
 
 #: the workers' environment: injected faults, deadlines short enough for a test
 FAULT_ENV = {"K3SERVE_KV_FAULT_FAIL_FRACTION": "0.1", "K3SERVE_KV_FAULT_HANG_FRACTION": "0.1",
@@ -63,13 +76,14 @@ def stack(tmp_path_factory):
     try:
         st = start_stack(model=MODEL, num_prefill=2, num_decode=2, api_key=KEY, block_size=B,
                          log_dir=str(logs), ready_timeout=180,
-                         extra_router_args=["--poll-timeout", "2"])
+                         extra_router_args=["--deadline", str(DEADLINE_S)])
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    st.log_dir = logs
     try:
         yield st
     finally:
@@ -138,11 +152,48 @@ def usage(stack, url: str) -> dict:
     return httpx.get(url + "/internal/info", headers=h, timeout=10).json()["usage"]
 
 
+def router_health(url: str) -> dict:
+    return httpx.get(url + "/health", params={"detail": 1}, timeout=10).json()
+
+
+async def watch_health(url: str, seen: list[bool], stop: asyncio.Event) -> None:
+    """Record, while ``stop`` is unset, whether every worker's polls answer (the router's
+    ``healthy``; an open breaker — the injected faults open one now and then — is another
+    matter)."""
+    async with httpx.AsyncClient(timeout=10) as c:
+        while not stop.is_set():
+            ws = (await c.get(url + "/health", params={"detail": 1})).json()["workers"]
+            seen.append(len(ws) == 4 and all(w["healthy"] for w in ws))
+            await asyncio.sleep(0.1)
+
+
+def liveness_misses(stack) -> list[str]:
+    """The router's log lines of a worker taken out of placement (liveness or polls)."""
+    text = (stack.log_dir / "router.log").read_text(errors="replace")
+    return [ln for ln in text.splitlines()
+            if "liveness probes in a row" in ln or "unhealthy after" in ln]
+
+
 @pytest.fixture(scope="module")
 def baseline(stack):
-    """Every request's (text, finish, tokens) without a fault, streamed concurrently."""
+    """Every request's (text, finish, tokens) without a fault, streamed concurrently; every
+    worker (engine threads busy on the CPU) stays in placement all the while."""
     bodies = [body(i) for i in range(N_STREAMS)]
-    return run_all(stack.url, bodies)
+    low: list[bool] = []
+
+    async def go():
+        stop = asyncio.Event()
+        w = asyncio.create_task(watch_health(stack.url, low, stop))
+        async with httpx.AsyncClient(timeout=120) as c:
+            got = await asyncio.gather(*(stream(c, stack.url, b) for b in bodies))
+        stop.set()
+        await w
+        return got
+
+    got = asyncio.run(go())
+    assert low and all(low), low  # a busy worker is not a hung one
+    assert liveness_misses(stack) == []
+    return got
 
 
 def test_injected_transfer_faults_lose_no_request(stack, baseline):
@@ -161,6 +212,55 @@ def test_injected_transfer_faults_lose_no_request(stack, baseline):
     t_end = time.monotonic() + 30  # the senders' deadline (10 s) is later than the tickets'
     while sum(metric(u, "k3serve:kv_transfer_expiries_total") for u in prefill) < hangs:
         assert time.monotonic() < t_end, "a hung sender did not expire"
+        time.sleep(0.3)
+
+
+def test_a_stopped_prefill_worker_leaves_placement_within_seconds_and_rejoins(stack, baseline):
+    """SIGSTOP of prefill-0 mid-load (alive, answering nothing): its liveness probes go
+    unanswered and the router takes it out of placement within seconds (its cache-event polls,
+    10 s each, would take ≥ 30 s); the requests waiting on it give up at ``--deadline`` and are
+    placed again — every stream completes with its fault-free text. SIGCONT: it rejoins and
+    the router's index of it is resynced from its events."""
+    victim, url = stack.procs[PREFILL0], stack.worker_urls[PREFILL0 - 1]
+    seen: dict[str, float] = {}
+
+    async def stop(started: list[asyncio.Event]) -> None:
+        t_end = time.monotonic() + 60
+        while sum(s.is_set() for s in started) < len(started) // 4:
+            assert time.monotonic() < t_end, "the streams did not start"
+            await asyncio.sleep(0.005)
+        os.kill(victim.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        async with httpx.AsyncClient(timeout=10) as c:
+            while (await c.get(stack.url + "/health")).json()["num_prefill_healthy"] != 1:
+                assert time.monotonic() - t0 < OUT_WITHIN_S, "the stopped worker stayed in"
+                await asyncio.sleep(0.1)
+        seen["out"] = time.monotonic() - t0
+
+    try:
+        got = run_all(stack.url, [body(i) for i in range(N_LOAD)], stop)
+        assert "out" in seen
+        for i, (want, have) in enumerate(zip(baseline, got)):
+            assert have == want, (i, body(i), want, have)
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    h = {"X-K3serve-Cluster-Token": stack.cluster_token}
+    t_end = time.monotonic() + 60
+    while True:  # back in placement, its index equal to its cache (resynced from its events)
+        r = router_health(stack.url)
+        mine = next(w for w in r["workers"] if w["url"] == url)
+        blocks = len(httpx.get(url + "/internal/cache_state", headers=h,
+                               timeout=10).json()["blocks"])
+        if r["num_prefill_healthy"] == 2 and mine["blocks"] == blocks > 0:
+            break
+        assert time.monotonic() < t_end, (r, blocks)
+        time.sleep(0.2)
+    assert httpx.post(stack.url + "/v1/completions", headers=AUTH, timeout=60,
+                      json=body(0)).status_code == 200
+    # what the router gave up on while it was stopped ends there too: nothing left held
+    t_end = time.monotonic() + 60
+    while (u := usage(stack, url))["slots_used"] or u["num_engine_requests"]:
+        assert time.monotonic() < t_end, u
         time.sleep(0.3)
 
 
@@ -203,7 +303,7 @@ def test_kill_prefill_mid_load_loses_no_request(stack, baseline):
                 await asyncio.sleep(0.002)
         os.kill(victim.pid, signal.SIGKILL)
 
-    got = run_all(stack.url, [body(i) for i in range(N_STREAMS)], kill)
+    got = run_all(stack.url, [body(i) for i in range(N_LOAD)], kill)
     assert victim.wait(10) is not None
     for i, (want, have) in enumerate(zip(baseline, got)):
         assert have == want, (i, body(i), want, have)

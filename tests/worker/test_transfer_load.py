@@ -23,29 +23,16 @@ import random
 import httpx
 import pytest
 
+from tests.worker.conftest import CAP
 from tests.worker_procs import HEADERS, Proc, _metric, _request
 
-B = 16
 N = 24
-PROMPT = (150, 250)  # tokens
-SENDER_TIMEOUT_S = 12.0  # one prompt: < 2 s here; the whole burst at once: ~15 s
-CAP = 256  # --max-prefill-backlog (tokens)
-
-
+PROMPT = (150, 250)  # tokens; one prompt: < 2 s here, the whole burst at once: ~15 s
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("load-logs")
-    P = Proc("prefill", "prefill-load", B, logs, pages=512,
-             extra=("--max-prefill-backlog", str(CAP)),
-             env={"K3SERVE_KV_SENDER_TIMEOUT_S": str(SENDER_TIMEOUT_S)})
-    D = Proc("decode", "decode-load", B, logs, pages=512)
-    try:
-        P.wait_ready()
-        D.wait_ready()
-        yield P, D
-    finally:
-        P.stop()
-        D.stop()
+def pair(shared_pair):
+    """The session's pair (tests/worker/conftest.py: ``--max-prefill-backlog`` CAP, sender
+    deadline SENDER_TIMEOUT_S); other tests may have used it before: counters are deltas."""
+    return shared_pair
 
 
 async def _burst(P: Proc, D: Proc) -> tuple[list, int]:
@@ -78,13 +65,20 @@ async def _burst(P: Proc, D: Proc) -> tuple[list, int]:
 
 def test_a_burst_the_stack_can_serve_completes_with_every_transfer(pair):
     P, D = pair
+
+    def counters() -> tuple[float, ...]:
+        return (_metric(P.url, "k3serve:kv_transfers_total", outcome="failed"),
+                _metric(P.url, "k3serve:kv_transfer_expiries_total"),
+                _metric(P.url, "k3serve:kv_transfers_total", outcome="success"),
+                _metric(D.url, "k3serve:kv_transfer_fallbacks_total"))
+
+    before = counters()
     res, most = asyncio.run(_burst(P, D))
     errors = [r for r in res if isinstance(r, BaseException)]
     assert not errors, errors[:3]
-    assert _metric(P.url, "k3serve:kv_transfers_total", outcome="failed") == 0
-    assert _metric(P.url, "k3serve:kv_transfer_expiries_total") == 0
-    assert _metric(P.url, "k3serve:kv_transfers_total", outcome="success") == N + 1  # + warm-up
-    assert _metric(D.url, "k3serve:kv_transfer_fallbacks_total") == 0
+    failed, expired, ok, fallbacks = (a - b for a, b in zip(counters(), before))
+    assert failed == 0 and expired == 0 and fallbacks == 0
+    assert ok == N + 1  # + warm-up
     # admission stops while CAP tokens or more are left to compute (each prompt alone is
     # longer): a few prompts overlap at the ends of their prefills; uncapped, all N did
     assert most <= N // 4, f"{most} prompts computed at once (cap {CAP} tokens)"
