@@ -45,7 +45,7 @@ plan: install
 	$(VENV)/bin/k3serve plan --config $(CONFIG)
 
 test: install
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=30 tests
 
 # CPU benchmarks (speed is printed, never asserted); benchmarks/gpu_kernels.py needs a CUDA GPU.
 CPU_BENCH := model_cpu engine_cpu transfer router_placement
