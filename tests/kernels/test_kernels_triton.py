@@ -109,6 +109,31 @@ def test_chunk_triton_fused_gate(lb, a_log):
     assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
 
 
+KNOB_SETS = [
+    {"a_cols": 1},  # Aqk / Akk by 64-row products
+    {"fuse_gate": 0},  # the gate + cumsum as their own launch
+    {"a_cols": 1, "intra_bk": 16, "intra_bw": 16},
+]
+
+
+@pytest.mark.parametrize("knobs", KNOB_SETS, ids=["a-cols", "gate-apart", "a-cols-bk16"])
+def test_chunk_triton_knobs(knobs, monkeypatch):
+    """Every intra-kernel code path behind ``KNOBS``: varlen with a partial chunk and K3's gate."""
+    from k3serve.kernels.kda import chunk_triton as ct
+
+    for key, val in knobs.items():
+        monkeypatch.setitem(ct.KNOBS, key, val)
+    cu = [0, 3, 67, 150]
+    q, k, v, g, beta, h0, f, A_log, dt_bias = kda_inputs(1, 150, 2, 32, 32, N=3, seed=11)
+    cu_t = torch.tensor(cu, device=DEV)
+    o_ref, s_ref = ref_kda(q, k, v, g, beta, h0, cu_t)
+    kw = {"initial_state": h0, "output_final_state": True, "cu_seqlens": cu_t}
+    o, s = chunk_kda_triton(q, k, v, g, beta, **kw)
+    assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
+    o, s = chunk_kda_triton(q, k, v, f, beta, **kw, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
+
+
 @pytest.mark.skipif(
     not HAS_CUDA, reason="triton's interpreter multiplies bf16 tl.dot operands as raw bits (3.9)"
 )

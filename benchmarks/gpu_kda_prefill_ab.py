@@ -1,0 +1,355 @@
+"""Chunked KDA prefill on the GPU: intra-kernel variants, the previous kernel, and fla-core.
+
+One device call (issue 17, must-show 1):
+
+1. correctness of every launch-knob variant of ``chunk_kda_triton`` against the torch
+   ``chunk_kda`` (fp32 upcast inputs) at T 8k H 12 (g given and K3 gate fused) and a 5-sequence
+   varlen batch (H 16): ``max |ours − ref| / max |ref|``;
+2. each variant alone (``gpu_kernels.bench``: warm-up, L2 flush, median) at T 32k H 12 and
+   varlen 64 × 512 H 16, and the previous code (``--old FILE``, run 4's ``chunk_triton.py``);
+3. a per-kernel profile (torch.profiler, 5 calls) of the previous code and the best variant;
+4. the best variant against fla-core's ``chunk_kda`` with ``gpu_kernels.bench_pair`` (alternating
+   rounds, medians of 2 × ``K3SERVE_BENCH_REP`` runs) at the ``--shapes`` (plain mode, then
+   fla's K3 mode while ``K3SERVE_BENCH_BUDGET_S`` allows; fla autotunes ~90 s per new head count).
+
+``--prewarm H [--variant I]`` only compiles (tiny input, the same specialisation: no kernel takes
+T) and exits: run one per variant side by side first so the timed process finds Triton's cache
+warm.
+
+Usage: ``python benchmarks/gpu_kda_prefill_ab.py [--out DIR] [--old FILE] [--shapes 32768x12,...]``.
+Results: ``DIR/prefill_ab.json`` and ``DIR/prefill_ab.md`` (the RESULTS table rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from functools import partial
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import gpu_kernels as gk
+
+T0 = time.time()
+BUDGET_S = float(os.environ.get("K3SERVE_BENCH_BUDGET_S", "240"))
+
+BASE = {
+    "intra_warps": 4,
+    "intra_stages": None,
+    "intra_bk": 64,
+    "intra_bw": 64,
+    "wy_lowp": 0,
+    "fuse_gate": 1,
+    "a_cols": 0,
+}
+VARIANTS = [  # launch knobs of the intra kernel, as changes to BASE
+    {},
+    {"intra_warps": 8, "intra_bw": 32},
+    {"intra_warps": 8, "intra_bk": 32, "intra_bw": 32},
+    {"intra_bk": 32, "intra_bw": 16},
+    {"intra_warps": 8, "intra_bw": 32, "wy_lowp": 1},
+    {"intra_bw": 32, "intra_stages": 1},
+    {"intra_warps": 8, "intra_stages": 1},
+    {"intra_warps": 8, "intra_bw": 32, "fuse_gate": 0},
+    {"intra_warps": 8, "intra_bk": 32, "intra_bw": 32, "a_cols": 1},
+    {"intra_warps": 8, "intra_bw": 32, "a_cols": 1},
+]
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def knobs_of(var: dict) -> dict:
+    return {**BASE, **var}
+
+
+def name_of(var: dict) -> str:
+    short = {"intra_warps": "w", "intra_stages": "st", "intra_bk": "bk", "intra_bw": "bw",
+             "wy_lowp": "lowp", "fuse_gate": "fuse", "a_cols": "cols"}  # fmt: skip
+    kn = knobs_of(var)
+    return " ".join(f"{short[k]}{kn[k]}" for k in short)
+
+
+def load_module(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def inputs(T, H, N=1, seed=0):
+    """gpu_kernels' prefill inputs; N > 1 → N sequences of T tokens (cu_seqlens, N initial states)."""
+    TT = T * N
+    q, k, v, g, f, A_log, dt_bias, beta, h0 = gk.kda_prefill_inputs(TT, H, seed=seed)
+    cu = None
+    if N > 1:
+        cu = torch.arange(0, TT + 1, T, device="cuda", dtype=torch.long)
+        h0 = torch.randn(N, H, 128, 128, device="cuda") * 0.1
+    kw = {"initial_state": h0, "output_final_state": True, "cu_seqlens": cu}
+    k3 = {"A_log": A_log, "dt_bias": dt_bias, "lower_bound": -5.0}
+    return q, k, v, g, f, beta, kw, k3
+
+
+def prewarm(H: int, idx: int, old_path: str | None) -> None:
+    """Compile variant ``idx`` (−1: all; −2: the previous code) for H heads, g given and K3 gate."""
+    from k3serve.kernels.kda import chunk_triton as ct
+
+    q, k, v, g, f, beta, kw, k3 = inputs(128, H)
+    with torch.inference_mode():
+        if idx == -2:
+            old = load_module(old_path, "chunk_triton_old")
+            old.chunk_kda_triton(q, k, v, g, beta, **kw)
+        else:
+            for var in VARIANTS if idx < 0 else [VARIANTS[idx]]:
+                ct.KNOBS.update(knobs_of(var))
+                ct.chunk_kda_triton(q, k, v, g, beta, **kw)
+                if H == 12:  # the K3-gate correctness check runs at H 12
+                    ct.chunk_kda_triton(q, k, v, f, beta, **kw, **k3)
+    torch.cuda.synchronize()
+
+
+def profile(fn, n=5) -> dict:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprof
+
+    fn()
+    torch.cuda.synchronize()
+    with tprof(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.key_averages():
+        if e.device_type is not None and "cuda" in str(e.device_type).lower() and e.count:
+            us = getattr(e, "device_time_total", None)
+            us = e.cuda_time_total if us is None else us
+            per[e.key[:48]] = round(us / n / 1e3, 4)
+    return dict(sorted(per.items(), key=lambda kv: -kv[1])[:8])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--old", default=None, help="previous chunk_triton.py to time against")
+    ap.add_argument("--shapes", default="32768x12,512x16x64,32768x16")
+    ap.add_argument("--prewarm", type=int, default=0, help="compile for this H and exit")
+    ap.add_argument(
+        "--variant", type=int, default=-1, help="with --prewarm: variant index, -2 = --old"
+    )
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return 0
+    if args.prewarm:
+        prewarm(args.prewarm, args.variant, args.old)
+        return 0
+    from k3serve.kernels.kda import chunk_kda
+    from k3serve.kernels.kda import chunk_triton as ct
+
+    os.makedirs(args.out, exist_ok=True)
+    res: dict = {"card": torch.cuda.get_device_name(), "torch": torch.__version__}
+    import triton
+
+    res["triton"] = triton.__version__
+
+    def save():
+        with open(os.path.join(args.out, "prefill_ab.json"), "w") as fh:
+            json.dump(res, fh, indent=1, default=str)
+
+    bw, rate = gk.ceilings()
+    res["copy_bw_TBs"], res["mm_TFLOPs"] = bw / 1e12, rate / 1e12
+    log(f"copy bw {bw / 1e12:.2f} TB/s, bf16 mm {rate / 1e12:.0f} TFLOP/s")
+
+    # 1. correctness of every variant against torch chunk_kda (fp32 upcast)
+    checks = []
+    for T, H, cu_list in ((8192, 12, None), (None, 16, [0, 1, 700, 4096, 4160, 9000])):
+        TT = T or cu_list[-1]
+        q, k, v, g, f, beta, kw, k3 = inputs(TT, H, seed=1)
+        if cu_list is not None:
+            kw["cu_seqlens"] = torch.tensor(cu_list, device="cuda")
+            kw["initial_state"] = torch.randn(len(cu_list) - 1, H, 128, 128, device="cuda") * 0.1
+        with torch.inference_mode():
+            o_ref, s_ref = chunk_kda(q.float(), k.float(), v.float(), g, beta.float(), **kw)
+            for var in VARIANTS:
+                ct.KNOBS.update(knobs_of(var))
+                row = {
+                    "shape": f"T={TT} H={H}" + (" varlen" if cu_list else ""),
+                    "knobs": name_of(var),
+                }
+                try:
+                    o, s = ct.chunk_kda_triton(q, k, v, g, beta, **kw)
+                    row["err_o"], row["err_s"] = gk._rel(o, o_ref), gk._rel(s, s_ref)
+                    if cu_list is None:
+                        o3, s3 = ct.chunk_kda_triton(q, k, v, f, beta, **kw, **k3)
+                        row["err_o_k3"], row["err_s_k3"] = gk._rel(o3, o_ref), gk._rel(s3, s_ref)
+                except Exception as e:  # noqa: BLE001  (a variant that fails to build is reported)
+                    row["error"] = repr(e)[-400:]
+                checks.append(row)
+                log("check", row)
+    res["checks"] = checks
+    errs = ("err_o", "err_s", "err_o_k3", "err_s_k3")
+    bad = {
+        r["knobs"] for r in checks if "error" in r or not all(r.get(e, 0.0) < 3e-2 for e in errs)
+    }
+    ok = {r["knobs"] for r in checks} - bad
+    save()
+
+    # 2. every variant alone, and the previous code
+    calls = []
+    for T, H, N in ((32768, 12, 1), (512, 16, 64)):
+        q, k, v, g, f, beta, kw, k3 = inputs(T, H, N)
+        calls.append((f"{N}x{T} H={H}" if N > 1 else f"T={T} H={H}", q, k, v, g, beta, kw))
+    timing = {}
+    for var in VARIANTS:
+        nm = name_of(var)
+        if nm not in ok:
+            log("variant", nm, "skipped: wrong or failed")
+            continue
+        ct.KNOBS.update(knobs_of(var))
+        with torch.inference_mode():
+            timing[nm] = [
+                gk.bench(ct.chunk_kda_triton, q, k, v, g, beta, **kw)
+                for _, q, k, v, g, beta, kw in calls
+            ]
+        log("variant", nm, [f"{t:.3f}" for t in timing[nm]])
+    old = (
+        load_module(args.old, "chunk_triton_old") if args.old and os.path.exists(args.old) else None
+    )
+    if old is not None:
+        with torch.inference_mode():
+            timing["previous (run 4)"] = [gk.bench(old.chunk_kda_triton, q, k, v, g, beta, **kw)
+                                          for _, q, k, v, g, beta, kw in calls]  # fmt: skip
+        log("previous", [f"{t:.3f}" for t in timing["previous (run 4)"]])
+    res["variants"] = {"shapes": [c[0] for c in calls], "ms": timing}
+    cand = [nm for nm in timing if nm in ok]
+    if not cand:
+        log("no variant is correct: stopping before the fla comparison")
+        save()
+        return 1
+    best = min(cand, key=lambda nm: sum(timing[nm]))
+    best_var = next(v for v in VARIANTS if name_of(v) == best)
+    res["best"] = {"knobs": knobs_of(best_var), "name": best}
+    ct.KNOBS.update(knobs_of(best_var))
+    log("best", best)
+    save()
+
+    # 3. per-kernel profiles: previous code vs best variant
+    prof = {}
+    for nm, q, k, v, g, beta, kw in calls:
+        with torch.inference_mode():
+            prof[f"new {nm}"] = profile(partial(ct.chunk_kda_triton, q, k, v, g, beta, **kw))
+            if old is not None:
+                prof[f"previous {nm}"] = profile(
+                    partial(old.chunk_kda_triton, q, k, v, g, beta, **kw)
+                )
+    for kk, vv in prof.items():
+        log("profile", kk, vv)
+    res["profile"] = prof
+    del calls
+    save()
+
+    # 4. best variant vs fla
+    try:
+        import fla.ops.kda as fla
+    except Exception as e:  # noqa: BLE001
+        log(f"fla-core not importable: {e!r}")
+        fla = None
+    rows = []
+    seen_h: set = set()
+    modes = [(False, s) for s in gk.parse_shapes(args.shapes)] + [
+        (True, s) for s in gk.parse_shapes(args.shapes)
+    ]
+    for k3mode, (T, H, N) in modes:
+        need = 25 if (H, k3mode, N > 1) in seen_h or fla is None else 110
+        if time.time() - T0 > BUDGET_S - need:
+            log(f"prefill T={T} H={H} N={N} k3={k3mode}: skipped (time budget)")
+            continue
+        seen_h.add((H, k3mode, N > 1))
+        q, k, v, g, f, beta, kw, k3 = inputs(T, H, N)
+        TT = T * N
+        K = V = 128
+        C = 64
+        flops = TT * H * (4 * C * K + 2 * C * (K + V) + 6 * K * V + 2 * C * V)
+        io = TT * H * (2 * K * 2 + 2 * V * 2 + 2) + 2 * N * H * K * V * 4
+        byts = io + TT * H * K * (2 if k3mode else 4)
+        roof = max(byts / bw, flops / rate) * 1e3
+        with torch.inference_mode():
+            if k3mode:
+                ours = partial(ct.chunk_kda_triton, q, k, v, f, beta, **kw, **k3)
+                fla_fn = (
+                    None
+                    if fla is None
+                    else partial(
+                        fla.chunk_kda,
+                        q,
+                        k,
+                        v,
+                        f,
+                        beta,
+                        **kw,
+                        use_gate_in_kernel=True,
+                        safe_gate=True,
+                        **k3,
+                    )
+                )
+            else:
+                ours = partial(ct.chunk_kda_triton, q, k, v, g, beta, **kw)
+                fla_fn = None if fla is None else partial(fla.chunk_kda, q, k, v, g, beta, **kw)
+            err = float("nan")
+            if fla_fn is not None:
+                try:
+                    err = gk._rel(ours()[0], fla_fn()[0])
+                except Exception as e:  # noqa: BLE001
+                    log(f"fla failed: {e!r}")
+                    fla_fn = None
+            t_ours, t_fla = gk.bench_pair(ours, fla_fn)
+        shape = f"{N}×{T} H={H} (varlen)" if N > 1 else f"T={T // 1024}k H={H}"
+        note = (
+            f"fla/ours={t_fla / t_ours:.2f}"
+            + (" vs fla K3 mode" if k3mode else "")
+            + f", err_vs_fla={err:.1e}"
+        )
+        rows.append(
+            (
+                "prefill",
+                shape,
+                "ours-k3" if k3mode else "ours",
+                t_ours,
+                t_fla,
+                roof,
+                byts / (t_ours * 1e-3) / bw,
+                note,
+            )
+        )
+        log("row", rows[-1])
+        res["rows"] = rows
+        save()
+    lines = [
+        "| op | shape | impl | ms | fla ms | roofline ms | bw frac | notes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for op, shape, impl, t, tf, roof, frac, note in rows:
+        lines.append(
+            f"| {op} | {shape} | {impl} | {t:.3f} | {tf:.3f} | {roof:.3f} | {frac:.2f} | {note} |"
+        )
+    lines += ["", "| variant | " + " | ".join(res["variants"]["shapes"]) + " |", "|---|---|---|"]
+    for nm, ts in timing.items():
+        lines.append(f"| {nm} | " + " | ".join(f"{t:.3f}" for t in ts) + " |")
+    md = "\n".join(lines)
+    with open(os.path.join(args.out, "prefill_ab.md"), "w") as fh:
+        fh.write(md + "\n")
+    print(md)
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
