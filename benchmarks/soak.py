@@ -7,9 +7,10 @@ stack for up to 10 minutes; reports RSS growth per process, pages left held, tra
 
 It starts its own stack (``deploy.launcher.start_stack``: router + workers, k3-tiny, loopback),
 sends requests at fixed intervals (open loop: a slow stack does not lower the offered rate;
-prompts of 4–48 words, 2–12 output tokens with ``ignore_eos`` — short enough that 4 req/s
-is within what 1 prefill + 1 decode k3-tiny worker serve on a 2-core CPU box (with 4–200
-words and up to 32 tokens it served ~0.6 req/s there) — half of them streamed, 1 in 10 cut by
+prompts of 2–24 words, 1–6 output tokens with ``ignore_eos`` — short enough that 4 req/s
+is what 1 prefill + 1 decode k3-tiny worker serve on a 2-core CPU box (4.00 req/s served
+there, at its capacity: the queue builds, p50 12.7 s; with 4–48 words and 2–12 tokens it
+served 2.9 req/s and shed the rest with 429, with 4–200 words and up to 32 tokens ~0.6) — half of them streamed, 1 in 10 cut by
 the client after its first chunk; ``--words`` / ``--tokens`` change the ranges), samples every process' RSS (``/proc/PID/status`` VmRSS) every
 ``--sample`` seconds, and at the end waits for the workers to go idle and reads their own
 counters: pages / slots / snapshots in use, reservations, open tickets
@@ -213,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample", type=float, default=5.0, help="RSS sample interval, seconds")
     ap.add_argument("--warmup", type=float, default=30.0, help="RSS baseline after this, s")
     ap.add_argument("--seed", type=int, default=15)
-    ap.add_argument("--words", type=int, nargs=2, default=(4, 48), metavar=("MIN", "MAX"),
+    ap.add_argument("--words", type=int, nargs=2, default=(2, 24), metavar=("MIN", "MAX"),
                     help="prompt words per request (uniform)")
-    ap.add_argument("--tokens", type=int, nargs=2, default=(2, 12), metavar=("MIN", "MAX"),
+    ap.add_argument("--tokens", type=int, nargs=2, default=(1, 6), metavar=("MIN", "MAX"),
                     help="output tokens per request (uniform; ignore_eos)")
     ap.add_argument("--log-dir", default=None)
     ap.add_argument("--log-level", default=None, help="workers' --log-level (e.g. info)")
