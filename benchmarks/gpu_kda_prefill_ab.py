@@ -117,22 +117,8 @@ def prewarm(H: int, idx: int, old_path: str | None) -> None:
 
 
 def profile(fn, n=5) -> dict:
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as tprof
-
-    fn()
-    torch.cuda.synchronize()
-    with tprof(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    per = {}
-    for e in prof.key_averages():
-        if e.device_type is not None and "cuda" in str(e.device_type).lower() and e.count:
-            us = getattr(e, "device_time_total", None)
-            us = e.cuda_time_total if us is None else us
-            per[e.key[:48]] = round(us / n / 1e3, 4)
-    return dict(sorted(per.items(), key=lambda kv: -kv[1])[:8])
+    """Per-kernel device ms of ``fn()`` (:func:`gpu_kernels.kernel_ms`)."""
+    return gk.kernel_ms(fn, n=n)
 
 
 def main() -> int:

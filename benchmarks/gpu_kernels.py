@@ -120,6 +120,47 @@ def kda_prefill_inputs(T, H, K=128, V=128, seed=0):
     return q, k, v, g, f, A_log, dt_bias, beta, h0
 
 
+def kda_decode_inputs(N, H=32, K=128, V=128):
+    """One KDA decode step's CUDA inputs for ``N`` sequences (seeded by ``N``): q, k
+    ``[N, H, K]`` bf16 (L2-normalised), v ``[N, H, V]`` bf16, g ``[N, H, K]`` fp32 (≤ 0),
+    beta ``[N, H]`` bf16, a fp32 state pool ``[2N + 7, H, K, V]`` and ``N`` distinct slots;
+    plus the bytes the step must move (each state read and written, fp32)."""
+    S = 2 * N + 7
+    gen = torch.Generator(device="cuda").manual_seed(N)
+
+    def rn(*s):
+        return torch.randn(*s, device="cuda", generator=gen)
+
+    q = torch.nn.functional.normalize(rn(N, H, K), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(rn(N, H, K), dim=-1).bfloat16()
+    v = rn(N, H, V).bfloat16()
+    g = -torch.rand(N, H, K, device="cuda", generator=gen) * 0.1
+    beta = torch.rand(N, H, device="cuda", generator=gen).bfloat16()
+    pool = rn(S, H, K, V) * 0.1
+    slots = torch.randperm(S, device="cuda", generator=gen)[:N]
+    return q, k, v, g, beta, pool, slots, 2 * N * H * K * V * 4
+
+
+def kernel_ms(fn, n: int = 5, top: int = 8, width: int = 48) -> dict:
+    """Device milliseconds per call of each CUDA kernel ``fn()`` launches (torch profiler over
+    ``n`` calls after one untimed call), the ``top`` largest, names cut to ``width``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.key_averages():
+        if e.device_type is not None and "cuda" in str(e.device_type).lower() and e.count:
+            us = getattr(e, "device_time_total", None)
+            us = e.cuda_time_total if us is None else us
+            per[e.key[:width]] = round(us / n / 1e3, 4)
+    return dict(sorted(per.items(), key=lambda kv: -kv[1])[:top])
+
+
 def bench_pair(fa, fb, rounds: int = 2) -> tuple[float, float]:
     """Median ms of two callables measured in alternating rounds (A B A B …), each round a
     :func:`bench` (warm-up + ``N_REP`` timed runs): the median of all ``rounds · N_REP`` runs of
@@ -217,18 +258,7 @@ def decode_rows(rows, bw, fla, quick):
 
     H, K, V = 32, 128, 128
     for N in [64, 256]:
-        S = 2 * N + 7
-        gen = torch.Generator(device="cuda").manual_seed(N)
-        def rn(*s, _g=gen):
-            return torch.randn(*s, device="cuda", generator=_g)
-        q = torch.nn.functional.normalize(rn(N, H, K), dim=-1).bfloat16()
-        k = torch.nn.functional.normalize(rn(N, H, K), dim=-1).bfloat16()
-        v = rn(N, H, V).bfloat16()
-        g = -torch.rand(N, H, K, device="cuda", generator=gen) * 0.1
-        beta = torch.rand(N, H, device="cuda", generator=gen).bfloat16()
-        pool = rn(S, H, K, V) * 0.1
-        slots = torch.randperm(S, device="cuda", generator=gen)[:N]
-        nbytes = 2 * N * H * K * V * 4
+        q, k, v, g, beta, pool, slots, nbytes = kda_decode_inputs(N, H, K, V)
         best = None
         for bv, nw, flat in [(64, 4, True), (64, 4, False), (32, 2, True), (128, 4, True), (64, 8, True)]:
             t = bench(fused_recurrent_kda_step_triton, q, k, v, g, beta, pool, slots, block_v=bv,
@@ -251,9 +281,10 @@ def decode_rows(rows, bw, fla, quick):
         log(rows[-1])
         # adjacent conv step (channels q|k|v, kernel 4)
         Cc, W = 3 * H * K, 4
-        x = rn(N, Cc).bfloat16()
-        cpool = rn(S, W - 1, Cc).bfloat16()
-        wgt = rn(Cc, W).bfloat16()
+        gen = torch.Generator(device="cuda").manual_seed(N + 1)
+        x = torch.randn(N, Cc, device="cuda", generator=gen).bfloat16()
+        cpool = torch.randn(pool.shape[0], W - 1, Cc, device="cuda", generator=gen).bfloat16()
+        wgt = torch.randn(Cc, W, device="cuda", generator=gen).bfloat16()
         t_c = bench(causal_conv_step_triton, x, cpool, wgt, slots)
         cb = N * Cc * 2 * (1 + 1 + 2 * (W - 1))
         rows.append(("conv", f"N={N} C={Cc}", "ours", t_c, float("nan"), cb / bw * 1e3, cb / (t_c * 1e-3) / bw, ""))

@@ -133,20 +133,7 @@ def decode_sweep(res: dict, bw: float, deadline: float) -> None:
     H, K, V = 32, 128, 128
     out = res.setdefault("decode", {})
     for N in (64, 256):
-        S = 2 * N + 7
-        gen = torch.Generator(device="cuda").manual_seed(N)
-
-        def rn(*s, _g=gen):
-            return torch.randn(*s, device="cuda", generator=_g)
-
-        q = torch.nn.functional.normalize(rn(N, H, K), dim=-1).bfloat16()
-        k = torch.nn.functional.normalize(rn(N, H, K), dim=-1).bfloat16()
-        v = rn(N, H, V).bfloat16()
-        g = -torch.rand(N, H, K, device="cuda", generator=gen) * 0.1
-        beta = torch.rand(N, H, device="cuda", generator=gen).bfloat16()
-        pool = rn(S, H, K, V) * 0.1
-        slots = torch.randperm(S, device="cuda", generator=gen)[:N]
-        nbytes = 2 * N * H * K * V * 4
+        q, k, v, g, beta, pool, slots, nbytes = gk.kda_decode_inputs(N, H, K, V)
         rows = []
         for bv in (16, 32, 64, 128):
             for nw in (1, 2, 4, 8):
@@ -205,21 +192,12 @@ def prefill_sweep(res: dict, bw: float, deadline: float) -> None:
     with torch.inference_mode():
         refs = [ct.chunk_kda_triton(q, k, v, g, beta, **kw) for _, q, k, v, g, beta, kw in calls]
     # per-kernel profile at the default knobs
-    from torch.profiler import ProfilerActivity, profile
-
     prof_out = {}
     for (name, q, k, v, g, beta, kw) in calls:
-        with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                ct.chunk_kda_triton(q, k, v, g, beta, **kw)
-            torch.cuda.synchronize()
-        per = {}
-        for e in prof.key_averages():
-            if e.device_type is not None and "cuda" in str(e.device_type).lower() and e.count:
-                us = getattr(e, "device_time_total", None)
-                us = e.cuda_time_total if us is None else us
-                per[e.key[:60]] = us / 5 / 1e3
-        prof_out[name] = dict(sorted(per.items(), key=lambda kv: -kv[1])[:10])
+        with torch.inference_mode():
+            prof_out[name] = gk.kernel_ms(
+                lambda q=q, k=k, v=v, g=g, beta=beta, kw=kw: ct.chunk_kda_triton(
+                    q, k, v, g, beta, **kw), n=5, top=10, width=60)
         log(f"prefill profile {name} (ms per call): " + ", ".join(f"{k}={v:.3f}" for k, v in prof_out[name].items()))
     out["profile_default"] = prof_out
     t_base = run_all(30)
