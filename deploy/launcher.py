@@ -377,52 +377,71 @@ def _component_parsers() -> dict[str, argparse.ArgumentParser]:
     return {"router": router_parser(), "worker": _parser("prefill", WorkerEnv())}
 
 
+#: Flags the router and the workers both have that mean the same there: one flag, both get it.
+_BOTH = {"log_level"}
+
+
+def _passthrough_specs() -> list[tuple[str, argparse.Action, str, list[str]]]:
+    """(component, its action, dest in ``k3serve serve``, the flags there) for every router
+    and worker flag the launcher does not set. A worker flag whose name the router has too
+    with another meaning (``--max-queued``: the router's admission queue vs a worker's
+    own) is ``--worker-NAME`` in ``k3serve serve``; those in ``_BOTH`` are one flag."""
+    out, taken = [], set()
+    for name, parser in _component_parsers().items():
+        for a in parser._actions:
+            if a.dest in _LAUNCHER_OWNS or a.help == argparse.SUPPRESS:
+                continue
+            dest, flags = a.dest, list(a.option_strings)
+            if isinstance(a, argparse.BooleanOptionalAction):
+                flags = flags[:1]  # argparse adds the --no- form itself
+            if dest in taken and dest not in _BOTH:
+                dest, flags = f"worker_{dest}", ["--worker-" + flags[0][2:]]
+            out.append((name, a, dest, flags))
+            taken.add(a.dest)
+    return out
+
+
 def _add_passthrough(p: argparse.ArgumentParser) -> None:
     """Add the router's and the workers' own flags (those the launcher does not set) to
-    ``p``, in two groups, defaulting to "not given" so only what the user typed is passed on;
-    a flag both know (``--log-level``) goes to both."""
-    seen: set[str] = set()
-    for name, parser in _component_parsers().items():
-        group = p.add_argument_group(
-            f"{name} flags", "passed to the router process(es)" if name == "router" else
-            "passed to every prefill and decode worker (python -m prefill.worker --help)")
-        for a in parser._actions:
-            if a.dest in _LAUNCHER_OWNS or a.dest in seen or a.help == argparse.SUPPRESS:
-                continue
-            seen.add(a.dest)
-            shown = "" if a.default in (None, False) or "default" in (a.help or "") else (
-                f"(default: {a.default})")
-            kwargs = dict(dest=a.dest, default=argparse.SUPPRESS, metavar=a.metavar,
-                          help=" ".join(filter(None, [a.help, shown])) or None)
-            flags = a.option_strings
-            if isinstance(a, argparse.BooleanOptionalAction):
-                kwargs["action"] = argparse.BooleanOptionalAction
-                flags = flags[:1]  # it adds the --no- form itself
-            elif a.nargs == 0:  # store_true
-                kwargs["action"] = "store_true"
-                kwargs.pop("metavar")
-            else:
-                kwargs.update(type=a.type, choices=a.choices)
-            group.add_argument(*flags, **kwargs)
+    ``p``, in two groups, defaulting to "not given" so only what the user typed is passed on
+    (:func:`_passthrough_specs` names them)."""
+    groups = {name: p.add_argument_group(
+        f"{name} flags", "passed to the router process(es)" if name == "router" else
+        "passed to every prefill and decode worker (python -m prefill.worker --help); a name "
+        "the router has too is --worker-NAME here") for name in ("router", "worker")}
+    added: set[str] = set()
+    for name, a, dest, flags in _passthrough_specs():
+        if dest in added:  # a flag of _BOTH: added with the router's
+            continue
+        added.add(dest)
+        shown = "" if a.default in (None, False) or "default" in (a.help or "") else (
+            f"(default: {a.default})")
+        kwargs: dict = dict(dest=dest, default=argparse.SUPPRESS, metavar=a.metavar,
+                            help=" ".join(filter(None, [a.help, shown])) or None)
+        if isinstance(a, argparse.BooleanOptionalAction):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif a.nargs == 0:  # store_true
+            kwargs["action"] = "store_true"
+            kwargs.pop("metavar")
+        else:
+            kwargs.update(type=a.type, choices=a.choices)
+        groups[name].add_argument(*flags, **kwargs)
 
 
 def passthrough_args(args: argparse.Namespace) -> dict[str, list[str]]:
-    """The flags of ``args`` that belong to the router / the workers, as argv lists
-    (``{"router": [...], "worker": [...]}``); empty lists when none were given."""
-    out: dict[str, list[str]] = {}
-    for name, parser in _component_parsers().items():
-        argv: list[str] = []
-        for a in parser._actions:
-            if a.dest in _LAUNCHER_OWNS or not hasattr(args, a.dest):
-                continue
-            value, flag = getattr(args, a.dest), a.option_strings[0]
-            if isinstance(a, argparse.BooleanOptionalAction):
-                argv.append(flag if value else "--no-" + flag[2:])
-            elif a.nargs == 0:
-                argv += [flag] if value else []
-            else:
-                argv += [flag, str(value)]
-        out[name] = argv
+    """The flags of ``args`` that belong to the router / the workers, as the argv lists of
+    those processes (``{"router": [...], "worker": [...]}``); empty lists when none given."""
+    out: dict[str, list[str]] = {"router": [], "worker": []}
+    for name, a, dest, _flags in _passthrough_specs():
+        if not hasattr(args, dest):
+            continue
+        value, flag = getattr(args, dest), a.option_strings[0]
+        if isinstance(a, argparse.BooleanOptionalAction):
+            out[name].append(flag if value else "--no-" + flag[2:])
+        elif a.nargs == 0:
+            out[name] += [flag] if value else []
+        else:
+            out[name] += [flag, str(value)]
     return out
 
 

@@ -533,7 +533,7 @@ class RouterWorkerStatus(Message):
     url: str
     name: str
     role: Role
-    healthy: bool
+    healthy: bool  # in placement: polls answer, liveness probe answers, breaker not open
     queued_tokens: StrictInt = 0
     running: StrictInt = 0
     blocks: StrictInt = 0

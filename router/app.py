@@ -273,7 +273,7 @@ def create_app(config: RouterConfig,
             num_workers=len(pool.workers), num_workers_healthy=len(live_p) + len(live_d),
             num_prefill_healthy=len(live_p), num_decode_healthy=len(live_d),
             workers=[RouterWorkerStatus(
-                url=w.url, name=w.name, role=w.role, healthy=w.healthy,
+                url=w.url, name=w.name, role=w.role, healthy=w.available,
                 queued_tokens=w.queued_tokens, running=w.running,
                 blocks=pool.index.num_blocks(w.url), snapshots=pool.index.num_snapshots(w.url),
                 resyncs=w.resyncs) for w in pool.workers.values()] if detail else None)

@@ -130,6 +130,7 @@ class Router:
         self._seq = itertools.count(0 if config.replica is None else secrets.randbits(16))
         self._background: set[asyncio.Task] = set()
         self._model_len: int | None = None
+        self._pd = False  # a prefill worker has registered: the stack is PD from then on
         # Choices waiting for decode room retry one at a time, in turn (FIFO): a crowd of them
         # must not flood the decode workers with reservation attempts.
         self._busy_gate = asyncio.Lock()
@@ -269,9 +270,12 @@ class Router:
     def monolithic(self) -> bool:
         """True when the stack has no prefill worker at all (``k3serve serve --monolithic N``):
         every choice then runs on one worker that prefills and decodes it
-        (:meth:`_first_token_monolithic`). A PD stack whose prefill workers are down stays PD."""
+        (:meth:`_first_token_monolithic`). A PD stack whose prefill workers are down stays PD
+        — also when the last one drained and deregistered (it used to turn monolithic then,
+        the decode workers prefilling, while ``/health`` said ok with no prefill worker)."""
         ws = self.pool.workers.values()
-        return bool(ws) and not any(w.role == "prefill" for w in ws)
+        self._pd = self._pd or any(w.role == "prefill" for w in ws)
+        return bool(ws) and not self._pd
 
     async def _first_token_monolithic(self, job: PromptJob, spec: SamplingSpec,
                                       cache_salt: str | None, sub: str,

@@ -56,6 +56,10 @@ log = logging.getLogger("k3serve.router")
 M = TypeVar("M", bound=BaseModel)
 
 
+#: Error codes a worker answers when its transfer peer failed, not itself.
+PEER_FAULTS = frozenset({"transfer_pairing_failed"})
+
+
 class WorkerError(RuntimeError):
     """An internal call failed (connection, timeout, non-2xx status, malformed answer).
 
@@ -88,7 +92,12 @@ class WorkerError(RuntimeError):
     @property
     def fault(self) -> bool:
         """The worker is at fault (unreachable, hung, 5xx other than ``busy``, malformed
-        answer): its circuit breaker counts it."""
+        answer): its circuit breaker counts it. A prefill worker's 502
+        ``transfer_pairing_failed`` is its decode peer's failure (the peer's bootstrap did not
+        answer): it does not count against the prefill worker — the peer's own liveness probe
+        and calls take a dead peer out of placement."""
+        if self.code in PEER_FAULTS:
+            return False
         return not self.busy and (self.status is None or self.status >= 500)
 
 
@@ -826,14 +835,16 @@ def _check_status(url: str, path: str, status: int, data: bytes) -> None:
     ``{"error": "busy", ...}``)."""
     if status // 100 == 2:
         return
-    busy = False
-    if status == 503:
-        with contextlib.suppress(ValueError):
-            err = json.loads(data)
-            busy = isinstance(err, dict) and err.get("error") == "busy"
+    err: Any = None
+    with contextlib.suppress(ValueError):
+        err = json.loads(data)
+    code = err.get("error") if isinstance(err, dict) else None
+    detail = err.get("message") if isinstance(err, dict) else None
     text = data.decode("utf-8", "replace")
     raise WorkerError(url, f"{path}: HTTP {status}: {text[:300]}", retryable=status == 503,
-                      busy=busy, status=status)
+                      busy=status == 503 and code == "busy", status=status,
+                      code=code if isinstance(code, str) else None,
+                      detail=detail if isinstance(detail, str) else None)
 
 
 def _json_body(url: str, path: str, r: httpx.Response) -> Any:

@@ -98,6 +98,7 @@ class FakeState:
     fail_prefill: int = 0  # answer this many prefills with 503
     busy_reserves: int = 0  # answer this many reservations with 503 "busy" (no decode room)
     busy_prefills: int = 0  # answer this many prefills with 503 "busy" + Retry-After (queue full)
+    pairing_failures: int = 0  # answer this many prefills 502 transfer_pairing_failed (peer dead)
     invalid_prefills: int = 0  # answer this many prefills with 400 "invalid_request"
     reservations: dict[str, dict[str, Any]] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
@@ -196,6 +197,11 @@ def make_worker_app(state: FakeState) -> FastAPI:
             state.busy_prefills -= 1
             return JSONResponse(ErrorBody(error="busy", message="queue full").model_dump(),
                                 status_code=503, headers={"Retry-After": "1"})
+        if state.pairing_failures > 0:
+            state.pairing_failures -= 1
+            return JSONResponse(ErrorBody(error="transfer_pairing_failed",
+                                          message="decode bootstrap refused").model_dump(),
+                                status_code=502)
         if state.invalid_prefills > 0:
             state.invalid_prefills -= 1
             return JSONResponse(ErrorBody(error="invalid_request",

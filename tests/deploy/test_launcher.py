@@ -123,6 +123,10 @@ def test_serve_passes_router_and_worker_flags_through():
                                          "--no-cuda-graphs", "--log-level", "info"]))
     assert got == {"router": ["--max-queued", "5", "--log-level", "info"],
                    "worker": ["--num-pages", "64", "--log-level", "info", "--no-cuda-graphs"]}
+    # a name both have with different meanings: the workers' is --worker-NAME (a new user's
+    # --max-queued 3 capped the router's admission AND every worker's queue)
+    got = passthrough_args(p.parse_args(["--max-queued", "5", "--worker-max-queued", "7"]))
+    assert got == {"router": ["--max-queued", "5"], "worker": ["--max-queued", "7"]}
     with pytest.raises(SystemExit):  # a typed flag keeps its type check
         p.parse_args(["--num-pages", "many"])
     with pytest.raises(ValueError, match="--max-queued"):  # Ray takes them from --config

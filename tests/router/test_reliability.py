@@ -174,7 +174,10 @@ def test_failing_worker_opens_its_breaker_and_closes_after_a_good_trial():
         failures = 1000 - a.fail_prefill
         assert failures == 2, failures  # the breaker opened after breaker_fail_max
         assert wa.healthy and wa.breaker.current_state == "open" and not wa.available
-        assert s.health()["num_prefill_healthy"] == 1
+        h = s.health()
+        assert h["num_prefill_healthy"] == 1
+        # the per-worker flag is the same "in placement" as the counts (it said true here)
+        assert {w["url"]: w["healthy"] for w in h["workers"]}[a.url] is False
         a.fail_prefill = 0
         wa.breaker.reset_timeout = 0.2  # (instead of waiting a minute)
         time.sleep(0.3)  # past the reset timeout: the next request may try a again
@@ -260,6 +263,25 @@ def test_a_400_from_a_worker_before_token_1_is_passed_through_and_not_retried():
         s.close()
 
 
+def test_pairing_failures_do_not_open_the_prefill_workers_breaker():
+    """A 502 ``transfer_pairing_failed`` is the decode peer's failure (its bootstrap is dead):
+    it must not count against the prefill worker. A new user's kill -9 of one of two decode
+    workers opened the only prefill worker's breaker this way and in-flight requests got 503
+    "no healthy prefill worker"."""
+    s = Stack(num_prefill=1, num_decode=2, api_key=None, policy="round_robin")
+    try:
+        (a, _), = s.prefill
+        a.pairing_failures = 4  # more than the breaker's 3 failures in a row
+        for i in range(4):
+            r = _complete(s, f"pair {i} " * 4)
+            assert r.status_code == 200, r.text  # re-placed until the pairing succeeds
+        assert a.pairing_failures == 0
+        P = s.router.pool.workers[a.url]
+        assert P.available and P.breaker.current_state == "closed"
+    finally:
+        s.close()
+
+
 def test_migrated_choice_counts_running_and_itl_on_the_worker_that_serves_it():
     """After a migration the running gauge and the ITL histogram follow the new decode worker
     (router/migrate.py ``ServedBy``; they kept the first worker's label before)."""
@@ -324,3 +346,26 @@ def test_migrated_choice_counts_running_and_itl_on_the_worker_that_serves_it():
                    if s.name.endswith("_count") and s.labels.get("worker") == name)
 
     assert (itl_count("d0"), itl_count("d1")) == (2, 3)
+
+
+def test_a_pd_stack_whose_last_prefill_worker_deregistered_stays_pd():
+    """Draining the only prefill worker (it deregisters) must not turn the stack monolithic
+    (the decode workers prefilling while /health says ok with 0 prefill workers): /health is
+    503 and a request gets 503 with Retry-After until a prefill worker registers again."""
+    s = Stack(num_prefill=1, num_decode=1, api_key=None)
+    try:
+        (a, _), = s.prefill
+        assert _complete(s, "before drain " * 3).status_code == 200
+        r = httpx.post(s.url + "/internal/deregister", json={"url": a.url},
+                       headers={CLUSTER_TOKEN_HEADER: TOKEN})
+        assert r.status_code == 200, r.text
+        assert httpx.get(s.url + "/health").status_code == 503
+        r = _complete(s, "after drain " * 3)
+        assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+        r = httpx.post(s.url + "/internal/register", json={"url": a.url},
+                       headers={CLUSTER_TOKEN_HEADER: TOKEN})
+        assert r.status_code == 200, r.text
+        _wait(lambda: httpx.get(s.url + "/health").status_code == 200, what="PD again")
+        assert _complete(s, "after return " * 3).status_code == 200
+    finally:
+        s.close()
