@@ -15,7 +15,7 @@ in three launches (four with ``KNOBS["fuse_gate"] = 0``), split the way fla-core
 
 Inside a kernel, tensors are addressed from a 64-bit scalar base (the chunk's first row) plus
 32-bit tile offsets: 64-bit offset tiles cost two registers per element and made run 4's intra
-kernel spill (255 registers and a 736-byte stack in Triton 3.6's sm_90 build at 4 warps).
+kernel spill (255 registers and a 736-byte stack in Triton 3.9's sm_90 build at 4 warps).
 
 Decay factorisation. Pairwise decays ``exp(G_t − G_i)`` (i ≤ t) enter as matmuls: for the
 queries of sub-chunk ``s`` the exponent is split at a reference row ``m`` in the middle of
