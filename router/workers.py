@@ -157,11 +157,14 @@ class Worker:
     @property
     def placement_queued_tokens(self) -> int:
         """Prefill tokens queued on the worker: the own account, or the reported queue plus
-        what this router sent since the report, the larger."""
+        what this router sent since the report and is still waiting for, the larger (a
+        prefill sent after the report and already answered is no longer queued: counting it
+        made a worker look busy until the next poll, and a repeat prompt then went to a
+        worker without its prefix)."""
         if self.reported is None:
             return self.queued_tokens
-        return max(self.queued_tokens,
-                   self.reported.queued_prefill_tokens + self.sent_since_report)
+        return max(self.queued_tokens, self.reported.queued_prefill_tokens
+                   + min(self.sent_since_report, self.queued_tokens))
 
     @property
     def placement_load(self) -> PoolLoad | RecentLoad:

@@ -209,21 +209,33 @@ def make_worker_app(state: FakeState) -> FastAPI:
                                 status_code=400)
         rec = b.model_dump()
         state.prefills.append(rec)
-        state.queued_prefill_tokens += len(b.prompt_token_ids)
+        # reported as a real worker does (worker/base.py load_report): a prompt's tokens
+        # not computed yet — all of them until it is admitted, then its uncached part until
+        # computed; nothing while its answer transfers
+        queued = [len(b.prompt_token_ids)]
+        state.queued_prefill_tokens += queued[0]
         try:
-            return await _prefill(b, rec)
+            return await _prefill(b, rec, queued)
         finally:
-            state.queued_prefill_tokens -= len(b.prompt_token_ids)
+            state.queued_prefill_tokens -= queued[0]
 
-    async def _prefill(b: PrefillRequest, rec: dict[str, Any]) -> PrefillResponse:
+    async def _prefill(b: PrefillRequest, rec: dict[str, Any],
+                       queued: list[int]) -> PrefillResponse:
         sp = b.sampling.to_params()
         ids = list(b.prompt_token_ids)
         seq = next(rid_counter)
         cm = state.cm
         rec["_cached"] = cm.run_prefill(seq, ids, cache_salt=b.cache_salt,
                                         snapshot_at=b.snapshot_at)
+
+        def left(n: int) -> None:
+            state.queued_prefill_tokens -= queued[0] - n
+            queued[0] = n
+
+        left(len(ids) - rec["_cached"])
         if state.prefill_s_per_token:  # compute time: the queue the worker reports is real
             await asyncio.sleep(state.prefill_s_per_token * (len(ids) - rec["_cached"]))
+        left(0)
         tok = toy_next(ids, sp.seed, sp.temperature)
         lp = toy_logprobs(tok, sp.logprobs)
         if not clients:  # one pooled client: a new connection per prefill times out on a

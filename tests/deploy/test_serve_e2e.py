@@ -181,7 +181,7 @@ def test_api_key_enforced(stack):
     ("/v1/completions", {"model": MODEL, "prompt": {"a": 1}}, 400),
     ("/v1/completions", {"model": MODEL}, 400),                                     # no prompt
     ("/v1/completions", {"model": MODEL, "prompt": "x" * 20000, "max_tokens": 4}, 400),
-    ("/v1/completions", {"model": "gpt-17", "prompt": "x"}, 400),                   # model
+    ("/v1/completions", {"model": "gpt-17", "prompt": "x"}, 404),                   # model
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 999999]}, 400),           # vocab
     ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},

@@ -312,7 +312,10 @@ def test_placement_reads_the_larger_of_own_account_and_reported():
     assert (w.placement_free_tokens(), w.placement_free_slots()) == (800, 6)
     with w.load(queued_tokens=40):  # sent after the report: counted on top of it
         assert w.placement_queued_tokens == 540
-    assert w.placement_queued_tokens == 540  # until the next report
+    # answered: no longer queued — only what this router still waits for is added (at most
+    # its own outstanding 10; counting the answered 40 until the next poll sent repeats
+    # away from the worker holding their prefix)
+    assert w.placement_queued_tokens == 510
     w.report(WorkerLoad(queued_prefill_tokens=0))
     assert w.placement_queued_tokens == 10
 
