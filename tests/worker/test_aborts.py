@@ -20,8 +20,9 @@ reservations, running / waiting, live tracked requests and open reservations
 idle baseline within a bound, and a normal request still completes. And the one race the
 harness can make deterministic: an abort that reaches D before its reservation.
 
-CI runs the full must-show, ``K3SERVE_ABORTS_N`` (default 1000) cuts: ~62 s on an idle
-2-core box (README "Reliability" has its figures); a smaller N is for quick local runs.
+``K3SERVE_ABORTS_N=1000`` is the full must-show (62 s on an idle 2-core box; README
+"Reliability" has its figures); CI runs 120 (default) so the issue-15 tests stay within their
+4 minutes, as schemathesis runs 300 cases in CI and 1 000 in benchmarks/.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import tenacity
 from tests.worker_procs import HEADERS, Proc, _request, _sampling
 
 B = 16
-N = int(os.environ.get("K3SERVE_ABORTS_N", "1000"))
+N = int(os.environ.get("K3SERVE_ABORTS_N", "120"))
 CONCURRENCY = 32  # = the decode slots: every cut reaches its phase (no 503 busy)
 PHASES = ("reserve", "prefill", "transfer", "decode")
 SETTLE_S = 30.0
