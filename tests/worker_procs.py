@@ -57,11 +57,12 @@ class Proc:
             time.sleep(0.2)
         raise AssertionError(f"worker not ready:\n{self.log.read_text()[-3000:]}")
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` seconds."""
         if self.p.poll() is None:
             self.p.terminate()
             try:
-                self.p.wait(15)
+                self.p.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.p.kill()
                 self.p.wait()

@@ -4,8 +4,6 @@ that drive workers by hand (test_aborts.py, test_transfer_load.py), started once
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 from tests.worker_procs import Proc
@@ -19,14 +17,7 @@ SENDER_TIMEOUT_S = 12.0
 
 def _stop(p: Proc) -> None:
     """Stop at once (SIGTERM, then SIGKILL after 5 s): nothing of a test's is left to drain."""
-    if p.p.poll() is None:
-        p.p.terminate()
-        try:
-            p.p.wait(5)
-        except subprocess.TimeoutExpired:
-            p.p.kill()
-            p.p.wait()
-    p._out.close()
+    p.stop(timeout=5.0)
 
 
 @pytest.fixture(scope="session")
