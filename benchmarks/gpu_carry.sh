@@ -11,7 +11,7 @@
 #   .devcarry/whl/        cp312 wheels: fla-core 0.6.0, fastapi, starlette, pydantic(+core),
 #                         pydantic-settings, python-dotenv, annotated-types, typing-inspection,
 #                         typing-extensions, uvicorn, sse-starlette, httpx-sse, tenacity, pybreaker,
-#                         llguidance, opentelemetry-api
+#                         llguidance, opentelemetry-api, aiohttp (+ its deps)
 #   .devcarry/mc.tar.xz   mooncake-transfer-engine-cuda13 0.3.14 slimmed to the transfer engine:
 #                         mooncake/{__init__.py,engine.so,libetcd_wrapper.so,libasio.so} and the
 #                         wheel's glog/gflags/yaml-cpp/jsoncpp, stripped (the 50 MB wheel with
@@ -30,11 +30,12 @@ grep -qx '/.devcarry/' "$(git rev-parse --git-common-dir)/info/exclude" 2>/dev/n
 mkdir -p "$D/whl" "$D/debs"
 T=$(mktemp -d)
 PIP=(python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
-     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
+     --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
      --platform manylinux2014_x86_64 --platform any)
 "${PIP[@]}" -q -d "$D/whl" fla-core==0.6.0 fastapi starlette pydantic pydantic-core \
   pydantic-settings python-dotenv annotated-types typing-inspection typing-extensions uvicorn \
-  sse-starlette httpx-sse tenacity pybreaker llguidance opentelemetry-api
+  sse-starlette httpx-sse tenacity pybreaker llguidance opentelemetry-api aiohttp \
+  aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna
 "${PIP[@]}" -q -d "$T" mooncake-transfer-engine-cuda13==0.3.14
 (cd "$T" && mkdir x slim && cd x && unzip -q ../mooncake_transfer_engine_cuda13-*.whl \
   && mkdir -p ../slim/mooncake ../slim/mooncake_transfer_engine_cuda13.libs \
