@@ -306,6 +306,20 @@ def main() -> int:
           and "t_written" in t and "t_first_write" in t]  # fmt: skip
     if ok:
         w = statistics.median(t["t_written"] - t["t_first_write"] for t in ok)
+        tot_b = sum(t["bytes"] for t in ok)
+        tot_w = sum(t["t_written"] - t["t_first_write"] for t in ok)
+        tot_a = sum(t["seconds"] for t in ok)
+        res["transfer_phases"] = {
+            "transfers": len(ok), "bytes": tot_b, "admission_to_done_s": tot_a,
+            "first_write_to_written_s": tot_w,
+            "paired_s_median": statistics.median(t.get("t_paired", 0.0) for t in ok),
+            "first_write_s_median": statistics.median(t["t_first_write"] for t in ok),
+            "written_s_median": statistics.median(t["t_written"] for t in ok),
+            "done_s_median": statistics.median(t.get("t_done", t["seconds"]) for t in ok),
+            "gb_per_s_admission_to_done": tot_b / tot_a / 1e9 if tot_a else None,
+            "gb_per_s_write_phase": tot_b / tot_w / 1e9 if tot_w else None}
+        (out / "gpu_serve.json").write_text(json.dumps(res, indent=1))
+        lines.append(f"transfer phases (medians, s from admission): {res['transfer_phases']}")
         lines.append(f"prefill log: {len(ok)} transfers, median {statistics.median(t['bytes'] for t in ok) / 1e6:.1f} MB, "
                      f"first write → all written median {w * 1e3:.1f} ms, admission → done median "
                      f"{statistics.median(t['seconds'] for t in ok) * 1e3:.0f} ms")  # fmt: skip

@@ -151,18 +151,19 @@ def mla_prefill_impl(device: torch.device | str | None = None) -> str:
 
 
 def mla_prefill_paged(q, latent_pool, block_table, cu_seqlens, num_cached, kv_b_weight,
-                      qk_nope, v_dim, scale):  # fmt: skip
+                      qk_nope, v_dim, scale, host_meta=None):  # fmt: skip
     """:func:`k3serve.kernels.mla.naive.mla_prefill_naive_paged` contract (output dtype may be
     ``q.dtype``). With ``K3SERVE_MLA_PREFILL=sdpa`` (the default for CUDA tensors), where
     :func:`use_triton` allows and no gradient is needed: SDPA in ``q.dtype``
-    (:mod:`k3serve.kernels.mla.prefill_sdpa`, no ``[H, T, L]`` scores in memory); else the naive
-    float32 reference."""
+    (:mod:`k3serve.kernels.mla.prefill_sdpa`, no ``[H, T, L]`` scores in memory; ``host_meta``:
+    the forward's host copy of the sequence metadata, see ``prefill_sdpa.make_host_meta``);
+    else the naive float32 reference."""
     if (mla_prefill_impl(q.device) == "sdpa" and use_triton(q.device) and q.dtype != torch.float64
             and not _needs_grad(q, kv_b_weight)):
         from k3serve.kernels.mla.prefill_sdpa import mla_prefill_sdpa_paged as fast
 
         return fast(q, latent_pool, block_table, cu_seqlens, num_cached, kv_b_weight, qk_nope,
-                    v_dim, scale)  # fmt: skip
+                    v_dim, scale, host_meta)  # fmt: skip
     from k3serve.kernels.mla.naive import mla_prefill_naive_paged as ref
 
     return ref(q, latent_pool, block_table, cu_seqlens, num_cached, kv_b_weight, qk_nope, v_dim,
@@ -205,6 +206,38 @@ def glu(gate, up, act, beta=4.0, beta_l=25.0):
     raise ValueError(f"hidden_act: {act!r} is not 'situ' or 'silu'")
 
 
+def conv_varlen(x, weight, cu_seqlens, history):
+    """:func:`k3serve.model.kda.causal_conv_varlen` contract (the KDA prefill conv): one
+    Triton launch (:func:`k3serve.kernels.prefill_triton.conv_varlen_triton`, no host sync)
+    when :func:`use_triton` allows and no gradient is needed, else ``None`` (the caller runs
+    the torch reference)."""
+    if use_triton(x.device) and x.dtype != torch.float64 and not _needs_grad(x, weight, history):
+        from k3serve.kernels.prefill_triton import conv_varlen_triton
+
+        return conv_varlen_triton(x, weight, cu_seqlens, history)
+    return None
+
+
+def attn_res_mix_prefill(sources, norm_weight, query, eps):
+    """:func:`k3serve.model.attn_res.attn_res_mix` contract for prefill-sized inputs: one Triton
+    launch (:func:`k3serve.kernels.prefill_triton.attn_res_mix_triton`) when :func:`use_triton`
+    allows, no gradient is needed and there are at most ``ATTN_RES_MAX_SOURCES`` sources, else
+    the torch reference. The decode step does not come here."""
+    from k3serve.model.attn_res import attn_res_mix as ref
+
+    if (
+        len(sources) > 1
+        and use_triton(sources[0].device)
+        and sources[0].dtype != torch.float64
+        and not _needs_grad(*sources, norm_weight, query)
+    ):
+        from k3serve.kernels.prefill_triton import ATTN_RES_MAX_SOURCES, attn_res_mix_triton
+
+        if len(sources) <= ATTN_RES_MAX_SOURCES:
+            return attn_res_mix_triton(sources, norm_weight, query, eps)
+    return ref(sources, norm_weight, query, eps)
+
+
 def routed_experts(z, w13, w2, topk_ids, topk_weights, act, beta=4.0, beta_l=25.0, packed=None):
     """Routed-expert sum ``Σ_j w[t, j] E_{ids[t, j]}(z[t])`` as grouped GEMMs (no host sync).
 
@@ -218,12 +251,23 @@ def routed_experts(z, w13, w2, topk_ids, topk_weights, act, beta=4.0, beta_l=25.
 
     Returns:
         ``[T, W]`` float32. Triton (:mod:`k3serve.kernels.moe.grouped_triton`) when
-        :func:`use_triton` allows and ``z`` is bf16/fp16/fp32, else the torch grouped path
+        :func:`use_triton` allows and ``z`` is bf16/fp16/fp32 — from
+        ``LARGE_M_ROWS_PER_EXPERT`` rows per expert on average (prefill) through
+        ``routed_experts_large_m`` (``torch._grouped_mm`` on the dense weights, which equal the
+        dequantised MXFP4 bytes), below it the two-launch kernels — else the torch grouped path
         (:mod:`k3serve.kernels.moe.grouped`); reference: ``k3serve.kernels.moe.naive``.
     """
     if use_triton(z.device) and z.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        from k3serve.kernels.moe import grouped_triton as gt
+        from k3serve.kernels.moe.grouped import _has_grouped_mm
         from k3serve.kernels.moe.grouped_triton import TritonExperts, routed_experts_triton
 
+        if (
+            z.shape[0] * topk_ids.shape[1] >= gt.LARGE_M_ROWS_PER_EXPERT * w13.shape[0]
+            and w13.dtype == z.dtype == w2.dtype
+            and _has_grouped_mm(z.device.type, z.dtype)
+        ):  # prefill-sized: the dense weights (= the dequantised MXFP4 bytes), grouped GEMM
+            return gt.routed_experts_large_m(z, w13, w2, topk_ids, topk_weights, act, beta, beta_l)
         if packed is not None:
             experts = TritonExperts(packed[0], packed[2], packed[1], packed[3])
         else:
@@ -242,8 +286,10 @@ def routed_experts(z, w13, w2, topk_ids, topk_weights, act, beta=4.0, beta_l=25.
 
 
 __all__ = [
+    "attn_res_mix_prefill",
     "causal_conv_step",
     "chunk_kda",
+    "conv_varlen",
     "fused_recurrent_kda_step",
     "glu",
     "kernel_backend",

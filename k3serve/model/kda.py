@@ -55,7 +55,13 @@ def causal_conv_varlen(
 
     Returns:
         ``(y [T, C] in x.dtype, new_history [N, W-1, C] in x.dtype)``.
+
+    On a Triton device (no gradient) this is one fused launch
+    (:func:`k3serve.kernels.dispatch.conv_varlen`); the code below is the reference.
     """
+    fast = dispatch.conv_varlen(x, weight, cu_seqlens, history)
+    if fast is not None:
+        return fast
     t, c = x.shape
     n = cu_seqlens.shape[0] - 1
     w = weight.shape[-1]

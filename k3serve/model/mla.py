@@ -97,6 +97,7 @@ class MLAMixer(nn.Module):
         latent_pool: torch.Tensor | None = None,
         is_decode: bool = False,
         max_seq_len: int | None = None,
+        host_meta: tuple | None = None,
     ) -> torch.Tensor:
         """Attend the new tokens of N packed sequences; write their latents into the pages.
 
@@ -111,6 +112,9 @@ class MLAMixer(nn.Module):
             is_decode: one new token per sequence → weight-absorbed attention.
             max_seq_len: host-side upper bound on ``num_cached + new`` for the decode kernel's
                 grid (None: the kernel reads the longest from the device, a host sync).
+            host_meta: prefill only: the forward's host copy of ``(cu_seqlens, num_cached,
+                block_table)`` (``k3serve.kernels.mla.prefill_sdpa.make_host_meta``), shared
+                by the MLA layers so that none reads them back again; None: read per layer.
 
         Returns:
             ``[T, d]`` in ``x.dtype``.
@@ -165,6 +169,7 @@ class MLAMixer(nn.Module):
                     cfg.qk_nope_head_dim,
                     cfg.v_head_dim,
                     self.scale,
+                    host_meta=host_meta,
                 )
         o = o.to(x.dtype).reshape(t, self.num_heads * cfg.v_head_dim)
         if cfg.mla_output_gate:

@@ -19,7 +19,9 @@ import torch
 from torch import nn
 
 from k3serve.config import ModelConfig
-from k3serve.model.attn_res import attn_res_mix, make_res_params
+from k3serve.kernels import dispatch
+from k3serve.model.attn_res import attn_res_mix as _attn_res_mix
+from k3serve.model.attn_res import make_res_params
 from k3serve.model.batch import ForwardBatch
 from k3serve.model.kda import KDAMixer
 from k3serve.model.layers import MLP, RMSNorm
@@ -132,10 +134,16 @@ class K3ForCausalLM(nn.Module):
         x: torch.Tensor,
         mixer: Callable[[DecoderLayer, torch.Tensor], torch.Tensor],
         layer_hook: Callable[[int], None] | None,
+        prefill: bool = False,
     ) -> torch.Tensor:
-        """Run every decoder layer over ``x [T, d]`` (embeddings) → final-normed hidden ``[T, d]``."""
+        """Run every decoder layer over ``x [T, d]`` (embeddings) → final-normed hidden ``[T, d]``.
+
+        ``prefill``: the AttnRes mixes go through the fused prefill kernel
+        (:func:`k3serve.kernels.dispatch.attn_res_mix_prefill`, the same function); the decode
+        step (``False``) keeps :func:`attn_res_mix`."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         block = cfg.attn_res_block_layers
+        attn_res_mix = dispatch.attn_res_mix_prefill if prefill else _attn_res_mix
         blocks: list[torch.Tensor] = []
         p = x
         for layer in self.model.layers:
@@ -199,9 +207,16 @@ class K3ForCausalLM(nn.Module):
                 f"input_ids: shape {tuple(input_ids.shape)}, expected [{batch.num_tokens}]"
             )
 
+        host: list = []  # prefill: the batch metadata read back once, shared by the MLA layers
+
         def mixer(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
             if layer.is_mla:
                 m = self._mla_idx[layer.idx]
+                if not batch.is_decode and not host:
+                    from k3serve.kernels.mla.prefill_sdpa import make_host_meta
+
+                    host.append(make_host_meta(batch.cu_seqlens, batch.num_cached,
+                                               batch.block_table))  # fmt: skip
                 return layer.self_attn(
                     h,
                     batch.cu_seqlens,
@@ -211,6 +226,7 @@ class K3ForCausalLM(nn.Module):
                     pools.mla_latent[m],
                     batch.is_decode,
                     batch.max_seq_len,
+                    host_meta=host[0] if host else None,
                 )
             j = self._kda_idx[layer.idx]
             return layer.self_attn(
@@ -223,7 +239,7 @@ class K3ForCausalLM(nn.Module):
             )
 
         x = self.model.embed_tokens(input_ids)
-        h = self._layers(x, mixer, layer_hook)
+        h = self._layers(x, mixer, layer_hook, prefill=not batch.is_decode)
         return self.lm_head(h[batch.rows_for_logits()]).float()
 
     def forward_train(self, input_ids: torch.Tensor) -> torch.Tensor:

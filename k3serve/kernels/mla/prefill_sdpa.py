@@ -19,7 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from k3serve.kernels.mla.naive import gather_latents
+PrefillHostMeta = tuple[list[int], list[int], list[list[int]]]
+"""``(cu_seqlens, num_cached, block_table)`` of one forward as host lists."""
+
+
+def make_host_meta(
+    cu_seqlens: torch.Tensor, num_cached: torch.Tensor, block_table: torch.Tensor
+) -> PrefillHostMeta:
+    """The host copy :func:`mla_prefill_sdpa_paged` reads (one device → host read of each; the
+    model's forward makes it once and hands it to every MLA layer)."""
+    return cu_seqlens.tolist(), num_cached.tolist(), block_table.tolist()
 
 
 def mla_prefill_sdpa_paged(
@@ -32,6 +41,7 @@ def mla_prefill_sdpa_paged(
     qk_nope: int,
     v_dim: int,
     scale: float,
+    host_meta: PrefillHostMeta | None = None,
 ) -> torch.Tensor:
     """MLA over [cached latents ; new latents] of N packed sequences (new latents already in
     the pool), one SDPA call per sequence.
@@ -47,6 +57,9 @@ def mla_prefill_sdpa_paged(
         qk_nope: nope width; the rope width is ``q.shape[-1] - qk_nope``.
         v_dim: value head width.
         scale: softmax scale (``(nope+rope)^-1/2``).
+        host_meta: ``cu_seqlens``, ``num_cached`` and ``block_table`` as host lists
+            (:func:`make_host_meta`), read once per forward by the caller and shared by its MLA
+            layers; None: read here (one device → host copy per call).
 
     Returns:
         ``[T, H, v]`` in ``q.dtype``.
@@ -59,13 +72,19 @@ def mla_prefill_sdpa_paged(
     kv_lora = kv_b_weight.shape[1]
     w = kv_b_weight.to(dt)
     out = q.new_empty(t, h, v_dim)
-    cu, nc = cu_seqlens.tolist(), num_cached.tolist()  # one host read per layer (not graphed)
+    if host_meta is None:
+        host_meta = make_host_meta(cu_seqlens, num_cached, block_table)
+    cu, nc, bt = host_meta
+    bs = latent_pool.shape[1]
     for i in range(len(nc)):
         tq = cu[i + 1] - cu[i]
         if tq == 0:
             continue
         length = nc[i] + tq
-        lat = gather_latents(latent_pool, block_table[i], length)
+        nblk = -(-length // bs)
+        if len(bt[i]) < nblk or min(bt[i][:nblk]) < 0:  # checked on the host copy: no sync
+            raise ValueError(f"block_table: row {i} covers fewer than {length} tokens")
+        lat = latent_pool[block_table[i, :nblk]].reshape(-1, latent_pool.shape[-1])[:length]
         c, k_pe = lat[:, :kv_lora].to(dt), lat[:, kv_lora:].to(dt)
         kv = (c @ w.t()).view(length, h, qk_nope + v_dim)
         k = torch.cat([kv[..., :qk_nope], k_pe[:, None, :].expand(length, h, k_pe.shape[-1])], -1)
@@ -83,4 +102,4 @@ def mla_prefill_sdpa_paged(
     return out
 
 
-__all__ = ["mla_prefill_sdpa_paged"]
+__all__ = ["PrefillHostMeta", "make_host_meta", "mla_prefill_sdpa_paged"]

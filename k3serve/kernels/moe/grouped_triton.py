@@ -378,4 +378,105 @@ def routed_experts_triton(
     return y.view(t, topk, width).sum(1)
 
 
-__all__ = ["ACTS", "BlockLayout", "TritonExperts", "align_blocks", "routed_experts_triton"]
+LARGE_M_ROWS_PER_EXPERT = 64
+"""Mean rows per expert (``T·k / E``) from which :func:`routed_experts_large_m` takes over
+(k3-mini: 4,096 assignments, 512 tokens — a prefill chunk; its decode batches, ≤ 256 sequences
+in the CUDA-graph buckets, stay below; k3: 3,584 tokens). Device sweep
+(``benchmarks/gpu_prefill_profile.py``, H200, 2026-12-02, one k3-mini MoE layer): 512 / 2,048 /
+8,192 tokens took 0.650 / 0.647 / 1.548 ms in the MXFP4 two-launch kernels and 0.409 / 0.610 /
+0.843 ms here."""
+
+
+@triton.jit
+def _glu_rows_kernel(gu, h, M, N, s_g, s_h, beta, beta_l,
+                     ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """``h[p] = act(gu[p, :N], gu[p, N:])`` row by row (no split copies of ``gu``)."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    m = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    row = offs_m.to(tl.int64)[:, None] * s_g + offs_n[None, :]
+    g = tl.load(gu + row, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu + row + N, mask=m, other=0.0).to(tl.float32)
+    if ACT == 0:
+        out = beta * _tanh(g / beta) * tl.sigmoid(g) * (beta_l * _tanh(u / beta_l))
+    else:
+        out = g * tl.sigmoid(g) * u
+    tl.store(h + offs_m.to(tl.int64)[:, None] * s_h + offs_n[None, :], out.to(h.dtype.element_ty),
+             mask=m)  # fmt: skip
+
+
+@triton.jit
+def _combine_kernel(ys, pos, tw, out, T, W, s_y, s_o,
+                    TOPK: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr):  # fmt: skip
+    """``out[t] = Σ_j tw[t·k + j] · ys[pos[t·k + j]]`` in float32 (fixed order, no atomics)."""
+    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    offs_w = tl.program_id(1) * BW + tl.arange(0, BW)
+    m_t = offs_t < T
+    m = m_t[:, None] & (offs_w < W)[None, :]
+    acc = tl.zeros((BT, BW), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        a = offs_t.to(tl.int64) * TOPK + j
+        p = tl.load(pos + a, mask=m_t, other=0).to(tl.int64)
+        wt = tl.load(tw + a, mask=m_t, other=0.0).to(tl.float32)
+        v = tl.load(ys + p[:, None] * s_y + offs_w[None, :], mask=m, other=0.0).to(tl.float32)
+        acc += wt[:, None] * v
+    tl.store(out + offs_t.to(tl.int64)[:, None] * s_o + offs_w[None, :], acc, mask=m)
+
+
+def routed_experts_large_m(
+    z: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    act: str,
+    beta: float = 4.0,
+    beta_l: float = 25.0,
+) -> torch.Tensor:
+    """Weighted expert sum for prefill-sized batches: ``torch._grouped_mm`` (CUTLASS grouped
+    GEMM on sm90) on the dense expert weights, the GLU and the weighted un-sort in Triton.
+
+    At thousands of rows per expert the weights are read once per layer whatever their format,
+    so their storage saves nothing and the in-loop MXFP4 decode of :func:`routed_experts_triton`
+    only costs issue slots; the dense weights the model holds are the dequantised MXFP4 bytes
+    (``k3serve.model.checkpoint``), so this is the same function. Contract of
+    :func:`routed_experts_triton` except that ``w13 [E, 2I, W]`` / ``w2 [E, W, I]`` are dense in
+    ``z.dtype``. The expert outputs are rounded to ``z.dtype`` once before the float32 weighted
+    sum (the two-launch kernel keeps them in float32).
+
+    Raises:
+        ValueError: unknown ``act``, or weights not dense in ``z.dtype``.
+    """
+    if act not in ACTS:
+        raise ValueError(f"act: {act!r} is not one of {sorted(ACTS)}")
+    if w13.dtype != z.dtype or w2.dtype != z.dtype:
+        raise ValueError(f"w13/w2: dense {z.dtype} weights needed, got {w13.dtype}/{w2.dtype}")
+    t, topk = topk_ids.shape
+    num_e, two_i, width = w13.shape
+    inter = two_i // 2
+    m = t * topk
+    if m == 0:
+        return torch.zeros(t, width, dtype=torch.float32, device=z.device)
+    s = sort_by_expert(topk_ids, num_e)
+    a = z.index_select(0, s.order // topk)
+    gu = torch._grouped_mm(a, w13.transpose(1, 2), offs=s.ends)  # [M, 2I]
+    h = torch.empty(m, inter, dtype=z.dtype, device=z.device)
+    _glu_rows_kernel[(triton.cdiv(m, 32), triton.cdiv(inter, 128))](
+        gu, h, m, inter, gu.stride(0), h.stride(0), float(beta), float(beta_l),
+        ACT=ACTS[act], BM=32, BN=128, num_warps=4,
+    )  # fmt: skip
+    ys = torch._grouped_mm(h, w2.transpose(1, 2), offs=s.ends)  # [M, W] sorted by expert
+    pos = torch.empty_like(s.order).scatter_(
+        0, s.order, torch.arange(m, device=z.device, dtype=s.order.dtype)
+    )  # assignment t·k + j → its sorted row
+    out = torch.empty(t, width, dtype=torch.float32, device=z.device)
+    tw = topk_weights.reshape(-1).float().contiguous()
+    _combine_kernel[(triton.cdiv(t, 16), triton.cdiv(width, 256))](
+        ys, pos, tw, out, t, width, ys.stride(0), out.stride(0),
+        TOPK=topk, BT=16, BW=256, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+__all__ = ["ACTS", "LARGE_M_ROWS_PER_EXPERT", "BlockLayout", "TritonExperts", "align_blocks",
+           "routed_experts_large_m", "routed_experts_triton"]  # fmt: skip
