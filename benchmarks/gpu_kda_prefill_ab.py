@@ -1,20 +1,22 @@
-"""Chunked KDA prefill on the GPU: intra-kernel variants, the previous kernel, and fla-core.
+"""Chunked KDA prefill on the GPU: state-pass variants, the previous kernel, and fla-core.
 
 One device call (issue 17, must-show 1):
 
-1. correctness of every launch-knob variant of ``chunk_kda_triton`` against the torch
-   ``chunk_kda`` (fp32 upcast inputs) at T 8k H 12 (g given and K3 gate fused) and a 5-sequence
-   varlen batch (H 16): ``max |ours − ref| / max |ref|``;
-2. each variant alone (``gpu_kernels.bench``: warm-up, L2 flush, median) at T 32k H 12 and
-   varlen 64 × 512 H 16, and the previous code (``--old FILE``, run 4's ``chunk_triton.py``);
+0. compiles every variant (with ``--prewarm-fla`` also fla-core's kernels, under
+   ``FLA_CACHE_RESULTS=0`` so that no autotuning result is kept from a shared GPU) in parallel
+   subprocesses (``--jobs``) first, so the timed process finds Triton's disk cache warm; fla
+   then autotunes alone in step 4. Run 6: 14 jobs took 237 s with fla's prewarm (it compiles
+   and times every autotune configuration of every kernel), which left no time for step 4;
+   ours alone compile in ~16 s (3 head counts);
+1. correctness of every variant of ``chunk_kda_triton`` (``VARIANTS``: changes to the committed
+   ``KNOBS``) against the torch ``chunk_kda`` (fp32 upcast inputs) at T 8k H 12 (g given and K3
+   gate fused) and a 5-sequence varlen batch (H 16): ``max |ours − ref| / max |ref|``;
+2. each variant alone (``gpu_kernels.bench``: warm-up, L2 flush, median) at ``--time-shapes``,
+   and the previous code (``--old FILE``);
 3. a per-kernel profile (torch.profiler, 5 calls) of the previous code and the best variant;
 4. the best variant against fla-core's ``chunk_kda`` with ``gpu_kernels.bench_pair`` (alternating
-   rounds, medians of 2 × ``K3SERVE_BENCH_REP`` runs) at the ``--shapes`` (plain mode, then
-   fla's K3 mode while ``K3SERVE_BENCH_BUDGET_S`` allows; fla autotunes ~90 s per new head count).
-
-``--prewarm H [--variant I]`` only compiles (tiny input, the same specialisation: no kernel takes
-T) and exits: run one per variant side by side first so the timed process finds Triton's cache
-warm.
+   rounds, medians of 2 × ``K3SERVE_BENCH_REP`` runs) at the ``--shapes`` (plain mode and fla's
+   K3 mode, while ``K3SERVE_BENCH_BUDGET_S`` allows).
 
 Usage: ``python benchmarks/gpu_kda_prefill_ab.py [--out DIR] [--old FILE] [--shapes 32768x12,...]``.
 Results: ``DIR/prefill_ab.json`` and ``DIR/prefill_ab.md`` (the RESULTS table rows).
@@ -40,27 +42,21 @@ import gpu_kernels as gk
 T0 = time.time()
 BUDGET_S = float(os.environ.get("K3SERVE_BENCH_BUDGET_S", "240"))
 
-BASE = {
-    "intra_warps": 4,
-    "intra_stages": None,
-    "intra_bk": 64,
-    "intra_bw": 64,
-    "wy_lowp": 0,
-    "fuse_gate": 1,
-    "a_cols": 0,
-}
-VARIANTS = [  # launch knobs of the intra kernel, as changes to BASE
+ALL_SHAPES = "8192x12,8192x16,8192x32,32768x12,32768x16,32768x32,512x16x64"
+VARIANTS = [  # state-pass knobs, as changes to chunk_triton.KNOBS (run 6 ran them when auto split
+    # below state_progs programs with seg_min 16, before state_split_below / seg_count_min)
     {},
-    {"intra_warps": 8, "intra_bw": 32},
-    {"intra_warps": 8, "intra_bk": 32, "intra_bw": 32},
-    {"intra_bk": 32, "intra_bw": 16},
-    {"intra_warps": 8, "intra_bw": 32, "wy_lowp": 1},
-    {"intra_bw": 32, "intra_stages": 1},
-    {"intra_warps": 8, "intra_stages": 1},
-    {"intra_warps": 8, "intra_bw": 32, "fuse_gate": 0},
-    {"intra_warps": 8, "intra_bk": 32, "intra_bw": 32, "a_cols": 1},
-    {"intra_warps": 8, "intra_bw": 32, "a_cols": 1},
+    {"state_seg": -1},
+    {"state_seg": -1, "fuse_out": 1},
+    {"fuse_out": 1},
+    {"state_progs": 768},
+    {"state_progs": 768, "fuse_out": 1},
+    {"state_progs": 192},
+    {"state_bv": 64, "state_progs": 768},
+    {"state_warps": 8, "state_progs": 768},
+    {"state_stages": 2, "state_progs": 768},
 ]
+_DEFAULTS: dict = {}
 
 
 def log(*a):
@@ -68,14 +64,15 @@ def log(*a):
 
 
 def knobs_of(var: dict) -> dict:
-    return {**BASE, **var}
+    if not _DEFAULTS:
+        from k3serve.kernels.kda import chunk_triton as ct
+
+        _DEFAULTS.update(ct.KNOBS)
+    return {**_DEFAULTS, **var}
 
 
 def name_of(var: dict) -> str:
-    short = {"intra_warps": "w", "intra_stages": "st", "intra_bk": "bk", "intra_bw": "bw",
-             "wy_lowp": "lowp", "fuse_gate": "fuse", "a_cols": "cols"}  # fmt: skip
-    kn = knobs_of(var)
-    return " ".join(f"{short[k]}{kn[k]}" for k in short)
+    return " ".join(f"{k}={v}" for k, v in var.items()) or "default"
 
 
 def load_module(path: str, name: str):
@@ -99,21 +96,55 @@ def inputs(T, H, N=1, seed=0):
 
 
 def prewarm(H: int, idx: int, old_path: str | None) -> None:
-    """Compile variant ``idx`` (−1: all; −2: the previous code) for H heads, g given and K3 gate."""
+    """Compile variant ``idx`` (−2: the previous code; −3: fla-core) for H heads: g given and
+    the K3 gate, the state pass in segments and whole (T 4096, as the timed shapes use them)."""
     from k3serve.kernels.kda import chunk_triton as ct
 
-    q, k, v, g, f, beta, kw, k3 = inputs(128, H)
+    q, k, v, g, f, beta, kw, k3 = inputs(4096, H)
     with torch.inference_mode():
-        if idx == -2:
+        if idx == -3:
+            import fla.ops.kda as fla
+
+            fla.chunk_kda(q, k, v, g, beta, **kw)
+            fla.chunk_kda(q, k, v, f, beta, **kw, use_gate_in_kernel=True, safe_gate=True, **k3)
+            q, k, v, g, f, beta, kw, k3 = inputs(64, H, 64)
+            fla.chunk_kda(q, k, v, g, beta, **kw)
+            fla.chunk_kda(q, k, v, f, beta, **kw, use_gate_in_kernel=True, safe_gate=True, **k3)
+        elif idx == -2:
             old = load_module(old_path, "chunk_triton_old")
             old.chunk_kda_triton(q, k, v, g, beta, **kw)
+            old.chunk_kda_triton(q, k, v, f, beta, **kw, **k3)
         else:
-            for var in VARIANTS if idx < 0 else [VARIANTS[idx]]:
-                ct.KNOBS.update(knobs_of(var))
+            for extra in ({}, {"state_seg": -1}):
+                ct.KNOBS.update(knobs_of({**VARIANTS[idx], **extra}))
                 ct.chunk_kda_triton(q, k, v, g, beta, **kw)
-                if H == 12:  # the K3-gate correctness check runs at H 12
-                    ct.chunk_kda_triton(q, k, v, f, beta, **kw, **k3)
+                ct.chunk_kda_triton(q, k, v, f, beta, **kw, **k3)
     torch.cuda.synchronize()
+
+
+def prewarm_all(heads: list, old_path: str | None, jobs: int, with_fla: bool) -> None:
+    """Step 0: every (variant, H) compile in ``jobs`` parallel subprocesses."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    tasks = [(h, -3) for h in heads] if with_fla else []
+    tasks += [(h, i) for h in heads for i in range(len(VARIANTS))]
+    if old_path:
+        tasks += [(h, -2) for h in heads]
+    env = {**os.environ, "FLA_CACHE_RESULTS": "0"}
+
+    def one(t):
+        cmd = [sys.executable, os.path.abspath(__file__), "--prewarm", str(t[0]), "--variant", str(t[1])]
+        if old_path:
+            cmd += ["--old", old_path]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        return t, r.returncode, r.stderr[-300:]
+
+    with ThreadPoolExecutor(jobs) as ex:
+        for t, rc, err in ex.map(one, tasks):
+            if rc:
+                log("prewarm", t, "rc", rc, err)
+    log(f"prewarm: {len(tasks)} compiles done")
 
 
 def profile(fn, n=5) -> dict:
@@ -125,10 +156,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--old", default=None, help="previous chunk_triton.py to time against")
-    ap.add_argument("--shapes", default="32768x12,512x16x64,32768x16")
+    ap.add_argument("--shapes", default=ALL_SHAPES, help="fla comparison rows (T x H [x N])")
+    ap.add_argument("--time-shapes", default=ALL_SHAPES, help="variant timing (T x H [x N])")
+    ap.add_argument("--jobs", type=int, default=14, help="parallel compile subprocesses; 0 = none")
+    ap.add_argument("--prewarm-fla", action="store_true", help="step 0 compiles fla's kernels too")
     ap.add_argument("--prewarm", type=int, default=0, help="compile for this H and exit")
     ap.add_argument(
-        "--variant", type=int, default=-1, help="with --prewarm: variant index, -2 = --old"
+        "--variant", type=int, default=0, help="with --prewarm: variant index, -2 = --old, -3 = fla"
     )
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -140,7 +174,11 @@ def main() -> int:
     from k3serve.kernels.kda import chunk_kda
     from k3serve.kernels.kda import chunk_triton as ct
 
+    knobs_of({})  # the committed defaults, before any variant changes KNOBS
     os.makedirs(args.out, exist_ok=True)
+    if args.jobs:
+        heads = sorted({h for _, h, _ in gk.parse_shapes(args.shapes + "," + args.time_shapes)} | {12, 16})
+        prewarm_all(heads, args.old, args.jobs, args.prewarm_fla)
     res: dict = {"card": torch.cuda.get_device_name(), "torch": torch.__version__}
     import triton
 
@@ -190,7 +228,7 @@ def main() -> int:
 
     # 2. every variant alone, and the previous code
     calls = []
-    for T, H, N in ((32768, 12, 1), (512, 16, 64)):
+    for T, H, N in gk.parse_shapes(args.time_shapes):
         q, k, v, g, f, beta, kw, k3 = inputs(T, H, N)
         calls.append((f"{N}x{T} H={H}" if N > 1 else f"T={T} H={H}", q, k, v, g, beta, kw))
     timing = {}
@@ -211,16 +249,17 @@ def main() -> int:
     )
     if old is not None:
         with torch.inference_mode():
-            timing["previous (run 4)"] = [gk.bench(old.chunk_kda_triton, q, k, v, g, beta, **kw)
-                                          for _, q, k, v, g, beta, kw in calls]  # fmt: skip
-        log("previous", [f"{t:.3f}" for t in timing["previous (run 4)"]])
+            timing["previous"] = [gk.bench(old.chunk_kda_triton, q, k, v, g, beta, **kw)
+                                  for _, q, k, v, g, beta, kw in calls]  # fmt: skip
+        log("previous", [f"{t:.3f}" for t in timing["previous"]])
     res["variants"] = {"shapes": [c[0] for c in calls], "ms": timing}
     cand = [nm for nm in timing if nm in ok]
     if not cand:
         log("no variant is correct: stopping before the fla comparison")
         save()
         return 1
-    best = min(cand, key=lambda nm: sum(timing[nm]))
+    # rank by the geometric mean over the shapes (every shape counts, not only the longest)
+    best = min(cand, key=lambda nm: sum(torch.tensor(timing[nm]).log().tolist()))
     best_var = next(v for v in VARIANTS if name_of(v) == best)
     res["best"] = {"knobs": knobs_of(best_var), "name": best}
     ct.KNOBS.update(knobs_of(best_var))
@@ -230,6 +269,8 @@ def main() -> int:
     # 3. per-kernel profiles: previous code vs best variant
     prof = {}
     for nm, q, k, v, g, beta, kw in calls:
+        if nm not in ("T=32768 H=12", "64x512 H=16"):
+            continue
         with torch.inference_mode():
             prof[f"new {nm}"] = profile(partial(ct.chunk_kda_triton, q, k, v, g, beta, **kw))
             if old is not None:
@@ -254,7 +295,7 @@ def main() -> int:
         (True, s) for s in gk.parse_shapes(args.shapes)
     ]
     for k3mode, (T, H, N) in modes:
-        need = 25 if (H, k3mode, N > 1) in seen_h or fla is None else 110
+        need = 15 if (H, k3mode, N > 1) in seen_h or fla is None else 45
         if time.time() - T0 > BUDGET_S - need:
             log(f"prefill T={T} H={H} N={N} k3={k3mode}: skipped (time budget)")
             continue
@@ -326,7 +367,8 @@ def main() -> int:
         lines.append(
             f"| {op} | {shape} | {impl} | {t:.3f} | {tf:.3f} | {roof:.3f} | {frac:.2f} | {note} |"
         )
-    lines += ["", "| variant | " + " | ".join(res["variants"]["shapes"]) + " |", "|---|---|---|"]
+    lines += ["", "| variant | " + " | ".join(res["variants"]["shapes"]) + " |",
+              "|---" * (1 + len(res["variants"]["shapes"])) + "|"]  # fmt: skip
     for nm, ts in timing.items():
         lines.append(f"| {nm} | " + " | ".join(f"{t:.3f}" for t in ts) + " |")
     md = "\n".join(lines)

@@ -19,7 +19,7 @@ Timing (issue 17): every implementation, ours and fla's, is warmed up the same w
 timed ``K3SERVE_BENCH_REP`` = 30 times, each run alone between CUDA events after an L2 flush;
 prefill rows alternate ours / fla in two rounds and report the median of all 60 runs of each.
 
-Usage: ``python benchmarks/gpu_kernels.py [--out DIR] [--quick] [--only decode,mla,prefill]
+Usage: ``python benchmarks/gpu_kernels.py [--out DIR] [--quick] [--no-fla] [--only decode,mla,prefill]
 [--prefill-shapes 32768x12,512x16x64] [--knobs state_warps=8]`` (decode and MLA rows first, then
 prefill rows until ``K3SERVE_BENCH_BUDGET_S``, skipping a row whose new head count would cost
 fla's autotuning past it; prints one table last; on a machine without CUDA it says so and exits
@@ -52,6 +52,7 @@ def log(*a):
 N_WARMUP = int(os.environ.get("K3SERVE_BENCH_WARMUP", "5"))
 N_REP = int(os.environ.get("K3SERVE_BENCH_REP", "30"))
 _FLUSH: list = []
+REF_CHECK = True  # without fla: prefill rows check ours against the torch chunk_kda instead
 
 
 def bench(fn, *args, **kwargs) -> float:
@@ -228,6 +229,12 @@ def prefill_rows(rows, bw, rate, fla, quick, shapes=None):
             o3, _ = ours_k3()
             err = err3 = float("nan")
             fla_p = fla_k3 = None
+            if fla is None and REF_CHECK:  # no fla: check against the torch chunk_kda (fp32)
+                from k3serve.kernels.kda import chunk_kda
+
+                o_ref, _ = chunk_kda(q.float(), k.float(), v.float(), g, beta.float(), **kw)
+                err, err3 = _rel(o, o_ref), _rel(o3, o_ref)
+                del o_ref
             if fla is not None:
                 fla_p = partial(fla.chunk_kda, q, k, v, g, beta, **kw)
                 fla_k3 = partial(fla.chunk_kda, q, k, v, f, beta, **kw, use_gate_in_kernel=True,
@@ -241,10 +248,11 @@ def prefill_rows(rows, bw, rate, fla, quick, shapes=None):
             t_ours, t_fla = bench_pair(ours, fla_p)
             t_k3, t_fla_k3 = bench_pair(ours_k3, fla_k3)
         shape = f"T={T // 1024}k H={H}" if N == 1 else f"{N}x{T} H={H} (varlen)"
+        vs = "err_vs_fla" if fla is not None else "err_vs_torch"
         rows.append(("prefill", shape, "ours", t_ours, t_fla, roof_g, b_g / (t_ours * 1e-3) / bw,
-                     f"fla/ours={t_fla / t_ours:.2f} err_vs_fla={err:.1e}"))  # fmt: skip
+                     f"fla/ours={t_fla / t_ours:.2f} {vs}={err:.1e}"))  # fmt: skip
         rows.append(("prefill", shape, "ours-k3", t_k3, t_fla_k3, roof_f, b_f / (t_k3 * 1e-3) / bw,
-                     f"fla/ours={t_fla_k3 / t_k3:.2f} (fla K3 mode) err_vs_fla={err3:.1e}"))  # fmt: skip
+                     f"fla/ours={t_fla_k3 / t_k3:.2f} (fla K3 mode) {vs}={err3:.1e}"))  # fmt: skip
         log(rows[-2], rows[-1])
         del ours, ours_k3, fla_p, fla_k3
         torch.cuda.empty_cache()
@@ -361,6 +369,8 @@ def main() -> int:
     ap.add_argument("--only", default="prefill,decode,mla")
     ap.add_argument("--knobs", default="",
                     help="chunk_triton.KNOBS overrides, e.g. state_bv=64,state_warps=8")
+    ap.add_argument("--no-fla", action="store_true",
+                    help="time ours only (fla-core's autotuning costs ~90 s per head count)")
     ap.add_argument("--prefill-shapes", default=None,
                     help="prefill rows to run, e.g. 32768x12,512x16x64 (T x H [x N seqs])")
     args = ap.parse_args()
@@ -368,6 +378,8 @@ def main() -> int:
         print("gpu_kernels: no CUDA device here; nothing to measure (run it on the H200).")
         return 0
     try:
+        if args.no_fla:
+            raise ImportError("--no-fla")
         import fla.ops.kda as fla_kda
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 

@@ -134,6 +134,88 @@ def test_chunk_triton_knobs(knobs, monkeypatch):
     assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
 
 
+STATE_SETS = [
+    {"state_seg": 1},  # every chunk its own segment: affine maps, scan, then the segments
+    {"state_seg": 3, "fuse_out": 1},  # uneven segments, output fused into the state pass
+    {"fuse_out": 1, "state_seg": -1},  # whole sequences, output fused
+    {"state_split_below": 1000, "state_progs": 64, "seg_min": 1, "seg_count_min": 2},  # auto
+]
+
+
+@pytest.mark.parametrize("knobs", STATE_SETS, ids=["seg1", "seg3-fused", "fused", "auto"])
+@pytest.mark.parametrize("layout", ["B2-T300", "varlen"])
+def test_chunk_triton_state_segments(knobs, layout, monkeypatch):
+    """The state pass split into segments (``_seg_scan_kernel``) and the fused output pass:
+    with and without initial / final states, fixed-length and varlen (an empty sequence and
+    sequences shorter than a segment), g given and K3's gate fused."""
+    from k3serve.kernels.kda import chunk_triton as ct
+
+    for key, val in knobs.items():
+        monkeypatch.setitem(ct.KNOBS, key, val)
+    if layout == "varlen":
+        cu = [0, 3, 3, 260, 330]
+        q, k, v, g, beta, h0, f, A_log, dt_bias = kda_inputs(1, 330, 2, 16, 32, N=4, seed=5)
+        cu_t = torch.tensor(cu, device=DEV)
+    else:
+        q, k, v, g, beta, h0, f, A_log, dt_bias = kda_inputs(2, 300, 1, 32, 16, seed=6)
+        cu_t = None
+    o_ref, s_ref = ref_kda(q, k, v, g, beta, h0, cu_t)
+    kw = {"initial_state": h0, "output_final_state": True, "cu_seqlens": cu_t}
+    o, s = chunk_kda_triton(q, k, v, g, beta, **kw)
+    assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
+    o, s = chunk_kda_triton(q, k, v, f, beta, **kw, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
+    o2, s2 = chunk_kda_triton(q, k, v, g, beta, cu_seqlens=cu_t)  # no states in or out
+    o2_ref, _ = ref_kda(q, k, v, g, beta, torch.zeros_like(h0), cu_t)
+    assert s2 is None and rel_err(o2, o2_ref) < 1e-4
+
+
+@pytest.mark.parametrize("knobs", [{"state_seg": -1}, *STATE_SETS], ids=["whole", "seg1", "seg3-fused", "fused", "auto"])
+def test_chunk_triton_state_carry(knobs, monkeypatch):
+    """Weak decay (g ∈ (−0.02, 0]), so the state carries across chunks and segments: the gates
+    of ``kda_inputs`` forget a chunk's state within ~64 steps (e^-15 and less), which would hide
+    a wrong inter-chunk / inter-segment state. Fixed-length (B 2) and varlen."""
+    from k3serve.kernels.kda import chunk_triton as ct
+
+    for key, val in knobs.items():
+        monkeypatch.setitem(ct.KNOBS, key, val)
+    gen = torch.Generator().manual_seed(21)
+    for B, T, cu in ((2, 300, None), (1, 330, [0, 3, 3, 260, 330])):
+        N = B if cu is None else len(cu) - 1
+        q = F.normalize(torch.randn(B, T, 1, 32, generator=gen), dim=-1).to(DEV)
+        k = F.normalize(torch.randn(B, T, 1, 32, generator=gen), dim=-1).to(DEV)
+        v = torch.randn(B, T, 1, 16, generator=gen).to(DEV)
+        g = (-0.02 * torch.rand(B, T, 1, 32, generator=gen)).to(DEV)
+        beta = torch.rand(B, T, 1, generator=gen).to(DEV)
+        h0 = torch.randn(N, 1, 32, 16, generator=gen).to(DEV)
+        cu_t = None if cu is None else torch.tensor(cu, device=DEV)
+        o_ref, s_ref = ref_kda(q, k, v, g, beta, h0, cu_t)
+        o_0, _ = ref_kda(q, k, v, g, beta, torch.zeros_like(h0), cu_t)
+        assert rel_err(o_0, o_ref) > 0.05  # the initial state still shows in the outputs
+        o, s = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_t)
+        assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+
+
+def test_chunk_triton_plan_cache():
+    """Chunk tables are built once per layout: per cu_seqlens tensor (rebuilt after an in-place
+    change), per (B, T) for fixed-length batches."""
+    from k3serve.kernels.kda import chunk_triton as ct
+
+    cu = torch.tensor([0, 5, 70], device=DEV)
+    p1 = ct._plan(cu, 1, 70, torch.device(DEV))
+    assert ct._plan(cu, 1, 70, torch.device(DEV)) is p1 and p1.nts == [1, 2] and p1.nch == 3
+    assert ct._plan(torch.tensor([0, 5, 70], device=DEV), 1, 70, torch.device(DEV)) is not p1
+    cu[1] = 64
+    p2 = ct._plan(cu, 1, 70, torch.device(DEV))
+    assert p2 is not p1 and p2.nts == [1, 1] and p2.cidx.tolist() == [[0, 0], [1, 0]]
+    p3 = ct._plan(None, 2, 130, torch.device(DEV))
+    assert ct._plan(None, 2, 130, torch.device(DEV)) is p3 and p3.coff.tolist() == [0, 3, 6]
+    seg, soff, ns = p3.segs(2)
+    assert ns == 4 and soff.tolist() == [0, 2, 4]
+    assert seg.tolist() == [[0, 0, 2, 0], [0, 2, 1, 1], [1, 0, 2, 0], [1, 2, 1, 1]]
+    assert p3.segs(3) is None  # one segment per sequence
+
+
 @pytest.mark.skipif(
     not HAS_CUDA, reason="triton's interpreter multiplies bf16 tl.dot operands as raw bits (3.9)"
 )
@@ -293,6 +375,20 @@ def test_gpu_chunk_full(T, H):
     o2, s2 = chunk_kda_triton(q, k, v, f, beta, initial_state=h0, output_final_state=True,
                               A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)  # fmt: skip
     assert rel_err(o2, o_ref) < 3e-2 and rel_err(s2, s_ref) < 3e-2
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_chunk_state_carry_full():
+    """T 32k H 12 (the state pass in segments by default) with weak decay, so the state carries
+    across chunks and segments (``kda_inputs``' gates forget within a chunk)."""
+    T, H, K, V = 32768, 12, 128, 128
+    q, k, v, _g, beta, h0, *_ = kda_inputs(1, T, H, K, V, dtype=torch.bfloat16, seed=5)
+    g = -0.02 * torch.rand(1, T, H, K, device=DEV, generator=torch.Generator(DEV).manual_seed(5))
+    o_ref, s_ref = chunk_kda(q.float(), k.float(), v.float(), g, beta.float(), initial_state=h0,
+                             output_final_state=True)  # fmt: skip
+    o, s = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert rel_err(o, o_ref) < 3e-2 and rel_err(s, s_ref) < 3e-2
 
 
 @gpu

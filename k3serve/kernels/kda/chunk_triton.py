@@ -1,8 +1,8 @@
 """Chunked KDA prefill in Triton (forward only): varlen, initial/final states, fused bounded gate.
 
 Same algebra as ``chunk.py`` (Kimi Linear arXiv 2510.26692 §4; see that module's docstring),
-in three launches (four with ``KNOBS["fuse_gate"] = 0``), split the way fla-core splits its
-``chunk_kda`` forward::
+in three launches (four with ``KNOBS["fuse_gate"] = 0``, five with the state pass in segments),
+split the way fla-core splits its ``chunk_kda`` forward::
 
     1. _intra         per (chunk, head): G = in-chunk cumsum of g (optionally g = gate(f)),
                       Aqk and β·Akk (16-token sub-chunks), then T = (I + β·Akk)⁻¹ once as a
@@ -12,6 +12,19 @@ in three launches (four with ``KNOBS["fuse_gate"] = 0``), split the way fla-core
     2. _state         per (sequence, head, V-block), sequential over chunks:
                       h_c = S;  v_new = Ũ − W S;  S ← diag(exp(G_C)) S + Kdᵀ v_new
     3. _output        per (chunk, head, V-block): O = (exp(G)⊙Q·scale) h_c + Aqk v_new
+
+When a batch has few (sequence, head, V-block) programs (one long prompt at K3's 12 heads per
+GPU: 48), step 2 runs in segments of chunks instead (``_plan``/``_state_segments``): the
+recurrence is affine in the state, ``S_end = M S_start + B`` over a segment, so
+
+    2a. _state MODE 2 per (segment, head, column block of [M | B]): M from identity columns
+                      without the Ũ term, B from zero with it (segments in parallel)
+    2b. _seg_scan     per (sequence, head, V-block): S_start(s+1) = M_s S_start(s) + B_s
+    2c. _state MODE 1 per (segment, head, V-block): step 2 from S_start(s)
+
+(about 3× the state-pass FLOPs for ~#segments× the parallelism). ``KNOBS["fuse_out"]`` folds
+step 3 into step 2 / 2c (no h / v_new round trip through HBM). The chunk and segment tables
+are cached per layout (per ``cu_seqlens`` tensor, as fla-core's ``tensor_cache`` does).
 
 Inside a kernel, tensors are addressed from a 64-bit scalar base (the chunk's first row) plus
 32-bit tile offsets: 64-bit offset tiles cost two registers per element and made run 4's intra
@@ -33,6 +46,8 @@ fp32 inputs run every product in IEEE fp32 (for tests); bf16 inputs use bf16/tf3
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import triton
@@ -60,6 +75,18 @@ KNOBS: dict[str, int | None] = {
     "state_bv": 32,  # V columns per state program (for K > 64; 64 otherwise)
     "state_warps": 4,
     "state_stages": None,
+    "state_bv_wide": 64,  # V columns per state program when programs are many (0: never)
+    "state_bv_wide_progs": 256,  # … i.e. when N·H·V/64 reaches this (run 6: varlen 64×512 H 16)
+    "state_seg": 0,  # state pass in segments of this many chunks; 0 auto (few programs), -1 off
+    "state_split_below": 64,  # auto: split only when N·H·V-blocks < this (run 6: 48 at H 12) …
+    "state_progs": 384,  # … into about this many programs …
+    "seg_min": 64,  # … with segments of at least this many chunks …
+    "seg_count_min": 4,  # … and at least this many segments in the longest sequence
+    "scan_bv": 32,  # V columns per program of the scan over segments
+    "scan_warps": 8,
+    # 1: the output O = QgS + Aqk·v_new inside the state pass (no h / v_new round trip); off: at
+    # Triton's default 3 stages it asks 241 KB of shared memory on the H200 (232 KB), run 6
+    "fuse_out": 0,
     "out_bv": 64,
     "out_warps": 4,
     "out_stages": None,
@@ -425,6 +452,13 @@ def _state_kernel(
     ht,
     cu,
     coff,
+    seg,
+    S0,
+    AB,
+    q,
+    Aqk,
+    o,
+    scale,
     H: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
@@ -433,36 +467,137 @@ def _state_kernel(
     HAS_H0: tl.constexpr,
     STORE_HT: tl.constexpr,
     PREC: tl.constexpr,
+    MODE: tl.constexpr,
+    FUSE_O: tl.constexpr,
 ):
-    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n = i_n.to(tl.int64)
-    bos, eos = tl.load(cu + i_n).to(tl.int64), tl.load(cu + i_n + 1).to(tl.int64)
-    c0 = tl.load(coff + i_n).to(tl.int64)
-    NT = tl.cdiv(eos - bos, BT)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_t = tl.arange(0, BT)
-    p_s = ((i_n * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
-    if HAS_H0:
-        S = tl.load(h0 + p_s).to(tl.float32)
+    """Inter-chunk state pass, sequential over the chunks of one segment (see ``_plan``).
+
+    MODE 0: a program per (sequence, head, V-block), the whole sequence, state from ``h0``;
+    MODE 1: a program per (segment, head, V-block), start state ``S0[segment]`` (``_seg_scan``);
+    MODE 2: the segment's affine map ``S_end = M S_start + B`` into ``AB[segment] = [M | B]``
+    (``[K, K + V]`` fp32): V-blocks ``< K / BV`` run the recurrence from identity columns without
+    the Ũ term (columns of M), the rest from zero with it (columns of B); not for a sequence's
+    last segment. MODE 0/1 store h_c and v_new, or with FUSE_O the output
+    ``O = (exp(G)⊙Q·scale) h_c + Aqk v_new`` directly (no h / v_new round trip).
+    """
+    i_s, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if MODE == 0:
+        i_n = i_s.to(tl.int64)
+        j0 = i_n * 0
+        bos, eos = tl.load(cu + i_n).to(tl.int64), tl.load(cu + i_n + 1).to(tl.int64)
+        nc = tl.cdiv(eos - bos, BT)
+        last = 1
     else:
-        S = tl.zeros([K, BV], dtype=tl.float32)
+        i_n = tl.load(seg + 4 * i_s).to(tl.int64)
+        j0 = tl.load(seg + 4 * i_s + 1).to(tl.int64)
+        bos, eos = tl.load(cu + i_n).to(tl.int64), tl.load(cu + i_n + 1).to(tl.int64)
+        nc = tl.load(seg + 4 * i_s + 2)
+        last = tl.load(seg + 4 * i_s + 3)
+        if MODE == 2:
+            nc = tl.where(last != 0, 0, nc)
+    c0 = tl.load(coff + i_n).to(tl.int64) + j0
+    o_k = tl.arange(0, K)
+    o_t = tl.arange(0, BT)
+    o_b = tl.arange(0, BV)
+    NVK: tl.constexpr = K // BV
+    if MODE == 2:
+        is_tr = i_v < NVK
+        c = tl.where(is_tr, i_v, i_v - NVK) * BV + o_b
+        S = tl.where(is_tr, (o_k[:, None] == c[None, :]).to(tl.float32), 0.0)
+        m_u = (i_v * BV + o_b) >= K  # columns of B take the Ũ term
+    else:
+        c = i_v * BV + o_b
+        p_s = o_k[:, None] * V + c[None, :]
+        if MODE == 1:
+            S = tl.load(S0 + (i_s.to(tl.int64) * H + i_h) * K * V + p_s)
+        elif HAS_H0:
+            S = tl.load(h0 + (i_n * H + i_h) * K * V + p_s).to(tl.float32)
+        else:
+            S = tl.zeros([K, BV], dtype=tl.float32)
     DT = W.dtype.element_ty
-    for j in range(NT):
-        t0 = bos + j * BT
+    SK: tl.constexpr = H * K
+    SV: tl.constexpr = H * V
+    # 64-bit scalar bases (a chunk's first row), 32-bit tile offsets
+    p_k = o_t[:, None] * SK + o_k[None, :]
+    p_v = o_t[:, None] * SV + c[None, :]
+    for j in range(nc):
+        t0 = bos + (j0 + j) * BT
         L = tl.minimum(eos - t0, BT)
         m_t = o_t < L
-        tl.store(h + (((c0 + j) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], S.to(DT))
-        b_w = tl.load(W + ((t0 + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-        p_u = ((t0 + o_t[:, None]) * H + i_h) * V + o_v[None, :]
-        b_u = tl.load(U + p_u, mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_vn = b_u - tl.dot(b_w, S.to(DT), input_precision=PREC)
-        tl.store(vnew + p_u, b_vn.to(DT), mask=m_t[:, None])
-        b_kd = tl.load(Kd + ((t0 + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0)
-        gC = tl.load(G + ((t0 + L - 1) * H + i_h) * K + o_k)
-        S = S * tl.exp(gC)[:, None] + tl.dot(tl.trans(b_kd), b_vn.to(DT), input_precision=PREC)
-    if STORE_HT:
-        tl.store(ht + p_s, S)
+        bk = (t0 * H + i_h) * K
+        bv = (t0 * H + i_h) * V
+        S_lo = S.to(DT)
+        if MODE != 2 and not FUSE_O:
+            tl.store(h + ((c0 + j) * H + i_h) * K * V + o_k[:, None] * V + c[None, :], S_lo)
+        b_w = tl.load(W + bk + p_k, mask=m_t[:, None], other=0.0)
+        if MODE == 2:
+            b_u = tl.load(U + bv + p_v, mask=m_t[:, None] & m_u[None, :], other=0.0).to(tl.float32)
+        else:
+            b_u = tl.load(U + bv + p_v, mask=m_t[:, None], other=0.0).to(tl.float32)
+        b_vn = b_u - tl.dot(b_w, S_lo, input_precision=PREC)
+        vn_lo = b_vn.to(DT)
+        if MODE != 2:
+            if FUSE_O:
+                b_q = tl.load(q + bk + p_k, mask=m_t[:, None], other=0.0).to(tl.float32)
+                b_G = tl.load(G + bk + p_k, mask=m_t[:, None], other=0.0)
+                b_qg = (b_q * tl.exp(b_G) * scale).to(DT)
+                b_A = tl.load(
+                    Aqk + (t0 * H + i_h) * BT + o_t[:, None] * (H * BT) + o_t[None, :],
+                    mask=m_t[:, None] & m_t[None, :],
+                    other=0.0,
+                ).to(DT)
+                b_o = tl.dot(b_qg, S_lo, input_precision=PREC)
+                b_o += tl.dot(b_A, vn_lo, input_precision=PREC)
+                tl.store(o + bv + p_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None])
+            else:
+                tl.store(vnew + bv + p_v, vn_lo, mask=m_t[:, None])
+        b_kd = tl.load(Kd + bk + p_k, mask=m_t[:, None], other=0.0)
+        gC = tl.load(G + bk + (L - 1) * SK + o_k)
+        S = S * tl.exp(gC)[:, None] + tl.dot(tl.trans(b_kd), vn_lo, input_precision=PREC)
+    if MODE == 2:
+        KV2: tl.constexpr = K + V
+        p_ab = (i_s.to(tl.int64) * H + i_h) * K * KV2 + o_k[:, None] * KV2 + (i_v * BV + o_b)[None, :]
+        tl.store(AB + p_ab, S, mask=(o_k[:, None] * 0 + last) == 0)
+    elif STORE_HT:
+        if MODE == 0:
+            tl.store(ht + (i_n * H + i_h) * K * V + p_s, S)
+        else:
+            tl.store(ht + (i_n * H + i_h) * K * V + p_s, S, mask=(o_k[:, None] * 0 + last) != 0)
+
+
+@triton.jit
+def _seg_scan_kernel(
+    AB,
+    h0,
+    S0,
+    soff,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_H0: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Start states of a sequence's segments, per (sequence, head, V-block):
+    ``S0[s₀] = h0``, ``S0[s+1] = M_s S0[s] + B_s`` with ``AB[s] = [M_s | B_s]`` (fp32)."""
+    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n = i_n.to(tl.int64)
+    s0, s1 = tl.load(soff + i_n).to(tl.int64), tl.load(soff + i_n + 1).to(tl.int64)
+    o_k = tl.arange(0, K)
+    c = i_v * BV + tl.arange(0, BV)
+    p_s = o_k[:, None] * V + c[None, :]
+    if HAS_H0:
+        S = tl.load(h0 + (i_n * H + i_h) * K * V + p_s).to(tl.float32)
+    else:
+        S = tl.zeros([K, BV], dtype=tl.float32)
+    KV2: tl.constexpr = K + V
+    for s in range(s0, s1):
+        tl.store(S0 + (s * H + i_h) * K * V + p_s, S)
+        if s < s1 - 1:
+            base = (s * H + i_h) * K * KV2
+            b_m = tl.load(AB + base + o_k[:, None] * KV2 + o_k[None, :])
+            b_b = tl.load(AB + base + o_k[:, None] * KV2 + K + c[None, :])
+            S = tl.dot(b_m, S, input_precision=PREC) + b_b
 
 
 @triton.jit
@@ -517,22 +652,106 @@ def _output_kernel(
 # ----------------------------------------------------------------------------- host side
 
 
-def _chunk_index(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> tuple:
-    """``(cu [N+1] int64, cidx [NCH, 2] int32 (seq, chunk-in-seq), coff [N+1] int64, NCH)``."""
+class _Plan:
+    """Chunk and segment tables of one ``(cu_seqlens | B × T)`` layout, built once and cached.
+
+    ``cu [N+1]`` int64, ``cidx [NCH, 2]`` int32 (sequence, chunk in sequence), ``coff [N+1]``
+    int64 (first chunk of each sequence), ``nch``; ``nts`` (chunks per sequence, host ints);
+    ``segs(SEG)`` → ``(seg [NS, 4]`` int32 (sequence, first chunk, chunks, is-last),
+    ``soff [N+1]`` int64, ``NS)`` or ``None`` when every sequence is one segment.
+    """
+
+    def __init__(self, cu_seqlens: torch.Tensor | None, B: int, T: int, device):
+        if cu_seqlens is None:
+            NT = triton.cdiv(T, BT)
+            self.nts = [NT] * B
+            self.cu = torch.arange(0, B + 1, device=device, dtype=torch.int64) * T
+        else:
+            self.cu = cu_seqlens.to(device=device, dtype=torch.int64)
+            lens = cu_seqlens.detach().to("cpu", torch.int64)  # one host sync per layout
+            ends = lens.tolist()
+            self.nts = [(b - a + BT - 1) // BT for a, b in itertools.pairwise(ends)]
+        offs = [0]
+        for n in self.nts:
+            offs.append(offs[-1] + n)
+        self.nch = offs[-1]
+        seq = [i for i, n in enumerate(self.nts) for _ in range(n)]
+        j = [c for n in self.nts for c in range(n)]
+        self.cidx = torch.tensor([seq, j], dtype=torch.int32).t().contiguous().to(device)
+        self.coff = torch.tensor(offs, dtype=torch.int64).to(device)
+        self.device = device
+        self._segs: dict = {}
+
+    def segs(self, SEG: int):
+        if SEG not in self._segs:
+            rows, soff = [], [0]
+            for i, n in enumerate(self.nts):
+                ns = max(1, triton.cdiv(n, SEG))
+                for s in range(ns):
+                    j0 = s * SEG
+                    rows.append([i, j0, min(SEG, n - j0) if n else 0, int(s == ns - 1)])
+                soff.append(soff[-1] + ns)
+            if len(rows) == len(self.nts):
+                self._segs[SEG] = None
+            else:
+                self._segs[SEG] = (
+                    torch.tensor(rows, dtype=torch.int32).to(self.device),
+                    torch.tensor(soff, dtype=torch.int64).to(self.device),
+                    len(rows),
+                )
+        return self._segs[SEG]
+
+
+_PLANS: dict = {}  # key → (cu_seqlens or None, version, _Plan); at most _PLANS_MAX entries
+_PLANS_MAX = 16
+
+
+def _tensor_version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version counter: identity only (as fla)
+        return -1
+
+
+def _plan(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> _Plan:
+    """The cached :class:`_Plan` of this layout: fixed-length by ``(B, T, device)``, varlen by the
+    ``cu_seqlens`` tensor itself (identity, and its version counter where it has one: an in-place
+    change rebuilds), as fla-core's ``tensor_cache`` does for its chunk indices — the host sync
+    then happens once per layout (e.g. once per forward for all KDA layers), not per call."""
     if cu_seqlens is None:
-        NT = triton.cdiv(T, BT)
-        cu = torch.arange(0, B + 1, device=device, dtype=torch.int64) * T
-        seq = torch.arange(B, device=device).repeat_interleave(NT)
-        j = torch.arange(NT, device=device).repeat(B)
-        coff = torch.arange(0, B + 1, device=device, dtype=torch.int64) * NT
-        return cu, torch.stack([seq, j], 1).to(torch.int32).contiguous(), coff, B * NT
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
-    nts = (cu[1:] - cu[:-1] + BT - 1) // BT
-    coff = torch.cat([cu.new_zeros(1), nts.cumsum(0)])
-    nch = int(coff[-1])  # one host sync: the grid size
-    seq = torch.repeat_interleave(torch.arange(nts.numel(), device=device), nts, output_size=nch)
-    j = torch.arange(nch, device=device) - coff[seq]
-    return cu, torch.stack([seq, j], 1).to(torch.int32).contiguous(), coff, nch
+        key = ("fixed", B, T, str(device))
+    else:
+        key = ("varlen", id(cu_seqlens), str(device))
+    hit = _PLANS.get(key)
+    ver = _tensor_version(cu_seqlens) if cu_seqlens is not None else 0
+    if hit is not None and hit[0] is cu_seqlens and hit[1] == ver:
+        return hit[2]
+    plan = _Plan(cu_seqlens, B, T, device)
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[key] = (cu_seqlens, ver, plan)
+    return plan
+
+
+def _state_segments(plan: _Plan, H: int, NV: int) -> int:
+    """Chunks per segment of the state pass (0: one segment per sequence).
+
+    ``KNOBS["state_seg"]`` > 0 forces that length; < 0 turns segments off; 0 (auto) splits only
+    when ``N · H · NV`` programs are fewer than ``KNOBS["state_split_below"]``, into about
+    ``KNOBS["state_progs"]`` programs, with segments of at least ``KNOBS["seg_min"]`` chunks and
+    at least ``KNOBS["seg_count_min"]`` of them (H200, run 6: 8 segments of 64 chunks paid 4 %
+    at T 32k H 12; shorter segments or more programs lost, the extra M-columns cost more than
+    the parallelism gives)."""
+    want = KNOBS["state_seg"]
+    if want is not None and want < 0:
+        return 0
+    if want:
+        return int(want)
+    if len(plan.nts) * H * NV >= KNOBS["state_split_below"] or plan.nch == 0:
+        return 0
+    nseg = triton.cdiv(KNOBS["state_progs"], H * NV)
+    seg = max(KNOBS["seg_min"], triton.cdiv(plan.nch, nseg))
+    return seg if triton.cdiv(max(plan.nts), seg) >= KNOBS["seg_count_min"] else 0
 
 
 def chunk_kda_triton(
@@ -593,7 +812,8 @@ def chunk_kda_triton(
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     prec = "ieee" if io == torch.float32 else "tf32"
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    cu, cidx, coff, nch = _chunk_index(cu_seqlens, B, T, dev)
+    plan = _plan(cu_seqlens, B, T, dev)
+    cu, cidx, coff, nch = plan.cu, plan.cidx, plan.coff, plan.nch
     o = torch.empty(B, T, H, V, dtype=io, device=dev)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     if nch == 0:
@@ -601,7 +821,6 @@ def chunk_kda_triton(
             ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
         return o, ht
     BK = min(KNOBS["intra_bk"], K)
-    BV = min(KNOBS["out_bv"], V)
     Gc = torch.empty(B, T, H, K, dtype=torch.float32, device=dev)
     gate = 0 if A_log is None else (1 if lower_bound is not None else 2)
     gargs = (g, A_log if A_log is not None else g, dt_bias if dt_bias is not None else g, float(lower_bound or 0.0))
@@ -620,19 +839,53 @@ def chunk_kda_triton(
         WY_LOWP=bool(KNOBS["wy_lowp"]) and io != torch.float32, A_COLS=bool(KNOBS["a_cols"]), **gkw,
         **_launch(KNOBS["intra_warps"], KNOBS["intra_stages"]),
     )  # fmt: skip
-    h = torch.empty(nch, H, K, V, dtype=io, device=dev)
-    vnew = torch.empty(B, T, H, V, dtype=io, device=dev)
     BVs = min(KNOBS["state_bv"] if K > 64 else 64, V)
     h0 = initial_state.contiguous() if initial_state is not None else None
-    _state_kernel[(N, H, triton.cdiv(V, BVs))](
-        W, U, Kd, Gc, h, vnew, h0 if h0 is not None else h, ht if ht is not None else h, cu, coff,
-        H=H, K=K, V=V, BT=BT, BV=BVs, HAS_H0=h0 is not None, STORE_HT=ht is not None, PREC=prec,
-        **_launch(KNOBS["state_warps"], KNOBS["state_stages"]),
-    )  # fmt: skip
-    _output_kernel[(nch, H, triton.cdiv(V, BV))](
-        q, Gc, Aqk, h, vnew, o, cu, cidx, scale,
-        H=H, K=K, V=V, BT=BT, BV=BV, PREC=prec, **_launch(KNOBS["out_warps"], KNOBS["out_stages"]),
-    )  # fmt: skip
+    fuse_o = bool(KNOBS["fuse_out"])
+    SEG = _state_segments(plan, H, triton.cdiv(V, min(BVs, K)))
+    sg = plan.segs(SEG) if SEG else None
+    wide = KNOBS["state_bv_wide"]
+    if sg is not None:
+        BVs = min(BVs, K)
+    elif K > 64 and wide and N * H * triton.cdiv(V, wide) >= KNOBS["state_bv_wide_progs"]:
+        BVs = min(wide, V)  # many programs anyway: fewer re-reads of W / Kd per V column
+    if fuse_o:
+        h = vnew = o  # unused (not stored)
+    else:
+        h = torch.empty(nch, H, K, V, dtype=io, device=dev)
+        vnew = torch.empty(B, T, H, V, dtype=io, device=dev)
+    skw = {"H": H, "K": K, "V": V, "BT": BT, "BV": BVs, "HAS_H0": h0 is not None,
+           "STORE_HT": ht is not None, "PREC": prec, "FUSE_O": fuse_o}  # fmt: skip
+    lkw = _launch(KNOBS["state_warps"], KNOBS["state_stages"])
+    h0_ = h0 if h0 is not None else Gc
+    ht_ = ht if ht is not None else Gc
+    if sg is None:
+        _state_kernel[(N, H, triton.cdiv(V, BVs))](
+            W, U, Kd, Gc, h, vnew, h0_, ht_, cu, coff, coff, Gc, Gc, q, Aqk, o, scale, MODE=0, **skw, **lkw,
+        )  # fmt: skip
+    else:
+        # the state pass in segments (few programs per sequence otherwise): each segment's affine
+        # map [M | B] in parallel, a short scan over segments, then every segment from its start
+        seg, soff, NS = sg
+        AB = torch.empty(NS, H, K, K + V, dtype=torch.float32, device=dev)
+        S0 = torch.empty(NS, H, K, V, dtype=torch.float32, device=dev)
+        _state_kernel[(NS, H, (K + V) // BVs)](
+            W, U, Kd, Gc, h, vnew, h0_, ht_, cu, coff, seg, S0, AB, q, Aqk, o, scale, MODE=2, **skw, **lkw,
+        )  # fmt: skip
+        BVq = min(KNOBS["scan_bv"], V)
+        _seg_scan_kernel[(N, H, V // BVq)](
+            AB, h0_, S0, soff, H=H, K=K, V=V, BV=BVq, HAS_H0=h0 is not None,
+            PREC="ieee" if prec == "ieee" else "tf32x3", num_warps=KNOBS["scan_warps"],
+        )  # fmt: skip
+        _state_kernel[(NS, H, triton.cdiv(V, BVs))](
+            W, U, Kd, Gc, h, vnew, h0_, ht_, cu, coff, seg, S0, AB, q, Aqk, o, scale, MODE=1, **skw, **lkw,
+        )  # fmt: skip
+    if not fuse_o:
+        BV = min(KNOBS["out_bv"], V)
+        _output_kernel[(nch, H, triton.cdiv(V, BV))](
+            q, Gc, Aqk, h, vnew, o, cu, cidx, scale,
+            H=H, K=K, V=V, BT=BT, BV=BV, PREC=prec, **_launch(KNOBS["out_warps"], KNOBS["out_stages"]),
+        )  # fmt: skip
     return o, ht
 
 
