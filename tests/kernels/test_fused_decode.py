@@ -140,11 +140,12 @@ def router_ref(x, weight, bias, k, norm, scale):
     return w * scale, idx
 
 
-@pytest.mark.parametrize("e,k,t", [(8, 2, 5), (64, 8, 37), (16, 3, 1), (24, 4, 17)])
+@pytest.mark.parametrize("e,k,t,d", [(8, 2, 5, 96), (64, 8, 37, 1000), (16, 3, 1, 96),
+                                     (24, 4, 17, 2048)])  # d ≥ 128: the K-split partial logits
 @pytest.mark.parametrize("norm", [True, False])
-def test_route_topk(e, k, t, norm):
+def test_route_topk(e, k, t, d, norm):
     torch.manual_seed(e + t)
-    x, w = rn(t, 96, dtype=torch.bfloat16), rn(e, 96, dtype=torch.bfloat16, scale=0.1)
+    x, w = rn(t, d, dtype=torch.bfloat16), rn(e, d, dtype=torch.bfloat16, scale=0.1)
     bias = rn(e, scale=0.1)
     load = torch.full((e,), 3, dtype=torch.int64, device=DEV)
     tw, ids = route_topk_triton(x, w, bias, k, norm, 2.5, load)

@@ -1,5 +1,5 @@
 """MoE routing for decode-sized batches in Triton: the router (GEMM, sigmoid, biased top-k,
-normalisation, load counters) in one launch, and the expert-aligned block layout in one more.
+normalisation, load counters) in two launches, and the expert-aligned block layout in one more.
 
 References (plain torch, the spec): ``k3serve.model.moe.Router.forward`` plus the
 ``expert_load`` update of ``MoE.forward`` for :func:`route_topk_triton` (sigmoid top-k with a
@@ -22,18 +22,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _route_kernel(
-    x, w, bias, ids, tw, load, T, E, D, s_x, s_w, scale,
-    TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, COUNT: tl.constexpr,
-    BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, LOWP: tl.constexpr,
-):  # fmt: skip
+def _route_logits_kernel(x, w, part, T, E, D, s_x, s_w, KCH,
+                         BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+                         LOWP: tl.constexpr):  # fmt: skip
+    """Partial router logits of one token block over one K slice: ``part[ks] = x[:, slice] ·
+    W[:, slice]ᵀ`` (the slices are summed in order by ``_route_kernel``: deterministic)."""
     pid = tl.program_id(0)
+    ks = tl.program_id(1)
     rows = pid * BT + tl.arange(0, BT)
     m_t = rows < T
     cols = tl.arange(0, BE)
     m_e = cols < E
     acc = tl.zeros((BT, BE), dtype=tl.float32)
-    for k0 in range(0, D, BK):
+    for k0 in range(ks * KCH, ks * KCH + KCH, BK):
         offs_k = k0 + tl.arange(0, BK)
         m_k = offs_k < D
         a = tl.load(x + rows.to(tl.int64)[:, None] * s_x + offs_k[None, :],
@@ -44,6 +45,25 @@ def _route_kernel(
             acc = tl.dot(a, b, acc)
         else:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    off = (ks * T + rows.to(tl.int64))[:, None] * BE + cols[None, :]
+    tl.store(part + off, acc, mask=m_t[:, None])
+
+
+@triton.jit
+def _route_kernel(
+    part, bias, ids, tw, load, T, E, KS, scale,
+    TOPK: tl.constexpr, KP: tl.constexpr, NORM: tl.constexpr, COUNT: tl.constexpr,
+    BT: tl.constexpr, BE: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * BT + tl.arange(0, BT)
+    m_t = rows < T
+    cols = tl.arange(0, BE)
+    m_e = cols < E
+    acc = tl.zeros((BT, BE), dtype=tl.float32)
+    for ks in range(KS):
+        off = (ks * T + rows.to(tl.int64))[:, None] * BE + cols[None, :]
+        acc += tl.load(part + off, mask=m_t[:, None], other=0.0)
     scores = tl.sigmoid(acc)
     sel = scores + tl.load(bias + cols, mask=m_e, other=0.0).to(tl.float32)[None, :]
     sel = tl.where(m_e[None, :], sel, float("-inf"))
@@ -77,8 +97,10 @@ def route_topk_triton(
     routed_scaling_factor: float,
     expert_load: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid top-k routing in one launch (``Router.forward`` contract), counting the routed
-    tokens per expert into ``expert_load`` (what ``MoE.forward`` adds).
+    """Sigmoid top-k routing in two launches (``Router.forward`` contract): the router GEMM split
+    over K into per-slice partial logits, then one kernel summing them in order (deterministic),
+    σ, biased top-k, normalisation, and the routed-token counts per expert into ``expert_load``
+    (what ``MoE.forward`` adds).
 
     ``s = σ(x Wᵀ)`` in float32 (bf16/fp16 operands of one dtype: their products are exact, summed
     in a float32 accumulator; otherwise an IEEE float32 dot), experts =
@@ -117,11 +139,21 @@ def route_topk_triton(
     lowp = (x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
             and os.environ.get("TRITON_INTERPRET") != "1")  # fmt: skip
     bk = (128 if lowp else 64) if be <= 64 else 32
+    # K split so the router weight streams through many SMs (one program reading all of it
+    # took 13.5 µs per layer on the H200, RESULTS_gpu_e2e.md Run 3)
+    ks = max(1, min(16, d // bk))
+    kch = triton.cdiv(triton.cdiv(d, ks), bk) * bk
+    ks = triton.cdiv(d, kch)
+    part = torch.empty(ks, t, be, dtype=torch.float32, device=x.device)
+    _route_logits_kernel[(triton.cdiv(t, bt), ks)](
+        x, weight, part, t, e, d, x.stride(0), weight.stride(0), kch,
+        BT=bt, BE=be, BK=bk, LOWP=lowp, num_warps=4,
+    )  # fmt: skip
     _route_kernel[(triton.cdiv(t, bt),)](
-        x, weight, bias, ids, tw, expert_load if expert_load is not None else ids,
-        t, e, d, x.stride(0), weight.stride(0), float(routed_scaling_factor),
+        part, bias, ids, tw, expert_load if expert_load is not None else ids,
+        t, e, ks, float(routed_scaling_factor),
         TOPK=top_k, KP=triton.next_power_of_2(top_k), NORM=bool(norm_topk_prob),
-        COUNT=expert_load is not None, BT=bt, BE=be, BK=bk, LOWP=lowp, num_warps=4,
+        COUNT=expert_load is not None, BT=bt, BE=be, num_warps=4,
     )  # fmt: skip
     return tw, ids
 
