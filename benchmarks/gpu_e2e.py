@@ -19,7 +19,10 @@ Checks (printed and in the JSON under ``checks``):
 Decode step (``--context`` cached tokens per sequence, default 2048): ``eager`` = the
 ``ModelRunner.forward`` (host batch build + eager launches), ``graph`` =
 ``CUDAGraphRunner.execute`` (host prep + one H2D copy + replay + logits copy), ``replay`` = the
-graph replay alone. Medians over ``--iters`` steps timed with CUDA events. Bytes-read roofline
+graph replay alone; ``--fused 0,1`` times each with ``K3SERVE_FUSED_DECODE`` = 0 (the unfused
+kernels) and 1 (the fused decode kernels), rows tagged ``"fused"``, and profiles one replay per
+batch (kernel count, GPU time, top 25 kernels: JSON ``replay_profile``). Medians over
+``--iters`` steps timed with CUDA events. Bytes-read roofline
 of a step: routed experts touched in that step (counted from ``MoE.expert_load``) at their stored
 size (MXFP4 0.53125 B/param, bf16 2), every other weight in bf16 (the embedding: B rows), KDA
 states read + written (fp32) and conv states read + written, MLA latents read
@@ -41,7 +44,7 @@ Calibration JSON (``gpu_e2e.json``), schema 1::
                   "tokens_per_s": float, "roofline_s": float, "roofline_share": float}],
      "decode": [{"batch": int, "context": int, "experts": "mxfp4" | "bf16",
                  "mode": "eager" | "graph" | "replay", "seconds": float,
-                 "roofline_s": float, "roofline_bytes": int, "ratio": float}],
+                 "roofline_s": float, "roofline_bytes": int, "ratio": float, "fused": "0" | "1"}],
      "fit": {"prefill_seconds_per_token": float, "prefill_seconds_base": float,
              "decode_seconds_per_seq": float, "decode_seconds_base": float,
              "decode_mode": "graph", "decode_experts": "mxfp4"},
@@ -263,7 +266,7 @@ rows_out_prof: list = []
 
 
 def profile_replay(g, b, sink):
-    """Kernels of one graph replay (count, GPU time, the top 10 by time)."""
+    """Kernels of one graph replay (count, GPU time, the top 25 by time)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -277,7 +280,7 @@ def profile_replay(g, b, sink):
         k = by.setdefault(e.name[:70], [0, 0.0])
         k[0] += 1
         k[1] += e.device_time
-    top = sorted(by.items(), key=lambda kv: -kv[1][1])[:10]
+    top = sorted(by.items(), key=lambda kv: -kv[1][1])[:25]
     sink.append({"batch": b, "kernels": len(ev), "gpu_us": tot,
                  "top": [{"name": n, "count": c, "us": t} for n, (c, t) in top]})  # fmt: skip
     log(f"replay B={b}: {len(ev)} kernels, {tot:.0f} us GPU time")
@@ -344,7 +347,7 @@ def decode_bench(model, cfg, moes, bw, batches, context, iters, checks):
                 t_graph = time_steps(lambda rows=rows, gr=gr: gr.execute(RunBatch(rows)), iters)
                 g = gr.graphs[b]
                 t_replay = time_steps(g.replay, iters)
-            if experts == "mxfp4" and b in (1, 64):
+            if experts == "mxfp4":
                 profile_replay(g, b, rows_out_prof)
             for mode, t in (("eager", t_eager), ("graph", t_graph), ("replay", t_replay)):
                 rows_out.append({"batch": b, "context": context, "experts": experts, "mode": mode,
@@ -411,13 +414,16 @@ def write_md(path, res):
     for c in res["checks"]:
         a = "" if c["argmax_agree"] is None else f"{c['argmax_agree']:.3f}"
         L.append(f"| {c['name']} | {c['rel_err']:.2e} | {a} |")
+    kern = {(p["batch"], p.get("fused", "1")): p["kernels"] for p in res.get("replay_profile", [])}
     L += ["", "## Decode step", "",
-          "| batch | experts | mode | ms | roofline ms | GB read | × roofline |",
-          "|---|---|---|---|---|---|---|"]  # fmt: skip
+          "| batch | experts | fused | mode | ms | roofline ms | GB read | × roofline | kernels |",
+          "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for d in res["decode"]:
-        L.append(f"| {d['batch']} | {d['experts']} | {d['mode']} | {d['seconds'] * 1e3:.3f} | "
+        nk = kern.get((d["batch"], d.get("fused", "1")), "") if d["experts"] == "mxfp4" else ""
+        L.append(f"| {d['batch']} | {d['experts']} | {d.get('fused', '1')} | {d['mode']} | "
+                 f"{d['seconds'] * 1e3:.3f} | "
                  f"{d['roofline_s'] * 1e3:.3f} | {d['roofline_bytes'] / 1e9:.2f} | "
-                 f"{d['ratio']:.2f} |")  # fmt: skip
+                 f"{d['ratio']:.2f} | {nk} |")  # fmt: skip
     L += ["", "## Prefill", "",
           "| batch × prompt | MLA prefill | s | tokens/s | roofline s | share of roofline |",
           "|---|---|---|---|---|---|"]  # fmt: skip
@@ -436,6 +442,9 @@ def main():
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--fused", default="1",
+                    help="K3SERVE_FUSED_DECODE values to time the decode step with, comma "
+                         "separated (0: the unfused kernels, 1: the fused decode kernels)")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
@@ -461,8 +470,18 @@ def main():
     for c in checks:
         log(f"check {c['name']}: rel {c['rel_err']:.2e} argmax {c['argmax_agree']}")
     set_mode(moes, "triton", "grouped", True)
-    decode = [] if a.skip_decode else decode_bench(model, cfg, moes, bw, a.batches, a.context,
-                                                   a.iters, checks)  # fmt: skip
+    decode = []
+    for fz in ([] if a.skip_decode else a.fused.split(",")):
+        os.environ["K3SERVE_FUSED_DECODE"] = fz
+        n_checks, n_prof = len(checks), len(rows_out_prof)
+        rows = decode_bench(model, cfg, moes, bw, a.batches, a.context, a.iters, checks)
+        decode += [{**r, "fused": fz} for r in rows]
+        for c in checks[n_checks:]:
+            c["name"] = f"{c['name']} (fused {fz})"
+        for r in rows_out_prof[n_prof:]:
+            r["fused"] = fz
+        torch.cuda.empty_cache()
+    os.environ.pop("K3SERVE_FUSED_DECODE", None)
     for c in checks:
         if c["name"].startswith("decode batch"):
             log(f"check {c['name']}: rel {c['rel_err']:.2e} argmax {c['argmax_agree']}")

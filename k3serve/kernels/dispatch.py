@@ -12,6 +12,12 @@ SDPA became the CUDA default after a device run (2026-12-02, one H200, k3-mini):
 0.424 → 0.215 s, 8 × 8192 3.05 → 1.52 s, 1 × 2048 0.151 → 0.125 s, and every MLA sublayer
 within bf16 tolerance of the reference (``tests/gpu/test_k3mini_fast_path.py``).
 
+``K3SERVE_FUSED_DECODE`` (read here only): ``0`` turns off the fused decode-step kernels of the
+model (:func:`fused_decode`: residual + AttnRes + norm per sublayer boundary, the whole KDA step,
+the MLA decode pieces, MoE routing and tail, stacked-weight GEMMs; ``benchmarks/RESULTS_gpu_e2e.md``
+Run 3) and keeps the unfused Triton path they replace — for before/after measurements. Unset or
+``1``: on wherever :func:`use_triton` is, without gradients.
+
 CPU tensors go to Triton only under ``TRITON_INTERPRET=1`` with ``K3SERVE_KERNELS=triton`` set
 explicitly (how the CPU tests exercise the Triton code). The chunked KDA kernel is forward-only,
 so a call that needs gradients always takes the torch path.
@@ -67,6 +73,19 @@ def use_triton(device: Any = None) -> bool:
         os.environ.get(_ENV, "").strip().lower() == "triton"
         and os.environ.get("TRITON_INTERPRET", "") == "1"
     )
+
+
+def fused_decode(device: Any = None) -> bool:
+    """Whether the model's decode step takes its fused Triton kernels (:func:`use_triton` and
+    ``K3SERVE_FUSED_DECODE`` not ``0``; gradients always take the unfused path).
+
+    Raises:
+        ValueError: ``K3SERVE_FUSED_DECODE`` other than ``0`` / ``1``.
+    """
+    val = os.environ.get("K3SERVE_FUSED_DECODE", "").strip() or "1"
+    if val not in ("0", "1"):
+        raise ValueError(f"K3SERVE_FUSED_DECODE={val!r}: expected '0' or '1'")
+    return val == "1" and use_triton(device) and not torch.is_grad_enabled()
 
 
 def _needs_grad(*xs: torch.Tensor | None) -> bool:
@@ -290,6 +309,7 @@ __all__ = [
     "causal_conv_step",
     "chunk_kda",
     "conv_varlen",
+    "fused_decode",
     "fused_recurrent_kda_step",
     "glu",
     "kernel_backend",

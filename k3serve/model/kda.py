@@ -29,6 +29,7 @@ from torch import nn
 from k3serve.config import ModelConfig
 from k3serve.kernels import dispatch
 from k3serve.kernels.kda.naive import kda_gate
+from k3serve.model.fused_weights import StackedWeights
 from k3serve.model.layers import GatedRMSNorm
 
 
@@ -121,6 +122,9 @@ class KDAMixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(h, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.empty(hk, dtype=torch.float32))
         self.o_norm = GatedRMSNorm(k, cfg.rms_norm_eps, dtype=dtype)
+        self._in_stack = StackedWeights([f"{n}.weight" for n in ("q_proj", "k_proj", "v_proj",
+                                         "g_proj", "f_a_proj", "b_proj")])  # fmt: skip
+        self._conv_stack = StackedWeights(["q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"])
         self.reset_gate_parameters()
 
     @torch.no_grad()
@@ -140,9 +144,44 @@ class KDAMixer(nn.Module):
 
     def conv_weight(self) -> torch.Tensor:
         """``[3·H·K, W]`` taps of the q | k | v convs, in the conv-state channel order."""
+        if self._conv_stack.valid(self):  # the three conv weights view it: no per-step cat
+            return self._conv_stack.get(self).squeeze(1)
         return torch.cat(
             [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0
         ).squeeze(1)
+
+    def decode_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input projections of the fused decode step stacked into one matrix.
+
+        Returns ``(w_in [3HK + HK + R + H, d], conv_w [3HK, W])``: rows ``q | k | v | g | f_a |
+        b`` (``g_proj``, ``f_a_proj`` of rank R, ``b_proj``) and the q | k | v conv taps, both
+        :class:`k3serve.model.fused_weights.StackedWeights` (the parameters view them; no
+        second copy). Needs the full-rank output gate (``cfg.kda_output_gate_rank is None``).
+        """
+        return self._in_stack.get(self), self._conv_stack.get(self).squeeze(1)
+
+    def _forward_decode_fused(
+        self, x: torch.Tensor, state_slots: torch.Tensor, state_pool: torch.Tensor,
+        conv_pool: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """Decode step in four launches: one GEMM for every input projection, ``f_b_proj``,
+        :func:`k3serve.kernels.kda.recurrent_triton.kda_decode_fused_triton` (conv, l2norm,
+        gate, β, recurrence, gated norm), ``o_proj``."""
+        from k3serve.kernels.kda.recurrent_triton import kda_decode_fused_triton
+
+        cfg = self.cfg
+        hk = self.num_heads * self.head_dim
+        w_in, conv_w = self.decode_weights()
+        proj = F.linear(x, w_in)
+        g_off, fa_off = 3 * hk, 4 * hk
+        b_off = fa_off + cfg.kda_gate_rank
+        fb = self.f_b_proj(proj[:, fa_off:b_off])
+        o = kda_decode_fused_triton(
+            proj, fb, conv_pool, conv_w, state_pool, state_slots, self.A_log, self.dt_bias,
+            cfg.kda_gate_lower_bound, self.o_norm.weight, self.o_norm.eps, self.num_heads,
+            g_off, b_off,
+        )  # fmt: skip
+        return self.o_proj(o)
 
     def forward(
         self,
@@ -176,8 +215,16 @@ class KDAMixer(nn.Module):
             state_pool is not None and state_slots is None
         ):
             raise ValueError("state_slots/state_pool/conv_pool: give all three or none")
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         decode = is_decode and state_pool is not None
+        if (
+            decode
+            and cfg.kda_output_gate_rank is None
+            and state_pool.dtype == torch.float32
+            and x.dtype != torch.float64
+            and dispatch.fused_decode(x.device)
+        ):
+            return self._forward_decode_fused(x, state_slots, state_pool, conv_pool)
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         if decode:  # shifts conv_pool[state_slots] in place
             qkv = dispatch.causal_conv_step(qkv, conv_pool, self.conv_weight(), state_slots)
         else:

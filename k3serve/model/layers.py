@@ -16,6 +16,10 @@ from torch import nn
 from k3serve.config import ModelConfig
 from k3serve.kernels import dispatch
 
+FUSED_MLP_MAX_TOKENS = 1024
+"""Up to this many tokens (decode batches) a dense MLP on a fused-decode device
+(``dispatch.fused_decode``) runs gate and up as one GEMM over stacked weights."""
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, computed in float32.
@@ -143,14 +147,24 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
+        self._gu_stack = None  # fused decode: [gate_proj; up_proj] (fused_weights.StackedWeights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., D]`` → ``[..., D]`` (the GLU is one fused launch on a Triton device)."""
         cfg = self.cfg
-        h = dispatch.glu(
-            self.gate_proj(x), self.up_proj(x), cfg.hidden_act, cfg.situ_beta, cfg.situ_beta_linear
-        )
+        if x.dim() == 2 and x.shape[0] <= FUSED_MLP_MAX_TOKENS and dispatch.fused_decode(x.device):
+            # decode batch: gate and up as one GEMM over the stacked weights, GLU on its slices
+            from k3serve.model.fused_weights import StackedWeights
+
+            if self._gu_stack is None:
+                self._gu_stack = StackedWeights(["gate_proj.weight", "up_proj.weight"])
+            gu = F.linear(x, self._gu_stack.get(self))
+            i = self.gate_proj.weight.shape[0]
+            gate, up = gu[:, :i], gu[:, i:]
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        h = dispatch.glu(gate, up, cfg.hidden_act, cfg.situ_beta, cfg.situ_beta_linear)
         return self.down_proj(h)
 
 
-__all__ = ["MLP", "GatedRMSNorm", "RMSNorm", "glu_act", "rms_norm", "situ_glu", "swiglu"]
+__all__ = ["FUSED_MLP_MAX_TOKENS", "MLP", "GatedRMSNorm", "RMSNorm", "glu_act", "rms_norm", "situ_glu", "swiglu"]

@@ -14,11 +14,13 @@ reference ``k3serve.kernels.mla.naive`` on CPU, Triton on CUDA).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from k3serve.config import ModelConfig
 from k3serve.kernels import dispatch
 from k3serve.kernels.mla import naive as mla_ref
+from k3serve.model.fused_weights import StackedWeights
 from k3serve.model.layers import RMSNorm
 
 
@@ -52,6 +54,10 @@ class MLAMixer(nn.Module):
         if cfg.mla_output_gate:
             self.g_proj = lin(d, h * cfg.v_head_dim)
         self.o_proj = lin(h * cfg.v_head_dim, d)
+        # fused decode: [q_a_proj | kv_a_proj_with_mqa | g_proj] as one matrix
+        self._x_stack = StackedWeights(
+            ["q_a_proj.weight", "kv_a_proj_with_mqa.weight", "g_proj.weight"]
+        )
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, d]`` → ``q [T, H, nope+rope]``."""
@@ -86,6 +92,46 @@ class MLAMixer(nn.Module):
             self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank
         )
         return torch.einsum("nhc,hvc->nhv", o_lat.float(), w[:, cfg.qk_nope_head_dim :].float())
+
+    def _forward_decode_fused(
+        self,
+        x: torch.Tensor,
+        num_cached: torch.Tensor,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        latent_pool: torch.Tensor,
+        max_seq_len: int | None,
+    ) -> torch.Tensor:
+        """Decode (one token per sequence) in ~8 launches: one GEMM for ``q_a | kv_a | g``
+        (stacked weights), ``q_a_layernorm``, ``q_b``, the latent write (norm + page store +
+        ``seq_lens``), the absorbed query, the paged decode kernel, the absorbed output with
+        the gate, ``o_proj`` (:mod:`k3serve.kernels.fused_triton`; same math as the plain path).
+        """
+        from k3serve.kernels.fused_triton import (
+            mla_absorb_out_triton,
+            mla_absorb_q_triton,
+            mla_latent_write_triton,
+        )
+
+        cfg = self.cfg
+        qa, lat_w = cfg.q_lora_rank, cfg.mla_latent_dim
+        proj = F.linear(x, self._x_stack.get(self))  # [N, q_lora | kv_lora + rope | H·v]
+        q = self.q_b_proj(self.q_a_layernorm(proj[:, :qa]))
+        seq_lens = mla_latent_write_triton(
+            proj, qa, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, slot_mapping,
+            latent_pool, num_cached,
+        )  # fmt: skip
+        q_lat = mla_absorb_q_triton(
+            q, self.kv_b_proj.weight, self.num_heads, cfg.qk_nope_head_dim, latent_pool.dtype
+        )
+        o_lat = dispatch.mla_decode_absorbed_paged(
+            q_lat, latent_pool, block_table, seq_lens, cfg.kv_lora_rank, self.scale,
+            max_seq_len=max_seq_len,
+        )  # fmt: skip
+        o = mla_absorb_out_triton(
+            o_lat, self.kv_b_proj.weight, cfg.qk_nope_head_dim, proj[:, qa + lat_w :], x.dtype
+        )
+        return self.o_proj(o)
 
     def forward(
         self,
@@ -124,6 +170,20 @@ class MLAMixer(nn.Module):
         """
         cfg = self.cfg
         t = x.shape[0]
+        if (
+            is_decode
+            and latent_pool is not None
+            and cfg.q_lora_rank is not None
+            and cfg.mla_output_gate
+            and latent_pool.is_contiguous()
+            and x.dtype != torch.float64
+            and dispatch.fused_decode(x.device)
+        ):
+            if block_table is None or slot_mapping is None or num_cached is None:
+                raise ValueError("block_table/slot_mapping/num_cached: required with latent_pool")
+            return self._forward_decode_fused(
+                x, num_cached, block_table, slot_mapping, latent_pool, max_seq_len
+            )
         q = self.queries(x)
         lat = self.latents(x)
         if latent_pool is None:

@@ -178,6 +178,72 @@ class K3ForCausalLM(nn.Module):
             )
         return self.model.norm(p)
 
+    def _fusable(self, x: torch.Tensor) -> bool:
+        """Whether a decode step takes :meth:`_layers_fused` (Triton device, no gradient,
+        ``K3SERVE_FUSED_DECODE`` not 0, at most ``MAX_RES_SOURCES`` AttnRes sources)."""
+        cfg = self.cfg
+        if x.dtype == torch.float64 or not dispatch.fused_decode(x.device):
+            return False
+        from k3serve.kernels.fused_triton import MAX_RES_SOURCES
+
+        block = cfg.attn_res_block_layers
+        n_blocks = -(-cfg.num_layers // block) if block else 0
+        return n_blocks + 1 <= MAX_RES_SOURCES
+
+    def _layers_fused(
+        self,
+        x: torch.Tensor,
+        mixer: Callable[[DecoderLayer, torch.Tensor], torch.Tensor],
+        layer_hook: Callable[[int], None] | None,
+    ) -> torch.Tensor:
+        """:meth:`_layers` for a decode step with every residual-stream boundary in one launch
+        (:func:`k3serve.kernels.fused_triton.res_mix_norm_triton`: ``P += sublayer output``,
+        the AttnRes mix, the next RMSNorm) instead of ~20; same math, same roundings (the
+        reference is :meth:`_layers`, which CPU / prefill / ``K3SERVE_FUSED_DECODE=0`` run)."""
+        from k3serve.kernels.fused_triton import res_mix_norm_triton
+
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        block = cfg.attn_res_block_layers
+        blocks: list[torch.Tensor] = []
+        p: torch.Tensor | None = x
+        pend: tuple[torch.Tensor, ...] = ()
+
+        def boundary(deltas, norm, res_norm, res_proj):  # P += deltas; → normed h
+            nonlocal p
+            if p is None:  # P was reset to 0 at a block start: P' = the one delta, exactly
+                p, deltas = deltas[0], deltas[1:]
+            rw = res_norm.weight if block else None
+            rq = res_proj.weight if block else None
+            p, hn = res_mix_norm_triton(p, deltas, blocks, rw, rq, eps, norm.weight, norm.eps)
+            return hn
+
+        for layer in self.model.layers:
+            hn = boundary(
+                pend,
+                layer.input_layernorm,
+                getattr(layer, "self_attention_res_norm", None),
+                getattr(layer, "self_attention_res_proj", None),
+            )
+            if block and layer.idx % block == 0:
+                blocks.append(p)
+                p = None
+            delta = mixer(layer, hn)
+            if layer_hook is not None:
+                layer_hook(layer.idx)
+            hn = boundary(
+                (delta,),
+                layer.post_attention_layernorm,
+                getattr(layer, "mlp_res_norm", None),
+                getattr(layer, "mlp_res_proj", None),
+            )
+            pend = (layer.mlp(hn),)
+        return boundary(
+            pend,
+            self.model.norm,
+            getattr(self.model, "output_attn_res_norm", None),
+            getattr(self.model, "output_attn_res_proj", None),
+        )
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -239,7 +305,12 @@ class K3ForCausalLM(nn.Module):
             )
 
         x = self.model.embed_tokens(input_ids)
-        h = self._layers(x, mixer, layer_hook, prefill=not batch.is_decode)
+        if batch.is_decode and self._fusable(x):
+            h = self._layers_fused(x, mixer, layer_hook)
+        else:
+            h = self._layers(x, mixer, layer_hook, prefill=not batch.is_decode)
+        if batch.is_decode and batch.logits_indices is None:
+            return self.lm_head(h).float()  # one token per sequence: every row gets logits
         return self.lm_head(h[batch.rows_for_logits()]).float()
 
     def forward_train(self, input_ids: torch.Tensor) -> torch.Tensor:

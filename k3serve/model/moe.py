@@ -27,11 +27,18 @@ from torch import nn
 
 from k3serve.config import ModelConfig
 from k3serve.kernels import dispatch
+from k3serve.model.fused_weights import StackedWeights
 from k3serve.model.layers import MLP, RMSNorm, glu_act
 
 CPU_GROUPED_MAX_TOKENS = 64
 """On CPU, ``expert_impl="auto"`` takes the grouped path up to this many tokens (decode) and the
 per-expert loop above it (measured; see ``MoE.routed_experts``)."""
+
+
+FUSED_ROUTE_MAX_TOKENS = 1024
+"""Up to this many tokens (decode batches) the router runs as one Triton launch
+(``k3serve.kernels.moe.route_triton.route_topk_triton``) where ``dispatch.fused_decode``
+allows; larger calls (prefill) keep the torch router."""
 
 
 class StackedExperts(NamedTuple):
@@ -137,6 +144,10 @@ class MoE(nn.Module):
             self.shared_experts = MLP(
                 cfg, d, cfg.n_shared_experts * cfg.moe_intermediate_size, dtype
             )
+        # fused decode: [latent down-projection | shared gate | shared up] as one matrix
+        self._x_stack = StackedWeights(["routed_expert_down_proj.weight",
+                                        "shared_experts.gate_proj.weight",
+                                        "shared_experts.up_proj.weight"])  # fmt: skip
         # routed tokens per expert since the last reset (k3serve.parallel.counters reads it)
         self.register_buffer(
             "expert_load", torch.zeros(cfg.n_routed_experts, dtype=torch.int64), persistent=False
@@ -293,11 +304,47 @@ class MoE(nn.Module):
             return self.ep(z, weights, idx)
         return self.routed_experts(z, idx, weights)
 
+    def _forward_fused_tail(
+        self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Latent MoE + shared expert for a decode batch in few launches: one GEMM for the
+        latent down-projection and the shared gate / up (stacked weights,
+        :class:`k3serve.model.fused_weights.StackedWeights`), the routed experts, the expert
+        sum's rounding fused into its RMSNorm, the shared GLU on the GEMM's column slices, and
+        ``up(norm(r)) + shared`` as one ``addmm``. Same math as :meth:`forward`'s plain path."""
+        from k3serve.kernels.fused_triton import rms_norm_triton
+
+        cfg = self.cfg
+        w = cfg.moe_latent_size
+        inter = self.shared_experts.gate_proj.weight.shape[0]
+        zx = F.linear(x, self._x_stack.get(self))  # [T, W + 2·I_shared]
+        r = self._routed(zx[:, :w], idx, weights)
+        rn = rms_norm_triton(
+            r, self.routed_expert_norm.weight, self.routed_expert_norm.eps, out_dtype=x.dtype,
+            round_input=True,
+        )  # fmt: skip
+        h = dispatch.glu(zx[:, w : w + inter], zx[:, w + inter :], cfg.hidden_act,
+                         cfg.situ_beta, cfg.situ_beta_linear)  # fmt: skip
+        shared = self.shared_experts.down_proj(h)
+        return torch.addmm(shared, rn, self.routed_expert_up_proj.weight.t())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, d]`` → ``[T, d]`` in ``x.dtype``."""
-        weights, idx = self.gate(x)
-        flat = idx.reshape(-1)
-        self.expert_load.index_add_(0, flat, torch.ones_like(flat))  # on device, no host sync
+        fused = x.shape[0] <= FUSED_ROUTE_MAX_TOKENS and dispatch.fused_decode(x.device)
+        if fused:
+            from k3serve.kernels.moe.route_triton import route_topk_triton
+
+            cfg = self.cfg  # router + load counters in one launch (same contract as below)
+            weights, idx = route_topk_triton(
+                x, self.gate.weight, self.gate.e_score_correction_bias, cfg.num_experts_per_tok,
+                cfg.norm_topk_prob, cfg.routed_scaling_factor, self.expert_load,
+            )  # fmt: skip
+        else:
+            weights, idx = self.gate(x)
+            flat = idx.reshape(-1)
+            self.expert_load.index_add_(0, flat, torch.ones_like(flat))  # on device, no sync
+        if fused and self.cfg.moe_latent_size is not None and self.cfg.n_shared_experts > 0:
+            return self._forward_fused_tail(x, idx, weights)
         if self.cfg.moe_latent_size is not None:
             z = self.routed_expert_down_proj(x)
             r = self._routed(z, idx, weights).to(x.dtype)
@@ -309,4 +356,11 @@ class MoE(nn.Module):
         return y
 
 
-__all__ = ["CPU_GROUPED_MAX_TOKENS", "Expert", "MoE", "Router", "StackedExperts"]
+__all__ = [
+    "CPU_GROUPED_MAX_TOKENS",
+    "FUSED_ROUTE_MAX_TOKENS",
+    "Expert",
+    "MoE",
+    "Router",
+    "StackedExperts",
+]

@@ -189,4 +189,55 @@ def fused_recurrent_kda(
     return o, (S if output_final_state else None)
 
 
-__all__ = ["causal_conv_step", "fused_recurrent_kda", "fused_recurrent_kda_step", "kda_step"]
+def kda_decode_fused(
+    proj: torch.Tensor,
+    fb: torch.Tensor,
+    conv_pool: torch.Tensor,
+    conv_weight: torch.Tensor,
+    state_pool: torch.Tensor,
+    slots: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    num_heads: int,
+    g_off: int,
+    b_off: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    r"""Plain-torch reference of
+    :func:`k3serve.kernels.kda.recurrent_triton.kda_decode_fused_triton` (same contract): the
+    decode ops of ``k3serve.model.kda.KDAMixer.forward`` after its input projections — short
+    conv step, l2norm of q and k (rounded to the model dtype), :func:`kda_gate`, ``β = σ(b)``,
+    :func:`fused_recurrent_kda_step`, gated output RMSNorm (float32, rounded once).
+    Mutates ``conv_pool[slots]`` and ``state_pool[slots]``.
+    """
+    from k3serve.kernels.kda.naive import kda_gate
+
+    n, h = proj.shape[0], num_heads
+    hk = fb.shape[-1]
+    k = hk // h
+    dt = proj.dtype
+    y = causal_conv_step(proj[:, : 3 * hk].contiguous(), conv_pool, conv_weight, slots)
+    q, kk, v = y.view(n, 3, h, k).unbind(1)
+
+    def l2(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + 1e-6)).to(dt)
+
+    g = kda_gate(fb.view(n, h, k), A_log, dt_bias, lower_bound)
+    beta = torch.sigmoid(proj[:, b_off : b_off + h].float())
+    o = fused_recurrent_kda_step(l2(q), l2(kk), v, g, beta, state_pool, slots, scale).float()
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    gate = proj[:, g_off : g_off + hk].float().view(n, h, k)
+    return (o * torch.sigmoid(gate)).to(dt).reshape(n, hk)
+
+
+__all__ = [
+    "causal_conv_step",
+    "fused_recurrent_kda",
+    "fused_recurrent_kda_step",
+    "kda_decode_fused",
+    "kda_step",
+]

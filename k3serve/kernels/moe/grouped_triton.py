@@ -43,6 +43,11 @@ MX_SPLIT = False
 """Default MXFP4 tile form (see ``routed_experts_triton``'s ``mx_split``), set from
 ``benchmarks/RESULTS_gpu_moe.md``."""
 
+ALIGN_TRITON_MAX = 4096
+"""Up to this many assignments ``T·k`` (decode batches), :func:`align_blocks` runs as one Triton
+launch (``route_triton.align_blocks_triton``, same layout) where ``dispatch.fused_decode``
+allows; above it (prefill) the torch sort."""
+
 ACTS = {"situ": 0, "silu": 1}
 """GLU codes of the fused epilogue: ``situ`` (K3 SiTU-GLU) and ``silu`` (SwiGLU)."""
 
@@ -72,8 +77,16 @@ def align_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Bloc
     Returns:
         :class:`BlockLayout` with static shapes ``P = ⌈(T·k + min(E, T·k)(BM−1)) / BM⌉·BM``.
     """
+    m = topk_ids.numel()
+    if m <= ALIGN_TRITON_MAX and m > 0:
+        from k3serve.kernels import dispatch
+
+        if dispatch.fused_decode(topk_ids.device):
+            from k3serve.kernels.moe.route_triton import align_blocks_triton
+
+            p_len = triton.cdiv(m + min(num_experts, m) * (block_m - 1), block_m) * block_m
+            return BlockLayout(*align_blocks_triton(topk_ids, num_experts, block_m, p_len), block_m)
     s = sort_by_expert(topk_ids, num_experts)
-    m = s.order.numel()
     dev = topk_ids.device
     ends = s.ends.long()
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
@@ -342,7 +355,8 @@ def routed_experts_triton(
         )
     if mx and (experts.s2 is None or experts.w13.dtype != torch.uint8):
         raise ValueError("experts: MXFP4 needs uint8 w13/w2 and both scale tensors")
-    z = z.contiguous()
+    if z.stride(-1) != 1:  # row-strided z (a column slice of a fused GEMM) is read in place
+        z = z.contiguous()
     m = t * topk
     mx_mode = 0 if not mx else 2 if (MX_SPLIT if mx_split is None else mx_split) else 1
     if m == 0:

@@ -1,0 +1,32 @@
+#!/bin/bash
+# Issue 11 must-show 2 (decode half), one device call: the fused decode kernels compiled
+# (tests/kernels), must-show 1 on the H200 (tests/gpu: fast path == reference within bf16
+# tolerance, now through the fused decode step), and the k3-mini decode step at batch 1 / 64 /
+# 256 with K3SERVE_FUSED_DECODE=0 (before) and 1 (after), graphs and eager, MXFP4 and bf16
+# experts, kernels per replayed step.
+#
+#   source .devcarry/setup.sh; cd <this checkout>; bash benchmarks/gpu_decode_fused.sh "$OUT"
+#
+# Writes into OUT: run.log, env.txt, fastpath.json, gpu_e2e.json, RESULTS_gpu_e2e.md.
+set -u
+OUT=${1:?usage: gpu_decode_fused.sh OUT}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+exec > >(tee -a "$OUT/run.log") 2>&1
+t0=$(date +%s)
+step() { echo "=== $(( $(date +%s) - t0 )) s: $*"; }
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+step "decode: K3SERVE_FUSED_DECODE=0 and 1 (k3-mini, batch 1/64/256)"
+timeout ${T_E2E:-300} python3 benchmarks/gpu_e2e.py --out "$OUT" --skip-check --skip-prefill --gpu-init \
+  --fused ${FUSED:-0,1} --iters ${ITERS:-20} 2>&1 | grep -v "^   "
+step "fused decode kernels, compiled (tests/kernels/test_fused_decode.py + the decode kernels)"
+timeout ${T_KERN:-150} python3 -m pytest -q -p no:cacheprovider -x tests/kernels/test_fused_decode.py \
+  tests/kernels/test_kernels_triton.py -k "not chunk" 2>&1 | tail -15
+step "must-show 1: tests/gpu through the fused decode step"
+K3SERVE_GPU_REPORT="$OUT/fastpath.json" timeout ${T_GPU:-120} python3 -m pytest -q -p no:cacheprovider \
+  -m gpu tests/gpu -x -s 2>&1 | grep -v '^  *"' | tail -30
+step "done"
