@@ -380,12 +380,14 @@ class Stack:
     Args:
         num_prefill / num_decode: Fake workers to start (``start_worker``).
         api_key: The router's API key (``None``: open).
+        worker: :class:`FakeState` fields set on every fake worker before it registers (e.g.
+            ``{"max_model_len": 256}``: what its ``/internal/info`` reports).
         **config: Further :class:`RouterConfig` fields (``poll_interval_s`` is 0.02 and
             ``policy`` ``cache_aware`` unless given).
     """
 
     def __init__(self, num_prefill: int = 2, num_decode: int = 1, api_key: str | None = API_KEY,
-                 **config: Any) -> None:
+                 worker: dict[str, Any] | None = None, **config: Any) -> None:
         from router.app import RouterConfig, create_app
 
         config.setdefault("poll_interval_s", 0.02)
@@ -403,6 +405,8 @@ class Stack:
             for _ in range(num_decode):
                 self.decode.append(start_worker("decode", TOKEN))
             for st, _ in self.prefill + self.decode:
+                for k, v in (worker or {}).items():
+                    setattr(st, k, v)
                 r = httpx.post(self.url + "/internal/register", json={"url": st.url},
                                headers={CLUSTER_TOKEN_HEADER: TOKEN})
                 assert r.status_code == 200, r.text

@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 
-from worker_procs import HEADERS, _metric, _request
+from worker_procs import HEADERS, _metric, _request, stop_all
 from worker_procs import Proc as _Proc
 
 B = 64
@@ -45,6 +45,7 @@ def stack(tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("K3SERVE_STORE_SEGMENT_MB", "16")
     monkeypatch_module.setenv("K3SERVE_STORE_RETRY_S", "0.5")
     procs: dict[str, _Proc] = {}
+    masters = [master]  # test_master_killed_then_restarted appends the restarted one
     extra = ["--store-url", url]
     try:
         procs["P1"] = Proc("prefill", "p1", B, logs, extra=extra)
@@ -52,13 +53,15 @@ def stack(tmp_path_factory, monkeypatch_module):
         procs["D"] = Proc("decode", "d0", B, logs, extra=extra)
         for p in procs.values():
             p.wait_ready()
-        yield {"procs": procs, "master": [master], "url": url, "logs": logs}
+        yield {"procs": procs, "master": masters, "url": url, "logs": logs}
     finally:
-        for p in procs.values():
-            p.stop()
-        if master.poll() is None:
-            master.terminate()
-            master.wait(10)
+        # the workers first, all at once, while their master still answers (a worker whose
+        # master is gone spends its whole stop timeout unmounting: ~15 s each)
+        stop_all(procs.values())
+        for m in masters:
+            if m.poll() is None:
+                m.terminate()
+                m.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -189,22 +192,18 @@ def test_master_killed_then_restarted(stack, nocache):
     assert fq["num_cached_tokens"] == 0 and ta == nocache(a) and tq == nocache(q)
     port = int(stack["url"].rsplit(":", 1)[1])
     m2, _ = start_store_master(port=port, log_path=str(stack["logs"] / "master2.log"))
-    stack["master"].append(m2)
-    try:
+    stack["master"].append(m2)  # the fixture stops it after the workers
+    b = _ids(rng, 200)
+    t_end = time.monotonic() + 40
+    k = 0
+    while True:  # the clients notice the master (probe), re-mount, puts resume
+        k += 1
         b = _ids(rng, 200)
-        t_end = time.monotonic() + 40
-        k = 0
-        while True:  # the clients notice the master (probe), re-mount, puts resume
-            k += 1
-            b = _ids(rng, 200)
-            _run(P1, D, f"back-b{k}", b)
-            time.sleep(0.5)
-            qb = b[:150] + _ids(rng, 20)
-            tb, fb = _run(P2, D, f"back-q{k}", qb)
-            if fb["cached_source"] == "store" or time.monotonic() > t_end:
-                break
-        assert fb["cached_source"] == "store" and fb["num_cached_tokens"] == 128
-        assert tb == nocache(qb)
-    finally:
-        m2.terminate()
-        m2.wait(10)
+        _run(P1, D, f"back-b{k}", b)
+        time.sleep(0.5)
+        qb = b[:150] + _ids(rng, 20)
+        tb, fb = _run(P2, D, f"back-q{k}", qb)
+        if fb["cached_source"] == "store" or time.monotonic() > t_end:
+            break
+    assert fb["cached_source"] == "store" and fb["num_cached_tokens"] == 128
+    assert tb == nocache(qb)

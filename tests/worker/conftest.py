@@ -6,18 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.worker_procs import Proc
+from tests.worker_procs import Proc, stop_all
 
 B = 16
 #: test_transfer_load: the prefill worker's ``--max-prefill-backlog`` (tokens) and sender
 #: deadline — far longer than one prompt's prefill, shorter than its whole burst's here
 CAP = 256
 SENDER_TIMEOUT_S = 12.0
-
-
-def _stop(p: Proc) -> None:
-    """Stop at once (SIGTERM, then SIGKILL after 5 s): nothing of a test's is left to drain."""
-    p.stop(timeout=5.0)
 
 
 @pytest.fixture(scope="session")
@@ -34,5 +29,5 @@ def shared_pair(tmp_path_factory):
         D.wait_ready()
         yield P, D
     finally:
-        _stop(P)
-        _stop(D)
+        # both at once (SIGTERM, then SIGKILL after 5 s): nothing of a test's is left to drain
+        stop_all((P, D), timeout=5.0)
