@@ -110,6 +110,14 @@ def start_py_spy(pid: int, out: str) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def stop_py_spy(spy: subprocess.Popen) -> None:
+    """End a py-spy recording (it writes its file on SIGINT)."""
+    import signal
+
+    spy.send_signal(signal.SIGINT)
+    spy.wait(30)
+
+
 def supports_replicas(src: Path) -> bool:
     return "--replicas" in (src / "router" / "config.py").read_text()
 
@@ -233,7 +241,7 @@ async def phase(pid: int, url: str, args, stream: bool, max_tokens: int, offset:
 
 
 async def measure(src: Path, replicas: int, args, token: str, workers: list[str],
-                  full: bool) -> dict[str, float]:
+                  full: bool, mode: str = "") -> dict[str, float]:
     """Rounds of the loads through one router (``replicas`` processes); medians."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -246,20 +254,24 @@ async def measure(src: Path, replicas: int, args, token: str, workers: list[str]
         for r in range(args.rounds):
             res = {"idle_cpu_per_s": idle}
             if full:
+                spy = None
+                if args.py_spy and r == 0:  # collapsed stacks of the non-streaming load
+                    spy = start_py_spy(router.pid,
+                                       f"{args.py_spy}.{Path(src).name}.{mode}.nonstream.txt")
+                    await asyncio.sleep(1.0)
                 ns = await phase(router.pid, url, args, False, 1, r * 10**5, idle)
+                if spy is not None:
+                    stop_py_spy(spy)
                 res["nonstream_ms"] = 1e3 * ns["cpu_s"] / args.requests
                 res["nonstream_ms_raw"] = 1e3 * ns["raw_cpu_s"] / args.requests
             spy = None
             if args.py_spy and r == 0:  # collapsed stacks of the streaming load
-                spy = start_py_spy(router.pid, f"{args.py_spy}.r{replicas}.txt")
+                spy = start_py_spy(router.pid, f"{args.py_spy}.{Path(src).name}.{mode}.r{replicas}.txt")
                 await asyncio.sleep(1.0)
             st = await phase(router.pid, url, args, True, args.tokens, r * 10**5 + 50_000,
                              idle)
             if spy is not None:
-                import signal
-
-                spy.send_signal(signal.SIGINT)
-                spy.wait(30)
+                stop_py_spy(spy)
             res["stream_ms"] = 1e3 * st["cpu_s"] / args.requests
             res["stream_ms_raw"] = 1e3 * st["raw_cpu_s"] / args.requests
             res["us_per_token"] = 1e6 * st["cpu_s"] / st["tokens"]
@@ -293,7 +305,8 @@ async def main_async(args) -> dict:
             try:
                 reps = [r for r in args.replicas if r == 1 or new] if coalesce else [1]
                 for r in reps:
-                    res = await measure(src, r, args, token, workers, full=r == 1)
+                    res = await measure(src, r, args, token, workers, full=r == 1,
+                                        mode="coalesced" if coalesce else "each")
                     res.update(src=str(src), replicas=r, coalesce=coalesce)
                     out["runs"].append(res)
                     print(json.dumps(res), flush=True)
@@ -337,8 +350,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--py-spy", default=None, metavar="PREFIX",
-                    help="profile the router during the first streaming round with py-spy "
-                         "(collapsed stacks in PREFIX.rN.txt)")
+                    help="profile the router during the first round with py-spy (collapsed "
+                         "stacks in PREFIX.TREE.MODE.rN.txt, streaming, and "
+                         "PREFIX.TREE.MODE.nonstream.txt)")
     args = ap.parse_args()
     out = asyncio.run(main_async(args))
     print(table(out))
