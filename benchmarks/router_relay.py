@@ -3,7 +3,9 @@
 The router runs in its own process (``python -m router.app``, ``--replicas N`` for N > 1);
 the fake workers of ``tests/router_fakes.py`` (toy model, no delay) run in another; this
 process is the client. Router CPU = user + system time of the router process and its children
-(the replicas) over one load phase, from psutil.
+(the replicas) over one load phase, from psutil, minus the router's idle rate (its cache-event
+polls and liveness probes: the mean of 5 s measured before and 5 s after the rounds) times the
+phase's wall time.
 
 Loads (``--requests`` at ``--concurrency``, after a warm-up of ``--concurrency`` requests):
 
@@ -222,7 +224,7 @@ async def load(url: str, n: int, concurrency: int, stream: bool, max_tokens: int
         return sum(t for t, _ in res), sum(c for _, c in res), time.perf_counter() - t0
 
 
-async def idle_rate(pid: int, seconds: float = 3.0) -> float:
+async def idle_rate(pid: int, seconds: float = 5.0) -> float:
     """Router CPU seconds per second with no request (its cache-event pollers)."""
     c0, t0 = cpu_seconds(pid), time.perf_counter()
     await asyncio.sleep(seconds)
@@ -249,7 +251,7 @@ async def measure(src: Path, replicas: int, args, token: str, workers: list[str]
     try:
         await wait_router(url, workers, token, replicas)
         await load(url, args.concurrency, args.concurrency, True, args.tokens, 10**6)  # warm-up
-        idle = await idle_rate(router.pid)
+        idle = await idle_rate(router.pid)  # again after the rounds: the mean is subtracted
         rounds = []
         for r in range(args.rounds):
             res = {"idle_cpu_per_s": idle}
@@ -264,6 +266,7 @@ async def measure(src: Path, replicas: int, args, token: str, workers: list[str]
                     stop_py_spy(spy)
                 res["nonstream_ms"] = 1e3 * ns["cpu_s"] / args.requests
                 res["nonstream_ms_raw"] = 1e3 * ns["raw_cpu_s"] / args.requests
+                res["_ns_wall"] = ns["wall_s"]
             spy = None
             if args.py_spy and r == 0:  # collapsed stacks of the streaming load
                 spy = start_py_spy(router.pid, f"{args.py_spy}.{Path(src).name}.{mode}.r{replicas}.txt")
@@ -274,6 +277,7 @@ async def measure(src: Path, replicas: int, args, token: str, workers: list[str]
                 stop_py_spy(spy)
             res["stream_ms"] = 1e3 * st["cpu_s"] / args.requests
             res["stream_ms_raw"] = 1e3 * st["raw_cpu_s"] / args.requests
+            res["_wall"] = st["wall_s"]
             res["us_per_token"] = 1e6 * st["cpu_s"] / st["tokens"]
             res["tokens_per_s"] = st["tokens"] / st["wall_s"]
             res["tokens_per_cpu_s"] = st["tokens"] / st["cpu_s"]
@@ -283,6 +287,18 @@ async def measure(src: Path, replicas: int, args, token: str, workers: list[str]
                 res["us_beyond_fixed"] = 1e3 * (res["stream_ms"] - res["nonstream_ms"]) / (
                     args.tokens - 1)
             rounds.append(res)
+        idle2 = await idle_rate(router.pid)
+        for res in rounds:  # net of the mean idle rate (each round's raw CPU kept)
+            fix = (idle - (idle + idle2) / 2) * res.pop("_wall")
+            res["stream_ms"] += 1e3 * fix / args.requests
+            res["us_per_token"] = 1e3 * res["stream_ms"] / res["tokens"]
+            res["tokens_per_cpu_s"] = 1e3 * res["tokens"] / res["stream_ms"]
+            if "nonstream_ms" in res:
+                res["nonstream_ms"] += 1e3 * (idle - (idle + idle2) / 2) * res.pop(
+                    "_ns_wall") / args.requests
+                res["us_beyond_fixed"] = 1e3 * (res["stream_ms"] - res["nonstream_ms"]) / (
+                    args.tokens - 1)
+            res["idle_cpu_per_s"] = (idle + idle2) / 2
         return {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
     finally:
         router.terminate()

@@ -11,6 +11,7 @@ logprobs (the per-token ``text_offset`` of a stream equals the non-streaming res
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import httpx
@@ -190,21 +191,25 @@ def test_streams_keep_text_usage_and_finish(stack, slow_writer):
     try:
         prompt = "Coalesced or not, the text is the same."
         ids = TOKENIZER.encode(prompt, add_bos=True)
-        for stop, max_tokens in (((), 40), (("q",), 60)):
+        # n = 1: the choice's deltas go straight to the response's queue; n = 2: through
+        # run_prompt's relay of choice 0 (the last chunk, usage and [DONE] are one write)
+        for n, (stop, max_tokens) in itertools.product((1, 2), (((), 40), (("q",), 60))):
             sp = SamplingParams(max_tokens=max_tokens, temperature=0, stop=stop,
                                 stop_token_ids=TOKENIZER.stop_token_ids)
             want_ids, want, reason = toy_generate(ids, sp)
             chunks, _ = _stream(url, "/v1/completions", {
-                "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "n": 2,
+                "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "n": n,
                 "stop": list(stop), "stream_options": {"include_usage": True}})
-            for i in range(2):
+            for i in range(n):
                 mine = [c["choices"][0] for c in chunks if c["choices"]
                         and c["choices"][0]["index"] == i]
                 assert "".join(c["text"] for c in mine) == want
                 assert [c.get("finish_reason") for c in mine][-1] == reason
+                assert all(c.get("finish_reason") is None for c in mine[:-1])
             usage = chunks[-1]["usage"]
-            assert usage["completion_tokens"] == 2 * len(want_ids)
-            assert usage["prompt_tokens"] == len(ids)  # one prompt, n = 2 choices
+            assert chunks[-1]["choices"] == []
+            assert usage["completion_tokens"] == n * len(want_ids)
+            assert usage["prompt_tokens"] == len(ids)  # one prompt, n choices
         chat, _ = _stream(url, "/v1/chat/completions", {
             "messages": [{"role": "user", "content": prompt}], "max_tokens": 30,
             "temperature": 0})
