@@ -3,7 +3,9 @@
 The router runs in its own process (``python -m router.app``, ``--replicas N`` for N > 1);
 the fake workers of ``tests/router_fakes.py`` (toy model, no delay) run in another; this
 process is the client. Router CPU = user + system time of the router process and its children
-(the replicas) over one load phase, from psutil.
+(the replicas) over one load phase, from psutil, minus the router's idle rate (its cache-event
+polls and liveness probes: the mean of 5 s measured before and 5 s after the rounds) times the
+phase's wall time.
 
 Loads (``--requests`` at ``--concurrency``, after a warm-up of ``--concurrency`` requests):
 
@@ -110,6 +112,14 @@ def start_py_spy(pid: int, out: str) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def stop_py_spy(spy: subprocess.Popen) -> None:
+    """End a py-spy recording (it writes its file on SIGINT)."""
+    import signal
+
+    spy.send_signal(signal.SIGINT)
+    spy.wait(30)
+
+
 def supports_replicas(src: Path) -> bool:
     return "--replicas" in (src / "router" / "config.py").read_text()
 
@@ -214,7 +224,7 @@ async def load(url: str, n: int, concurrency: int, stream: bool, max_tokens: int
         return sum(t for t, _ in res), sum(c for _, c in res), time.perf_counter() - t0
 
 
-async def idle_rate(pid: int, seconds: float = 3.0) -> float:
+async def idle_rate(pid: int, seconds: float = 5.0) -> float:
     """Router CPU seconds per second with no request (its cache-event pollers)."""
     c0, t0 = cpu_seconds(pid), time.perf_counter()
     await asyncio.sleep(seconds)
@@ -233,7 +243,7 @@ async def phase(pid: int, url: str, args, stream: bool, max_tokens: int, offset:
 
 
 async def measure(src: Path, replicas: int, args, token: str, workers: list[str],
-                  full: bool) -> dict[str, float]:
+                  full: bool, mode: str = "") -> dict[str, float]:
     """Rounds of the loads through one router (``replicas`` processes); medians."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -241,27 +251,33 @@ async def measure(src: Path, replicas: int, args, token: str, workers: list[str]
     try:
         await wait_router(url, workers, token, replicas)
         await load(url, args.concurrency, args.concurrency, True, args.tokens, 10**6)  # warm-up
-        idle = await idle_rate(router.pid)
+        idle = await idle_rate(router.pid)  # again after the rounds: the mean is subtracted
         rounds = []
         for r in range(args.rounds):
             res = {"idle_cpu_per_s": idle}
             if full:
+                spy = None
+                if args.py_spy and r == 0:  # collapsed stacks of the non-streaming load
+                    spy = start_py_spy(router.pid,
+                                       f"{args.py_spy}.{Path(src).name}.{mode}.nonstream.txt")
+                    await asyncio.sleep(1.0)
                 ns = await phase(router.pid, url, args, False, 1, r * 10**5, idle)
+                if spy is not None:
+                    stop_py_spy(spy)
                 res["nonstream_ms"] = 1e3 * ns["cpu_s"] / args.requests
                 res["nonstream_ms_raw"] = 1e3 * ns["raw_cpu_s"] / args.requests
+                res["_ns_wall"] = ns["wall_s"]
             spy = None
             if args.py_spy and r == 0:  # collapsed stacks of the streaming load
-                spy = start_py_spy(router.pid, f"{args.py_spy}.r{replicas}.txt")
+                spy = start_py_spy(router.pid, f"{args.py_spy}.{Path(src).name}.{mode}.r{replicas}.txt")
                 await asyncio.sleep(1.0)
             st = await phase(router.pid, url, args, True, args.tokens, r * 10**5 + 50_000,
                              idle)
             if spy is not None:
-                import signal
-
-                spy.send_signal(signal.SIGINT)
-                spy.wait(30)
+                stop_py_spy(spy)
             res["stream_ms"] = 1e3 * st["cpu_s"] / args.requests
             res["stream_ms_raw"] = 1e3 * st["raw_cpu_s"] / args.requests
+            res["_wall"] = st["wall_s"]
             res["us_per_token"] = 1e6 * st["cpu_s"] / st["tokens"]
             res["tokens_per_s"] = st["tokens"] / st["wall_s"]
             res["tokens_per_cpu_s"] = st["tokens"] / st["cpu_s"]
@@ -271,6 +287,18 @@ async def measure(src: Path, replicas: int, args, token: str, workers: list[str]
                 res["us_beyond_fixed"] = 1e3 * (res["stream_ms"] - res["nonstream_ms"]) / (
                     args.tokens - 1)
             rounds.append(res)
+        idle2 = await idle_rate(router.pid)
+        for res in rounds:  # net of the mean idle rate (each round's raw CPU kept)
+            fix = (idle - (idle + idle2) / 2) * res.pop("_wall")
+            res["stream_ms"] += 1e3 * fix / args.requests
+            res["us_per_token"] = 1e3 * res["stream_ms"] / res["tokens"]
+            res["tokens_per_cpu_s"] = 1e3 * res["tokens"] / res["stream_ms"]
+            if "nonstream_ms" in res:
+                res["nonstream_ms"] += 1e3 * (idle - (idle + idle2) / 2) * res.pop(
+                    "_ns_wall") / args.requests
+                res["us_beyond_fixed"] = 1e3 * (res["stream_ms"] - res["nonstream_ms"]) / (
+                    args.tokens - 1)
+            res["idle_cpu_per_s"] = (idle + idle2) / 2
         return {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
     finally:
         router.terminate()
@@ -293,7 +321,8 @@ async def main_async(args) -> dict:
             try:
                 reps = [r for r in args.replicas if r == 1 or new] if coalesce else [1]
                 for r in reps:
-                    res = await measure(src, r, args, token, workers, full=r == 1)
+                    res = await measure(src, r, args, token, workers, full=r == 1,
+                                        mode="coalesced" if coalesce else "each")
                     res.update(src=str(src), replicas=r, coalesce=coalesce)
                     out["runs"].append(res)
                     print(json.dumps(res), flush=True)
@@ -337,8 +366,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--py-spy", default=None, metavar="PREFIX",
-                    help="profile the router during the first streaming round with py-spy "
-                         "(collapsed stacks in PREFIX.rN.txt)")
+                    help="profile the router during the first round with py-spy (collapsed "
+                         "stacks in PREFIX.TREE.MODE.rN.txt, streaming, and "
+                         "PREFIX.TREE.MODE.nonstream.txt)")
     args = ap.parse_args()
     out = asyncio.run(main_async(args))
     print(table(out))

@@ -15,13 +15,12 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from k3serve.messages import (
     RegisterRequest,
@@ -121,23 +120,17 @@ def create_app(config: RouterConfig,
         render = Render(router.tokenizer, config.model, req, rid)
         out, tasks, num_choices = router.execute(req, jobs, rid, arrival)
         accs: dict[int, ChoiceAcc] = {}
-        # Until the response starts, nothing else notices a client that goes away (a
-        # streaming response watches for it itself once it runs): watch here, so that the
-        # request is aborted on the workers instead of running to max_tokens.
-        gone = asyncio.ensure_future(_client_gone(request))
+        # A client that goes away puts GONE into ``out`` (one watcher for the whole request,
+        # the streaming response included), so that the request is aborted on the workers
+        # instead of running to max_tokens.
+        gone = asyncio.ensure_future(_put_when_gone(request.receive, out))
 
-        async def next_item(watch: bool = True):
-            if not watch:
-                return await out.get()
-            get = asyncio.ensure_future(out.get())
-            try:
-                await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not get.done():
-                    get.cancel()
-            if get.done() and not get.cancelled():
-                return get.result()
-            raise APIError(499, "the client closed the request", code="client_closed_request")
+        async def next_item():
+            item = await out.get()
+            if item is GONE:
+                raise APIError(499, "the client closed the request",
+                               code="client_closed_request")
+            return item
 
         def fail(e: BaseException) -> APIError:
             if isinstance(e, APIError):
@@ -175,22 +168,30 @@ def create_app(config: RouterConfig,
                     accs.setdefault(item.index, ChoiceAcc()).absorb(item)
                 item = await next_item()
         except BaseException:
+            gone.cancel()
             await cancel(tasks)
             raise
-        finally:
-            gone.cancel()  # a streaming response watches for a disconnect itself
         if not req.stream:
+            gone.cancel()
             await cancel(tasks)
             ticket.release()
             observe_e2e()
             return JSONResponse(render.full(jobs, accs), headers=replica)
 
-        async def events() -> AsyncIterator[bytes]:
+        async def write(receive: Any, send: Any, start: dict[str, Any]) -> None:
+            """The status and headers (``start``), then the SSE body, written straight to
+            the ASGI ``send`` (no async generator, no task group): the deltas queued
+            together go out as one chunk (:func:`coalesce`); the last chunk, the usage chunk
+            and ``[DONE]`` as one write."""
             item, seen, done = first, set(), 0
+            pending = b""  # a choice's final chunk, held to go out with the end of the body
             try:
+                await send(start)
                 while True:
+                    if item is GONE:
+                        return
                     if isinstance(item, BaseException):
-                        yield sse_frame(_data(fail(item).body()))
+                        pending += sse_frame(_data(fail(item).body()))
                         break
                     nxt = None
                     if item is END:
@@ -200,21 +201,39 @@ def create_app(config: RouterConfig,
                     else:
                         d: Delta = item
                         nxt = coalesce(d, out)
-                        accs.setdefault(d.index, ChoiceAcc()).absorb(d)
-                        yield render.frame(d, d.index not in seen)
+                        acc = accs.get(d.index)
+                        if acc is None:
+                            acc = accs[d.index] = ChoiceAcc()
+                        acc.absorb(d)
+                        frame = render.frame(d, d.index not in seen)
                         seen.add(d.index)
-                    item = nxt if nxt is not None else await out.get()
+                        if d.finish_reason and done == num_choices - 1:
+                            pending += frame  # the last choice's last chunk: END follows
+                        else:
+                            if pending:
+                                frame, pending = pending + frame, b""
+                            await send({"type": "http.response.body", "body": frame,
+                                        "more_body": True})
+                    if nxt is None:
+                        if pending and not out.empty():
+                            nxt = out.get_nowait()
+                        else:
+                            nxt = await out.get()
+                    item = nxt
                 if done == num_choices:
                     observe_e2e()
                     if req.include_usage:
-                        yield sse_frame(_data(render.usage_chunk(jobs, accs)))
-                yield DONE_FRAME
+                        pending += sse_frame(_data(render.usage_chunk(jobs, accs)))
+                await send({"type": "http.response.body", "body": pending + DONE_FRAME,
+                            "more_body": False})
+            except OSError:  # the client went away mid-write
+                return
             finally:
+                gone.cancel()
                 await cancel(tasks)
                 ticket.release()
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={**SSE_HEADERS, **(replica or {})})
+        return SSEResponse(write, headers={**SSE_HEADERS, **(replica or {})})
 
     # ---------------------------------------------------------------- public API
     # The bodies are parsed by hand (parse_request: caps, surrogates, the model's name); the
@@ -379,12 +398,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-async def _client_gone(request: Request) -> None:
-    """Return once the client has disconnected (the ASGI messages after the body)."""
-    while (await request.receive()).get("type") != "http.disconnect":
-        pass
-
-
 def _data(obj: Any) -> str:
     """One SSE ``data:`` payload (compact JSON)."""
     return json.dumps(obj, separators=(",", ":"))
@@ -392,6 +405,37 @@ def _data(obj: Any) -> str:
 
 DONE_FRAME = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-store", "Connection": "keep-alive", "X-Accel-Buffering": "no"}
+
+
+GONE = object()  # put in a stream's delta queue when its client disconnects
+
+
+async def _put_when_gone(receive: Any, out: asyncio.Queue) -> None:
+    """Put :data:`GONE` into ``out`` once the client has disconnected (the ASGI messages
+    after the body)."""
+    while (await receive()).get("type") != "http.disconnect":
+        pass
+    out.put_nowait(GONE)
+
+
+class SSEResponse(Response):
+    """A ``text/event-stream`` answer that a coroutine writes to the ASGI ``send`` itself
+    (``write(receive, send, start)``, ``start`` the ``http.response.start`` message to send
+    first): one ``send`` per chunk, with none of ``StreamingResponse``'s layers (an async
+    generator per chunk, a task group listening for the disconnect)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, write: Any, headers: dict[str, str] | None = None) -> None:
+        self.status_code = 200
+        self.background = None
+        self._write = write
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self._write(receive, send, {"type": "http.response.start",
+                                          "status": self.status_code,
+                                          "headers": self.raw_headers})
 
 
 def coalesce(d: Delta, out: asyncio.Queue) -> Any:

@@ -108,35 +108,74 @@ class DecodeEvents:
             WorkerError: the stream failed and no migration was possible (``resume`` is
                 ``None``, ``MAX_MIGRATIONS`` reached, or no decode worker could take it).
         """
-        body = StreamRequest(request_id=self.sub, token_id=self.tokens[0],
-                             logprob=self.logprobs[0])
+        body = self._first_body()
         while True:
             try:
                 async for batch in self.pool.stream_batches(self.worker, body):
                     yield batch
-                    for ev in batch:
-                        self.tokens += ev.token_ids
-                        self.logprobs += [lp.logprob for lp in ev.logprobs[:len(ev.token_ids)]]
-                        self.logprobs += [None] * (len(self.tokens) - len(self.logprobs))
+                    self._delivered(batch)
                 return
             except WorkerError as e:
-                if self.resume is None or self.migrations >= MAX_MIGRATIONS:
-                    raise
-                failed = self.worker
-                self.migrations += 1
-                log.warning("request %s: the decode stream of %s failed after %d tokens (%s); "
-                            "migrating it (%d)", self.sub, failed.url, len(self.tokens), e,
-                            self.migrations)
-                try:
-                    self.worker, self.sub = await self.resume(
-                        failed, list(self.tokens), list(self.logprobs), self.migrations)
-                    if self.served is not None:
-                        self.served.follow(self.worker)
-                except Exception as e2:  # noqa: BLE001 - the original failure is the news
-                    log.warning("request %s: migration failed: %r", self.sub, e2)
-                    raise e from None
-            body = StreamRequest(request_id=self.sub, token_id=self.tokens[-1],
-                                 logprob=self.logprobs[-1])
+                body = await self._migrate(e)
+
+    async def run(self, handle: Callable[[list[StreamEvent]], bool]) -> None:
+        """The same events as iterating, each batch passed to ``handle`` in the task that
+        reads the stream (``WorkerPool.relay_stream``: no hand-over between two tasks per
+        batch); a batch counts as delivered once ``handle`` returned. ``handle`` returns True
+        to stop (the consumer finished the choice); it must not block.
+
+        Raises:
+            WorkerError: as iterating; whatever ``handle`` raised.
+        """
+        body = self._first_body()
+
+        def take(batch: list[StreamEvent]) -> bool:
+            stop = handle(batch)
+            self._delivered(batch)
+            return stop
+
+        while True:
+            try:
+                await self.pool.relay_stream(self.worker, body, take)
+                return
+            except WorkerError as e:
+                body = await self._migrate(e)
+
+    def _first_body(self) -> StreamRequest:
+        return StreamRequest(request_id=self.sub, token_id=self.tokens[0],
+                             logprob=self.logprobs[0])
+
+    def _delivered(self, batch: list[StreamEvent]) -> None:
+        """Count the tokens (and their logprobs) of a batch the consumer has."""
+        for ev in batch:
+            self.tokens += ev.token_ids
+            self.logprobs += [lp.logprob for lp in ev.logprobs[:len(ev.token_ids)]]
+            self.logprobs += [None] * (len(self.tokens) - len(self.logprobs))
+
+    async def _migrate(self, e: WorkerError) -> StreamRequest:
+        """After the stream failed with ``e``: resume the request on another decode worker;
+        returns the stream request that continues it there.
+
+        Raises:
+            WorkerError: ``e``, when no migration is possible.
+        """
+        if self.resume is None or self.migrations >= MAX_MIGRATIONS:
+            raise e
+        failed = self.worker
+        self.migrations += 1
+        log.warning("request %s: the decode stream of %s failed after %d tokens (%s); "
+                    "migrating it (%d)", self.sub, failed.url, len(self.tokens), e,
+                    self.migrations)
+        try:
+            self.worker, self.sub = await self.resume(
+                failed, list(self.tokens), list(self.logprobs), self.migrations)
+            if self.served is not None:
+                self.served.follow(self.worker)
+        except Exception as e2:  # noqa: BLE001 - the original failure is the news
+            log.warning("request %s: migration failed: %r", self.sub, e2)
+            raise e from None
+        return StreamRequest(request_id=self.sub, token_id=self.tokens[-1],
+                             logprob=self.logprobs[-1])
 
 
 __all__ = ["MAX_MIGRATIONS", "DecodeEvents", "Resume", "ServedBy"]

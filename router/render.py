@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from router.preprocess import PromptJob
@@ -77,6 +78,12 @@ def token_texts(d: Delta) -> list[str]:
 def _js(x: object) -> str:
     """Compact JSON, as the chunks are written (``json.dumps``, ASCII escapes)."""
     return json.dumps(x, separators=(",", ":"))
+
+
+def _js_str(s: str) -> str:
+    """A string as compact JSON: what :func:`_js` writes for a ``str`` (the C encoder of
+    ``json``, without building an encoder per call)."""
+    return encode_basestring_ascii(s)
 
 
 def sse_frame(payload: str) -> bytes:
@@ -187,12 +194,12 @@ class Render:
             return sse_frame(_js(self.chunk(d, first)))
         reason = f',"finish_reason":"{d.finish_reason}"' if d.finish_reason else ""
         if not self.chat:
-            return sse_frame(f'{self._head}{d.index},"text":{_js(d.text)}{reason}}}]}}')
+            return sse_frame(f'{self._head}{d.index},"text":{_js_str(d.text)}{reason}}}]}}')
         parts = []
         if first:
             parts.append('"role":"assistant"')
         if d.text or first:
-            parts.append(f'"content":{_js(d.text)}')
+            parts.append(f'"content":{_js_str(d.text)}')
         return sse_frame(f'{self._head}{d.index},"delta":{{{",".join(parts)}}}{reason}}}]}}')
 
     def chat_choice(self, index: int, a: ChoiceAcc) -> ChatChoice:

@@ -85,19 +85,25 @@ class Delta:
         self.finish_reason = d.finish_reason
 
 
-def relay_batch(index: int, batch: list[StreamEvent], detok) -> Delta:
+def relay_batch(index: int, batch: list[StreamEvent], detok, logprobs: bool = True) -> Delta:
     """The events D sent together (:meth:`router.workers.WorkerPool.stream_batches`) through
     the choice's detokenizer, as one :class:`Delta`: tokens up to the one that finishes the
     choice; when D ended the stream first (a ``finish_reason`` the detokenizer did not reach),
-    the held-back text is released and D's reason kept."""
+    the held-back text is released and D's reason kept.
+
+    ``logprobs`` False (the request asked for none): ``Delta.logprobs`` stays empty (no
+    :class:`TokenLogprob` per token; nothing renders them).
+    """
     d = Delta(index, texts=[])
     texts, ids, lps = d.texts, d.token_ids, d.logprobs
+    step = detok.step
     for ev in batch:
-        wire = ev.logprobs
+        wire = ev.logprobs if logprobs else ()
         for k, tok in enumerate(ev.token_ids):
-            o = detok.step(tok)
+            o = step(tok)
             ids.append(tok)
-            lps.append(TokenLogprob.of(tok, wire[k] if k < len(wire) else None))
+            if logprobs:
+                lps.append(TokenLogprob.of(tok, wire[k] if k < len(wire) else None))
             texts.append(o.new_text)
             if o.finished:
                 break
@@ -173,24 +179,32 @@ async def stream_choice(c: Placed, prompt_len: int, index: int, sampling: Sampli
 
     last = time.monotonic()
     n_out = 1
+    want_lps = sampling.logprobs is not None
     served = ServedBy(metrics, D)  # running / itl of the worker serving it now (migration)
     src = DecodeEvents(pool, D, sub, (first.token_id, finite(first.logprob)), resume, served)
+
+    def handle(batch: list[StreamEvent]) -> bool:
+        """One batch of D's events, in the task that read it: relayed into ``out``; True
+        once the choice finished."""
+        nonlocal last, n_out
+        d = relay_batch(index, batch, detok, want_lps)
+        t = time.monotonic()
+        n = len(d.token_ids)
+        if n:
+            observe_many(served.itl, (t - last) / n, n)
+        last = t
+        n_out += n
+        if d.token_ids or d.text or d.finish_reason:
+            out.put_nowait(d)  # unbounded: as ``await out.put``
+        if d.finish_reason:
+            if not batch[-1].finish_reason:  # the router saw the stop first
+                abort(src.worker, src.sub)
+            return True
+        return False
+
     with contextlib.closing(served):
         try:
-            async for batch in src:
-                d = relay_batch(index, batch, detok)
-                t = time.monotonic()
-                n = len(d.token_ids)
-                if n:
-                    observe_many(served.itl, (t - last) / n, n)
-                last = t
-                n_out += n
-                if d.token_ids or d.text or d.finish_reason:
-                    await out.put(d)
-                if d.finish_reason:
-                    if not batch[-1].finish_reason:  # the router saw the stop first
-                        abort(src.worker, src.sub)
-                    break
+            await src.run(handle)
             if not detok.finished:  # the stream ended without a finish_reason
                 cap = src.worker.info.max_model_len
                 reason = "length" if cap and prompt_len + n_out >= cap else "abort"

@@ -720,6 +720,8 @@ class WorkerPool:
         Ends after an event with a ``finish_reason``, a ``data: [DONE]`` event, or the end of
         the body; the caller tells from the events whether the stream finished. The wait
         between two batches is bounded like every request-path call (:meth:`_bounded`).
+        :meth:`relay_stream` is the same stream handed to a callback in the reader's task
+        (the relay's path: one task wake-up less per batch).
 
         Raises:
             WorkerError: connection failure, non-2xx status, malformed or error event
@@ -727,7 +729,13 @@ class WorkerPool:
         """
         with self.calling(w, "/internal/stream"):
             batches: asyncio.Queue = asyncio.Queue()
-            reader = asyncio.create_task(self._read_stream(w, body, batches))
+
+            def deliver(batch: list[StreamEvent]) -> bool:
+                batches.put_nowait(batch)
+                return False
+
+            reader = asyncio.create_task(self._read_stream(w, body, deliver,
+                                                           batches.put_nowait))
             # The bound on the wait between two batches (as :meth:`_bounded`, without a task
             # and a timer per batch): one timer per stream looks every ``min(1, deadline_s)``
             # s whether the wait has lasted ``deadline_s`` on an unavailable worker.
@@ -764,18 +772,77 @@ class WorkerPool:
                         return
             finally:
                 timer.cancel()
-                # The reader owns the connection and is cancelled once, here: a close that a
-                # second cancellation interrupts (a client that goes away cancels its choices
-                # more than once) leaves the connection checked out of the pool for good,
-                # and a pool of such connections starves every later call.
-                reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait([reader], timeout=5.0)
+                await _stop_reader(reader)
 
-    async def _read_stream(self, w: Worker, body: StreamRequest, batches: asyncio.Queue) -> None:
-        """Read D's SSE stream into ``batches``: a list of ``StreamEvent`` s per network read,
-        then ``None`` at the end, or the ``WorkerError`` that ended it (after the events
-        before it)."""
+    async def relay_stream(self, w: Worker, body: StreamRequest,
+                           handle: Callable[[list[StreamEvent]], bool]) -> None:
+        """``POST /internal/stream`` on a decode worker, each batch (the events of one
+        network read, as :meth:`stream_batches` yields them) passed to ``handle`` at once in
+        the task that reads the body: no queue and no second task between the read and the
+        relay (the router's per-event cost).
+
+        Args:
+            w / body: as :meth:`stream_batches`.
+            handle: Called with each non-empty batch, in order; returns True to stop reading
+                (the router finished the choice itself). Must not block; what it raises ends
+                the stream and is raised here.
+
+        Returns once the stream ended (an event with a ``finish_reason``, ``data: [DONE]``,
+        the end of the body) or ``handle`` returned True. The wait between two batches is
+        bounded as in :meth:`stream_batches` (``deadline_s`` on an unavailable worker).
+
+        Raises:
+            WorkerError: as :meth:`stream_batches`; whatever ``handle`` raised.
+        """
+        with self.calling(w, "/internal/stream"):
+            loop = asyncio.get_running_loop()
+            ended: asyncio.Future = loop.create_future()
+            last = time.monotonic()  # the last batch (or the start): the wait's start
+
+            def end(item: BaseException | None) -> None:
+                if not ended.done():
+                    ended.set_result(item)
+
+            def deliver(batch: list[StreamEvent]) -> bool:
+                nonlocal last
+                last = time.monotonic()
+                try:
+                    return handle(batch) or bool(batch[-1].finish_reason)
+                except BaseException as e:  # noqa: BLE001 - raised by relay_stream
+                    end(e)
+                    return True
+
+            def reader_done(t: asyncio.Task) -> None:  # a reader that died of a bug
+                end(None if t.cancelled() or t.exception() is None else t.exception())
+
+            reader = asyncio.create_task(self._read_stream(w, body, deliver, end))
+            reader.add_done_callback(reader_done)
+            every = min(1.0, self.deadline_s)
+            timer: asyncio.TimerHandle | None = None
+
+            def watch() -> None:
+                nonlocal timer
+                if time.monotonic() - last >= self.deadline_s and not w.available:
+                    end(WorkerError(w.url, f"no answer within {self.deadline_s:g} s from an "
+                                           f"unavailable worker", hung=True))
+                    return
+                timer = loop.call_later(every, watch)
+
+            timer = loop.call_later(every, watch)
+            try:
+                item = await ended
+                if item is not None:
+                    raise item
+            finally:
+                timer.cancel()
+                await _stop_reader(reader)
+
+    async def _read_stream(self, w: Worker, body: StreamRequest,
+                           deliver: Callable[[list[StreamEvent]], bool],
+                           end: Callable[[BaseException | None], None]) -> None:
+        """Read D's SSE stream: ``deliver`` a list of ``StreamEvent`` s per network read (it
+        returns True to stop reading), then ``end(None)`` at the end, or ``end`` of the
+        ``WorkerError`` that ended it (after the events before it were delivered)."""
         try:
             async with self._slot(w, "stream"), self.session.post(
                     w.url + "/internal/stream", data=body.model_dump_json().encode(),
@@ -789,6 +856,7 @@ class WorkerPool:
                 done = False
                 async for chunk in r.content.iter_any():
                     batch: list[StreamEvent] = []
+                    failed: WorkerError | None = None
                     try:
                         for data in sse.feed(chunk):
                             if data.strip() == b"[DONE]":
@@ -801,20 +869,46 @@ class WorkerPool:
                             if ev.finish_reason:
                                 done = True
                                 break
-                    finally:
-                        if batch:
-                            batches.put_nowait(batch)
+                    except WorkerError as e:  # after the events before it
+                        failed = e
+                    if batch and deliver(batch):
+                        done = True  # stopped by the consumer: what follows is not its news
+                    elif failed is not None:
+                        raise failed
                     if done:
                         break
-            batches.put_nowait(None)
+            end(None)
         except WorkerError as e:
-            batches.put_nowait(e)
+            end(e)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
-            batches.put_nowait(WorkerError(w.url, f"stream: {e!r}", retryable=True))
+            end(WorkerError(w.url, f"stream: {e!r}", retryable=True))
         except TimeoutError as e:
-            batches.put_nowait(WorkerError(w.url, f"stream: no event in time: {e!r}", hung=True))
+            end(WorkerError(w.url, f"stream: no event in time: {e!r}", hung=True))
         except aiohttp.ClientError as e:
-            batches.put_nowait(WorkerError(w.url, f"stream: {e!r}"))
+            end(WorkerError(w.url, f"stream: {e!r}"))
+
+
+async def relay_batches(batches: AsyncIterator[list[StreamEvent]],
+                        handle: Callable[[list[StreamEvent]], bool]) -> None:
+    """Pass each batch of ``batches`` (e.g. :meth:`WorkerPool.stream_batches`) to
+    ``handle`` until it returns True or they end: :meth:`WorkerPool.relay_stream`'s contract
+    over any batch iterator (a scripted pool in tests)."""
+    async for batch in batches:
+        if handle(batch):
+            break
+
+
+async def _stop_reader(reader: asyncio.Task) -> None:
+    """Cancel a stream's reader task once and wait (5 s at most) for it to end.
+
+    The reader owns the connection and is cancelled once, here: a close that a second
+    cancellation interrupts (a client that goes away cancels its choices more than once)
+    leaves the connection checked out of the pool for good, and a pool of such connections
+    starves every later call.
+    """
+    reader.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.wait([reader], timeout=5.0)
 
 
 def check_parallel(url: str, info: WorkerInfo, others: list[Worker]) -> None:

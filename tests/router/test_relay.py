@@ -11,6 +11,7 @@ logprobs (the per-token ``text_offset`` of a stream equals the non-streaming res
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import httpx
@@ -190,21 +191,25 @@ def test_streams_keep_text_usage_and_finish(stack, slow_writer):
     try:
         prompt = "Coalesced or not, the text is the same."
         ids = TOKENIZER.encode(prompt, add_bos=True)
-        for stop, max_tokens in (((), 40), (("q",), 60)):
+        # n = 1: the choice's deltas go straight to the response's queue; n = 2: through
+        # run_prompt's relay of choice 0 (the last chunk, usage and [DONE] are one write)
+        for n, (stop, max_tokens) in itertools.product((1, 2), (((), 40), (("q",), 60))):
             sp = SamplingParams(max_tokens=max_tokens, temperature=0, stop=stop,
                                 stop_token_ids=TOKENIZER.stop_token_ids)
             want_ids, want, reason = toy_generate(ids, sp)
             chunks, _ = _stream(url, "/v1/completions", {
-                "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "n": 2,
+                "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "n": n,
                 "stop": list(stop), "stream_options": {"include_usage": True}})
-            for i in range(2):
+            for i in range(n):
                 mine = [c["choices"][0] for c in chunks if c["choices"]
                         and c["choices"][0]["index"] == i]
                 assert "".join(c["text"] for c in mine) == want
                 assert [c.get("finish_reason") for c in mine][-1] == reason
+                assert all(c.get("finish_reason") is None for c in mine[:-1])
             usage = chunks[-1]["usage"]
-            assert usage["completion_tokens"] == 2 * len(want_ids)
-            assert usage["prompt_tokens"] == len(ids)  # one prompt, n = 2 choices
+            assert chunks[-1]["choices"] == []
+            assert usage["completion_tokens"] == n * len(want_ids)
+            assert usage["prompt_tokens"] == len(ids)  # one prompt, n choices
         chat, _ = _stream(url, "/v1/chat/completions", {
             "messages": [{"role": "user", "content": prompt}], "max_tokens": 30,
             "temperature": 0})
@@ -237,3 +242,193 @@ def test_streamed_logprobs_offsets_match_the_full_response(stack):
         for k in got:
             got[k] += c["choices"][0]["logprobs"][k]
     assert got == {k: full[k] for k in got}
+
+
+# ----------------------------------------------------------------------------- relay_stream
+def _wire(*ids: int, finish: str | None = None, error: str | None = None) -> bytes:
+    body = {"token_ids": list(ids), "text": "", "finish_reason": finish}
+    if error is not None:
+        body["error"] = error
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+#: Scripted decode stream bodies, one list of network writes each (a pause between two).
+STREAMS = {
+    "finish": [_wire(1) + _wire(2), _wire(3), _wire(4) + _wire(5, finish="stop") + b"data: [DONE]\n\n"],
+    "done_no_finish": [_wire(1), _wire(2) + b"data: [DONE]\n\n"],
+    "cut": [_wire(1), _wire(2) + b"data: {\"token_ids\": [3"],
+    "malformed": [_wire(1), _wire(2) + b"data: {\"token_ids\": \"x\"}\n\n" + _wire(4)],
+    "error_event": [_wire(1), _wire(2) + _wire(finish="abort", error="engine died")],
+    "crlf": [_wire(1).replace(b"\n", b"\r\n"), _wire(2, finish="length").replace(b"\n", b"\r")],
+}
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    """A decode 'worker' that answers ``/internal/stream`` with ``STREAMS[request_id]``
+    (a raw ASGI app: each part one write, a pause between two)."""
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (msg := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for k, part in enumerate(STREAMS[json.loads(body)["request_id"]]):
+            if k:
+                await asyncio.sleep(0.03)
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    srv = ServerThread(app).start()
+    yield srv.url
+    srv.stop()
+
+
+def _pool_and_worker(url: str):
+    from k3serve.messages import Capacity, WorkerInfo
+    from router.workers import Worker, WorkerPool
+
+    info = WorkerInfo(role="decode", model=MODEL, fingerprint="f", block_size=4,
+                      capacity=Capacity(num_pages=8, num_slots=8, num_snapshots=0),
+                      max_model_len=256)
+    return WorkerPool(MODEL, None), Worker(url, info)
+
+
+async def _both_paths(url: str, name: str, stop_after: int | None):
+    """(events, error) through ``stream_batches`` (the generator) and through
+    ``relay_stream`` (the callback in the reader's task), for the same scripted body;
+    ``stop_after``: the consumer stops after that many batches."""
+    from k3serve.messages import StreamRequest
+
+    pool, w = _pool_and_worker(url)
+    body = StreamRequest(request_id=name, token_id=0)
+    res = []
+    try:
+        got, err, n = [], None, 0
+        try:
+            async for batch in pool.stream_batches(w, body):
+                got += [(ev.token_ids, ev.finish_reason, ev.error) for ev in batch]
+                n += 1
+                if stop_after is not None and n >= stop_after:
+                    break
+        except Exception as e:  # noqa: BLE001 - compared
+            err = str(e)
+        res.append((got, err))
+
+        got2, n2 = [], 0
+
+        def handle(batch) -> bool:
+            nonlocal n2
+            got2.extend((ev.token_ids, ev.finish_reason, ev.error) for ev in batch)
+            n2 += 1
+            return stop_after is not None and n2 >= stop_after
+
+        err2 = None
+        try:
+            await pool.relay_stream(w, body, handle)
+        except Exception as e:  # noqa: BLE001 - compared
+            err2 = str(e)
+        res.append((got2, err2))
+    finally:
+        await pool.close()
+    return res
+
+
+@pytest.mark.parametrize("name", sorted(STREAMS))
+def test_relay_stream_equals_stream_batches(scripted, name):
+    (plain, plain_err), (fast, fast_err) = asyncio.run(_both_paths(scripted, name, None))
+    assert fast == plain and fast_err == plain_err
+    assert plain, (name, plain_err)  # the events before an error are delivered
+    if name in ("cut", "done_no_finish"):
+        assert plain_err is None and not plain[-1][1]  # ended without a finish
+    if name in ("malformed", "error_event"):
+        assert plain_err is not None and [e[0] for e in plain] == [[1], [2]]
+
+
+def test_relay_stream_stops_when_the_consumer_does(scripted):
+    (plain, plain_err), (fast, fast_err) = asyncio.run(_both_paths(scripted, "finish", 1))
+    assert fast == plain == [([1], None, None), ([2], None, None)]
+    assert plain_err is None and fast_err is None
+
+
+def test_relay_stream_raises_what_handle_raised(scripted):
+    from k3serve.messages import StreamRequest
+
+    async def run():
+        pool, w = _pool_and_worker(scripted)
+
+        def handle(batch):
+            raise KeyError("relay bug")
+
+        try:
+            await pool.relay_stream(w, StreamRequest(request_id="finish", token_id=0), handle)
+        finally:
+            await pool.close()
+
+    with pytest.raises(KeyError, match="relay bug"):
+        asyncio.run(run())
+
+
+def test_decode_events_run_equals_iterating_across_a_migration():
+    """``DecodeEvents.run`` (the relay's callback path) sees the batches, resumes after the
+    tokens and ends where iterating ``DecodeEvents`` does, across a failed decode worker."""
+    from router.migrate import DecodeEvents
+    from router.workers import WorkerError, relay_batches
+
+    class W:
+        def __init__(self, url):
+            self.url = url
+
+    d0, d1 = W("d0"), W("d1")
+    scripts = {"d0": [[StreamEvent(token_ids=[11], logprobs=[TokenLogprob(logprob=-1.0)])],
+                      [StreamEvent(token_ids=[12, 13])], WorkerError("d0", "stream: gone")],
+               "d1": [[StreamEvent(token_ids=[14])],
+                      [StreamEvent(token_ids=[15], finish_reason="length")]]}
+
+    class Pool:
+        def __init__(self):
+            self.bodies = []
+
+        async def stream_batches(self, w, body):
+            self.bodies.append((w.url, body.request_id, body.token_id))
+            for item in scripts[w.url]:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+
+        async def relay_stream(self, w, body, handle):
+            await relay_batches(self.stream_batches(w, body), handle)
+
+    async def resume(failed, tokens, lps, k):
+        return d1, f"sub-m{k}"
+
+    async def both():
+        res = []
+        for mode in ("iterate", "run"):
+            pool, got = Pool(), []
+            src = DecodeEvents(pool, d0, "sub", (10, -0.5), resume)
+            if mode == "iterate":
+                async for batch in src:
+                    got.append([t for ev in batch for t in ev.token_ids])
+            else:
+                def handle(b, got=got) -> bool:
+                    got.append([t for ev in b for t in ev.token_ids])
+                    return False
+
+                await src.run(handle)
+            res.append((got, src.tokens, src.logprobs, src.sub, src.migrations, pool.bodies))
+        return res
+
+    plain, fast = asyncio.run(both())
+    assert fast == plain
+    assert plain[0] == [[11], [12, 13], [14], [15]] and plain[1] == [10, 11, 12, 13, 14, 15]
+    assert plain[5] == [("d0", "sub", 10), ("d1", "sub-m1", 13)]

@@ -295,7 +295,7 @@ def test_migrated_choice_counts_running_and_itl_on_the_worker_that_serves_it():
     from router.metrics import RouterMetrics
     from router.placement import Placement
     from router.stream import END, Placed, stream_choice
-    from router.workers import WorkerError
+    from router.workers import WorkerError, relay_batches
 
     def worker(name: str):
         return SimpleNamespace(url=f"http://{name}", name=name,
@@ -319,6 +319,9 @@ def test_migrated_choice_counts_running_and_itl_on_the_worker_that_serves_it():
             for t in (13, 14):
                 yield [StreamEvent(token_ids=[t])]
             yield [StreamEvent(token_ids=[15], finish_reason="length")]
+
+        async def relay_stream(self, w, body, handle):
+            await relay_batches(self.stream_batches(w, body), handle)
 
     async def resume(failed, tokens, lps, k):
         return D1, "sub-m1"
