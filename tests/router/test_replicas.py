@@ -199,7 +199,7 @@ def test_four_replicas_keep_hit_rate_balance_and_exact_metrics(single, four):
         # issue 19's bounds. Ties break by rendezvous hashing of the prompt's content address
         # (router.placement.tie_breaks), not by each replica's own request count: replicas
         # that see the same worker states choose the same worker. (Before: 4 points / 0.2
-        # held, the conversations' balance moved by up to 0.134.) Measured since, six runs:
+        # held, the conversations' balance moved by up to 0.134.) Measured since, seven runs:
         # hit gap ≤ 1.79 points, balance gap ≤ 0.0497 (README: what is left is each
         # replica's own view of util / request_rate). The slice's 48 cold prompts: one
         # prompt moved between the two workers moves the balance by ~0.04.
