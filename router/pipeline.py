@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import secrets
@@ -91,6 +92,20 @@ def _refused(e: WorkerError) -> Exception:
                     code=e.code or "invalid_request")
 
 
+def affinity_key(ids: Sequence[int], hashes: Sequence[str], fingerprint: str,
+                 cache_salt: str | None) -> str:
+    """The content address that breaks placement ties (``PlacementRequest.key``,
+    ``router.placement.tie_breaks``): the chained hash of the prompt's last full block (it
+    addresses the whole full-block prefix, salted as the workers salt it), or for a prompt
+    shorter than one block a ``blake2b`` of its layout, salt and token ids. Every replica
+    computes the same key for the same prompt; distinct prompts get unrelated keys."""
+    if hashes:
+        return hashes[-1]
+    h = hashlib.blake2b(f"{fingerprint}\x00{cache_salt or ''}\x00".encode(), digest_size=16)
+    h.update(",".join(map(str, ids)).encode())
+    return h.hexdigest()
+
+
 def _busy(e: BaseException) -> bool:
     """A decode worker had no room for the reservation now."""
     return isinstance(e, WorkerError) and e.busy
@@ -125,8 +140,8 @@ class Router:
             config.max_queued, config.retry_after_s)
         self.tokenizer = get_tokenizer(config.tokenizer or config.model)
         self.pre = Preprocessor(self.tokenizer, config.add_bos)
-        # replicas: each starts its rotation elsewhere, so their ties do not all pick the same
-        # worker first
+        # ``seq`` drives only round_robin / random now (cost ties break by the prompt's content,
+        # router.placement.tie_breaks); replicas start those rotations apart
         self._seq = itertools.count(0 if config.replica is None else secrets.randbits(16))
         self._background: set[asyncio.Task] = set()
         self._model_len: int | None = None
@@ -186,9 +201,10 @@ class Router:
             raise NoWorkerAvailable(
                 f"no healthy {'prefill' if not prefill else 'decode'} worker")
         fingerprint, bs = self.pool.layout
-        req = PlacementRequest(len(ids), bs, seq=next(self._seq), max_new_tokens=max_new)
-        match = self.pool.match(prompt_hashes(ids, bs, fingerprint, cache_salt),
-                                req.max_cached_blocks)
+        hashes = prompt_hashes(ids, bs, fingerprint, cache_salt)
+        req = PlacementRequest(len(ids), bs, seq=next(self._seq), max_new_tokens=max_new,
+                               key=affinity_key(ids, hashes, fingerprint, cache_salt))
+        match = self.pool.match(hashes, req.max_cached_blocks)
         store = match.get(STORE)  # the shared store's content, if workers report puts
         pstates = [live_view(w.url, match.get(w.url), store, w.placement_queued_tokens,
                              w.info.prefill_rate or self.config.prefill_rate,
@@ -288,10 +304,11 @@ class Router:
         if not live or self.pool.layout is None:
             raise NoWorkerAvailable("no healthy worker")
         fingerprint, bs = self.pool.layout
+        hashes = prompt_hashes(job.token_ids, bs, fingerprint, cache_salt)
         req = PlacementRequest(len(job.token_ids), bs, seq=next(self._seq),
-                               max_new_tokens=job.max_new)
-        match = self.pool.match(prompt_hashes(job.token_ids, bs, fingerprint, cache_salt),
-                                req.max_cached_blocks)
+                               max_new_tokens=job.max_new,
+                               key=affinity_key(job.token_ids, hashes, fingerprint, cache_salt))
+        match = self.pool.match(hashes, req.max_cached_blocks)
         states = [live_view(w.url, match.get(w.url), None, w.placement_queued_tokens,
                             w.info.prefill_rate or self.config.prefill_rate,
                             w.placement_load)

@@ -13,9 +13,9 @@ Prefill choice — policies in ``POLICIES`` (a registry; ``register_policy`` add
   KV transfer delays token #2, not TTFT, so it is not in the cost. A load guard first drops
   workers whose queued work (seconds: queued tokens / rate) exceeds
   ``guard_factor × least queued + guard_seconds``, so a hot prefix cannot pile every request
-  onto one worker. Ties → least queued, then a rotation by ``seq`` (idle workers share cold
-  requests evenly).
-* ``least_load``: least queued prefill work (queued tokens / rate), cache-blind.
+  onto one worker. Ties → least queued, then :func:`tie_breaks`.
+* ``least_load``: least queued prefill work (queued tokens / rate), cache-blind but for its
+  ties (:func:`tie_breaks`: at an idle tie a repeated prompt meets its earlier copy).
 * ``round_robin``: ``seq mod n`` over the healthy workers (``seq`` comes with the request).
 * ``random``: uniform, seeded by ``(seed, seq)`` so a replay is reproducible.
 * ``prefix_home`` (the default, ``DEFAULT_POLICY``) and ``approx_radix``: in
@@ -24,6 +24,19 @@ Prefill choice — policies in ``POLICIES`` (a registry; ``register_policy`` add
 Decode choice (all policies): a worker with room for the request (free cache tokens for
 prompt + ``max_tokens`` per choice, a free state slot per choice) and the lightest batch;
 if none has room, the one with the most free tokens (the request waits there).
+
+Ties (every cost-based policy, and the decode choice): :func:`tie_breaks`. A request that
+carries a content address (``PlacementRequest.key``: the live router and the simulator pass
+the chained hash of the prompt's last full block) breaks them by rendezvous hashing (highest
+random weight, Thaler & Ravishankar 1998): among the tied workers, the one whose
+``blake2b(key, worker_id)`` is largest. The choice then depends only on the request's content
+and on the workers' states and ids — not on a counter or the order a router lists its
+workers in — so router replicas with the same view of the workers' events choose the same
+worker (issue 19); distinct prompts spread uniformly, a repeated prompt goes where its copy
+went at the last tie. (Keyed on the *first* block instead, every tie of prompts that share a
+system prompt went to one worker: in the simulator ``cache_aware``'s balance on the
+conversation trace went from 1.04 to 4.8 with the store.) Without a key: a rotation by
+``seq``.
 
 ``snapshot_at``: when the prompt shares MLA blocks with earlier prompts (any worker) up to a
 boundary deeper than what the chosen prefill worker can reuse, and the prompt diverges there,
@@ -34,6 +47,7 @@ that boundary is a branch point: the chosen worker is asked to keep a KDA snapsh
 
 from __future__ import annotations
 
+import hashlib
 import random as _random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,9 +64,13 @@ class PlacementRequest:
     Attributes:
         num_prompt_tokens: Prompt length L in tokens (≥ 1).
         block_size: Cache block size B in tokens (the workers' ``/internal/info``).
-        seq: Router-wide request sequence number (drives ``round_robin`` and ``random``).
+        seq: Router-wide request sequence number (drives ``round_robin`` and ``random``, and
+            breaks ties when ``key`` is empty).
         max_new_tokens: Upper bound of generated tokens per choice (decode memory).
         n: Number of choices (decode state slots and memory).
+        key: Content address of the request that breaks cost ties (:func:`tie_breaks`): the
+            chained hash of the prompt's last full block (``router.pipeline.affinity_key``);
+            ``""``: none (ties rotate by ``seq``).
     """
 
     num_prompt_tokens: int
@@ -60,6 +78,7 @@ class PlacementRequest:
     seq: int = 0
     max_new_tokens: int = 0
     n: int = 1
+    key: str = ""
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 1:
@@ -166,6 +185,34 @@ class Placement:
 PrefillPolicy = Callable[[PlacementRequest, Sequence[PrefillWorkerState], PlacementParams], int]
 
 
+def hrw_weight(key: str, worker_id: str) -> int:
+    """Rendezvous (highest-random-weight) weight of ``worker_id`` for ``key``: the first 8
+    bytes of ``blake2b(key ‖ 0x00 ‖ worker_id)`` as an unsigned integer in ``[0, 2⁶⁴)``."""
+    h = hashlib.blake2b(f"{key}\x00{worker_id}".encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "big")
+
+
+def tie_breaks(req: PlacementRequest, worker_ids: Sequence[str]) -> list[int]:
+    """The last element of a policy's sort key, per worker (lower wins a tie).
+
+    With ``req.key``: ``−hrw_weight(key, worker_id)`` (rendezvous hashing: the same worker for
+    the same content and worker set, whatever the caller's counter or worker order; removing
+    a worker moves only the requests it would have won). Without: ``(i − seq) mod n`` (a
+    rotation over the list as given).
+
+    Args:
+        req: The request (``key``, ``seq``).
+        worker_ids: The candidates' ids, in the caller's order.
+
+    Returns:
+        One integer per worker, in that order; all distinct unless two ids hash alike.
+    """
+    if req.key:
+        return [-hrw_weight(req.key, w) for w in worker_ids]
+    n = len(worker_ids)
+    return [(i - req.seq) % n for i in range(n)]
+
+
 def _uncached(req: PlacementRequest, w: PrefillWorkerState,
               store_cost: float = 1.0) -> float:
     """Tokens of work left on ``w``: the prompt minus its local hit, with the part only the
@@ -183,13 +230,14 @@ def cache_aware(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
     """
     least = min(w.queued_tokens / w.prefill_rate for w in workers)
     bound = params.guard_factor * least + params.guard_seconds
+    tie = tie_breaks(req, [w.worker_id for w in workers])
     best, best_key = 0, None
     for i, w in enumerate(workers):
         queued_s = w.queued_tokens / w.prefill_rate
         if queued_s > bound:
             continue
         ttft = queued_s + _uncached(req, w, params.store_token_cost) / w.prefill_rate
-        key = (ttft, queued_s, (i - req.seq) % len(workers))
+        key = (ttft, queued_s, tie[i])
         if best_key is None or key < best_key:
             best, best_key = i, key
     return best
@@ -197,10 +245,11 @@ def cache_aware(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
 
 def least_load(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
                params: PlacementParams) -> int:
-    """Least queued prefill time (queued tokens / rate), cache-blind; ties rotate by ``seq``."""
-    n = len(workers)
-    return min(range(n), key=lambda i: (workers[i].queued_tokens / workers[i].prefill_rate,
-                                        (i - req.seq) % n))
+    """Least queued prefill time (queued tokens / rate), cache-blind; ties →
+    :func:`tie_breaks`."""
+    tie = tie_breaks(req, [w.worker_id for w in workers])
+    return min(range(len(workers)), key=lambda i: (
+        workers[i].queued_tokens / workers[i].prefill_rate, tie[i]))
 
 
 def round_robin(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
@@ -232,18 +281,21 @@ def choose_decode(req: PlacementRequest, workers: Sequence[DecodeWorkerState]) -
     """Decode worker with room for the request and the lightest batch.
 
     Room = ``free_tokens >= n × (L + max_new_tokens)`` (an upper bound: the choices share the
-    prompt's pages) and ``free_slots >= n``. Ties → most free tokens, then lowest index.
+    prompt's pages) and ``free_slots >= n``. Ties → most free tokens, then the rendezvous
+    weight of ``req.key`` (:func:`tie_breaks`; no key: lowest index).
 
     Raises:
         NoWorkerAvailable: no healthy decode worker.
     """
     need_tokens = req.n * (req.num_prompt_tokens + req.max_new_tokens)
+    tie = ([-hrw_weight(req.key, w.worker_id) for w in workers] if req.key
+           else range(len(workers)))
     best, best_key = None, None
     for i, w in enumerate(workers):
         if not w.healthy:
             continue
         fits = w.free_tokens >= need_tokens and w.free_slots >= req.n
-        key = (not fits, w.running if fits else 0, -w.free_tokens, i)
+        key = (not fits, w.running if fits else 0, -w.free_tokens, tie[i])
         if best_key is None or key < best_key:
             best, best_key = w.worker_id, key
     if best is None:

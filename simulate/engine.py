@@ -436,7 +436,8 @@ def replay(reqs: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig
                 running=w.running, approx_blocks=radix[i], tree_blocks=view.tree_size(i)))
         dstates = [DecodeWorkerState(f"d{i}", running=decode_running[i])
                    for i in range(cfg.decode_workers)]
-        req = PlacementRequest(r.num_tokens, B, seq=seq, max_new_tokens=r.output_tokens)
+        req = PlacementRequest(r.num_tokens, B, seq=seq, max_new_tokens=r.output_tokens,
+                               key=r.hashes[-1] if r.hashes else "")
         p = place(req, states, dstates, policy=policy, params=cfg.params)
         w = by_name[p.prefill]
         predicted[seq] = p.predicted_cached_tokens

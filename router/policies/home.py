@@ -32,7 +32,9 @@ small compute) stay; cold-ish ones move first.
 Queue guard (never remove every holder of the best prefix unless truly overloaded): a worker
 whose queued work exceeds ``guard_factor × least + guard_seconds`` (the ``cache_aware``
 guard) is skipped unless it holds the best prefix and its queue is below
-``overload_seconds``. Ties → less queued, then a rotation by ``seq``.
+``overload_seconds``. Ties → less queued, then ``router.placement.tie_breaks`` (rendezvous
+hashing of the prompt's content address with the worker id, so router replicas with the
+same view agree; without a key, a rotation by ``seq``).
 
 The live router feeds it the same figures as the simulator: ``util`` and ``request_rate``
 come from one :class:`router.policies.load.RecentLoad` per worker in ``router.workers.Worker``
@@ -55,7 +57,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.placement import PlacementParams, PlacementRequest, PrefillWorkerState
+from router.placement import PlacementParams, PlacementRequest, PrefillWorkerState, tie_breaks
 from router.policies import depths
 from router.policies.load import UTIL_HORIZON_S
 
@@ -111,6 +113,7 @@ def prefix_home(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
     bounded = all(u is not None for u in util)
     total_util = sum(util) if bounded else 0.0  # type: ignore[arg-type]
     H = hp.util_horizon_s
+    tie = tie_breaks(req, [w.worker_id for w in workers])
     best_i, best_key = -1, None
     for i, w in enumerate(workers):
         q = queued[i]
@@ -133,11 +136,11 @@ def prefix_home(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
             sr = getattr(w, "store_tokens_per_s", 0.0)
             cost += (c - loc) * B * (1 / sr if sr > 0 else params.store_token_cost
                                      / w.prefill_rate)
-        key = (cost, q, (i - req.seq) % n)
+        key = (cost, q, tie[i])
         if best_key is None or key < best_key:
             best_i, best_key = i, key
     if best_i < 0:  # nobody within the bounds: the least loaded
-        key_of = (lambda i: (util[i], queued[i], (i - req.seq) % n)) if bounded else \
-            (lambda i: (queued[i], (i - req.seq) % n))
+        key_of = (lambda i: (util[i], queued[i], tie[i])) if bounded else \
+            (lambda i: (queued[i], tie[i]))
         best_i = min(range(n), key=key_of)
     return best_i

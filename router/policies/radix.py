@@ -11,7 +11,8 @@ per worker of the prompts it routed there (not the workers' real caches) and dec
 3. Otherwise route to the worker with the smallest tree (most room to cache).
 
 Defaults as published: ``cache_threshold = 0.3``, ``balance_abs_threshold = 64``,
-``balance_rel_threshold = 1.5``. Ties rotate by ``seq``. Reads :class:`router.policies.
+``balance_rel_threshold = 1.5``. Ties → ``router.placement.tie_breaks`` (rendezvous hashing of
+the request's key with the worker id; no key: a rotation by ``seq``). Reads :class:`router.policies.
 WorkerView`'s ``approx_blocks``, ``tree_blocks`` and ``running``; where they are unknown (plain
 states, −1: the live router keeps no approximate tree) it falls back to ``mla_blocks`` (the
 exact index) and queued tokens.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.placement import PlacementParams, PlacementRequest, PrefillWorkerState
+from router.placement import PlacementParams, PlacementRequest, PrefillWorkerState, tie_breaks
 
 CACHE_THRESHOLD = 0.3
 BALANCE_ABS_THRESHOLD = 64
@@ -32,7 +33,7 @@ def approx_radix(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
                  params: PlacementParams) -> int:
     """SGLang-router-style choice over approximate trees (module docstring)."""
     n = len(workers)
-    rot = [(i - req.seq) % n for i in range(n)]
+    rot = tie_breaks(req, [w.worker_id for w in workers])
     load = [getattr(w, "running", -1) for w in workers]
     if any(x < 0 for x in load):
         load = [w.queued_tokens for w in workers]

@@ -1,13 +1,15 @@
 """Router replicas (issue 19): ``python -m router.app --replicas N`` behind one address.
 
 With the fake workers (tests/router_fakes.py) and the committed traces, one request at a
-time: 4 replicas keep the hit rate within 4 points and the prefill load balance (computed
-tokens, max / mean) within 0.2 of one router (issue 19 asks 2 / 0.05: not met), ``cached_tokens`` and the aggregated metrics exact (one scrape of
-the address = the sum over the replicas); SIGKILL of one replica mid-load: its clients'
-streams fail visibly (no ``[DONE]``), every other stream completes with the oracle's text,
-new requests are served, the supervisor starts the replica again and the running gauge
-returns to 0. Units: the registry fan-out, the load figures placement reads, the launcher
-and Ray config plumbing.
+time: 4 replicas keep the hit rate within 2 points and the prefill load balance (computed
+tokens, max / mean) within 0.05 of one router on the committed Mooncake slice (issue 19's
+bounds; 5 points / 0.15 on the conversation trace) — cost ties break by rendezvous hashing of
+the prompt's content, so replicas with the same view of the workers choose the same worker —
+``cached_tokens`` and the aggregated metrics exact (one scrape of the address = the sum over
+the replicas: prometheus-client's multiprocess mode); SIGKILL of one replica mid-load: its clients' streams fail visibly (no ``[DONE]``), every other stream
+completes with the oracle's text, new requests are served, the supervisor starts the replica
+again and the running gauge returns to 0. Units: the tie-break, the registry fan-out, the
+load figures placement reads, the launcher and Ray config plumbing.
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ TRACES = (ROOT / "tests" / "data" / "trace_3000_3399.jsonl",
 ROWS = 48  # rows replayed per trace and router
 
 
+def _fresh() -> httpx.Limits:
+    """Client limits that open a new connection per request (no keep-alive): the kernel hands
+    each to one replica. One client per stack or replay: a client builds its TLS context at
+    creation (~20 ms idle, 0.2 s on a crowded box), a cost the test paid per request before."""
+    return httpx.Limits(max_keepalive_connections=0)
+
+
 class ReplicaStack:
     """Fresh fake workers (2 prefill + 1 decode, in this process) and a router of ``n``
     replicas in its own process (``n = 1``: the plain router, one process)."""
@@ -58,6 +67,7 @@ class ReplicaStack:
             st.restart()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.http = httpx.Client(timeout=10, limits=_fresh())
         env = {**os.environ, "K3SERVE_CLUSTER_TOKEN": TOKEN}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "router.app", "--port", str(self.port), "--model", MODEL,
@@ -72,21 +82,21 @@ class ReplicaStack:
         deadline = time.monotonic() + 120  # a bound for a crowded box, not a target
         while True:
             try:
-                httpx.get(self.url + "/health", timeout=2)
+                self.http.get(self.url + "/health", timeout=2)
                 break
             except httpx.HTTPError:
                 assert time.monotonic() < deadline, "router did not start"
-                time.sleep(0.1)
+                time.sleep(0.05)
         for st, _ in self.workers:  # each reaches one replica; the registry fans it out
-            r = httpx.post(self.url + "/internal/register", json={"url": st.url},
-                           headers={CLUSTER_TOKEN_HEADER: TOKEN}, timeout=10)
+            r = self.http.post(self.url + "/internal/register", json={"url": st.url},
+                               headers={CLUSTER_TOKEN_HEADER: TOKEN})
             assert r.status_code == 200, r.text
         while n > 1 and len(self.replica_pids()) < n:
             assert time.monotonic() < deadline, "replicas did not start"
-            time.sleep(0.1)
+            time.sleep(0.05)
         ok = 0  # fresh connections reach the replicas: all must see every worker (a replica
         while ok < 4 * n:  # reads the registry every 0.25 s once it runs)
-            h = httpx.get(self.url + "/health", timeout=5).json()
+            h = self.http.get(self.url + "/health").json()
             ok = ok + 1 if h["num_workers_healthy"] == 3 else 0
             assert time.monotonic() < deadline, f"a replica does not see every worker: {h}"
             time.sleep(0.02)
@@ -110,7 +120,7 @@ class ReplicaStack:
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(httpx.get(self.url + "/metrics").text):
+        for fam in text_string_to_metric_families(self.http.get(self.url + "/metrics").text):
             for s in fam.samples:
                 out[s.name] = out.get(s.name, 0.0) + s.value
         return out
@@ -123,31 +133,33 @@ class ReplicaStack:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.http.close()
         for _, srv in self.workers:
             srv.stop()
 
 
-def replay(stack: ReplicaStack, trace: Path, concurrency: int = 4) -> dict:
-    """The first ``ROWS`` rows of ``trace`` through ``stack`` (token-id prompts, one trace
-    block = one 16-token block, 1 token each): hit rate, computed-token balance over the
-    prefill workers (max / mean), Σ prompt / cached tokens, the replicas that answered."""
+def replay(stack: ReplicaStack, trace: Path) -> dict:
+    """The first ``ROWS`` rows of ``trace`` through ``stack``, one request at a time in
+    arrival order, each on a new connection (token-id prompts, one trace block = one 16-token
+    block, 1 token each): hit rate, computed-token balance over the prefill workers
+    (max / mean), Σ prompt / cached tokens, the replicas that answered.
+
+    One at a time: a router's choice then depends on the workers' state, not on which of
+    several concurrent requests it happened to place first (at concurrency 4 one router
+    alone moved by 8 points between runs: README)."""
     work = trace_load(trace, limit=ROWS, length_scale=16 / 512, vocab_size=256,
                       max_model_len=4096)
     before = [len(st.prefills) for st in stack.prefill]
 
     async def run() -> list[dict]:
-        sem = asyncio.Semaphore(concurrency)
-
-        async def one(req) -> dict:
-            async with sem, httpx.AsyncClient(timeout=60) as c:  # a new connection each
+        out = []
+        async with httpx.AsyncClient(timeout=60, limits=_fresh()) as c:
+            for req in work.requests:
                 r = await c.post(stack.url + "/v1/completions", json={
                     "model": MODEL, "prompt": req.prompt, "max_tokens": 1, "temperature": 0})
                 assert r.status_code == 200, r.text
-                return {"usage": r.json()["usage"], "replica": r.headers.get(REPLICA_HEADER)}
-
-        out = []
-        for i in range(0, len(work.requests), 16):  # in arrival order, a window at a time
-            out += await asyncio.gather(*(one(q) for q in work.requests[i:i + 16]))
+                out.append({"usage": r.json()["usage"],
+                            "replica": r.headers.get(REPLICA_HEADER)})
         return out
 
     res = asyncio.run(run())
@@ -161,37 +173,43 @@ def replay(stack: ReplicaStack, trace: Path, concurrency: int = 4) -> dict:
 
 
 @pytest.fixture(scope="module")
+def single() -> list[dict]:
+    """One router's figures on both traces (fresh workers; its stack is stopped before the
+    replicas' starts, so the two never share the box's cores)."""
+    s = ReplicaStack(1)
+    try:
+        return [replay(s, t) for t in TRACES]
+    finally:
+        s.close()
+
+
+@pytest.fixture(scope="module")
 def four():
     s = ReplicaStack(4)
     yield s
     s.close()
 
 
-def test_four_replicas_keep_hit_rate_balance_and_exact_metrics(four):
-    # One request at a time: one router then places deterministically (the same figures run
-    # after run), so the comparison measures what the replicas change, not concurrency's
-    # interleavings (at concurrency 4 one router alone moved by 8 points between runs; the
-    # concurrent figures are in README).
-    one = ReplicaStack(1)
-    try:
-        base = [replay(one, t, concurrency=1) for t in TRACES]
-    finally:
-        one.close()
-    got = [replay(four, t, concurrency=1) for t in TRACES]
-    print("one router:", base, "\n4 replicas:", got)
-    for g, b in zip(got, base, strict=True):
+def test_four_replicas_keep_hit_rate_balance_and_exact_metrics(single, four):
+    got = [replay(four, t) for t in TRACES]
+    print("one router:", single, "\n4 replicas:", got)
+    # Issue 19's bounds (2 points / 0.05) on the committed Mooncake slice, as the issue
+    # states them; on the conversations (hot prefixes) 5 points / 0.15: there one placement
+    # that flips moves the two workers' balance by 0.05-0.09, and one router alone spans
+    # 41.0-43.5 % / 1.000-1.103 between runs on a shared box (README). Ties break by
+    # rendezvous hashing of the prompt's content address (router.placement.tie_breaks), not
+    # by each replica's own request count over its own worker order: replicas that see the
+    # same worker states choose the same worker. Measured, eleven runs: slice hit gap 0,
+    # balance gap <= 0.032 (one prompt moved: ~0.04); conversations hit gap <= 3.58 points,
+    # balance gap <= 0.087 (before this change: 4 points / 0.2, balance gaps up to 0.134).
+    for (g, b), (hit, bal) in zip(zip(got, single, strict=True), ((0.02, 0.05), (0.05, 0.15)),
+                                  strict=True):
         assert g["n"] == b["n"] >= ROWS - 2
         assert len(g["replicas"]) >= 3, g["replicas"]  # the load really spread
-        # Issue 19 asks 2 points / 0.05. Sequential, one router gave the same hit / balance
-        # in every run (conversations 42.80 % / 1.068); 4 replicas gave 43.25-45.04 % and
-        # 1.057-1.201 over three runs (the slice: 2.43 % both, gap <= 0.031): each replica
-        # breaks cost ties by its own request count (``seq``), so cold prompts rotate over the
-        # workers per replica, not over the pool. The bounds below are what held; the gap to
-        # the issue's is reported in README.
-        assert abs(g["hit"] - b["hit"]) <= 0.04, (g, b)
-        assert abs(g["balance"] - b["balance"]) <= 0.2, (g, b)
-    assert base[1]["hit"] > 0.3  # the conversations share prefixes: a comparison that can fail
-    m = four.metrics()  # one scrape: every replica's samples, summed
+        assert abs(g["hit"] - b["hit"]) <= hit, (g, b)
+        assert abs(g["balance"] - b["balance"]) <= bal, (g, b)
+    assert single[1]["hit"] > 0.3  # the conversations share prefixes: a comparison that can fail
+    m = four.metrics()  # one scrape: every replica's samples, summed (router/replicas.py)
     prompt, cached = sum(g["prompt"] for g in got), sum(g["cached"] for g in got)
     assert m["k3serve:request_prompt_tokens_total"] == prompt
     assert m["k3serve:request_cached_tokens_total"] == cached
@@ -231,16 +249,14 @@ def test_killing_one_replica_fails_only_its_streams(four):
         return None
 
     async def run():
-        clients = [httpx.AsyncClient(timeout=30) for _ in range(n)]
-        tasks = [asyncio.create_task(stream(i, c)) for i, c in enumerate(clients)]
-        await asyncio.wait_for(started.wait(), 60)
-        alive = [i for i in range(n) if not done[i]]
-        victim = int(replica[min(alive, key=lambda i: len(raws[i]))])
-        running = {i for i in alive if int(replica[i]) == victim}
-        os.kill(four.replica_pids()[victim], signal.SIGKILL)
-        errs = await asyncio.gather(*tasks)
-        for c in clients:
-            await c.aclose()
+        async with httpx.AsyncClient(timeout=30, limits=_fresh()) as c:  # a connection each
+            tasks = [asyncio.create_task(stream(i, c)) for i in range(n)]
+            await asyncio.wait_for(started.wait(), 60)
+            alive = [i for i in range(n) if not done[i]]
+            victim = int(replica[min(alive, key=lambda i: len(raws[i]))])
+            running = {i for i in alive if int(replica[i]) == victim}
+            os.kill(four.replica_pids()[victim], signal.SIGKILL)
+            errs = await asyncio.gather(*tasks)
         return victim, running, errs
 
     try:
@@ -256,7 +272,7 @@ def test_killing_one_replica_fails_only_its_streams(four):
                 assert err is None and raw.endswith(b"data: [DONE]\n\n"), (err, raw[-200:])
                 assert text == want
         for _ in range(8):  # the others keep serving new requests
-            r = httpx.post(four.url + "/v1/completions", json={
+            r = four.http.post(four.url + "/v1/completions", json={
                 "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0},
                 timeout=30)
             assert r.status_code == 200, r.text
@@ -281,6 +297,47 @@ class _Pool:
         self.calls.append(url)
         if url in self.fail:
             raise RuntimeError("unreachable")
+
+
+def test_replicas_with_the_same_view_choose_the_same_worker():
+    """Cost ties break by rendezvous hashing of the prompt's content address with the worker
+    id (``router.placement.tie_breaks``): the same choice whatever a replica's request count
+    (``seq``) or the order it lists the workers in — which is what differed between replicas
+    before (a rotation by each one's own ``seq``, over its own registration order)."""
+    from router.pipeline import affinity_key
+    from router.placement import POLICIES, PlacementRequest, hrw_weight, place
+    from router.policies import WorkerView
+    from router.preprocess import prompt_hashes
+
+    urls = [f"http://10.0.0.{i}:8000" for i in range(4)]
+    views = [urls, urls[::-1], urls[2:] + urls[:2]]  # three replicas' registration orders
+    won = dict.fromkeys(urls, 0)
+    for p in range(200):
+        ids = [1 + (p * 7 + j) % 250 for j in range(40)]  # 2 full blocks of 16 + 8 tokens
+        key = affinity_key(ids, prompt_hashes(ids, 16, "f", None), "f", None)
+        for policy in ("prefix_home", "cache_aware", "least_load", "approx_radix"):
+            got = {place(PlacementRequest(40, 16, seq=seq, key=key),
+                         [WorkerView(u, 0, 0, 0, 10_000.0) for u in order], policy=policy
+                         ).prefill
+                   for seq, order in zip((0, 12_345, 7), views, strict=True)}
+            assert len(got) == 1, (policy, got)  # idle pool: every cost ties
+        winner = max(urls, key=lambda u: hrw_weight(key, u))
+        assert got == {winner}
+        won[winner] += 1
+        # the losers' order does not matter, and removing a loser keeps the winner
+        rest = [u for u in urls if u != winner]
+        assert place(PlacementRequest(40, 16, key=key),
+                     [WorkerView(u, 0, 0, 0, 10_000.0) for u in [*rest[1:], winner]]
+                     ).prefill == winner
+    assert min(won.values()) >= 30, won  # 200 distinct cold prompts spread (50 each expected)
+    # without a key ties still rotate by seq (callers that carry no content)
+    assert {place(PlacementRequest(40, 16, seq=s), [WorkerView(u, 0, 0, 0, 1e4) for u in urls],
+                  policy="prefix_home").prefill for s in range(4)} == set(urls)
+    assert set(POLICIES) >= {"round_robin", "random"}  # these stay seq-driven by definition
+    # prompts shorter than one block get a content key too (salted like the blocks)
+    assert affinity_key([5, 6], [], "f", None) == affinity_key([5, 6], [], "f", None)
+    assert affinity_key([5, 6], [], "f", None) not in (affinity_key([5, 7], [], "f", None),
+                                                      affinity_key([5, 6], [], "f", "tenant"))
 
 
 def test_registry_fans_registrations_out(tmp_path):
