@@ -274,6 +274,7 @@ class Router:
                 if not 0 <= first.num_cached_tokens <= len(job.token_ids):
                     raise WorkerError(P.url, f"prefill: malformed answer: num_cached_tokens "
                                              f"{first.num_cached_tokens}")
+                self.pool.kick(P)  # its new blocks into the index before the next request
             except BaseException as e:
                 self._abort(D, sub)
                 if isinstance(e, asyncio.CancelledError):
@@ -329,6 +330,7 @@ class Router:
                 if not 0 <= first.num_cached_tokens <= len(job.token_ids):
                     raise WorkerError(W.url, f"generate: malformed answer: num_cached_tokens "
                                              f"{first.num_cached_tokens}")
+                self.pool.kick(W)
             except BaseException:
                 self._abort(W, sub)
                 raise

@@ -149,6 +149,9 @@ class Worker:
     resyncs: int = 0
     task: asyncio.Task | None = field(default=None, repr=False)
     live_task: asyncio.Task | None = field(default=None, repr=False)
+    # one event pull at a time per worker (the poll loop and :meth:`WorkerPool.kick`)
+    sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    kick_task: asyncio.Task | None = field(default=None, repr=False)
     reported: WorkerLoad | None = None  # the worker's own figures, with its cache events
     sent_since_report: int = 0  # prefill tokens this router sent after that report
 
@@ -340,7 +343,8 @@ class WorkerPool:
     async def close(self) -> None:
         """Stop every poller and close the HTTP client."""
         self._closed = True
-        tasks = [t for w in self.workers.values() for t in (w.task, w.live_task) if t]
+        tasks = [t for w in self.workers.values() for t in (w.task, w.live_task, w.kick_task)
+                 if t]
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -483,10 +487,29 @@ class WorkerPool:
             if self.index.cursor(w.url)[1] >= events.last_seq:
                 return
 
+    def kick(self, w: Worker) -> None:
+        """Pull ``w``'s cache events now, without waiting for its next poll.
+
+        Called when a prefill answers: the blocks it just stored are then in the index
+        before the client can send its next request, so a repeated prompt's predicted
+        cached tokens are the worker's actual reuse (a replica learns other replicas'
+        placements only from these events). A pull already pending covers this one; a
+        failure is left to the poll loop, which counts it against the worker's health."""
+        if self._closed or (w.kick_task is not None and not w.kick_task.done()):
+            return
+
+        async def pull() -> None:
+            with contextlib.suppress(Exception):
+                async with w.sync_lock:
+                    await self.sync(w)
+
+        w.kick_task = asyncio.get_running_loop().create_task(pull(), name=f"kick {w.url}")
+
     async def _poll_loop(self, w: Worker) -> None:
         while not self._closed:
             try:
-                await self.sync(w)
+                async with w.sync_lock:
+                    await self.sync(w)
                 if not w.healthy:
                     log.info("worker %s is healthy again", w.url)
                 w.failures, w.healthy = 0, True
