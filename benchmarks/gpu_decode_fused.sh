@@ -8,18 +8,7 @@
 #   source .devcarry/setup.sh; cd <this checkout>; bash benchmarks/gpu_decode_fused.sh "$OUT"
 #
 # Writes into OUT: run.log, env.txt, fastpath.json, gpu_e2e.json, RESULTS_gpu_e2e.md.
-set -u
-OUT=${1:?usage: gpu_decode_fused.sh OUT}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
-exec > >(tee -a "$OUT/run.log") 2>&1
-t0=$(date +%s)
-step() { echo "=== $(( $(date +%s) - t0 )) s: $*"; }
-{
-  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+source "$(dirname "$0")/gpu_run_lib.sh" "${1:-}"
 step "decode: K3SERVE_FUSED_DECODE=0 and 1 (k3-mini, batch 1/64/256)"
 timeout ${T_E2E:-300} python3 benchmarks/gpu_e2e.py --out "$OUT" --skip-check --skip-prefill --gpu-init \
   --fused ${FUSED:-0,1} --iters ${ITERS:-20} 2>&1 | grep -v "^   "

@@ -8,19 +8,7 @@
 # Writes into OUT (7 files): run.log, env.txt, transfer_direct.json, transfer_host.json,
 # fastpath.json, gpu_e2e.json, RESULTS_gpu_e2e.md. Every step has its own time limit so a
 # slow one leaves the others' results.
-set -u
-OUT=${1:?usage: gpu_issue11.sh OUT}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
-exec > >(tee -a "$OUT/run.log") 2>&1
-t0=$(date +%s)
-step() { echo "=== $(( $(date +%s) - t0 )) s: $*"; }
-{
-  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-  python3 -c 'import mooncake.engine; print("mooncake TE import ok")'
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+source "$(dirname "$0")/gpu_run_lib.sh" "${1:-}"
 
 step "transfer: k3-mini, GPU pools, direct TE (GPU memory registered)"
 timeout 70 python3 benchmarks/transfer.py --presets k3-mini --reps 3 --device cuda \

@@ -1,13 +1,7 @@
 #!/bin/bash
-# helper "pre", device call 1: prefill profile (base vs fused) + MoE / SDPA micro-benchmarks,
+# One device call: prefill profile (base vs fused) + MoE / SDPA micro-benchmarks,
 # then the disaggregated HTTP stack (gpu_serve.py) with host staging.
-set -u
-OUT=${1:?OUT}
-export PYTHONUNBUFFERED=1
-t0=$(date +%s)
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+source "$(dirname "$0")/gpu_run_lib.sh" "${1:-}"
 timeout ${PROF_T:-100} python3 benchmarks/gpu_prefill_profile.py --out "$OUT" > "$OUT/profile.log" 2>&1
 echo "=== profile done at $(( $(date +%s) - t0 )) s"
 timeout ${SERVE_T:-150} python3 benchmarks/gpu_serve.py --out "$OUT" --requests 4 --gen-tokens 32 \
