@@ -526,7 +526,7 @@ class Router:
             await relay_done.wait()
             if job.prefill is not None:  # pull its events: the prompt is indexed now
                 with contextlib.suppress(WorkerError):
-                    await self.pool.sync(job.prefill)
+                    await self.pool.pull(job.prefill)
             others = [asyncio.create_task(choice(j)) for j in range(1, n)]
             await asyncio.gather(first, relay_task, *others)
         finally:

@@ -152,6 +152,7 @@ class Worker:
     # one event pull at a time per worker (the poll loop and :meth:`WorkerPool.kick`)
     sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     kick_task: asyncio.Task | None = field(default=None, repr=False)
+    kick_wanted: bool = field(default=False, repr=False)  # a kick not yet served by a pull
     reported: WorkerLoad | None = None  # the worker's own figures, with its cache events
     sent_since_report: int = 0  # prefill tokens this router sent after that report
 
@@ -400,7 +401,7 @@ class WorkerPool:
         else:  # a restart: new info, same load account; the new epoch forces a resync
             w.info, w.healthy, w.failures, w.alive, w.misses = info, True, 0, True, 0
             w.breaker.close()
-        await self.sync(w)
+        await self.pull(w)
         if w.task is None or w.task.done():
             w.task = asyncio.create_task(self._poll_loop(w), name=f"poll {url}")
         if w.live_task is None or w.live_task.done():
@@ -424,7 +425,7 @@ class WorkerPool:
         if w is None:
             return None
         self.index.remove_worker(w.url)
-        for t in (w.task, w.live_task):
+        for t in (w.task, w.live_task, w.kick_task):
             if t is not None:
                 t.cancel()
         log.info("removed %s worker %s (%s)", w.role, w.name, w.url)
@@ -487,29 +488,46 @@ class WorkerPool:
             if self.index.cursor(w.url)[1] >= events.last_seq:
                 return
 
+    async def pull(self, w: Worker) -> None:
+        """:meth:`sync` under ``w.sync_lock``: every pull of a worker's events (the poll loop,
+        :meth:`kick`, a registration, the pipeline's) goes through here, one at a time per
+        worker (two overlapping pulls both count the same answer's new blocks).
+
+        Raises:
+            WorkerError: as :meth:`sync`.
+        """
+        async with w.sync_lock:
+            await self.sync(w)
+
     def kick(self, w: Worker) -> None:
         """Pull ``w``'s cache events now, without waiting for its next poll.
 
         Called when a prefill answers: the blocks it just stored are then in the index
         before the client can send its next request, so a repeated prompt's predicted
         cached tokens are the worker's actual reuse (a replica learns other replicas'
-        placements only from these events). A pull already pending covers this one; a
-        failure is left to the poll loop, which counts it against the worker's health."""
-        if self._closed or (w.kick_task is not None and not w.kick_task.done()):
+        placements only from these events). One kick task per worker: kicks that arrive
+        before its pull starts share that pull; a kick that arrives while a pull runs (whose
+        request may predate the blocks) gets one more pull after it. A failure is left to the
+        poll loop, which counts it against the worker's health."""
+        if self._closed:
+            return
+        w.kick_wanted = True
+        if w.kick_task is not None and not w.kick_task.done():
             return
 
         async def pull() -> None:
-            with contextlib.suppress(Exception):
+            while w.kick_wanted and not self._closed:
                 async with w.sync_lock:
-                    await self.sync(w)
+                    w.kick_wanted = False  # kicks from here on need a pull after this one
+                    with contextlib.suppress(Exception):
+                        await self.sync(w)
 
         w.kick_task = asyncio.get_running_loop().create_task(pull(), name=f"kick {w.url}")
 
     async def _poll_loop(self, w: Worker) -> None:
         while not self._closed:
             try:
-                async with w.sync_lock:
-                    await self.sync(w)
+                await self.pull(w)
                 if not w.healthy:
                     log.info("worker %s is healthy again", w.url)
                 w.failures, w.healthy = 0, True
