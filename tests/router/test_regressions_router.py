@@ -225,3 +225,191 @@ def test_tie_breaks_are_the_same_across_processes_and_salts_isolate():
         assert len(keys) == 3, keys  # cache_salt values never share an affinity key
     for k, ties in a.values():
         assert len(set(ties)) == 3  # distinct: a strict order among the workers
+
+
+# ----------------------------------------------------------------------------- SSE writer
+def _wait(cond, timeout: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_n2_stream_client_disconnect_aborts_every_choice_and_frees_the_admission():
+    """A client that leaves an ``n = 2`` stream mid-way: both decode requests are aborted,
+    the workers' load accounts and the admitted choices return to zero, no task is left."""
+    import httpx
+    from router_fakes import Stack
+
+    s = Stack(num_prefill=1, num_decode=1, api_key=None)
+    try:
+        dec = s.decode[0][0]
+        dec.hang_after = 1  # each stream stalls after one token until the router aborts it
+        body = {"model": MODEL, "prompt": "slow pair", "max_tokens": 200, "stream": True,
+                "n": 2}
+        seen: set[int] = set()
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data:") and '"text"' in line:
+                    seen.add(json.loads(line[5:])["choices"][0]["index"])
+                    if len(seen) == 2:
+                        break
+        assert _wait(lambda: len(dec.aborted) >= 2), dec.aborted
+        assert _wait(lambda: s.router.admission.admitted == 0)
+        assert _wait(lambda: all((w.running, w.reserved_tokens, w.queued_tokens) == (0, 0, 0)
+                                 for w in s.router.pool.workers.values()))
+    finally:
+        s.close()
+
+
+def test_stream_routes_answer_head_and_options_with_405_not_500():
+    import httpx
+    from router_fakes import Stack
+
+    s = Stack(num_prefill=1, num_decode=1, api_key=None)
+    try:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            for method in ("HEAD", "OPTIONS", "GET"):
+                r = httpx.request(method, s.url + path, timeout=10)
+                assert r.status_code == 405, (method, path, r.status_code)
+        # the stream still works after them (no wedged connection or admission)
+        r = httpx.post(s.url + "/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": "after", "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}})
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+        assert s.router.admission.admitted == 0
+    finally:
+        s.close()
+
+
+def test_n2_stream_interleaves_per_choice_in_order_with_usage_last():
+    """``n = 2`` with a slow writer (coalescing): each choice's text equals the
+    non-streaming answer's, one finish per choice, the usage chunk right before [DONE]."""
+    import httpx
+    from router_fakes import Stack
+
+    s = Stack(num_prefill=1, num_decode=1, api_key=None)
+    try:
+        body = {"model": MODEL, "prompt": "pairs of streams", "max_tokens": 12, "n": 2,
+                "temperature": 0}
+        full = httpx.post(s.url + "/v1/completions", json=body, timeout=30).json()
+        want = {c["index"]: c["text"] for c in full["choices"]}
+        r = httpx.post(s.url + "/v1/completions", timeout=30, json={
+            **body, "stream": True, "stream_options": {"include_usage": True}})
+        frames = [ln[5:].strip() for ln in r.text.splitlines() if ln.startswith("data:")]
+        assert frames[-1] == "[DONE]"
+        chunks = [json.loads(f) for f in frames[:-1]]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == \
+            full["usage"]["completion_tokens"]
+        got: dict[int, str] = {}
+        finishes: dict[int, int] = {}
+        for c in chunks[:-1]:
+            (ch,) = c["choices"]
+            assert finishes.get(ch["index"], 0) == 0  # nothing after a choice's finish
+            got[ch["index"]] = got.get(ch["index"], "") + ch["text"]
+            if ch.get("finish_reason"):
+                finishes[ch["index"]] = finishes.get(ch["index"], 0) + 1
+        assert got == want
+        assert finishes == {0: 1, 1: 1}
+    finally:
+        s.close()
+
+
+def test_stream_client_gone_before_the_first_token_aborts_and_frees_everything():
+    """The client leaves while the prefill still runs (before the response starts): the
+    reservation is aborted on D, the admission and the load accounts return to zero."""
+    import httpx
+    from router_fakes import Stack
+
+    s = Stack(num_prefill=1, num_decode=1, api_key=None)
+    try:
+        (pre, _), = s.prefill
+        dec = s.decode[0][0]
+        pre.prefill_s_per_token = 0.05  # ~1 s of prefill for this prompt
+        body = {"model": MODEL, "prompt": "gone early " * 6, "max_tokens": 50, "stream": True}
+        try:
+            httpx.post(s.url + "/v1/completions", json=body, timeout=0.3)
+        except httpx.TimeoutException:
+            pass
+        assert _wait(lambda: len(dec.aborted) >= 1), "the reservation was not aborted on D"
+        assert _wait(lambda: s.router.admission.admitted == 0)
+        assert _wait(lambda: all((w.running, w.reserved_tokens, w.queued_tokens) == (0, 0, 0)
+                                 for w in s.router.pool.workers.values()))
+        pre.prefill_s_per_token = 0.0
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+    finally:
+        s.close()
+
+
+def test_kick_after_a_worker_restart_resyncs_and_keeps_predictions_exact():
+    """Poll loop slowed to a minute: after a prefill worker restarts (new epoch), the kick of
+    the next request's answer resyncs it (no deadlock with ``sync_lock``), and a repeated
+    prompt's predicted cached tokens equal the worker's actual reuse."""
+    from router_fakes import Stack
+
+    s = Stack(num_prefill=1, num_decode=1, poll_interval_s=60.0)
+    try:
+        (pre, _), = s.prefill
+        w = s.router.pool.workers[pre.url]
+        prompt = "restart and kick " * 10
+        s.client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        pre.restart()  # empty cache, new epoch: the index's view is stale now
+        s.client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        assert _wait(lambda: w.resyncs >= 1 and w.kick_task is not None and w.kick_task.done())
+        m0 = s.metrics()
+        r = s.client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+        m1 = s.metrics()
+
+        def delta(name: str) -> float:
+            return sum(v for k, v in m1.items() if k.startswith(name)) - sum(
+                v for k, v in m0.items() if k.startswith(name))
+
+        cached = delta("k3serve:request_cached_tokens_total")
+        assert cached > 0 and r.usage.prompt_tokens_details.cached_tokens == cached
+        assert delta("k3serve:router_predicted_cached_tokens_total") == cached
+    finally:
+        s.close()
+
+
+def test_a_writer_that_raises_mid_stream_closes_the_connection_and_cleans_up(monkeypatch):
+    """A bug in rendering a chunk after the headers went out: the connection ends (not hung,
+    no 500 after a 200), the decode request is aborted, the admission is given back."""
+    import httpx
+    from router_fakes import Stack
+
+    from router.render import Render
+
+    orig = Render.frame
+    calls = 0
+
+    def frame(self, d, first):
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("render bug")
+        return orig(self, d, first)
+
+    monkeypatch.setattr(Render, "frame", frame)
+    s = Stack(num_prefill=1, num_decode=1, api_key=None)
+    try:
+        dec = s.decode[0][0]
+        dec.hang_after = 3
+        body = {"model": MODEL, "prompt": "boom", "max_tokens": 100, "stream": True}
+        ended = None
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            try:
+                for _ in r.iter_lines():
+                    pass
+                ended = "complete"
+            except httpx.RemoteProtocolError:
+                ended = "closed"
+        assert ended == "closed"  # not a body that looks complete without [DONE]
+        assert _wait(lambda: len(dec.aborted) >= 1)
+        assert _wait(lambda: s.router.admission.admitted == 0)
+    finally:
+        s.close()
