@@ -224,6 +224,11 @@ def create_app(config: RouterConfig,
                     observe_e2e()
                     if req.include_usage:
                         pending += sse_frame(_data(render.usage_chunk(jobs, accs)))
+                # Give the request's capacity back before the body ends: a client that sends
+                # its next request on seeing the end must find it free (no spurious 429).
+                gone.cancel()
+                await cancel(tasks)
+                ticket.release()
                 await send({"type": "http.response.body", "body": pending + DONE_FRAME,
                             "more_body": False})
             except OSError:  # the client went away mid-write

@@ -19,6 +19,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from k3serve.messages import Capacity, WorkerInfo
 from router.workers import Worker, WorkerPool
 
@@ -56,8 +58,6 @@ def test_kick_during_a_running_pull_pulls_again_after_it():
             pool.kick(w)  # a newer prefill answered during the pull
             pool.kick(w)  # and another: the same follow-up pull covers both
             release.set()
-            for _ in range(50):
-                await asyncio.sleep(0)
             assert w.kick_task is not None
             await w.kick_task
             tasks_alive = sum(1 for t in asyncio.all_tasks()
@@ -161,7 +161,7 @@ def test_pull_holds_the_sync_lock():
     assert asyncio.run(run()) == 1
 
 
-def test_n2_request_pulls_of_one_worker_never_overlap():
+def test_n2_request_pulls_of_one_worker_never_overlap(monkeypatch):
     """End to end: an ``n = 2`` request triggers the kick of its prefill worker and the
     pipeline's own pull before choices 2..n; the two must not run at the same time."""
     from router_fakes import Stack
@@ -180,7 +180,7 @@ def test_n2_request_pulls_of_one_worker_never_overlap():
         finally:
             inside[w.url] -= 1
 
-    WorkerPool.sync = sync  # type: ignore[method-assign]
+    monkeypatch.setattr(WorkerPool, "sync", sync)
     stack = Stack(num_prefill=1, num_decode=1, poll_interval_s=60.0)
     try:
         overlaps.clear()
@@ -190,7 +190,6 @@ def test_n2_request_pulls_of_one_worker_never_overlap():
         assert overlaps == []
     finally:
         stack.close()
-        WorkerPool.sync = orig  # type: ignore[method-assign]
 
 
 # ----------------------------------------------------------------------------- tie-breaks
@@ -286,8 +285,8 @@ def test_stream_routes_answer_head_and_options_with_405_not_500():
 
 
 def test_n2_stream_interleaves_per_choice_in_order_with_usage_last():
-    """``n = 2`` with a slow writer (coalescing): each choice's text equals the
-    non-streaming answer's, one finish per choice, the usage chunk right before [DONE]."""
+    """``n = 2`` streamed: each choice's text equals the non-streaming answer's, nothing
+    after a choice's finish, one finish per choice, the usage chunk right before [DONE]."""
     import httpx
     from router_fakes import Stack
 
@@ -411,5 +410,63 @@ def test_a_writer_that_raises_mid_stream_closes_the_connection_and_cleans_up(mon
         assert ended == "closed"  # not a body that looks complete without [DONE]
         assert _wait(lambda: len(dec.aborted) >= 1)
         assert _wait(lambda: s.router.admission.admitted == 0)
+    finally:
+        s.close()
+
+
+def test_coalesce_merges_only_a_choice_s_adjacent_deltas():
+    """Interleaved choices in the delta queue: ``coalesce`` absorbs the same choice's
+    deltas up to the first other item (returned, not lost), never past a finish."""
+    from router.app import GONE, coalesce
+    from router.stream import Delta
+
+    q: asyncio.Queue = asyncio.Queue()
+    for d in (Delta(0, "b", [2]), Delta(1, "x", [9]), Delta(0, "c", [3], finish_reason="stop")):
+        q.put_nowait(d)
+    head = Delta(0, "a", [1])
+    nxt = coalesce(head, q)
+    assert (head.text, head.token_ids, head.finish_reason) == ("ab", [1, 2], None)
+    assert isinstance(nxt, Delta) and (nxt.index, nxt.text) == (1, "x")
+    last = q.get_nowait()
+    q.put_nowait(Delta(0, "late", [4]))
+    q.put_nowait(GONE)
+    assert coalesce(last, q) is None  # a finished delta takes nothing more
+    assert q.qsize() == 2
+    d = q.get_nowait()
+    assert coalesce(d, q) is GONE  # the disconnect marker is handed on, not absorbed
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_stream_gives_its_admission_back_before_the_end_of_the_body(monkeypatch, n):
+    """The end of a stream's body (the ``more_body: False`` write) goes out after the
+    request's admission and load are given back, as before the raw writer (the generator's
+    ``finally`` ran before ``StreamingResponse``'s last write): a client that sends its next
+    request on seeing ``[DONE]`` must find the capacity free (no spurious 429)."""
+    import httpx
+    from router_fakes import Stack
+
+    import router.app as app_mod
+
+    s = Stack(num_prefill=1, num_decode=1, api_key=None)
+    seen: list[tuple] = []
+    orig = app_mod.SSEResponse.__call__
+
+    async def call(self, scope, receive, send):
+        async def spy(message):
+            if message.get("type") == "http.response.body" and not message.get("more_body"):
+                seen.append((s.router.admission.admitted,
+                             [(w.running, w.reserved_tokens, w.queued_tokens)
+                              for w in s.router.pool.workers.values()]))
+            await send(message)
+
+        await orig(self, scope, receive, spy)
+
+    monkeypatch.setattr(app_mod.SSEResponse, "__call__", call)
+    try:
+        r = httpx.post(s.url + "/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": "free before done", "max_tokens": 4, "n": n,
+            "stream": True})
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+        assert seen == [(0, [(0, 0, 0)] * 2)]
     finally:
         s.close()
