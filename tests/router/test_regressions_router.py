@@ -22,6 +22,7 @@ import sys
 import pytest
 
 from k3serve.messages import Capacity, WorkerInfo
+from router.placement import PlacementRequest
 from router.workers import Worker, WorkerPool
 
 MODEL = "k3-tiny"
@@ -468,5 +469,51 @@ def test_stream_gives_its_admission_back_before_the_end_of_the_body(monkeypatch,
             "stream": True})
         assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
         assert seen == [(0, [(0, 0, 0)] * 2)]
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "least_load", "prefix_home", "approx_radix"])
+def test_tie_break_ignores_the_order_a_router_lists_its_workers_in(policy):
+    """Replicas list workers in their own registration order: with a key, every cost policy
+    and the decode choice pick the same worker id for every order of tied workers."""
+    import itertools
+
+    from router.placement import DecodeWorkerState, PrefillWorkerState, place
+
+    ids = [f"http://10.0.0.{i}:8000" for i in range(4)]
+    for k in range(12):
+        req = PlacementRequest(64, 16, seq=k, key=f"key-{k}")
+        picks = set()
+        for perm in itertools.permutations(ids):
+            pre = [PrefillWorkerState(u) for u in perm]
+            dec = [DecodeWorkerState(u.replace("8000", "9000")) for u in perm]
+            p = place(req, pre, dec, policy=policy)
+            picks.add((p.prefill, p.decode))
+        assert len(picks) == 1, (policy, k, picks)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_stream_cut_without_finish_still_gets_finish_reasons_and_usage(n):
+    """D ends each stream after 3 tokens with no finish event (only ``[DONE]``): every choice
+    still ends with a finish_reason (``abort``) and the usage chunk comes before [DONE]."""
+    import httpx
+    from router_fakes import Stack
+
+    s = Stack(num_prefill=1, num_decode=1, api_key=None)
+    try:
+        s.decode[0][0].cut_stream = (3, None)
+        r = httpx.post(s.url + "/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": "cut short", "max_tokens": 50, "n": n, "stream": True,
+            "stream_options": {"include_usage": True}})
+        frames = [ln[5:].strip() for ln in r.text.splitlines() if ln.startswith("data:")]
+        assert frames[-1] == "[DONE]"
+        chunks = [json.loads(f) for f in frames[:-1]]
+        assert "error" not in chunks[-1] and chunks[-1]["choices"] == []
+        assert chunks[-1]["usage"]["completion_tokens"] == 4 * n  # token #1 + 3 from D
+        reasons = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"]
+                   for c in chunks[:-1] if c["choices"][0].get("finish_reason")}
+        assert reasons == {i: "abort" for i in range(n)}
+        assert s.router.admission.admitted == 0
     finally:
         s.close()
