@@ -149,7 +149,7 @@ class Worker:
     resyncs: int = 0
     task: asyncio.Task | None = field(default=None, repr=False)
     live_task: asyncio.Task | None = field(default=None, repr=False)
-    # one event pull at a time per worker (the poll loop and :meth:`WorkerPool.kick`)
+    # one event pull at a time per worker (:meth:`WorkerPool.pull`: polls, kicks, the rest)
     sync_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     kick_task: asyncio.Task | None = field(default=None, repr=False)
     kick_wanted: bool = field(default=False, repr=False)  # a kick not yet served by a pull
