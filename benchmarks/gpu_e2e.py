@@ -372,15 +372,22 @@ def prefill_flops(cfg, model, lens):
     return lin + attn + kda
 
 
+def prefill_rows(model, cfg, b: int, n: int, device: str = "cuda"):
+    """A runner over fresh bf16 pools and ``b`` uncached prompts of ``n`` random tokens (seed 7),
+    each in its own slot and pages: ``(runner, rows)``."""
+    pages_per = -(-n // BS)
+    pools = new_pools(cfg, b + 1, b * pages_per + 1, torch.bfloat16)
+    r = ModelRunner(model, pools, device)
+    gen = torch.Generator().manual_seed(7)
+    rows = [Row(tuple(torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist()), 0, i,
+                tuple(range(i * pages_per, (i + 1) * pages_per))) for i in range(b)]  # fmt: skip
+    return r, rows
+
+
 def prefill_bench(model, cfg, mm_rate, shapes):
     out = []
     for b, n in shapes:
-        pages_per = -(-n // BS)
-        pools = new_pools(cfg, b + 1, b * pages_per + 1, torch.bfloat16)
-        r = ModelRunner(model, pools, "cuda")
-        gen = torch.Generator().manual_seed(7)
-        rows = [Row(tuple(torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist()), 0, i,
-                    tuple(range(i * pages_per, (i + 1) * pages_per))) for i in range(b)]  # fmt: skip
+        r, rows = prefill_rows(model, cfg, b, n)
         with torch.inference_mode():
             t = time_steps(lambda rows=rows, r=r: r.forward(rows), 3)
         fl = prefill_flops(cfg, model, [n] * b)
@@ -390,7 +397,7 @@ def prefill_bench(model, cfg, mm_rate, shapes):
                     "flops": fl})  # fmt: skip
         log(f"prefill {b} × {n}: {t:.3f} s, {b * n / t:,.0f} tok/s, roofline {roof:.3f} s "
             f"({fl / 1e12:.1f} TFLOP) → {100 * roof / t:.0f} % of roofline")
-        del pools, r
+        del r
         torch.cuda.empty_cache()
     return out
 

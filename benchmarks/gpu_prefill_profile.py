@@ -255,9 +255,7 @@ def main():
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to measure")
         return 0
-    from gpu_e2e import BS, build, new_pools, prefill_flops, time_steps
-
-    from k3serve.engine.runner import ModelRunner, Row
+    from gpu_e2e import build, prefill_flops, prefill_rows, time_steps
 
     t0 = time.time()
     import triton.testing as tt
@@ -277,12 +275,7 @@ def main():
     prof_shapes = {tuple(int(v) for v in x.split("x")) for x in a.profile_shapes.split(",") if x}
     outp = os.path.join(a.out, "prefill_profile.json")
     for b, n in shapes:
-        pages_per = -(-n // BS)
-        pools = new_pools(cfg, b + 1, b * pages_per + 1, torch.bfloat16)
-        r = ModelRunner(model, pools, "cuda")
-        gen = torch.Generator().manual_seed(7)
-        rows = [Row(tuple(torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist()), 0, i,
-                    tuple(range(i * pages_per, (i + 1) * pages_per))) for i in range(b)]  # fmt: skip
+        r, rows = prefill_rows(model, cfg, b, n)
         fl = prefill_flops(cfg, model, [n] * b)
         outs = {}
         big = b * n > 16384
@@ -319,7 +312,7 @@ def main():
             res.setdefault("variant_logits", []).append({"batch": b, "prompt": n, "rel": rel,
                                                          "argmax_agree": agree})  # fmt: skip
             log(f"  logits fused vs base: rel {rel:.2e}, argmax agree {agree:.2f}")
-        pools = r = None
+        r = None
         torch.cuda.empty_cache()
     set_variant("fused", saved)
     if not a.skip_micro:
