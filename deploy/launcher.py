@@ -239,7 +239,7 @@ def start_stack(
                 "--router-url", f"http://127.0.0.1:{port}", "--block-size", str(block_size),
                 "--device", device, "--worker-id", name, *(extra_worker_args or [])],
                 env, "worker", url_index=len(stack.worker_urls) - 1))
-        wait_ready(stack, num_prefill + num_decode, ready_timeout)
+        wait_ready(stack, num_prefill + num_decode, ready_timeout, launch=launch)
         if supervise:
             stack.supervisor = Supervisor(stack, launch, max_restarts=max_restarts).start()
         if sd_dir:
@@ -297,19 +297,42 @@ def address_warning(host: str, what: str) -> str | None:
             f"the cluster network (README 'Deployment security')")
 
 
-def wait_ready(stack: Stack, num_workers: int, timeout: float, poll_s: float = 0.3) -> None:
+#: times :func:`wait_ready` starts a worker again on a fresh port when its port was taken
+#: between the launcher picking it and the worker binding it (another process's connection)
+PORT_RETRIES = 3
+
+
+def wait_ready(stack: Stack, num_workers: int, timeout: float, poll_s: float = 0.3,
+               launch: LaunchBackend | None = None) -> None:
     """Poll the router's ``/health?detail=1`` until ``num_workers`` are healthy.
 
+    A worker that exits with :data:`worker.serve.EXIT_PORT_IN_USE` (the port picked for it was
+    taken before it could bind it) is started again on a fresh port, at most
+    :data:`PORT_RETRIES` times (``launch`` given).
+
     Raises:
-        StartupError: a component exited, or ``timeout`` seconds passed.
+        StartupError: a component exited (the message names it, its exit status and the end
+            of its log when the backend keeps one), or ``timeout`` seconds passed.
     """
+    from worker.serve import EXIT_PORT_IN_USE
+
     deadline = time.monotonic() + timeout
     last = ""
+    port_retries: dict[int, int] = {}
     while time.monotonic() < deadline:
-        dead = stack.dead_children()
-        if dead:
-            raise StartupError(
-                f"a k3serve process exited during startup (code {dead[0].poll()})")
+        for i, p in enumerate(stack.procs):
+            rc = p.poll()
+            if rc is None:
+                continue
+            spec = stack.specs[i] if i < len(stack.specs) else None
+            if (spec is not None and spec.kind == "worker" and rc == EXIT_PORT_IN_USE
+                    and launch is not None and port_retries.get(i, 0) < PORT_RETRIES):
+                port_retries[i] = port_retries.get(i, 0) + 1
+                _respawn_on_fresh_port(stack, launch, i)
+                continue
+            name = spec.name if spec is not None else f"component {i}"
+            raise StartupError(f"a k3serve process exited during startup: {name} (code {rc})"
+                               f"{_log_tail(launch, name)}")
         try:
             r = httpx.get(f"{stack.url}/health", params={"detail": 1}, timeout=2.0)
             if r.status_code == 200:
@@ -321,6 +344,35 @@ def wait_ready(stack: Stack, num_workers: int, timeout: float, poll_s: float = 0
             last = repr(e)[:500]
         time.sleep(poll_s)
     raise StartupError(f"stack not ready after {timeout:.0f} s (last health: {last})")
+
+
+def _respawn_on_fresh_port(stack: Stack, launch: LaunchBackend, i: int) -> None:
+    """Start worker ``i`` again with a new ``--port`` (``stack.worker_urls`` follows)."""
+    from deploy.supervisor import _swap_port
+
+    spec = stack.specs[i]
+    host = launch.internal_host
+    spec.args = _swap_port(spec.args, launch.free_port(host))
+    url = f"http://{host}:{spec.args[spec.args.index('--port') + 1]}"
+    print(f"k3serve: {spec.name}: its port was taken before it bound it; starting it on {url}",
+          file=sys.stderr, flush=True)
+    stack.procs[i] = launch.spawn(spec.name, spec.module, spec.args, spec.env)
+    stack.worker_urls[spec.url_index] = url
+    spec.events.append(f"port taken at startup: {url}")
+
+
+def _log_tail(launch: LaunchBackend | None, name: str, n_chars: int = 2000) -> str:
+    """The last ``n_chars`` of component ``name``'s log file (the local backend with a
+    ``log_dir``), as ``":\n..."``; ``""`` when there is none."""
+    log_dir = getattr(launch, "log_dir", None)
+    if not log_dir:
+        return ""
+    try:
+        with open(os.path.join(log_dir, f"{name}.log"), errors="replace") as f:
+            text = f.read()[-n_chars:]
+    except OSError:
+        return ""
+    return f"; the end of its log ({os.path.join(log_dir, name + '.log')}):\n{text}"
 
 
 def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:

@@ -32,23 +32,38 @@ class Proc:
                  extra: tuple[str, ...] = (), env: dict[str, str] | None = None):
         """``python -m {role}.worker`` on a free loopback port; ``extra`` flags come last (they
         override the defaults here); ``env``: more environment variables (``K3SERVE_KV_*``)."""
+        self.log = log_dir / f"{name}.log"
+        self._env = dict(os.environ, K3SERVE_CLUSTER_TOKEN=TOKEN, K3SERVE_TEST_HOOKS="1",
+                         K3SERVE_WORKER_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+        self._args = (role, name, block_size, pages, extra)
+        self._out = open(self.log, "w")  # noqa: SIM115 - closed in stop()
+        self._spawn()
+
+    def _spawn(self) -> None:
+        role, name, block_size, pages, extra = self._args
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log_dir / f"{name}.log"
-        env = dict(os.environ, K3SERVE_CLUSTER_TOKEN=TOKEN, K3SERVE_TEST_HOOKS="1",
-                   K3SERVE_WORKER_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
-        self._out = open(self.log, "w")  # noqa: SIM115 - closed in stop()
         self.p = subprocess.Popen(
             [sys.executable, "-m", f"{role}.worker", "--host", "127.0.0.1", "--port",
              str(self.port), "--model", "k3-tiny", "--block-size", str(block_size),
              "--num-pages", str(pages), "--num-slots", "32", "--worker-id", name,
              "--log-level", "info", "--drain-timeout", "3", *extra],  # stop(): short drain
-            cwd=ROOT, env=env, stdout=self._out, stderr=subprocess.STDOUT)
+            cwd=ROOT, env=self._env, stdout=self._out, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
+        """Wait for ``/health`` 200; a worker whose port was taken between ``_free_port`` and
+        its bind (exit status ``EXIT_PORT_IN_USE``) is started again on another port."""
+        from worker.serve import EXIT_PORT_IN_USE
+
         t_end = time.monotonic() + timeout
+        retries = 3
         while time.monotonic() < t_end:
-            assert self.p.poll() is None, f"worker exited:\n{self.log.read_text()[-3000:]}"
+            rc = self.p.poll()
+            if rc == EXIT_PORT_IN_USE and retries:
+                retries -= 1
+                self._spawn()
+                continue
+            assert rc is None, f"worker exited ({rc}):\n{self.log.read_text()[-3000:]}"
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return

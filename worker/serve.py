@@ -25,7 +25,9 @@ from typing import Any
 from worker.base import BaseWorker
 from worker.config import Role, WorkerConfig, parse_config
 
-EXIT_PORT_IN_USE = 2
+#: exit status when the HTTP port cannot be bound — not argparse's 2 (a usage error), so a
+#: launcher can tell a taken port (start again elsewhere) from a bad command line
+EXIT_PORT_IN_USE = 3
 log = logging.getLogger("k3serve.worker")
 
 

@@ -47,7 +47,9 @@ def test_a_taken_worker_port_is_one_line(role):
     with _taken_port() as s:
         port = s.getsockname()[1]
         r = _run(["-m", f"{role}.worker", "--port", str(port)])
-    assert r.returncode == 2, (r.stdout, r.stderr)
+    from worker.serve import EXIT_PORT_IN_USE
+
+    assert r.returncode == EXIT_PORT_IN_USE == 3, (r.stdout, r.stderr)
     assert r.stderr.strip() == (f"k3serve {role} worker: error: 127.0.0.1:{port} is already "
                                 f"in use"), r.stderr
     assert "listening" not in r.stdout
@@ -131,3 +133,41 @@ def test_serve_passes_router_and_worker_flags_through():
         p.parse_args(["--num-pages", "many"])
     with pytest.raises(ValueError, match="--max-queued"):  # Ray takes them from --config
         serve(p.parse_args(["--ray", "--config", "x.yaml", "--max-queued", "5"]))
+
+
+def test_a_worker_whose_port_was_taken_before_it_bound_starts_on_another(tmp_path):
+    """The launcher picks a worker's port, then the worker binds it: a connection or another
+    process may take it in between (seen in CI: the stack failed with exit status 2). The
+    launcher starts that worker again on a fresh port instead of failing the stack; a worker
+    that fails for another reason still fails it, naming the worker and its log."""
+    from deploy.launcher import StartupError, start_stack
+    from deploy.local import LocalBackend
+
+    taken = _taken_port()
+    taken_port = taken.getsockname()[1]
+
+    class FirstPortTaken(LocalBackend):
+        calls = 0
+
+        def free_port(self, host):
+            self.calls += 1
+            return taken_port if self.calls == 2 else super().free_port(host)
+
+    launch = FirstPortTaken(log_dir=str(tmp_path))
+    try:
+        st = start_stack(num_prefill=1, num_decode=1, block_size=16, launch=launch,
+                         ready_timeout=120)
+    finally:
+        taken.close()
+    try:
+        spec = st.specs[1]
+        assert spec.name == "prefill-0" and spec.events and "port taken" in spec.events[0]
+        assert st.worker_urls[0].rsplit(":", 1)[1] == spec.args[spec.args.index("--port") + 1]
+        assert "is already in use" in (tmp_path / "prefill-0.log").read_text()
+    finally:
+        st.stop()
+    bad = r"(?s)prefill-0 \(code 2\).*end of its log.*unrecognized arguments: --no-such-flag"
+    with pytest.raises(StartupError, match=bad):
+        start_stack(num_prefill=1, num_decode=1, block_size=16, ready_timeout=60,
+                    launch=FirstPortTaken(log_dir=str(tmp_path / "bad")),
+                    extra_worker_args=["--no-such-flag"])

@@ -133,6 +133,9 @@ def test_hung_worker_leaves_placement_waiting_requests_end_at_the_deadline_and_i
         (a, _), (b, _) = s.prefill
         for i in range(4):
             assert _complete(s, f"warm {i} " * 6).status_code == 200
+        # placement may have sent every warm request to b (its tie-break hashes the worker
+        # URLs, new ports each run): give a cache of its own so its index has something
+        a.cm.run_prefill(9_000, list(range(300, 380)))
         _wait(lambda: s.router.pool.index.num_blocks(a.url) > 0, what="a's blocks indexed")
         a.stalled = True  # a hangs: answers nothing, polls included
         a_url = a.url
