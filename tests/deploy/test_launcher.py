@@ -166,7 +166,9 @@ def test_a_worker_whose_port_was_taken_before_it_bound_starts_on_another(tmp_pat
         assert "is already in use" in (tmp_path / "prefill-0.log").read_text()
     finally:
         st.stop()
-    bad = r"(?s)prefill-0 \(code 2\).*end of its log.*unrecognized arguments: --no-such-flag"
+    # either worker may be seen dead first: both got the bad flag
+    bad = (r"(?s)(prefill|decode)-0 \(code 2\).*end of its log"
+           r".*unrecognized arguments: --no-such-flag")
     with pytest.raises(StartupError, match=bad):
         start_stack(num_prefill=1, num_decode=1, block_size=16, ready_timeout=60,
                     launch=FirstPortTaken(log_dir=str(tmp_path / "bad")),
