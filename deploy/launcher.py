@@ -137,9 +137,6 @@ class Stack:
         if self.supervisor is not None:
             self.supervisor.close()
 
-    def dead_children(self) -> list[Component]:
-        return [p for p in self.procs if p.poll() is not None]
-
 
 def start_stack(
     model: str = "k3-tiny",
@@ -348,12 +345,10 @@ def wait_ready(stack: Stack, num_workers: int, timeout: float, poll_s: float = 0
 
 def _respawn_on_fresh_port(stack: Stack, launch: LaunchBackend, i: int) -> None:
     """Start worker ``i`` again with a new ``--port`` (``stack.worker_urls`` follows)."""
-    from deploy.supervisor import _swap_port
+    from deploy.supervisor import move_to_fresh_port
 
     spec = stack.specs[i]
-    host = launch.internal_host
-    spec.args = _swap_port(spec.args, launch.free_port(host))
-    url = f"http://{host}:{spec.args[spec.args.index('--port') + 1]}"
+    url = move_to_fresh_port(spec, launch)
     print(f"k3serve: {spec.name}: its port was taken before it bound it; starting it on {url}",
           file=sys.stderr, flush=True)
     stack.procs[i] = launch.spawn(spec.name, spec.module, spec.args, spec.env)
@@ -363,7 +358,7 @@ def _respawn_on_fresh_port(stack: Stack, launch: LaunchBackend, i: int) -> None:
 
 def _log_tail(launch: LaunchBackend | None, name: str, n_chars: int = 2000) -> str:
     """The last ``n_chars`` of component ``name``'s log file (the local backend with a
-    ``log_dir``), as ``":\n..."``; ``""`` when there is none."""
+    ``log_dir``), as ``"; the end of its log (PATH):\n..."``; ``""`` when there is none."""
     log_dir = getattr(launch, "log_dir", None)
     if not log_dir:
         return ""

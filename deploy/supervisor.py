@@ -73,6 +73,15 @@ def _swap_port(args: list[str], port: int) -> list[str]:
     return out
 
 
+def move_to_fresh_port(spec: Spec, launch: Any) -> str:
+    """Give worker ``spec`` a fresh ``--port`` from ``launch`` (a launch backend); returns its
+    new URL (``http://{launch.internal_host}:{port}``)."""
+    host = launch.internal_host
+    port = launch.free_port(host)
+    spec.args = _swap_port(spec.args, port)
+    return f"http://{host}:{port}"
+
+
 class Supervisor:
     """Restart crashed components of ``stack`` (see the module docstring).
 
@@ -198,9 +207,7 @@ class Supervisor:
         if spec.kind == "worker":
             for k in PINNED_PORT_ENV:
                 env.pop(k, None)
-            host = self.launch.internal_host
-            spec.args = _swap_port(spec.args, self.launch.free_port(host))
-            url = f"http://{host}:{spec.args[spec.args.index('--port') + 1]}"
+            url = move_to_fresh_port(spec, self.launch)
         spec.restarts += 1
         proc = self._spawner.submit(self.launch.spawn, spec.name, spec.module, spec.args,
                                     env).result()
