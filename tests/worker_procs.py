@@ -53,10 +53,11 @@ class Proc:
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Wait for ``/health`` 200; a worker whose port was taken between ``_free_port`` and
         its bind (exit status ``EXIT_PORT_IN_USE``) is started again on another port."""
+        from deploy.launcher import PORT_RETRIES
         from worker.serve import EXIT_PORT_IN_USE
 
         t_end = time.monotonic() + timeout
-        retries = 3
+        retries = PORT_RETRIES
         while time.monotonic() < t_end:
             rc = self.p.poll()
             if rc == EXIT_PORT_IN_USE and retries:

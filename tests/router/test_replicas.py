@@ -160,10 +160,6 @@ def replay(stack: ReplicaStack, trace: Path) -> dict:
                 assert r.status_code == 200, r.text
                 out.append({"usage": r.json()["usage"],
                             "replica": r.headers.get(REPLICA_HEADER)})
-                # arrivals ARRIVAL_GAP_S apart: the other replicas learn this placement from
-                # the workers' events (polled every 20 ms) — back to back on a loaded 2-core
-                # box, a poll could lag a few requests behind (CI saw balance gaps of 0.058)
-                await asyncio.sleep(ARRIVAL_GAP_S)
         return out
 
     res = asyncio.run(run())
@@ -174,10 +170,6 @@ def replay(stack: ReplicaStack, trace: Path) -> dict:
     return {"hit": cached / prompt, "balance": max(load) / (sum(load) / len(load)),
             "prompt": prompt, "cached": cached, "replicas": {r["replica"] for r in res},
             "n": len(res)}
-
-
-#: seconds between two requests of a replay (one router and four alike)
-ARRIVAL_GAP_S = 0.05
 
 
 @pytest.fixture(scope="module")
