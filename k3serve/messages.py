@@ -380,12 +380,20 @@ class WorkerLoad(Message):
         running: requests in the decode batch plus those reserved and not admitted yet.
         free_pages: free + evictable cache pages (``block_size`` tokens each).
         free_slots: free state slots.
+        prefills: prefill requests admitted since the worker started (a counter, reset with
+            its event epoch; ``None``: not counted — a decode worker, an older worker).
+        prefill_tokens: their uncached prompt tokens (prompt minus the reused prefix: the
+            tokens it computes), a counter like ``prefills``. With both, every router replica
+            accounts the worker's recent work and request rate over all replicas' requests
+            (``router.policies.load.PoolLoad``), as one router counts its own.
     """
 
     queued_prefill_tokens: StrictInt = Field(default=0, ge=0)
     running: StrictInt = Field(default=0, ge=0)
     free_pages: StrictInt | None = Field(default=None, ge=0)
     free_slots: StrictInt | None = Field(default=None, ge=0)
+    prefills: StrictInt | None = Field(default=None, ge=0)
+    prefill_tokens: StrictInt | None = Field(default=None, ge=0)
 
 
 class CacheEvents(Message):

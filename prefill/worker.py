@@ -82,6 +82,7 @@ class PrefillWorker(BaseWorker):
         self.engine.scheduler.max_prefill_backlog = cap if cap > 0 else None
         self.client = BootstrapClient(cluster_token=config.cluster_token)
         self.reqs: dict[str, PrefillState] = {}
+        self.prefills, self.prefill_tokens = 0, 0  # reported with the cache events
         self.cached_source: dict[str, str] = {}  # rid → "local" | "store", until answered
         c = self.kv_config
         self.faults = FaultPlan(c.fault_fail_fraction, c.fault_hang_fraction,
@@ -125,6 +126,8 @@ class PrefillWorker(BaseWorker):
             return
         r.to(PrefillPhase.COMPUTING)
         r.num_cached = h.num_cached_tokens
+        self.prefills += 1
+        self.prefill_tokens += len(r.ids) - h.num_cached_tokens
         self._count_hit(r, h)
         c = self.kv_config
         fault = self.faults.next() if self.faults.active else None

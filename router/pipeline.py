@@ -206,10 +206,10 @@ class Router:
                                key=affinity_key(ids, hashes, fingerprint, cache_salt))
         match = self.pool.match(hashes, req.max_cached_blocks)
         store = match.get(STORE)  # the shared store's content, if workers report puts
-        pstates = [live_view(w.url, match.get(w.url), store, w.placement_queued_tokens,
-                             w.info.prefill_rate or self.config.prefill_rate,
+        rates = [w.info.prefill_rate or self.config.prefill_rate for w in prefill]
+        pstates = [live_view(w.url, match.get(w.url), store, w.placement_queued(r), r,
                              w.placement_load)
-                   for w in prefill]
+                   for w, r in zip(prefill, rates, strict=True)]
         dstates = []
         for w in decode:
             dstates.append(DecodeWorkerState(
@@ -310,10 +310,10 @@ class Router:
                                max_new_tokens=job.max_new,
                                key=affinity_key(job.token_ids, hashes, fingerprint, cache_salt))
         match = self.pool.match(hashes, req.max_cached_blocks)
-        states = [live_view(w.url, match.get(w.url), None, w.placement_queued_tokens,
-                            w.info.prefill_rate or self.config.prefill_rate,
+        rates = [w.info.prefill_rate or self.config.prefill_rate for w in live]
+        states = [live_view(w.url, match.get(w.url), None, w.placement_queued(r), r,
                             w.placement_load)
-                  for w in live]
+                  for w, r in zip(live, rates, strict=True)]
         p = place(req, states, (), self.config.policy, self.config.placement)
         W = self.pool.workers[p.prefill]
         with ExitStack() as hold:

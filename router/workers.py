@@ -155,20 +155,39 @@ class Worker:
     kick_wanted: bool = field(default=False, repr=False)  # a kick not yet served by a pull
     reported: WorkerLoad | None = None  # the worker's own figures, with its cache events
     sent_since_report: int = 0  # prefill tokens this router sent after that report
+    requests_since_report: int = 0  # ... and prefill requests
+    reported_at: float = 0.0  # monotonic seconds when that report arrived
+    reports: int = 0  # reports so far (which report a prefill was sent under)
+    #: tokens of this router's prefills running when that report came, answered since
+    answered_since_report: int = 0
 
     # -- load as placement sees it: the larger of the router's own account and what the worker
     # reported (which includes the requests of the other router replicas, a poll late)
-    @property
-    def placement_queued_tokens(self) -> int:
-        """Prefill tokens queued on the worker: the own account, or the reported queue plus
-        what this router sent since the report and is still waiting for, the larger (a
-        prefill sent after the report and already answered is no longer queued: counting it
-        made a worker look busy until the next poll, and a repeat prompt then went to a
-        worker without its prefix)."""
+    def placement_queued(self, rate: float, now: float | None = None) -> int:
+        """Prefill tokens queued on the worker: the own account, or what is left of the
+        reported queue plus what this router sent since the report and is still waiting for,
+        the larger (a prefill sent after the report and already answered is no longer queued:
+        counting it made a worker look busy until the next poll, and a repeat prompt then
+        went to a worker without its prefix).
+
+        What is left of the report: its tokens less those the worker computed since at
+        ``rate`` (a work-conserving worker, the fluid model: ``max(0, Q − rate · age)``), less
+        this router's prefills that were running when it came (it may count them) and were
+        answered since. A report up to a poll old often still shows a prefill answered
+        since; read as is it priced that worker ~1.5 × Q / rate seconds higher (prefix_home's
+        queue weight), which decided near-ties differently in each router replica.
+
+        Args:
+            rate: the worker's prefill rate, tokens/s (> 0; the one placement prices it at).
+            now: monotonic seconds (``None``: the clock).
+        """
         if self.reported is None:
             return self.queued_tokens
-        return max(self.queued_tokens, self.reported.queued_prefill_tokens
-                   + min(self.sent_since_report, self.queued_tokens))
+        age = max(0.0, (time.monotonic() if now is None else now) - self.reported_at)
+        left = max(0.0, self.reported.queued_prefill_tokens - rate * age
+                   - self.answered_since_report)
+        return max(self.queued_tokens,
+                   round(left) + min(self.sent_since_report, self.queued_tokens))
 
     @property
     def placement_load(self) -> PoolLoad | RecentLoad:
@@ -177,11 +196,33 @@ class Worker:
         its last report); the own account alone before the worker reported its load."""
         if self.reported is None:
             return self.recent
-        return PoolLoad(self.recent, self.seen, self.sent_since_report)
+        return PoolLoad(self.recent, self.seen, self.sent_since_report,
+                        self.requests_since_report)
+
+    @property
+    def counts_prefills(self) -> bool:
+        """The worker reports its prefill counters (``WorkerLoad.prefills`` /
+        ``prefill_tokens``): :attr:`seen` follows them, not the cache events' blocks."""
+        r = self.reported
+        return r is not None and r.prefills is not None and r.prefill_tokens is not None
 
     def report(self, load: WorkerLoad | None) -> None:
-        """A new load report from the worker (its cache-event poll)."""
-        self.reported, self.sent_since_report = load, 0
+        """A new load report from the worker (its cache-event poll). Its prefill counters'
+        increase since the last report goes into :attr:`seen` (tokens and requests; a counter
+        that went down restarted with the worker: its whole value is new); the first report
+        sets the baseline."""
+        last = self.reported if self.counts_prefills else None
+        self.reported, self.sent_since_report, self.requests_since_report = load, 0, 0
+        self.reported_at, self.answered_since_report = time.monotonic(), 0
+        self.reports += 1
+        if last is not None and self.counts_prefills:
+            n, tok = load.prefills, load.prefill_tokens  # type: ignore[union-attr]
+            if n < last.prefills or tok < last.prefill_tokens:  # type: ignore[operator]
+                dn, dt = n, tok
+            else:
+                dn, dt = n - last.prefills, tok - last.prefill_tokens  # type: ignore[operator]
+            if dn or dt:
+                self.seen.add(dt, requests=float(dn))
 
     @property
     def placement_running(self) -> int:
@@ -239,16 +280,20 @@ class Worker:
         """
         if queued_tokens > 0:
             self.recent.add(queued_tokens)
+            self.requests_since_report += 1
         self.running += running
         self.reserved_tokens += reserved_tokens
         self.queued_tokens += queued_tokens
         self.sent_since_report += queued_tokens
+        under = self.reports
         try:
             yield
         finally:
             self.running -= running
             self.reserved_tokens -= reserved_tokens
             self.queued_tokens -= queued_tokens
+            if self.reports != under:  # a report came while it ran: it may count it
+                self.answered_since_report += queued_tokens
 
 
 class WorkerPool:
@@ -470,10 +515,12 @@ class WorkerPool:
                 events = self.index.parse_events(w.url, body)
                 w.report(events.load)
                 self.index.apply_events(w.url, events)
-                # computed blocks (new, local MLA blocks): the pool's account of the worker
-                computed = sum(len(ev.block_hashes) for ev in events.events
-                               if ev.seq > after and ev.type == "stored"
-                               and not ev.snapshot and ev.source == "local")
+                # computed blocks (new, local MLA blocks): the pool's account of a worker
+                # that does not report its prefill counters
+                computed = 0 if w.counts_prefills else sum(
+                    len(ev.block_hashes) for ev in events.events
+                    if ev.seq > after and ev.type == "stored" and not ev.snapshot
+                    and ev.source == "local")
                 if computed:
                     w.seen.add(computed * w.info.block_size, requests=0.0)
             except ResyncNeeded as e:

@@ -122,6 +122,8 @@ class FakeState:
     send_delay_s: float = 0.0  # a slow writer: pause before each decode stream event
     events_sent: int = 0  # decode stream events written
     queued_prefill_tokens: int = 0  # prompt tokens of prefills not answered yet (reported)
+    prefill_count: int = 0  # prefills admitted since the last restart (reported, a counter) ...
+    prefill_tokens: int = 0  # ... and their uncached prompt tokens
 
     def __post_init__(self) -> None:
         self.restart()
@@ -131,6 +133,7 @@ class FakeState:
         cfg = CacheConfig(num_pages=self.num_pages, num_slots=8, num_snapshots=16,
                           block_size=self.block_size)
         self.cm = CacheManager(cfg, FINGERPRINT)
+        self.prefill_count = self.prefill_tokens = 0
 
 
 def make_worker_app(state: FakeState) -> FastAPI:
@@ -170,7 +173,10 @@ def make_worker_app(state: FakeState) -> FastAPI:
                       if not r["aborted"] and not r.get("done"))
         load = WorkerLoad(queued_prefill_tokens=state.queued_prefill_tokens, running=running,
                           free_pages=u.num_pages - u.pages_used,
-                          free_slots=u.num_slots - u.slots_used)
+                          free_slots=u.num_slots - u.slots_used,
+                          prefills=state.prefill_count if state.role == "prefill" else None,
+                          prefill_tokens=state.prefill_tokens if state.role == "prefill"
+                          else None)
         return CacheEvents.model_validate({**state.cm.events_since(after), "load": load})
 
     @app.get("/internal/cache_state")
@@ -227,6 +233,8 @@ def make_worker_app(state: FakeState) -> FastAPI:
         cm = state.cm
         rec["_cached"] = cm.run_prefill(seq, ids, cache_salt=b.cache_salt,
                                         snapshot_at=b.snapshot_at)
+        state.prefill_count += 1
+        state.prefill_tokens += len(ids) - rec["_cached"]
 
         def left(n: int) -> None:
             state.queued_prefill_tokens -= queued[0] - n

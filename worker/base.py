@@ -70,6 +70,10 @@ class BaseWorker(abc.ABC):
     """
 
     role: str = "worker"
+    #: prefill requests admitted and their uncached prompt tokens (counters, engine thread;
+    #: ``None``: this role does not count them) — reported in :meth:`load_report`
+    prefills: int | None = None
+    prefill_tokens: int | None = None
     #: set by :meth:`begin_drain` (SIGTERM): new admissions answer 503 ``draining``
     draining: bool = False
 
@@ -225,14 +229,16 @@ class BaseWorker(abc.ABC):
     def load_report(self) -> WorkerLoad:  # engine thread
         """The load this worker reports with its cache events (``CacheEvents.load``): prompt
         tokens queued and not computed yet, requests running or reserved, free (+ evictable)
-        pages and free slots (router replicas balance on these, router/replicas.py)."""
+        pages and free slots, and the prefill counters (router replicas balance on these,
+        router/replicas.py)."""
         sched, u = self.engine.scheduler, self.engine.cm.usage()
         queued = sum(max(0, s.num_prompt_tokens - s.num_computed)
                      for s in (*sched.waiting, *sched.running))
         return WorkerLoad(queued_prefill_tokens=queued,
                           running=len(sched.running) + self.engine.num_reserved,
                           free_pages=max(0, u.num_pages - u.pages_used),
-                          free_slots=max(0, u.num_slots - u.slots_used))
+                          free_slots=max(0, u.num_slots - u.slots_used),
+                          prefills=self.prefills, prefill_tokens=self.prefill_tokens)
 
     def cache_events(self, after: int = 0, limit: int | None = None) -> CacheEvents:
         """``GET /internal/cache_events`` body: the engine's events and :meth:`load_report`

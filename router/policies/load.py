@@ -83,11 +83,13 @@ class RecentLoad:
 
 class PoolLoad:
     """``util`` and ``request_rate`` of one prefill worker as a router replica sees them:
-    ``util`` is the larger of its own account (``own``: what this router sent) and the pool's
-    (``seen``: the tokens the worker computed, by its cache events, which every replica pulls,
-    plus ``pending`` tokens this router sent after the last pull); ``request_rate`` is the own
-    account's (the events do not count requests, and an estimate of the others' from their
-    tokens swings with the size of the few requests this router sent).
+    each the larger of its own account (``own``: what this router sent) and the pool's
+    (``seen``: the worker's work by its reports, which every replica pulls — its prefill
+    counters, ``WorkerLoad.prefills`` / ``prefill_tokens``, or from a worker without them the
+    MLA blocks its cache events say it computed, and no requests — plus ``pending`` tokens
+    and ``pending_requests`` this router sent after the last pull). Without the counters
+    ``request_rate`` is the own account's (the events do not count requests; an estimate of
+    the others' from their tokens swings with the size of the few requests one replica sent).
 
     One router alone reads its own account (it counts a prefill when sent, the events a poll
     later and without the last partial block); N replicas that share nothing read the pool's,
@@ -99,12 +101,16 @@ class PoolLoad:
         own: the router's :class:`RecentLoad` (``Worker.recent``).
         seen: a :class:`RecentLoad` of computed tokens from the worker's events (no requests).
         pending: tokens sent since the last pull (``Worker.sent_since_report``), ≥ 0.
+        pending_requests: requests sent since the last pull
+            (``Worker.requests_since_report``), ≥ 0.
     """
 
-    __slots__ = ("own", "pending", "seen")
+    __slots__ = ("own", "pending", "pending_requests", "seen")
 
-    def __init__(self, own: RecentLoad, seen: RecentLoad, pending: float = 0.0) -> None:
+    def __init__(self, own: RecentLoad, seen: RecentLoad, pending: float = 0.0,
+                 pending_requests: float = 0.0) -> None:
         self.own, self.seen, self.pending = own, seen, pending
+        self.pending_requests = pending_requests
 
     def util(self, rate: float, now: float | None = None) -> float:
         """Busy fraction at ``rate`` tokens/s: ``max(own, pool)``, ≥ 0."""
@@ -112,8 +118,10 @@ class PoolLoad:
                    (self.seen.tokens(now) + self.pending) / (rate * self.seen.horizon_s))
 
     def request_rate(self, now: float | None = None) -> float:
-        """Requests per second this router sent (the own account), ≥ 0."""
-        return self.own.request_rate(now)
+        """Requests per second: ``max(own, pool)`` (the pool's is 0 without the worker's
+        counters), ≥ 0."""
+        return max(self.own.request_rate(now),
+                   self.seen.request_rate(now) + self.pending_requests / self.seen.horizon_s)
 
 
 __all__ = ["UTIL_HORIZON_S", "PoolLoad", "RecentLoad"]

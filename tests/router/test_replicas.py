@@ -45,6 +45,10 @@ ROOT = Path(__file__).resolve().parents[2]
 TRACES = (ROOT / "tests" / "data" / "trace_3000_3399.jsonl",
           ROOT / "tests" / "data" / "conversation_trace.jsonl")
 ROWS = 48  # rows replayed per trace and router
+POLL_S = 0.02  # the routers' cache-event poll interval
+#: pause before each replayed request: every replica has pulled the workers' events and load
+#: since the last answer (2.5 polls), so each places on the same view one router has
+GAP_S = 0.05
 
 
 def _fresh() -> httpx.Limits:
@@ -71,7 +75,10 @@ class ReplicaStack:
         env = {**os.environ, "K3SERVE_CLUSTER_TOKEN": TOKEN}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "router.app", "--port", str(self.port), "--model", MODEL,
-             "--poll-interval", "0.02", "--replicas", str(n)], env=env, cwd=ROOT)
+             "--poll-interval", str(POLL_S), "--replicas", str(n),
+             # the fakes' rate (50 µs / token): what is left of a reported queue is aged by it
+             "--prefill-rate", str(round(1 / self.workers[0][0].prefill_s_per_token))],
+            env=env, cwd=ROOT)
         try:
             self._register(n)
         except BaseException:
@@ -146,7 +153,11 @@ def replay(stack: ReplicaStack, trace: Path) -> dict:
 
     One at a time: a router's choice then depends on the workers' state, not on which of
     several concurrent requests it happened to place first (at concurrency 4 one router
-    alone moved by 8 points between runs: README)."""
+    alone moved by 8 points between runs: README). Each after ``GAP_S``: every replica then
+    has the workers' report since the last answer — without it a replica that had not pulled
+    yet (up to a poll and its lag on a crowded box) placed as if the last request had not
+    been sent (it missed the last request in 18 of 48 decisions at a 0.05 s poll), which
+    moved the slice's balance by up to 0.052 (README)."""
     work = trace_load(trace, limit=ROWS, length_scale=16 / 512, vocab_size=256,
                       max_model_len=4096)
     before = [len(st.prefills) for st in stack.prefill]
@@ -155,6 +166,7 @@ def replay(stack: ReplicaStack, trace: Path) -> dict:
         out = []
         async with httpx.AsyncClient(timeout=60, limits=_fresh()) as c:
             for req in work.requests:
+                await asyncio.sleep(GAP_S)
                 r = await c.post(stack.url + "/v1/completions", json={
                     "model": MODEL, "prompt": req.prompt, "max_tokens": 1, "temperature": 0})
                 assert r.status_code == 200, r.text
@@ -199,15 +211,15 @@ def test_four_replicas_keep_hit_rate_balance_and_exact_metrics(single, four):
     # 41.0-43.5 % / 1.000-1.103 between runs on a shared box (README). Ties break by
     # rendezvous hashing of the prompt's content address (router.placement.tie_breaks), not
     # by each replica's own request count over its own worker order: replicas that see the
-    # same worker states choose the same worker. Measured, eleven runs: slice hit gap 0,
-    # balance gap <= 0.032 (one prompt moved: ~0.04); conversations hit gap <= 3.58 points,
-    # balance gap <= 0.087 (before this change: 4 points / 0.2, balance gaps up to 0.134).
-    # NOT MET (issue 19 stays open): the slice's balance with 4 replicas came out 1.0757 /
-    # 1.0758 in two fresh-clone / CI runs against one router's 1.011-1.018 — a gap of
-    # 0.058-0.065, over the issue's 0.05 and the same both times (not poll lag). Until the
-    # placement closes it, this test holds the slice's balance to 0.08 so that it still fails
-    # on a regression past what was measured; the hit-rate bound is the issue's.
-    for (g, b), (hit, bal) in zip(zip(got, single, strict=True), ((0.02, 0.08), (0.05, 0.15)),
+    # same worker states choose the same worker. The slice's gap was 0.058-0.065 (1.0757 /
+    # 1.0758 against 1.011-1.018) before the replicas read what one router reads: the
+    # workers' prefill counters (WorkerLoad.prefills / prefill_tokens: pool-wide util and
+    # request_rate — the externality term decided most of the slice's near-balanced
+    # placements on each replica's own quarter of the requests) and what is left of a
+    # reported queue (aged by the worker's rate, less the router's own answered prefills: a
+    # report a poll old priced the last worker ~1.5 × Q / rate seconds higher). README:
+    # the figures.
+    for (g, b), (hit, bal) in zip(zip(got, single, strict=True), ((0.02, 0.05), (0.05, 0.15)),
                                   strict=True):
         assert g["n"] == b["n"] >= ROWS - 2
         assert len(g["replicas"]) >= 3, g["replicas"]  # the load really spread
@@ -373,19 +385,70 @@ def test_placement_reads_the_larger_of_own_account_and_reported():
     info = WorkerInfo(role="decode", model=MODEL, fingerprint="f", block_size=16,
                       capacity=Capacity(num_pages=100, num_slots=8))
     w = Worker("http://w", info, queued_tokens=10, running=2, reserved_tokens=320)
-    assert (w.placement_queued_tokens, w.placement_running) == (10, 2)
+    rate = 1000.0
+    assert (w.placement_queued(rate), w.placement_running) == (10, 2)
     assert (w.placement_free_tokens(), w.placement_free_slots()) == (1600 - 320, 6)
     w.report(WorkerLoad(queued_prefill_tokens=500, running=5, free_pages=50, free_slots=7))
-    assert (w.placement_queued_tokens, w.placement_running) == (500, 5)
+    t = w.reported_at  # read at the report's arrival: all of it left
+    assert (w.placement_queued(rate, t), w.placement_running) == (500, 5)
     assert (w.placement_free_tokens(), w.placement_free_slots()) == (800, 6)
     with w.load(queued_tokens=40):  # sent after the report: counted on top of it
-        assert w.placement_queued_tokens == 540
+        assert w.placement_queued(rate, t) == 540
     # answered: no longer queued — only what this router still waits for is added (at most
     # its own outstanding 10; counting the answered 40 until the next poll sent repeats
     # away from the worker holding their prefix)
-    assert w.placement_queued_tokens == 510
+    assert w.placement_queued(rate, t) == 510
+    # the report ages: the worker computes at its rate meanwhile (0.2 s: 200 of its 500)
+    assert w.placement_queued(rate, t + 0.2) == 300 + 10
+    assert w.placement_queued(rate, t + 5.0) == 10  # drained: the own account is left
     w.report(WorkerLoad(queued_prefill_tokens=0))
-    assert w.placement_queued_tokens == 10
+    assert w.placement_queued(rate) == 10
+    # a report that came while this router's prefill ran may count it: once answered, its
+    # tokens leave what is left of that report (no waiting for the next poll)
+    with w.load(queued_tokens=300):
+        w.report(WorkerLoad(queued_prefill_tokens=700))  # 300 of ours + 400 of others
+        t = w.reported_at
+        assert w.placement_queued(rate, t) == 700
+    assert w.placement_queued(rate, t) == 400
+    w.report(WorkerLoad(queued_prefill_tokens=400))  # the next report: counted as is
+    assert w.placement_queued(rate, w.reported_at) == 400
+
+
+def test_replicas_read_the_pools_prefill_counters():
+    """A prefill worker's counters (``WorkerLoad.prefills`` / ``prefill_tokens``, every
+    replica pulls them): ``util`` and ``request_rate`` of placement count the worker's
+    prefills from every replica; the first report is the baseline, a counter that went down
+    restarted with the worker."""
+    t = [0.0]
+    clock = lambda: t[0]  # a frozen clock: no decay between the reads
+    info = WorkerInfo(role="prefill", model=MODEL, fingerprint="f", block_size=16,
+                      capacity=Capacity(num_pages=100, num_slots=8))
+    w = Worker("http://w", info, recent=RecentLoad(clock=clock), seen=RecentLoad(clock=clock))
+    rate, H = 1000.0, w.recent.horizon_s
+    w.report(WorkerLoad(prefills=7, prefill_tokens=9000))  # its history: not this window's
+    assert w.counts_prefills and w.seen.tokens() == 0
+    with w.load(queued_tokens=100):  # this replica's one prefill (of 100 tokens) ...
+        pass
+    # ... and three more from other replicas, 1,000 tokens in all, by the next report
+    w.report(WorkerLoad(prefills=11, prefill_tokens=10_100))
+    pl = w.placement_load
+    assert pl.util(rate) == pytest.approx(1100 / (rate * H))
+    assert pl.request_rate() == pytest.approx(4 / H)  # the pool's 4, not this replica's 1
+    with w.load(queued_tokens=50):  # sent after the report: on top of it
+        assert w.placement_load.util(rate) == pytest.approx(1150 / (rate * H))
+        assert w.placement_load.request_rate() == pytest.approx(5 / H)
+    w.report(WorkerLoad(prefills=2, prefill_tokens=300))  # restarted: all of it is new
+    assert w.seen.tokens() == pytest.approx(1100 + 300)
+    assert w.placement_load.request_rate() == pytest.approx(6 / H)
+    # a worker without the counters: requests are the own account's, tokens the events'
+    old = Worker("http://old", info, recent=RecentLoad(clock=clock),
+                 seen=RecentLoad(clock=clock))
+    old.report(WorkerLoad())
+    assert not old.counts_prefills
+    with old.load(queued_tokens=100):
+        pass
+    old.report(WorkerLoad())
+    assert old.placement_load.request_rate() == pytest.approx(1 / H)
 
 
 def test_placement_util_is_the_larger_of_own_account_and_the_pools():

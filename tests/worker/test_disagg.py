@@ -105,9 +105,18 @@ def test_internal_api_requires_the_cluster_token(cluster):
     assert bad.status_code == 400 and "prompt_token_ids" in bad.json()["message"]
 
 
+def _load(url: str) -> dict:
+    """The load a worker reports with its cache events (``WorkerLoad``)."""
+    r = httpx.get(url + "/internal/cache_events", params={"after": 1 << 40},
+                  headers=HEADERS, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()["load"]
+
+
 def test_twenty_prompts_equal_the_monolithic_engine(cluster, oracle):
     P, D = cluster["P"], cluster["D"]
     prompts = _prompts()
+    before = _load(P.url)
 
     async def run() -> list[tuple[list[int], dict]]:
         async with httpx.AsyncClient(headers=HEADERS, timeout=120) as c:
@@ -125,6 +134,13 @@ def test_twenty_prompts_equal_the_monolithic_engine(cluster, oracle):
         L = len(prompts[k])
         assert got[k][1]["num_cached_tokens"] == (L - 1) // B * B, (k, L)
     assert got[10][1]["num_cached_tokens"] >= 32  # shared 40-token prefix: 2 blocks
+    # the prefill counters (router replicas' pool-wide util / request rate): 20 admitted,
+    # their uncached prompt tokens; a decode worker does not count them
+    after = _load(P.url)
+    assert after["prefills"] - before["prefills"] == 20
+    assert after["prefill_tokens"] - before["prefill_tokens"] == sum(
+        len(p) - g[1]["num_cached_tokens"] for p, g in zip(prompts, got))
+    assert _load(D.url)["prefills"] is None
     assert _metric(P.url, "k3serve:kv_transfer_bytes_total") > 0
     assert _metric(P.url, "k3serve:prefix_cache_hits_total") > 0
 
