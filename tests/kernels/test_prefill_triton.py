@@ -255,8 +255,10 @@ def test_kda_prefill_stacked_equals_reference(monkeypatch) -> None:
         outs[backend] = (o, st, cv)
     (o0, st0, cv0), (o1, st1, cv1) = outs["torch"], outs["triton"]
     assert taken == [1] and torch.isfinite(o1).all()  # the triton run took the stacked path
-    assert _rel(o1, o0) < 1e-4 and _rel(st1, st0) < 1e-4
-    assert torch.equal(cv1, cv0)  # the new conv history is a copy of inputs
+    assert _rel(o1, o0) < 1e-4, _rel(o1, o0)
+    assert _rel(st1, st0) < 1e-4, _rel(st1, st0)
+    # the new conv history copies the projection: one stacked GEMM vs three may round apart
+    assert _rel(cv1, cv0) < 1e-6, _rel(cv1, cv0)
 
 
 @gpu
