@@ -186,18 +186,22 @@ def make_batch(
     bt = torch.full((n, width), -1, dtype=torch.int64)
     for i, b in enumerate(block_tables):
         bt[i, : len(b)] = torch.tensor(list(b), dtype=torch.int64)
-    lens = torch.tensor(list(new_lens), dtype=torch.int64)
-    cu = torch.zeros(n + 1, dtype=torch.int64)
-    cu[1:] = torch.cumsum(lens, 0)
-    nc = torch.tensor(list(num_cached), dtype=torch.int64)
     cu_host = [0]
     for x in new_lens:
         cu_host.append(cu_host[-1] + int(x))
     total = cu_host[-1]
-    # slot of every new token, on the host (vectorised: no per-token Python loop)
-    seq = torch.repeat_interleave(torch.arange(n), lens)
-    pos = nc[seq] + torch.arange(total) - cu[:-1][seq]
-    slots = bt[seq, pos // block_size] * block_size + pos % block_size
+    cu = torch.tensor(cu_host, dtype=torch.int64)
+    nc = torch.tensor(list(num_cached), dtype=torch.int64)
+    # slot of every new token, on the host: per sequence its pages' slot ranges, sliced (no
+    # per-token Python loop, no gather: CPU advanced indexing costs ~6 ms per 8k indices)
+    offs = torch.arange(block_size)
+    parts = []
+    for i in range(n):
+        c, m = int(num_cached[i]), int(new_lens[i])
+        p0, p1 = c // block_size, (c + m - 1) // block_size + 1
+        full = (bt[i, p0:p1, None] * block_size + offs).reshape(-1)
+        parts.append(full[c - p0 * block_size : c - p0 * block_size + m])
+    slots = torch.cat(parts)
     dev = torch.device(device)
 
     def put(t: torch.Tensor) -> torch.Tensor:  # pinned + non_blocking: no stream sync on CUDA

@@ -297,11 +297,16 @@ class Tiles(NamedTuple):
     split: bool | None = None
 
 
-TILE_TABLE: dict[tuple[bool, int], Tiles] = {}
+TILE_TABLE: dict[tuple[bool, int], Tiles] = {
+    (True, 1): Tiles(16, 32, 256, 4, 3),  # k3-mini T=1 (8 of 64 experts): 23.5 vs 23.9/24.2 µs
+    (True, 8): Tiles(16, 64, 128, 4, 4),  # k3-mini T=64: 99.1 vs 103.0/102.8 µs
+}
 """Measured per-shape tiles: ``(MXFP4?, upper bound of the mean rows per expert) → Tiles``;
 :func:`_config` takes the entry with the smallest bound ≥ the batch's mean rows per expert,
-else its heuristic. Filled from the device sweep of ``benchmarks/gpu_moe_tiles.py`` (see
-``benchmarks/RESULTS_gpu_e2e.md``, Run 5)."""
+else its heuristic. From the device sweep ``benchmarks/gpu_moe_tiles.py`` (H200, 2026-12-02,
+``benchmarks/RESULTS_gpu_e2e.md`` Run 5: one k3-mini MoE layer's routed experts, the heuristic
+timed twice): an entry only where a candidate beat the heuristic by more than that spread —
+at T=256 (32 rows per expert) and for bf16 experts the heuristic stayed the fastest."""
 
 
 def _config(m: int, num_experts: int, mx: bool = False) -> Tiles:
