@@ -288,7 +288,7 @@ def profile_replay(g, b, sink):
         log(f"   {t:8.0f} us  {c:5d}×  {n}")
 
 
-def decode_bench(model, cfg, moes, bw, batches, context, iters, checks):
+def decode_bench(model, cfg, moes, bw, batches, context, iters, checks, formats=("mxfp4", "bf16")):
     rows_out = []
     bmax = max(batches)
     pages_per = -(-(context + 2) // BS)
@@ -300,7 +300,7 @@ def decode_bench(model, cfg, moes, bw, batches, context, iters, checks):
         pools.mla_latent.normal_(0, 1.0)
     gen = torch.Generator().manual_seed(5)
     runners = {}
-    for experts in ("mxfp4", "bf16"):
+    for experts in formats:
         set_mode(moes, "triton", "grouped", experts == "mxfp4")
         t0 = time.time()
         gr = CUDAGraphRunner(model, pools, "cuda", context + 2, buckets=tuple(batches),
@@ -312,7 +312,7 @@ def decode_bench(model, cfg, moes, bw, batches, context, iters, checks):
         toks = torch.randint(3, cfg.vocab_size, (b,), generator=gen).tolist()
         rows = tuple(Row((toks[i],), context, i, tuple(range(i * pages_per, (i + 1) * pages_per)))
                      for i in range(b))  # fmt: skip
-        for experts in ("mxfp4", "bf16"):
+        for experts in formats:
             set_mode(moes, "triton", "grouped", experts == "mxfp4")
             gr = runners[experts]
             # graph == eager (same pool contents before each; KDA states compared after)
@@ -384,17 +384,31 @@ def prefill_rows(model, cfg, b: int, n: int, device: str = "cuda"):
     return r, rows
 
 
-def prefill_bench(model, cfg, mm_rate, shapes):
+def prefill_bench(model, cfg, mm_rate, shapes, profile_shapes=()):
     out = []
     for b, n in shapes:
         r, rows = prefill_rows(model, cfg, b, n)
         with torch.inference_mode():
             t = time_steps(lambda rows=rows, r=r: r.forward(rows), 3)
+            prof = None
+            if (b, n) in profile_shapes:  # one forward under torch.profiler: syncs, kernels
+                from gpu_prefill_profile import profile_forward
+
+                prof = profile_forward(lambda rows=rows, r=r: r.forward(rows))
+                log(f"prefill {b} × {n} profiled: {prof['kernels']} kernels, "
+                    f"GPU busy {prof['gpu_union_us'] / 1e3:.1f} ms (union; sum "
+                    f"{prof['gpu_busy_us'] / 1e3:.1f}) over {prof['gpu_first_to_last_us'] / 1e3:.1f} ms "
+                    f"first-to-last kernel, wall {prof['wall_us'] / 1e3:.1f} ms; syncs {prof['syncs']}")
+                for k in prof["top"][:12]:
+                    log(f"   {k['us'] / 1e3:7.2f} ms {k['count']:5d}×  {k['name']}")
+                log("   by count:")
+                for k in prof["top_by_count"][:15]:
+                    log(f"   {k['us'] / 1e3:7.2f} ms {k['count']:5d}×  {k['name']}")
         fl = prefill_flops(cfg, model, [n] * b)
         roof = fl / mm_rate
         out.append({"batch": b, "prompt": n, "uncached_tokens": b * n, "seconds": t,
                     "tokens_per_s": b * n / t, "roofline_s": roof, "roofline_share": roof / t,
-                    "flops": fl})  # fmt: skip
+                    "flops": fl, **({"profile": prof} if prof else {})})  # fmt: skip
         log(f"prefill {b} × {n}: {t:.3f} s, {b * n / t:,.0f} tok/s, roofline {roof:.3f} s "
             f"({fl / 1e12:.1f} TFLOP) → {100 * roof / t:.0f} % of roofline")
         del r
@@ -462,7 +476,23 @@ def main():
                     help="batch x prompt, comma separated")
     ap.add_argument("--mla-prefill", default="naive,sdpa",
                     help="MLA prefill implementations to time (K3SERVE_MLA_PREFILL values)")
+    ap.add_argument("--prefill-profile", default="",
+                    help="batch x prompt shapes to profile once (torch.profiler: host syncs, "
+                         "kernel count), comma separated")
+    ap.add_argument("--experts", default="mxfp4,bf16", help="expert formats of the decode rows")
+    ap.add_argument("--moe-tiles", default="",
+                    help="JSON from gpu_moe_tiles.py (moe_tiles_best.json): fills "
+                         "grouped_triton.TILE_TABLE before timing")
     a = ap.parse_args()
+    if a.moe_tiles:
+        from k3serve.kernels.moe import grouped_triton as gt
+
+        with open(a.moe_tiles) as f:
+            best = json.load(f)
+        for fmt, entries in best.items():
+            for bound, *tiles in entries:
+                gt.TILE_TABLE[(fmt == "mx", int(bound))] = gt.Tiles(*tiles)
+        log(f"TILE_TABLE from {a.moe_tiles}: {gt.TILE_TABLE}")
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to measure")
         return 0
@@ -481,7 +511,8 @@ def main():
     for fz in ([] if a.skip_decode else a.fused.split(",")):
         os.environ["K3SERVE_FUSED_DECODE"] = fz
         n_checks, n_prof = len(checks), len(rows_out_prof)
-        rows = decode_bench(model, cfg, moes, bw, a.batches, a.context, a.iters, checks)
+        rows = decode_bench(model, cfg, moes, bw, a.batches, a.context, a.iters, checks,
+                            tuple(a.experts.split(",")))
         decode += [{**r, "fused": fz} for r in rows]
         for c in checks[n_checks:]:
             c["name"] = f"{c['name']} (fused {fz})"
@@ -497,7 +528,8 @@ def main():
         os.environ["K3SERVE_MLA_PREFILL"] = impl
         try:
             shapes = [tuple(int(v) for v in x.split("x")) for x in a.prefill_shapes.split(",")]
-            rows = prefill_bench(model, cfg, mm, shapes)
+            profs = [tuple(int(v) for v in x.split("x")) for x in a.prefill_profile.split(",") if x]
+            rows = prefill_bench(model, cfg, mm, shapes, profs)
         except (RuntimeError, ValueError) as e:  # keep the decode figures if a shape fails
             log(f"prefill ({impl}) failed: {type(e).__name__}: {e}")
             rows = []

@@ -159,8 +159,24 @@ def profile_forward(fn):
                 par = par.cpu_parent
             syncs[f"{e.name} <- {'/'.join(reversed(path[:3]))}"] += 1
     top = sorted(by.items(), key=lambda kv: -kv[1][1])[:25]
-    return {"wall_us": wall * 1e6, "gpu_busy_us": busy, "kernels": len(kern),
+    top_n = sorted(by.items(), key=lambda kv: -kv[1][0])[:25]
+    # GPU busy as the union of the kernels' intervals (the sum above double-counts overlaps)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kern)
+    union, cur = 0.0, None
+    for a, b in spans:
+        if cur is None or a > cur[1]:
+            if cur is not None:
+                union += cur[1] - cur[0]
+            cur = [a, b]
+        else:
+            cur[1] = max(cur[1], b)
+    if cur is not None:
+        union += cur[1] - cur[0]
+    first_last = (spans[-1][1] - spans[0][0]) if spans else 0.0
+    return {"wall_us": wall * 1e6, "gpu_busy_us": busy, "gpu_union_us": union,
+            "gpu_first_to_last_us": first_last, "kernels": len(kern),
             "top": [{"name": n, "count": c, "us": t} for n, (c, t) in top],
+            "top_by_count": [{"name": n, "count": c, "us": t} for n, (c, t) in top_n],
             "syncs": dict(sorted(syncs.items(), key=lambda kv: -kv[1]))}  # fmt: skip
 
 

@@ -139,9 +139,11 @@ class ModelRunner:
             self.block_size,
             device=self.device,
         )
-        ids = torch.tensor(
-            [t for r in rows for t in r.token_ids], dtype=torch.int64, device=self.device
-        )
+        ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64)
+        if self.device.type == "cuda":  # pinned + non_blocking: no stream sync
+            ids = ids.pin_memory().to(self.device, non_blocking=True)
+        else:
+            ids = ids.to(self.device)
         return self.model(ids, batch, self.pools, layer_hook=layer_hook)
 
     @torch.inference_mode()

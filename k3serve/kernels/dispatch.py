@@ -93,9 +93,14 @@ def _needs_grad(*xs: torch.Tensor | None) -> bool:
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, chunk_size=64):  # fmt: skip
+              cu_seqlens=None, chunk_size=64, cu_seqlens_host=None, gate=None):  # fmt: skip
     """:func:`k3serve.kernels.kda.chunk_kda` contract; Triton when :func:`use_triton` allows,
-    the inputs are bf16/fp16/fp32, ``chunk_size == 64`` and no gradient is needed."""
+    the inputs are bf16/fp16/fp32, ``chunk_size == 64`` and no gradient is needed.
+    ``cu_seqlens_host``: the same boundaries as host ints (the Triton path then reads nothing
+    back from the device; the torch reference ignores it). ``gate``: ``(A_log, dt_bias,
+    lower_bound)`` — then ``g`` is the raw gate input ``f`` and the gate
+    (``k3serve.kernels.kda.naive.kda_gate``) is fused into the Triton kernel (computed first
+    on the torch path)."""
     if (
         use_triton(q.device)
         and chunk_size == 64
@@ -108,11 +113,18 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         # the kernel wants one operand dtype. The output keeps v's dtype as the torch path does.
         out_dtype = v.dtype
         k, v = k.to(q.dtype), v.to(q.dtype)
+        gkw = {} if gate is None else {"A_log": gate[0], "dt_bias": gate[1], "lower_bound": gate[2]}
         o, final = chunk_kda_triton(
-            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+            cu_seqlens_host=cu_seqlens_host, **gkw,
         )
         return o.to(out_dtype), final
     from k3serve.kernels.kda.chunk import chunk_kda as ref
+
+    if gate is not None:
+        from k3serve.kernels.kda.naive import kda_gate
+
+        g = kda_gate(g, *gate)
 
     return ref(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_size)
 
@@ -223,6 +235,20 @@ def glu(gate, up, act, beta=4.0, beta_l=25.0):
     if act == "silu":
         return swiglu(gate, up)
     raise ValueError(f"hidden_act: {act!r} is not 'situ' or 'silu'")
+
+
+def l2norm_heads(x, eps=1e-6, dtype=None):
+    """``k3serve.model.kda.l2norm`` of ``x [T, G, H, K]`` regrouped to ``[G, T, H, K]``
+    (contiguous, ``dtype`` or ``x.dtype``): one Triton launch
+    (:func:`k3serve.kernels.prefill_triton.l2norm_heads_triton`) when :func:`use_triton`
+    allows and no gradient is needed, else the torch reference."""
+    if use_triton(x.device) and x.dtype != torch.float64 and not _needs_grad(x):
+        from k3serve.kernels.prefill_triton import l2norm_heads_triton
+
+        return l2norm_heads_triton(x, eps, dtype)
+    from k3serve.model.kda import l2norm
+
+    return l2norm(x, eps).to(dtype or x.dtype).transpose(0, 1).contiguous()
 
 
 def conv_varlen(x, weight, cu_seqlens, history):

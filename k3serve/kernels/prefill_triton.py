@@ -1,5 +1,5 @@
 """Prefill-only fused kernels in Triton: the KDA short causal conv over packed sequences, and the
-Block-AttnRes mix over many tokens. Both replace eager float32 chains that, at prefill sizes
+Block-AttnRes mix over many tokens, and the KDA q / k L2 norm. They replace eager float32 chains that, at prefill sizes
 (thousands of tokens), move several times the bytes of their input through memory.
 
 References (the spec; these kernels compute the same function in float32 and round once):
@@ -17,7 +17,9 @@ References (the spec; these kernels compute the same function in float32 and rou
   writes the result once. ``w · (γ ⊙ RMSNorm(v))`` is computed as ``rsqrt(mean(v²) + ε) ·
   Σ_d v_d γ_d w_d`` (the same sum, another order).
 
-Both are used on the prefill path only (``k3serve/model/kda.py`` varlen branch,
+* :func:`l2norm_heads_triton` — ``k3serve.model.kda.l2norm`` of q and k in one launch.
+
+All are used on the prefill path only (``k3serve/model/kda.py`` varlen branch,
 ``K3ForCausalLM.forward`` when the batch is not a decode step); decode keeps its own kernels.
 """
 
@@ -74,7 +76,8 @@ def conv_varlen_triton(
     """Depthwise causal conv + SiLU over packed sequences (``causal_conv_varlen`` contract).
 
     Args:
-        x: ``[T, C]`` pre-conv inputs of the new tokens, packed by ``cu_seqlens``.
+        x: ``[T, C]`` pre-conv inputs of the new tokens, packed by ``cu_seqlens`` (rows may be
+            strided; columns contiguous).
         weight: ``[C, W]`` taps (``weight[:, W-1]`` multiplies the current token).
         cu_seqlens: ``[N+1]`` int64 boundaries (on ``x``'s device; never read by the host).
         history: ``[N, W-1, C]`` last ``W − 1`` pre-conv inputs per sequence, oldest first, or
@@ -95,10 +98,11 @@ def conv_varlen_triton(
     if history is not None and history.shape != (n, wt - 1, c):
         raise ValueError(f"history: shape {tuple(history.shape)}, expected [{n}, {wt - 1}, {c}]")
     dev = x.device
-    x = x.contiguous()
+    if x.stride(-1) != 1:  # row-strided x (a column slice of a stacked GEMM) is read in place
+        x = x.contiguous()
     cu = cu_seqlens.to(device=dev, dtype=torch.int64)
     hist = None if history is None else history.contiguous()
-    y = torch.empty_like(x)
+    y = torch.empty(t, c, dtype=x.dtype, device=dev)
     if t:
         seq = torch.searchsorted(cu[1:], torch.arange(t, device=dev), right=True)
         bt, bc = 32, 128
@@ -213,4 +217,58 @@ def attn_res_mix_triton(
     return y
 
 
-__all__ = ["ATTN_RES_MAX_SOURCES", "attn_res_mix_triton", "conv_varlen_triton"]
+@triton.jit
+def _l2norm_heads_kernel(x, y, R, T, G, H, s_t, s_g, s_h, eps,
+                         K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """Rows ``r = (t·G + g)·H + h`` of ``x[t, g, h, :]`` (strided) → ``y[g, t, h, :]``."""
+    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    offs_k = tl.arange(0, BK)
+    m_r = offs_r < R
+    m = m_r[:, None] & (offs_k < K)[None, :]
+    t = (offs_r // (G * H)).to(tl.int64)
+    g = ((offs_r // H) % G).to(tl.int64)
+    h = (offs_r % H).to(tl.int64)
+    src = t * s_t + g * s_g + h * s_h
+    v = tl.load(x + src[:, None] + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(v * v, 1) + eps)
+    dst = ((g * T + t) * H + h) * K
+    tl.store(y + dst[:, None] + offs_k[None, :], (v * inv[:, None]).to(y.dtype.element_ty), mask=m)
+
+
+def l2norm_heads_triton(x: torch.Tensor, eps: float = 1e-6, dtype: torch.dtype | None = None
+                        ) -> torch.Tensor:  # fmt: skip
+    """fla's L2 norm over the last dim of ``G`` groups of heads, regrouped: one launch.
+
+    ``y[g, t, h] = x[t, g, h] / sqrt(Σ_k x[t, g, h, k]² + eps)`` in float32, rounded once to
+    ``dtype`` — ``k3serve.model.kda.l2norm`` of each group (the KDA prefill normalises q and k
+    of the conv output, ``[T, 2, H, K]`` column slices of one tensor, so ``y[0]`` / ``y[1]``
+    are contiguous q / k without extra copies).
+
+    Args:
+        x: ``[T, G, H, K]`` any float dtype, any strides with ``x.stride(-1) == 1``.
+        eps: added to the sum of squares.
+        dtype: output dtype (None: ``x.dtype``).
+
+    Returns:
+        ``[G, T, H, K]`` contiguous.
+
+    Raises:
+        ValueError: ``x`` not 4-D or its last dim strided.
+    """
+    if x.ndim != 4 or x.stride(-1) != 1:
+        raise ValueError(f"x: need [T, G, H, K] with unit last stride, got {tuple(x.shape)}")
+    t, g, h, k = x.shape
+    y = torch.empty(g, t, h, k, dtype=dtype or x.dtype, device=x.device)
+    r = t * g * h
+    if r:
+        bk = triton.next_power_of_2(k)
+        br = max(1, min(64, 4096 // bk))
+        _l2norm_heads_kernel[(triton.cdiv(r, br),)](
+            x, y, r, t, g, h, x.stride(0), x.stride(1), x.stride(2), float(eps),
+            K=k, BR=br, BK=bk, num_warps=4,
+        )  # fmt: skip
+    return y
+
+
+__all__ = ["ATTN_RES_MAX_SOURCES", "attn_res_mix_triton", "conv_varlen_triton",
+           "l2norm_heads_triton"]  # fmt: skip

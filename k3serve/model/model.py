@@ -273,16 +273,21 @@ class K3ForCausalLM(nn.Module):
                 f"input_ids: shape {tuple(input_ids.shape)}, expected [{batch.num_tokens}]"
             )
 
-        host: list = []  # prefill: the batch metadata read back once, shared by the MLA layers
+        host: list = []  # prefill: the batch metadata on the host once, shared by the MLA layers
 
         def mixer(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
             if layer.is_mla:
                 m = self._mla_idx[layer.idx]
                 if not batch.is_decode and not host:
-                    from k3serve.kernels.mla.prefill_sdpa import make_host_meta
+                    if batch.host is not None:  # the scheduler's ints: no device read at all
+                        bh = batch.host
+                        host.append((list(bh.cu_seqlens), list(bh.num_cached),
+                                     [list(r) for r in bh.block_table]))  # fmt: skip
+                    else:
+                        from k3serve.kernels.mla.prefill_sdpa import make_host_meta
 
-                    host.append(make_host_meta(batch.cu_seqlens, batch.num_cached,
-                                               batch.block_table))  # fmt: skip
+                        host.append(make_host_meta(batch.cu_seqlens, batch.num_cached,
+                                                   batch.block_table))  # fmt: skip
                 return layer.self_attn(
                     h,
                     batch.cu_seqlens,
@@ -302,6 +307,7 @@ class K3ForCausalLM(nn.Module):
                 pools.kda_state[j],
                 pools.conv_state[j],
                 batch.is_decode,
+                cu_host=batch.host.cu_seqlens if batch.host is not None else None,
             )
 
         x = self.model.embed_tokens(input_ids)

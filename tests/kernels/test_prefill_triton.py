@@ -9,6 +9,7 @@ same tests run compiled and the ``gpu`` tests add k3-mini sizes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -28,9 +29,10 @@ from k3serve.kernels.prefill_triton import (
     ATTN_RES_MAX_SOURCES,
     attn_res_mix_triton,
     conv_varlen_triton,
+    l2norm_heads_triton,
 )
 from k3serve.model.attn_res import attn_res_mix
-from k3serve.model.kda import causal_conv_varlen
+from k3serve.model.kda import causal_conv_varlen, l2norm
 from k3serve.model.layers import situ_glu, swiglu
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -195,7 +197,10 @@ def test_model_prefill_uses_fused_mix_decode_does_not(monkeypatch) -> None:
     with torch.no_grad():
         model(ids, b, pools)
     n_mix = 2 * cfg.num_layers + 1  # two per layer and the output mix
-    assert len(mixes) == n_mix and len(metas) == 1
+    assert len(mixes) == n_mix and not metas  # make_batch's host copy: nothing read back
+    with torch.no_grad():
+        model(ids, dataclasses.replace(b, host=None), pools)
+    assert len(metas) == 1  # without it: one read, shared by the MLA layers
     mixes.clear()
     metas.clear()
     d = make_batch([1, 1], [5, 3], [0, 1], [[0], [1]], 16, "cpu")
@@ -203,6 +208,57 @@ def test_model_prefill_uses_fused_mix_decode_does_not(monkeypatch) -> None:
     with torch.no_grad():
         model(torch.tensor([7, 9]), d, pools)
     assert not mixes and not metas
+
+
+def test_l2norm_heads_equals_reference() -> None:
+    """Strided ``[T, 2, H, K]`` column slices (the conv output's q | k) → ``[2, T, H, K]``."""
+    g = torch.Generator().manual_seed(5)
+    t, h, k = 37, 3, 16
+    big = torch.randn(t, 3 * h * k + 5, generator=g).to(DEV) * 4.0
+    x = big[:, : 2 * h * k].view(t, 2, h, k)
+    y = l2norm_heads_triton(x)
+    assert y.shape == (2, t, h, k) and y.is_contiguous() and torch.isfinite(y).all()
+    for i in range(2):
+        assert _rel(y[i], l2norm(x[:, i])) < 1e-6
+    yb = l2norm_heads_triton(x.bfloat16(), dtype=torch.bfloat16)
+    assert yb.dtype == torch.bfloat16 and _rel(yb[1], l2norm(x[:, 1])) < 8e-3
+    assert l2norm_heads_triton(x[:0]).shape == (2, 0, h, k)
+    with pytest.raises(ValueError, match="unit last stride"):
+        l2norm_heads_triton(big[:, ::2].reshape(t, 1, 1, -1)[..., :8])
+
+
+def test_kda_prefill_stacked_equals_reference(monkeypatch) -> None:
+    """The stacked KDA prefill (one input GEMM, strided conv input, fused l2norm, gate fused
+    into the chunk kernel, host ``cu_seqlens``) == the unstacked torch branch, output and the
+    written KDA / conv states, ragged sequences continuing a history, float32."""
+    from k3serve.config import PRESETS
+    from k3serve.model.kda import KDAMixer
+
+    cfg = PRESETS["k3-tiny"]
+    torch.manual_seed(1)
+    mix = KDAMixer(cfg, torch.float32).to(DEV).eval()
+    slots = torch.tensor([2, 0, 1], device=DEV)  # sequences of 9, 1 and 70 tokens
+    cu_host = [0, 9, 10, 80]
+    cu = torch.tensor(cu_host, device=DEV)
+    x = torch.randn(80, cfg.hidden_size, device=DEV)
+    hk = cfg.kda_num_heads * cfg.kda_head_dim
+    s0 = torch.randn(3, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim, device=DEV) * 0.1
+    c0 = torch.randn(3, cfg.kda_conv_kernel - 1, 3 * hk, device=DEV)
+    outs, taken = {}, []
+    real = mix._forward_prefill_stacked
+    monkeypatch.setattr(mix, "_forward_prefill_stacked", lambda *a: taken.append(1) or real(*a))
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("K3SERVE_KERNELS", backend)
+        st, cv = s0.clone(), c0.clone()
+        with torch.inference_mode():
+            o = mix(x, cu, slots, st, cv, False, cu_host=cu_host if backend == "triton" else None)
+        outs[backend] = (o, st, cv)
+    (o0, st0, cv0), (o1, st1, cv1) = outs["torch"], outs["triton"]
+    assert taken == [1] and torch.isfinite(o1).all()  # the triton run took the stacked path
+    assert _rel(o1, o0) < 1e-4, _rel(o1, o0)
+    assert _rel(st1, st0) < 1e-4, _rel(st1, st0)
+    # the new conv history copies the projection: one stacked GEMM vs three may round apart
+    assert _rel(cv1, cv0) < 1e-6, _rel(cv1, cv0)
 
 
 @gpu

@@ -335,3 +335,28 @@ def test_attn_res_off_is_plain_residual() -> None:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         want = m.lm_head(m.model.norm(x))
         assert torch.allclose(m.forward_train(ids)[0], want, atol=1e-6)
+
+
+def test_make_batch_slots_and_host_copy() -> None:
+    """``make_batch``'s vectorised slot mapping equals the per-token formula ``page · B +
+    offset`` on random ragged layouts (cached prefixes, spare pages, any page order), and its
+    host copy (``ForwardBatch.host``) equals the device tensors."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(50):
+        n, bs = rng.randint(1, 4), rng.choice([1, 3, 16])
+        lens = [rng.randint(1, 30) for _ in range(n)]
+        cached = [rng.randint(0, 30) for _ in range(n)]
+        tables = [
+            rng.sample(range(500), -(-(c + m) // bs) + rng.randint(0, 2))
+            for c, m in zip(cached, lens)
+        ]
+        b = make_batch(lens, cached, list(range(n)), tables, bs)
+        ref = [t[p // bs] * bs + p % bs for t, c, m in zip(tables, cached, lens)
+               for p in range(c, c + m)]  # fmt: skip
+        assert b.slot_mapping.tolist() == ref
+        assert list(b.host.cu_seqlens) == b.cu_seqlens.tolist()
+        assert list(b.host.num_cached) == b.num_cached.tolist() == cached
+        assert [list(r) for r in b.host.block_table] == tables
+        assert b.is_decode == all(m == 1 for m in lens)

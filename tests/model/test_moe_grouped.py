@@ -131,7 +131,9 @@ def test_loop_reference_equals_per_token_sum() -> None:
 # ------------------------------------------------------------------ Triton (interpreter on CPU)
 triton = pytest.importorskip("triton")
 
+from k3serve.kernels.moe import grouped_triton
 from k3serve.kernels.moe.grouped_triton import (
+    Tiles,
     TritonExperts,
     align_blocks,
     routed_experts_triton,
@@ -207,6 +209,32 @@ def test_triton_mxfp4_equals_dequantised(dtype: torch.dtype, split: bool) -> Non
         z.to(DEV, dtype), ex, ids.to(DEV), w.to(DEV), "situ", mx_split=split
     )
     assert rel_err(got, ref) < (1e-4 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize(
+    "tiles", [Tiles(16, 64, 256, 4, 2), Tiles(32, 32, 32, 2, 3, True)], ids=["bk256", "bm32-split"]
+)
+def test_triton_mxfp4_tiles_any_shape_same_function(
+    tiles: Tiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every launch shape of the per-shape table computes the same function (the loop on the
+    dequantised weights), and ``TILE_TABLE`` entries are what ``_config`` hands out."""
+    w13, w2 = weights(8, 64, 32, seed=4)
+    p13, s13 = pack_mxfp4(w13)
+    p2, s2 = pack_mxfp4(w2)
+    ids, w = routing(19, 8, 2, "random", seed=2)
+    z = torch.randn(19, 64)
+    ref = routed_experts_loop(z, unpack_mxfp4(p13, s13), unpack_mxfp4(p2, s2), ids, w, situ_glu)
+    ex = TritonExperts(p13.to(DEV), p2.to(DEV), s13.to(DEV), s2.to(DEV))
+    got = routed_experts_triton(z.to(DEV), ex, ids.to(DEV), w.to(DEV), "situ", tiles=tiles)
+    assert rel_err(got, ref) < 1e-4
+    table = {(True, 8): tiles, (True, 1): Tiles(*tiles[:3], 8, 4)}
+    monkeypatch.setattr(grouped_triton, "TILE_TABLE", table)
+    assert grouped_triton._config(38, 8, mx=True) == tiles  # 4.75 rows per expert: bound 8
+    assert grouped_triton._config(38, 8, mx=False) == Tiles(16, 32, 128, 4, 4)  # bf16: heuristic
+    assert grouped_triton._config(9 * 8, 8, mx=True) == Tiles(16, 32, 128, 4, 4)  # over every bound
+    again = routed_experts_triton(z.to(DEV), ex, ids.to(DEV), w.to(DEV), "situ")
+    assert torch.equal(again, got)
 
 
 def test_triton_rejects_bad_input() -> None:

@@ -163,3 +163,47 @@ def test_whole_model_decode_step_has_fixed_op_count_and_no_sync(
     base = runs[(8, 2)]
     for key, ops in runs.items():
         assert ops == base, f"{key}: {dict(ops - base)} more, {dict(base - ops)} fewer than (8, 2)"
+
+
+def prefill_ops(num_layers: int, mla_layers: tuple[int, ...], host: bool = True) -> Counter[str]:
+    """Ops of one prefill forward (two uncached prompts of 7 and 5 tokens) of a k3-tiny with
+    ``num_layers`` layers; ``host=False`` drops the batch's host copy (``ForwardBatch.host``)."""
+    cfg = dataclasses.replace(
+        TINY, num_layers=num_layers, mla_layers=mla_layers, attn_res_block_layers=2,
+        n_routed_experts=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg).eval()
+    bs = 4
+    pools = KVPools(cfg, num_slots=2, num_pages=6, block_size=bs)
+    ids = torch.randint(0, cfg.vocab_size, (12,))
+    step = make_batch([7, 5], [0, 0], [0, 1], [[0, 1], [2, 3]], bs)
+    if not host:
+        step = dataclasses.replace(step, host=None)
+    with torch.inference_mode():
+        for mod in model.modules():
+            if isinstance(mod, MoE):
+                mod.stacked_experts()  # load-time work
+        with OpCounter() as c:
+            model(ids, step, pools)
+    return c.ops
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(HAS_CUDA, reason="CPU check: the Triton kernels run in the interpreter")
+def test_prefill_forward_reads_nothing_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill forward (chunked KDA, SDPA MLA prefill, grouped MoE) of a batch from
+    ``make_batch`` reads no device tensor back (each read is a stream sync on CUDA: it drains the
+    launch queue mid-forward), and its host → device table uploads (``lift_fresh``: the KDA
+    chunk tables, built once per forward) do not grow with the number of layers."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("K3SERVE_KERNELS", "triton")
+    monkeypatch.setenv("K3SERVE_MLA_PREFILL", "sdpa")
+    small, big = prefill_ops(2, (1,)), prefill_ops(4, (1, 3))
+    for name, ops in (("2 layers", small), ("4 layers", big)):
+        assert not syncs(ops), f"{name}: host reads {syncs(ops)}"
+    assert small["lift_fresh"] == big["lift_fresh"] <= 2, (small["lift_fresh"], big["lift_fresh"])
+    assert sum(big.values()) > sum(small.values())  # the count covers the layers' work
+    # without the host copy the same forward reads cu_seqlens etc. back: the guard sees it
+    dev_reads = syncs(prefill_ops(2, (1,), host=False))
+    assert dev_reads.get("Tensor.tolist", 0) >= 2, dev_reads

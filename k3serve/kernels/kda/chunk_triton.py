@@ -48,6 +48,7 @@ fp32 inputs run every product in IEEE fp32 (for tests); bf16 inputs use bf16/tf3
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -652,6 +653,14 @@ def _output_kernel(
 # ----------------------------------------------------------------------------- host side
 
 
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Host table → device; on CUDA from pinned memory, ``non_blocking`` (a pageable copy
+    synchronises the stream, which drains the launch queue mid-forward)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class _Plan:
     """Chunk and segment tables of one ``(cu_seqlens | B × T)`` layout, built once and cached.
 
@@ -661,15 +670,17 @@ class _Plan:
     ``soff [N+1]`` int64, ``NS)`` or ``None`` when every sequence is one segment.
     """
 
-    def __init__(self, cu_seqlens: torch.Tensor | None, B: int, T: int, device):
+    def __init__(self, cu_seqlens: torch.Tensor | None, B: int, T: int, device, host=None):
         if cu_seqlens is None:
             NT = triton.cdiv(T, BT)
             self.nts = [NT] * B
             self.cu = torch.arange(0, B + 1, device=device, dtype=torch.int64) * T
         else:
             self.cu = cu_seqlens.to(device=device, dtype=torch.int64)
-            lens = cu_seqlens.detach().to("cpu", torch.int64)  # one host sync per layout
-            ends = lens.tolist()
+            if host is not None:  # the caller's host copy: no device read
+                ends = [int(x) for x in host]
+            else:
+                ends = cu_seqlens.detach().to("cpu", torch.int64).tolist()  # one host sync
             self.nts = [(b - a + BT - 1) // BT for a, b in itertools.pairwise(ends)]
         offs = [0]
         for n in self.nts:
@@ -677,8 +688,8 @@ class _Plan:
         self.nch = offs[-1]
         seq = [i for i, n in enumerate(self.nts) for _ in range(n)]
         j = [c for n in self.nts for c in range(n)]
-        self.cidx = torch.tensor([seq, j], dtype=torch.int32).t().contiguous().to(device)
-        self.coff = torch.tensor(offs, dtype=torch.int64).to(device)
+        self.cidx = _to_device(torch.tensor([seq, j], dtype=torch.int32).t().contiguous(), device)
+        self.coff = _to_device(torch.tensor(offs, dtype=torch.int64), device)
         self.device = device
         self._segs: dict = {}
 
@@ -695,8 +706,8 @@ class _Plan:
                 self._segs[SEG] = None
             else:
                 self._segs[SEG] = (
-                    torch.tensor(rows, dtype=torch.int32).to(self.device),
-                    torch.tensor(soff, dtype=torch.int64).to(self.device),
+                    _to_device(torch.tensor(rows, dtype=torch.int32), self.device),
+                    _to_device(torch.tensor(soff, dtype=torch.int64), self.device),
                     len(rows),
                 )
         return self._segs[SEG]
@@ -713,11 +724,12 @@ def _tensor_version(t: torch.Tensor) -> int:
         return -1
 
 
-def _plan(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> _Plan:
+def _plan(cu_seqlens: torch.Tensor | None, B: int, T: int, device, host=None) -> _Plan:
     """The cached :class:`_Plan` of this layout: fixed-length by ``(B, T, device)``, varlen by the
     ``cu_seqlens`` tensor itself (identity, and its version counter where it has one: an in-place
     change rebuilds), as fla-core's ``tensor_cache`` does for its chunk indices — the host sync
-    then happens once per layout (e.g. once per forward for all KDA layers), not per call."""
+    then happens once per layout (e.g. once per forward for all KDA layers), not per call, and
+    not at all when ``host`` (``cu_seqlens`` as host ints) is given."""
     if cu_seqlens is None:
         key = ("fixed", B, T, str(device))
     else:
@@ -726,7 +738,7 @@ def _plan(cu_seqlens: torch.Tensor | None, B: int, T: int, device) -> _Plan:
     ver = _tensor_version(cu_seqlens) if cu_seqlens is not None else 0
     if hit is not None and hit[0] is cu_seqlens and hit[1] == ver:
         return hit[2]
-    plan = _Plan(cu_seqlens, B, T, device)
+    plan = _Plan(cu_seqlens, B, T, device, host)
     if len(_PLANS) >= _PLANS_MAX:
         _PLANS.pop(next(iter(_PLANS)))
     _PLANS[key] = (cu_seqlens, ver, plan)
@@ -769,6 +781,7 @@ def chunk_kda_triton(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
+    cu_seqlens_host: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Chunked KDA prefill in Triton; same contract as :func:`k3serve.kernels.kda.chunk_kda`.
 
@@ -784,11 +797,14 @@ def chunk_kda_triton(
         scale (float, optional): default ``K ** -0.5``.
         initial_state (torch.Tensor, optional): ``[N, H, K, V]`` fp32 (read as fp32).
         output_final_state (bool): also return ``[N, H, K, V]`` fp32.
-        cu_seqlens (torch.Tensor, optional): ``[N+1]`` (``B == 1``); costs one host sync.
+        cu_seqlens (torch.Tensor, optional): ``[N+1]`` (``B == 1``); costs one host sync per
+            layout (cached by tensor identity) unless ``cu_seqlens_host`` is given.
         chunk_size (int): must be 64.
         A_log (torch.Tensor, optional): ``[H]``; fuses ``kda_gate(g, A_log, dt_bias, lower_bound)``.
         dt_bias (torch.Tensor, optional): ``[H * K]``.
         lower_bound (float, optional): K3's bound (e.g. −5); None → Kimi Linear softplus gate.
+        cu_seqlens_host (Sequence[int], optional): ``cu_seqlens`` as host ints (the caller's
+            scheduler knows them): the chunk tables are built from these, no device read.
 
     Returns:
         ``(o [B, T, H, V]`` in q's dtype, ``final_state [N, H, K, V]`` fp32 or ``None)``.
@@ -812,7 +828,7 @@ def chunk_kda_triton(
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     prec = "ieee" if io == torch.float32 else "tf32"
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    plan = _plan(cu_seqlens, B, T, dev)
+    plan = _plan(cu_seqlens, B, T, dev, cu_seqlens_host)
     cu, cidx, coff, nch = plan.cu, plan.cidx, plan.coff, plan.nch
     o = torch.empty(B, T, H, V, dtype=io, device=dev)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None

@@ -276,24 +276,55 @@ def _down_kernel(
 
 
 def _pick_bk(k: int) -> int:
-    for bk in (128, 64, 32):
+    for bk in (256, 128, 64, 32):
         if k % bk == 0:
             return bk
     raise ValueError(f"expert width {k}: must be a multiple of 32")
 
 
-def _config(m: int, num_experts: int) -> tuple[int, int, int, int, int]:
-    """``(BM, BN, BK cap, num_warps, num_stages)`` from the mean rows per expert: decode gets
-    small row blocks and narrow column tiles (more programs streaming the weights); shared
-    memory per stage (``BM·BK + 2·BN·BK`` elements in the gate/up kernel) stays under ~80 KB."""
+class Tiles(NamedTuple):
+    """Launch shape of the two grouped-GEMM kernels: ``BM`` rows per block (the layout's
+    padding unit), ``BN`` output columns per program, ``BK`` cap of the reduction step (the
+    largest power of two ≤ it dividing the width is used), warps, pipeline stages, and for
+    MXFP4 the tile form (``split``, see :func:`routed_experts_triton`'s ``mx_split``; None: the
+    module's :data:`MX_SPLIT`)."""
+
+    bm: int
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+    split: bool | None = None
+
+
+TILE_TABLE: dict[tuple[bool, int], Tiles] = {
+    (True, 1): Tiles(16, 32, 256, 4, 3),  # k3-mini T=1 (8 of 64 experts): 23.5 vs 23.9/24.2 µs
+    (True, 8): Tiles(16, 64, 128, 4, 4),  # k3-mini T=64: 99.1 vs 103.0/102.8 µs
+}
+"""Measured per-shape tiles: ``(MXFP4?, upper bound of the mean rows per expert) → Tiles``;
+:func:`_config` takes the entry with the smallest bound ≥ the batch's mean rows per expert,
+else its heuristic. From the device sweep ``benchmarks/gpu_moe_tiles.py`` (H200, 2026-12-02,
+``benchmarks/RESULTS_gpu_e2e.md`` Run 5: one k3-mini MoE layer's routed experts, the heuristic
+timed twice): an entry only where a candidate beat the heuristic by more than that spread —
+at T=256 (32 rows per expert) and for bf16 experts the heuristic stayed the fastest."""
+
+
+def _config(m: int, num_experts: int, mx: bool = False) -> Tiles:
+    """Tiles for ``m`` assignments over ``num_experts``: :data:`TILE_TABLE` where it has an
+    entry for this format and size, else from the mean rows per expert — decode gets small row
+    blocks and narrow column tiles (more programs streaming the weights); shared memory per
+    stage (``BM·BK + 2·BN·BK`` elements in the gate/up kernel) stays under ~80 KB."""
     per_expert = m / max(num_experts, 1)
+    fits = [b for (f, b) in TILE_TABLE if f == mx and per_expert <= b]
+    if fits:
+        return TILE_TABLE[(mx, min(fits))]
     if per_expert <= 16:
-        return 16, 32, 128, 4, 4
+        return Tiles(16, 32, 128, 4, 4)
     if per_expert <= 64:
-        return 32, 64, 128, 4, 3
+        return Tiles(32, 64, 128, 4, 3)
     if per_expert <= 256:
-        return 64, 128, 64, 4, 3
-    return 128, 128, 64, 8, 3
+        return Tiles(64, 128, 64, 4, 3)
+    return Tiles(128, 128, 64, 8, 3)
 
 
 class TritonExperts(NamedTuple):
@@ -321,6 +352,7 @@ def routed_experts_triton(
     beta: float = 4.0,
     beta_l: float = 25.0,
     mx_split: bool | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """Weighted expert sum ``Σ_j w[t, j] E_{ids[t, j]}(z[t])`` in two Triton launches.
 
@@ -334,6 +366,7 @@ def routed_experts_triton(
         mx_split: MXFP4 only: multiply low / high nibbles by the even / odd input columns
             (two half-K dots, no register interleave) instead of re-interleaving the tile;
             None: the module's :data:`MX_SPLIT`.
+        tiles: launch shape (:class:`Tiles`); None: :func:`_config`'s choice for this size.
 
     Returns:
         ``[T, W]`` float32.
@@ -358,10 +391,13 @@ def routed_experts_triton(
     if z.stride(-1) != 1:  # row-strided z (a column slice of a fused GEMM) is read in place
         z = z.contiguous()
     m = t * topk
-    mx_mode = 0 if not mx else 2 if (MX_SPLIT if mx_split is None else mx_split) else 1
     if m == 0:
         return torch.zeros(t, width, dtype=torch.float32, device=z.device)
-    bm, bn, bk_cap, warps, stages = _config(m, num_e)
+    tl_ = tiles if tiles is not None else _config(m, num_e, mx)
+    bm, bn, bk_cap, warps, stages = tl_.bm, tl_.bn, tl_.bk, tl_.warps, tl_.stages
+    if mx_split is None:
+        mx_split = MX_SPLIT if tl_.split is None else tl_.split
+    mx_mode = 0 if not mx else 2 if mx_split else 1
     lay = align_blocks(topk_ids, num_e, bm)
     p_len = lay.slot_assign.numel()
     h = torch.empty(p_len, inter, dtype=z.dtype, device=z.device)
@@ -492,5 +528,5 @@ def routed_experts_large_m(
     return out
 
 
-__all__ = ["ACTS", "LARGE_M_ROWS_PER_EXPERT", "BlockLayout", "TritonExperts", "align_blocks",
-           "routed_experts_large_m", "routed_experts_triton"]  # fmt: skip
+__all__ = ["ACTS", "LARGE_M_ROWS_PER_EXPERT", "TILE_TABLE", "BlockLayout", "Tiles",
+           "TritonExperts", "align_blocks", "routed_experts_large_m", "routed_experts_triton"]  # fmt: skip
