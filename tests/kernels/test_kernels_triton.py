@@ -113,10 +113,16 @@ KNOB_SETS = [
     {"a_cols": 1},  # Aqk / Akk by 64-row products
     {"fuse_gate": 0},  # the gate + cumsum as their own launch
     {"a_cols": 1, "intra_bk": 16, "intra_bw": 16},
+    # T joined in registers, diagonal inverses one block at a time, strips against needed columns
+    {"t_regs": 1, "inv_x4": 0, "a_tri": 1},
+    {"intra_split": 1, "wy_bw": 16},  # W, Ũ, Kd in _wy_kernel
+    {"intra_split": 1, "wy_split": 2, "a_tri": 1},  # … W/Kd and Ũ in separate programs
 ]
 
 
-@pytest.mark.parametrize("knobs", KNOB_SETS, ids=["a-cols", "gate-apart", "a-cols-bk16"])
+@pytest.mark.parametrize(
+    "knobs", KNOB_SETS, ids=["a-cols", "gate-apart", "a-cols-bk16", "t-regs", "split", "split2"]
+)
 def test_chunk_triton_knobs(knobs, monkeypatch):
     """Every intra-kernel code path behind ``KNOBS``: varlen with a partial chunk and K3's gate."""
     from k3serve.kernels.kda import chunk_triton as ct

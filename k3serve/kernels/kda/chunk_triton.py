@@ -72,6 +72,20 @@ KNOBS: dict[str, int | None] = {
     "wy_lowp": 0,  # 1: W = T·R and Ũ = T·R with T, R in the io dtype (bf16), as fla does; 0: tf32
     "fuse_gate": 1,  # 1: the gate + cumsum run inside the intra kernel (no separate launch)
     "a_cols": 0,  # 1: Aqk / Akk by 64-row products (diagonal blocks, then column strips)
+    "a_tri": 0,  # 1: each 16-row strip of Aqk / β·Akk against only the columns it needs
+    "inv_x4": 1,  # 1: the four 16×16 diagonal inverses in one [4, 16, 16] pass; 0: one at a time
+    # 1: T = (I + β·Akk)⁻¹ stays in registers (its four 16-row blocks joined into one 64×64
+    # tile, no store / barrier / reload through global memory); only with intra_split 0
+    "t_regs": 0,
+    # 1: W, Ũ, Kd in a second launch (``_wy_kernel``, its own warps / stages / registers), the
+    # intra kernel stopping at T (stored fp32); 0: all in the intra kernel
+    "intra_split": 0,
+    "wy_split": 1,  # with intra_split: programs per (chunk, head), 2 = W/Kd and Ũ apart
+    "wy_warps": 4,
+    "wy_stages": None,
+    "wy_bw": 32,  # K / V columns per step of _wy_kernel's products
+    "intra_maxnreg": None,  # ptxas register cap of the intra kernel (None: the compiler's pick)
+    "wy_maxnreg": None,
     "state_bv": 32,  # V columns per state program (for K > 64; 64 otherwise)
     "state_warps": 4,
     "state_stages": None,
@@ -93,10 +107,12 @@ KNOBS: dict[str, int | None] = {
 }
 
 
-def _launch(warps, stages) -> dict:
+def _launch(warps, stages, maxnreg=None) -> dict:
     kw = {"num_warps": warps}
     if stages is not None:
         kw["num_stages"] = stages
+    if maxnreg is not None:
+        kw["maxnreg"] = maxnreg
     return kw
 
 
@@ -182,6 +198,29 @@ def _inv_diag16_x4(A, L, SA: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def _inv_diag16(A, r0: tl.constexpr, L, SA: tl.constexpr, BC: tl.constexpr):
+    """(I + N)⁻¹ of one 16×16 diagonal block (rows ``r0 … r0+15``) of β·Akk, ``[16, 16]`` fp32:
+    the forward substitution of :func:`_inv_diag16_x4` for one block (fewer live registers)."""
+    o = tl.arange(0, BC)
+    rows = r0 + o
+    m = (rows[:, None] < L) & (o[None, :] < o[:, None])
+    X = -tl.load(A + rows[:, None] * SA + r0 + o[None, :], mask=m, other=0.0)
+    for i in tl.static_range(2, BC):
+        a = -tl.load(A + (r0 + i) * SA + r0 + o, mask=(o < i) & ((o * 0 + r0 + i) < L), other=0.0)
+        a = a + tl.sum(a[:, None] * X, 0)
+        X = tl.where((o == i)[:, None], a[None, :], X)
+    return X + (o[:, None] == o[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _join_rows4(X0, X1, X2, X3):
+    """The ``[64, N]`` tile whose 16-row blocks are ``X0 … X3`` (``[16, N]`` each), in registers."""
+    J = tl.join(tl.join(X0, X2), tl.join(X1, X3))  # [16, N, 2, 2]: J[r, c, x, y] = X_{2x+y}[r, c]
+    J = tl.permute(J, (2, 3, 0, 1))  # [x, y, r, c]
+    return tl.reshape(J, (4 * X0.shape[0], X0.shape[1]))
+
+
+@triton.jit
 def _block_solve(Ai0, Ai1, Ai2, Ai3, L10, L20, L21, L30, L31, L32, R0, R1, R2, R3, PREC: tl.constexpr):
     """X = (I + β·Akk)⁻¹ R for a 64-row chunk by 16-row blocks: ``X_i = Ai_i (R_i − Σ_j<i L_ij X_j)``."""
     X0 = tl.dot(Ai0, R0, input_precision=PREC)
@@ -260,6 +299,63 @@ def _a_by_rows(
         p_A = rows[:, None] * SA + o_c[None, :]
         tl.store(Aqk + p_A, b_aq.to(Aqk.dtype.element_ty), mask=m_r[:, None])
         tl.store(Akk + p_A, b_ak, mask=m_r[:, None])
+
+
+@triton.jit
+def _a_strip(
+    q, k, G, beta, Aqk, Akk, L, scale, s: tl.constexpr, NC: tl.constexpr, SK: tl.constexpr,
+    SA: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, PREC: tl.constexpr,
+):
+    """Strip ``s`` of :func:`_a_by_rows` against its first ``NC`` columns only (``NC`` ≥ the
+    strip's last row + 1, a power of two); the Aqk columns ``NC … BT`` get their zeros stored."""
+    o_r = tl.arange(0, BC)
+    o_c = tl.arange(0, NC)
+    rows = s * BC + o_r
+    m_r = rows < L
+    m_c = (o_c < (s + 1) * BC) & (o_c < L)
+    ref = tl.minimum(s * BC + BC // 2, L - 1)
+    b_aq = tl.zeros([BC, NC], dtype=tl.float32)
+    b_ak = tl.zeros([BC, NC], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        p_r = rows[:, None] * SK + o_k[None, :]
+        p_c = o_c[:, None] * SK + o_k[None, :]
+        b_Gm = tl.load(G + ref * SK + o_k)
+        b_Gr = tl.load(G + p_r, mask=m_r[:, None], other=0.0)
+        e_r = tl.exp(tl.where(m_r[:, None], b_Gr - b_Gm[None, :], 0.0))
+        b_q = tl.load(q + p_r, mask=m_r[:, None], other=0.0).to(tl.float32) * (e_r * scale)
+        b_kr = tl.load(k + p_r, mask=m_r[:, None], other=0.0).to(tl.float32) * e_r
+        b_Gc = tl.load(G + p_c, mask=m_c[:, None], other=0.0)
+        e_c = tl.exp(tl.where(m_c[:, None], b_Gm[None, :] - b_Gc, 0.0))
+        b_kc = tl.load(k + p_c, mask=m_c[:, None], other=0.0).to(tl.float32) * e_c
+        b_kc = tl.where(m_c[:, None], b_kc, 0.0)
+        b_aq += tl.dot(b_q, tl.trans(b_kc), input_precision=PREC)
+        b_ak += tl.dot(b_kr, tl.trans(b_kc), input_precision=PREC)
+    m_valid = m_r[:, None] & (o_c < L)[None, :]
+    b_aq = tl.where(m_valid & (o_c[None, :] <= rows[:, None]), b_aq, 0.0)
+    b_beta = tl.load(beta + rows * H, mask=m_r, other=0.0).to(tl.float32)
+    b_ak = tl.where(m_valid & (o_c[None, :] < rows[:, None]), b_ak * b_beta[:, None], 0.0)
+    p_A = rows[:, None] * SA + o_c[None, :]
+    tl.store(Aqk + p_A, b_aq.to(Aqk.dtype.element_ty), mask=m_r[:, None])
+    tl.store(Akk + p_A, b_ak, mask=m_r[:, None])
+    if NC < BT:
+        o_z = tl.arange(0, BT)
+        z = tl.zeros([BC, BT], dtype=Aqk.dtype.element_ty)
+        tl.store(Aqk + rows[:, None] * SA + o_z[None, :], z, mask=m_r[:, None] & (o_z >= NC)[None, :])
+
+
+@triton.jit
+def _a_by_rows_tri(
+    q, k, G, beta, Aqk, Akk, L, scale, SK: tl.constexpr, SA: tl.constexpr, H: tl.constexpr,
+    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+):
+    """:func:`_a_by_rows` with each strip against the columns it needs (16, 32, 64, 64 of 64
+    for BT 64: 176 of 256 column rows, fewer exponentials and smaller products)."""
+    _a_strip(q, k, G, beta, Aqk, Akk, L, scale, 0, BC, SK, SA, H, K, BT, BC, BK, PREC)
+    _a_strip(q, k, G, beta, Aqk, Akk, L, scale, 1, 2 * BC, SK, SA, H, K, BT, BC, BK, PREC)
+    _a_strip(q, k, G, beta, Aqk, Akk, L, scale, 2, BT, SK, SA, H, K, BT, BC, BK, PREC)
+    _a_strip(q, k, G, beta, Aqk, Akk, L, scale, 3, BT, SK, SA, H, K, BT, BC, BK, PREC)
 
 
 @triton.jit
@@ -358,6 +454,10 @@ def _intra_kernel(
     GATE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     G_MIN: tl.constexpr,
+    INV_X4: tl.constexpr,
+    A_TRI: tl.constexpr,
+    T_REGS: tl.constexpr,
+    WY: tl.constexpr,  # 1: step 3 here; 0: stop at T (stored in Akk) for _wy_kernel
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(cidx + 2 * i_c).to(tl.int64)
@@ -390,15 +490,24 @@ def _intra_kernel(
     # --- 1. Aqk (i ≤ t, q scaled) and β·Akk (i < t)
     if A_COLS:
         _a_by_columns(q, k, G, beta, Aqk, Akk, L, scale, SK, SA, H, K, BT, BC, BK, PREC)
+    elif A_TRI:
+        _a_by_rows_tri(q, k, G, beta, Aqk, Akk, L, scale, SK, SA, H, K, BT, BC, BK, PREC)
     else:
         _a_by_rows(q, k, G, beta, Aqk, Akk, L, scale, SK, SA, H, K, BT, BC, BK, PREC)
     tl.debug_barrier()
 
     # --- 2. T = (I + β·Akk)⁻¹ once, as a 64×64 matrix: the four 16×16 diagonal inverses in one
     #        pass, then the block substitution with the identity on the right (rows of T by blocks)
-    X = _inv_diag16_x4(Akk, L, SA, BT, BC)
+    if INV_X4:
+        X = _inv_diag16_x4(Akk, L, SA, BT, BC)
+        D0, D1, D2, D3 = _pick(X, 0), _pick(X, 1), _pick(X, 2), _pick(X, 3)
+    else:
+        D0 = _inv_diag16(Akk, 0, L, SA, BC)
+        D1 = _inv_diag16(Akk, BC, L, SA, BC)
+        D2 = _inv_diag16(Akk, 2 * BC, L, SA, BC)
+        D3 = _inv_diag16(Akk, 3 * BC, L, SA, BC)
     T0, T1, T2, T3 = _block_solve(
-        _pick(X, 0), _pick(X, 1), _pick(X, 2), _pick(X, 3),
+        D0, D1, D2, D3,
         _load_blk16(Akk, BC, 0, L, SA, BC),
         _load_blk16(Akk, 2 * BC, 0, L, SA, BC),
         _load_blk16(Akk, 2 * BC, BC, L, SA, BC),
@@ -408,36 +517,109 @@ def _intra_kernel(
         _eye_rows(0, BC, BT), _eye_rows(BC, BC, BT), _eye_rows(2 * BC, BC, BT), _eye_rows(3 * BC, BC, BT),
         PREC,
     )  # fmt: skip
-    tl.debug_barrier()  # every read of β·Akk is done: T overwrites it
-    p_T = o_r[:, None] * SA + o_c[None, :]
-    tl.store(Akk + p_T, T0, mask=(o_r < L)[:, None])
-    tl.store(Akk + BC * SA + p_T, T1, mask=(BC + o_r < L)[:, None])
-    tl.store(Akk + 2 * BC * SA + p_T, T2, mask=(2 * BC + o_r < L)[:, None])
-    tl.store(Akk + 3 * BC * SA + p_T, T3, mask=(3 * BC + o_r < L)[:, None])
-    tl.debug_barrier()
     if WY_LOWP:  # T and the right-hand sides in the io dtype (bf16/fp16 tensor-core products)
         DW = W.dtype.element_ty
     else:
         DW = tl.float32
-    b_T = tl.load(Akk + o_c[:, None] * SA + o_c[None, :], mask=m_t[:, None], other=0.0).to(DW)
+    if T_REGS and WY:
+        b_T = _join_rows4(T0, T1, T2, T3).to(DW)  # rows ≥ L of T are the identity's: R is 0 there
+    else:
+        tl.debug_barrier()  # every read of β·Akk is done: T overwrites it
+        p_T = o_r[:, None] * SA + o_c[None, :]
+        tl.store(Akk + p_T, T0, mask=(o_r < L)[:, None])
+        tl.store(Akk + BC * SA + p_T, T1, mask=(BC + o_r < L)[:, None])
+        tl.store(Akk + 2 * BC * SA + p_T, T2, mask=(2 * BC + o_r < L)[:, None])
+        tl.store(Akk + 3 * BC * SA + p_T, T3, mask=(3 * BC + o_r < L)[:, None])
+        if WY:
+            tl.debug_barrier()
+            b_T = tl.load(Akk + o_c[:, None] * SA + o_c[None, :], mask=m_t[:, None], other=0.0).to(DW)
 
     # --- 3. W = T·β(exp(G)⊙K), Kd = K ⊙ exp(G_C − G), Ũ = T·βV: one 64-row product each
+    #        (here, or in _wy_kernel with KNOBS["intra_split"])
+    if WY:
+        _wy_rows(b_T, k, v, G, beta, W, U, Kd, L, SK, SV, H, K, V, BT, BV, PREC, DW, True, True)
+
+
+@triton.jit
+def _wy_rows(
+    b_T, k, v, G, beta, W, U, Kd, L, SK: tl.constexpr, SV: tl.constexpr, H: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    DW: tl.constexpr, DO_K: tl.constexpr, DO_V: tl.constexpr,
+):
+    """W = T·β(exp(G)⊙K) and Kd = K ⊙ exp(G_C − G) (``DO_K``), Ũ = T·βV (``DO_V``) of one chunk
+    from ``b_T`` (``[BT, BT]``, T = (I + β·Akk)⁻¹, in ``DW``), ``BV`` columns per product.
+    Pointers are at the chunk's first row."""
+    o_c = tl.arange(0, BT)
+    m_t = o_c < L
     b_b = tl.load(beta + o_c * H, mask=m_t, other=0.0).to(tl.float32)
-    for kw in range(0, K, BV):
-        o_w = kw + tl.arange(0, BV)
-        p_w = o_c[:, None] * SK + o_w[None, :]
-        b_k = tl.load(k + p_w, mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_G = tl.load(G + p_w, mask=m_t[:, None], other=0.0)
-        gC = tl.load(G + (L - 1) * SK + o_w)
-        tl.store(Kd + p_w, (b_k * tl.exp(gC[None, :] - b_G)).to(Kd.dtype.element_ty), mask=m_t[:, None])
-        b_w = tl.dot(b_T, (b_k * tl.exp(b_G) * b_b[:, None]).to(DW), input_precision=PREC)
-        tl.store(W + p_w, b_w.to(W.dtype.element_ty), mask=m_t[:, None])
-    for vb in range(0, V, BV):
-        o_v = vb + tl.arange(0, BV)
-        p_v = o_c[:, None] * SV + o_v[None, :]
-        b_v = tl.load(v + p_v, mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_u = tl.dot(b_T, (b_v * b_b[:, None]).to(DW), input_precision=PREC)
-        tl.store(U + p_v, b_u.to(U.dtype.element_ty), mask=m_t[:, None])
+    if DO_K:
+        gC_row = (L - 1) * SK
+        for kw in range(0, K, BV):
+            o_w = kw + tl.arange(0, BV)
+            p_w = o_c[:, None] * SK + o_w[None, :]
+            b_k = tl.load(k + p_w, mask=m_t[:, None], other=0.0).to(tl.float32)
+            b_G = tl.load(G + p_w, mask=m_t[:, None], other=0.0)
+            gC = tl.load(G + gC_row + o_w)
+            tl.store(Kd + p_w, (b_k * tl.exp(gC[None, :] - b_G)).to(Kd.dtype.element_ty), mask=m_t[:, None])
+            b_w = tl.dot(b_T, (b_k * tl.exp(b_G) * b_b[:, None]).to(DW), input_precision=PREC)
+            tl.store(W + p_w, b_w.to(W.dtype.element_ty), mask=m_t[:, None])
+    if DO_V:
+        for vb in range(0, V, BV):
+            o_v = vb + tl.arange(0, BV)
+            p_v = o_c[:, None] * SV + o_v[None, :]
+            b_v = tl.load(v + p_v, mask=m_t[:, None], other=0.0).to(tl.float32)
+            b_u = tl.dot(b_T, (b_v * b_b[:, None]).to(DW), input_precision=PREC)
+            tl.store(U + p_v, b_u.to(U.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit
+def _wy_kernel(
+    k,
+    v,
+    G,
+    beta,
+    Akk,
+    W,
+    U,
+    Kd,
+    cu,
+    cidx,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BV: tl.constexpr,
+    PREC: tl.constexpr,
+    WY_LOWP: tl.constexpr,
+    NP: tl.constexpr,
+):
+    """Step 3 of ``_intra_kernel`` as its own launch (``KNOBS["intra_split"]``): per (chunk, head,
+    part) W, Kd and Ũ from T (fp32, stored in ``Akk`` by the intra kernel). ``NP`` 1: one program
+    does all; 2: part 0 does W and Kd, part 1 Ũ."""
+    i_c, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n = tl.load(cidx + 2 * i_c).to(tl.int64)
+    i_j = tl.load(cidx + 2 * i_c + 1).to(tl.int64)
+    bos, eos = tl.load(cu + i_n).to(tl.int64), tl.load(cu + i_n + 1).to(tl.int64)
+    t0 = bos + i_j * BT
+    L = tl.minimum(eos - t0, BT).to(tl.int32)
+    hk = (t0 * H + i_h) * K
+    k, G, Kd, W = k + hk, G + hk, Kd + hk, W + hk
+    v, U = v + (t0 * H + i_h) * V, U + (t0 * H + i_h) * V
+    Akk = Akk + (t0 * H + i_h) * BT
+    beta = beta + t0 * H + i_h
+    SA: tl.constexpr = H * BT
+    o_c = tl.arange(0, BT)
+    if WY_LOWP:
+        DW = W.dtype.element_ty
+    else:
+        DW = tl.float32
+    b_T = tl.load(Akk + o_c[:, None] * SA + o_c[None, :], mask=(o_c < L)[:, None], other=0.0).to(DW)
+    if NP == 1:
+        _wy_rows(b_T, k, v, G, beta, W, U, Kd, L, H * K, H * V, H, K, V, BT, BV, PREC, DW, True, True)
+    elif i_p == 0:
+        _wy_rows(b_T, k, v, G, beta, W, U, Kd, L, H * K, H * V, H, K, V, BT, BV, PREC, DW, True, False)
+    else:
+        _wy_rows(b_T, k, v, G, beta, W, U, Kd, L, H * K, H * V, H, K, V, BT, BV, PREC, DW, False, True)
 
 
 @triton.jit
@@ -833,12 +1015,22 @@ def chunk_kda_triton(
     W = torch.empty(B, T, H, K, dtype=io, device=dev)
     Kd = torch.empty(B, T, H, K, dtype=io, device=dev)
     U = torch.empty(B, T, H, V, dtype=io, device=dev)
+    split = bool(KNOBS["intra_split"])
+    lowp = bool(KNOBS["wy_lowp"]) and io != torch.float32
     _intra_kernel[(nch, H)](
         q, k, v, gargs[0], beta, Gc, *gargs[1:], Aqk, Akk, W, U, Kd, cu, cidx, scale,
         H=H, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(KNOBS["intra_bw"], K, V), PREC=prec, FUSE_GATE=fuse,
-        WY_LOWP=bool(KNOBS["wy_lowp"]) and io != torch.float32, A_COLS=bool(KNOBS["a_cols"]), **gkw,
-        **_launch(KNOBS["intra_warps"], KNOBS["intra_stages"]),
+        WY_LOWP=lowp, A_COLS=bool(KNOBS["a_cols"]), **gkw, INV_X4=bool(KNOBS["inv_x4"]),
+        A_TRI=bool(KNOBS["a_tri"]) and BT == 4 * BC, T_REGS=bool(KNOBS["t_regs"]), WY=not split,
+        **_launch(KNOBS["intra_warps"], KNOBS["intra_stages"], KNOBS["intra_maxnreg"]),
     )  # fmt: skip
+    if split:
+        NP = 2 if KNOBS["wy_split"] == 2 else 1
+        _wy_kernel[(nch, H, NP)](
+            k, v, Gc, beta, Akk, W, U, Kd, cu, cidx,
+            H=H, K=K, V=V, BT=BT, BV=min(KNOBS["wy_bw"], K, V), PREC=prec, WY_LOWP=lowp, NP=NP,
+            **_launch(KNOBS["wy_warps"], KNOBS["wy_stages"], KNOBS["wy_maxnreg"]),
+        )  # fmt: skip
     BVs = min(KNOBS["state_bv"] if K > 64 else 64, V)
     h0 = initial_state.contiguous() if initial_state is not None else None
     fuse_o = bool(KNOBS["fuse_out"])
