@@ -46,25 +46,31 @@ BUDGET_S = float(os.environ.get("K3SERVE_BENCH_BUDGET_S", "240"))
 ALL_SHAPES = "8192x12,8192x16,8192x32,32768x12,32768x16,32768x32,512x16x64"
 # intra-kernel variants (run 7), as changes to chunk_triton.KNOBS; run 6's state-pass variants
 # are in that run's commit. ``{}`` = the committed defaults.
+# intra-kernel variants (run 7, second call: around the first call's best), as changes to
+# chunk_triton.KNOBS; run 6's state-pass variants are in that run's commit. ``{}`` = the
+# committed defaults (run 6's).
+_B1 = {"a_tri": 1, "t_regs": 1, "intra_maxnreg": 128}  # first call's best
+_B2 = {**_B1, "wy_lowp": 1}
+_S = {"intra_split": 1, "a_tri": 1, "wy_lowp": 1}
 VARIANTS = [
     {},
-    {"a_tri": 1},
-    {"t_regs": 1},
-    {"a_tri": 1, "t_regs": 1},
-    {"inv_x4": 0},
-    {"fuse_gate": 0},
-    {"intra_split": 1},
-    {"intra_split": 1, "a_tri": 1},
-    {"intra_split": 1, "a_tri": 1, "wy_split": 2},
-    {"intra_split": 1, "a_tri": 1, "wy_warps": 8, "wy_bw": 64, "wy_stages": 2},
-    {"intra_split": 1, "a_tri": 1, "wy_stages": 1},
-    {"intra_split": 1, "a_tri": 1, "fuse_gate": 0, "inv_x4": 0},
-    {"intra_split": 1, "a_tri": 1, "wy_lowp": 1},
-    {"intra_split": 1, "a_tri": 1, "intra_warps": 8},
-    {"intra_split": 1, "a_tri": 1, "intra_stages": 2},
-    {"a_tri": 1, "t_regs": 1, "intra_maxnreg": 128},
-    {"intra_split": 1, "a_tri": 1, "intra_maxnreg": 96},
-    {"a_tri": 1, "t_regs": 1, "wy_lowp": 1},
+    _B1,
+    _B2,
+    {**_B2, "intra_maxnreg": 112},
+    {**_B2, "intra_maxnreg": 96},
+    {**_B2, "intra_bk": 32},
+    {**_S, "intra_maxnreg": 96},
+    {**_B2, "out_maxnreg": 128},
+    {**_B2, "state_maxnreg": 128},
+    # pipelined pieces: state pass + output of piece p beside the intra kernel of piece p + 1
+    {**_B2, "pipe": 1},
+    {**_B2, "pipe": 1, "pipe_pieces": 4},
+    {**_B2, "pipe": 1, "pipe_pieces": 16},
+    {**_B2, "pipe": 2},
+    {**_B2, "pipe": 2, "pipe_pieces": 4},
+    {**_B2, "pipe": 1, "state_bv": 64},
+    {**_S, "intra_maxnreg": 96, "pipe": 1},
+    {**_S, "intra_maxnreg": 96, "pipe": 2},
 ]
 _DEFAULTS: dict = {}
 

@@ -145,10 +145,14 @@ STATE_SETS = [
     {"state_seg": 3, "fuse_out": 1},  # uneven segments, output fused into the state pass
     {"fuse_out": 1, "state_seg": -1},  # whole sequences, output fused
     {"state_split_below": 1000, "state_progs": 64, "seg_min": 1, "seg_count_min": 2},  # auto
+    # pipelined pieces across sequence boundaries (side stream on a GPU), the split intra kernel
+    {"pipe": 2, "pipe_pieces": 3, "pipe_min_chunks": 1, "intra_split": 1},
+    {"pipe": 1, "pipe_pieces": 4, "pipe_min_chunks": 1, "fuse_out": 1},  # … output fused
 ]
+STATE_IDS = ["seg1", "seg3-fused", "fused", "auto", "pipe3", "pipe4-fused"]
 
 
-@pytest.mark.parametrize("knobs", STATE_SETS, ids=["seg1", "seg3-fused", "fused", "auto"])
+@pytest.mark.parametrize("knobs", STATE_SETS, ids=STATE_IDS)
 @pytest.mark.parametrize("layout", ["B2-T300", "varlen"])
 def test_chunk_triton_state_segments(knobs, layout, monkeypatch):
     """The state pass split into segments (``_seg_scan_kernel``) and the fused output pass:
@@ -176,7 +180,7 @@ def test_chunk_triton_state_segments(knobs, layout, monkeypatch):
     assert s2 is None and rel_err(o2, o2_ref) < 1e-4
 
 
-@pytest.mark.parametrize("knobs", [{"state_seg": -1}, *STATE_SETS], ids=["whole", "seg1", "seg3-fused", "fused", "auto"])
+@pytest.mark.parametrize("knobs", [{"state_seg": -1}, *STATE_SETS], ids=["whole", *STATE_IDS])
 def test_chunk_triton_state_carry(knobs, monkeypatch):
     """Weak decay (g ∈ (−0.02, 0]), so the state carries across chunks and segments: the gates
     of ``kda_inputs`` forget a chunk's state within ~64 steps (e^-15 and less), which would hide

@@ -47,6 +47,7 @@ fp32 inputs run every product in IEEE fp32 (for tests); bf16 inputs use bf16/tf3
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
@@ -86,6 +87,8 @@ KNOBS: dict[str, int | None] = {
     "wy_bw": 32,  # K / V columns per step of _wy_kernel's products
     "intra_maxnreg": None,  # ptxas register cap of the intra kernel (None: the compiler's pick)
     "wy_maxnreg": None,
+    "state_maxnreg": None,
+    "out_maxnreg": None,
     "state_bv": 32,  # V columns per state program (for K > 64; 64 otherwise)
     "state_warps": 4,
     "state_stages": None,
@@ -96,6 +99,13 @@ KNOBS: dict[str, int | None] = {
     "state_progs": 384,  # … into about this many programs …
     "seg_min": 64,  # … with segments of at least this many chunks …
     "seg_count_min": 4,  # … and at least this many segments in the longest sequence
+    # pipelined pieces (``_pipe_pieces``): the chunk list cut into pieces; piece p's state pass and
+    # output on a side stream while the intra kernel does piece p + 1. 0 off; 1 auto (when the
+    # state pass has fewer than pipe_below programs; replaces the segments there); 2 always
+    "pipe": 0,
+    "pipe_below": 256,
+    "pipe_pieces": 8,
+    "pipe_min_chunks": 16,  # … with at least this many chunks per piece
     "scan_bv": 32,  # V columns per program of the scan over segments
     "scan_warps": 8,
     # 1: the output O = QgS + Aqk·v_new inside the state pass (no h / v_new round trip); off: at
@@ -659,7 +669,10 @@ def _state_kernel(
     MODE 2: the segment's affine map ``S_end = M S_start + B`` into ``AB[segment] = [M | B]``
     (``[K, K + V]`` fp32): V-blocks ``< K / BV`` run the recurrence from identity columns without
     the Ũ term (columns of M), the rest from zero with it (columns of B); not for a sequence's
-    last segment. MODE 0/1 store h_c and v_new, or with FUSE_O the output
+    last segment. MODE 3 (pipelined pieces, ``_Plan.pieces``): a program per (row, head,
+    V-block) of ``seg`` rows ``(sequence, first chunk, chunks, flags, own row, next row)``: start
+    from ``h0`` (flag 2, a sequence's first row) or ``S0[own row]``, end in ``ht`` (flag 1, its
+    last) or ``S0[next row]``. MODE 0/1/3 store h_c and v_new, or with FUSE_O the output
     ``O = (exp(G)⊙Q·scale) h_c + Aqk v_new`` directly (no h / v_new round trip).
     """
     i_s, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -669,6 +682,17 @@ def _state_kernel(
         bos, eos = tl.load(cu + i_n).to(tl.int64), tl.load(cu + i_n + 1).to(tl.int64)
         nc = tl.cdiv(eos - bos, BT)
         last = 1
+    elif MODE == 3:
+        rw = seg + 6 * i_s  # (sequence, first chunk, chunks, flags, own row, next row)
+        i_n = tl.load(rw).to(tl.int64)
+        j0 = tl.load(rw + 1).to(tl.int64)
+        bos, eos = tl.load(cu + i_n).to(tl.int64), tl.load(cu + i_n + 1).to(tl.int64)
+        nc = tl.load(rw + 2)
+        fl = tl.load(rw + 3)
+        last = fl & 1
+        first = (fl & 2) != 0
+        own = tl.load(rw + 4).to(tl.int64)
+        nxt = tl.load(rw + 5).to(tl.int64)
     else:
         i_n = tl.load(seg + 4 * i_s).to(tl.int64)
         j0 = tl.load(seg + 4 * i_s + 1).to(tl.int64)
@@ -692,6 +716,14 @@ def _state_kernel(
         p_s = o_k[:, None] * V + c[None, :]
         if MODE == 1:
             S = tl.load(S0 + (i_s.to(tl.int64) * H + i_h) * K * V + p_s)
+        elif MODE == 3:
+            if first:
+                if HAS_H0:
+                    S = tl.load(h0 + (i_n * H + i_h) * K * V + p_s).to(tl.float32)
+                else:
+                    S = tl.zeros([K, BV], dtype=tl.float32)
+            else:
+                S = tl.load(S0 + (own * H + i_h) * K * V + p_s)
         elif HAS_H0:
             S = tl.load(h0 + (i_n * H + i_h) * K * V + p_s).to(tl.float32)
         else:
@@ -740,11 +772,14 @@ def _state_kernel(
         KV2: tl.constexpr = K + V
         p_ab = (i_s.to(tl.int64) * H + i_h) * K * KV2 + o_k[:, None] * KV2 + (i_v * BV + o_b)[None, :]
         tl.store(AB + p_ab, S, mask=(o_k[:, None] * 0 + last) == 0)
-    elif STORE_HT:
-        if MODE == 0:
-            tl.store(ht + (i_n * H + i_h) * K * V + p_s, S)
-        else:
-            tl.store(ht + (i_n * H + i_h) * K * V + p_s, S, mask=(o_k[:, None] * 0 + last) != 0)
+    else:
+        if STORE_HT:
+            if MODE == 0:
+                tl.store(ht + (i_n * H + i_h) * K * V + p_s, S)
+            else:
+                tl.store(ht + (i_n * H + i_h) * K * V + p_s, S, mask=(o_k[:, None] * 0 + last) != 0)
+        if MODE == 3:  # the next piece's segment of this sequence starts from here
+            tl.store(S0 + (nxt * H + i_h) * K * V + p_s, S, mask=(o_k[:, None] * 0 + last) == 0)
 
 
 @triton.jit
@@ -793,6 +828,7 @@ def _output_kernel(
     cu,
     cidx,
     scale,
+    c_base,
     H: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
@@ -800,6 +836,8 @@ def _output_kernel(
     BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
+    """O = (exp(G)⊙Q·scale) h_c + Aqk v_new per (chunk, head, V-block); ``cidx`` may start at
+    chunk ``c_base`` of the layout (a pipelined piece), ``h`` is indexed by the layout's chunk."""
     i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n = tl.load(cidx + 2 * i_c).to(tl.int64)
     i_j = tl.load(cidx + 2 * i_c + 1).to(tl.int64)
@@ -818,7 +856,7 @@ def _output_kernel(
     b_q = tl.load(q + hk + p_q, mask=m_t[:, None], other=0.0).to(tl.float32)
     b_G = tl.load(G + hk + p_q, mask=m_t[:, None], other=0.0)
     b_qg = (b_q * tl.exp(b_G) * scale).to(DT)
-    b_h = tl.load(h + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :])
+    b_h = tl.load(h + ((i_c + c_base).to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :])
     b_o = tl.dot(b_qg, b_h, input_precision=PREC)
     b_A = tl.load(
         Aqk + (t0 * H + i_h) * BT + o_t[:, None] * (H * BT) + o_t[None, :],
@@ -857,12 +895,45 @@ class _Plan:
         for n in self.nts:
             offs.append(offs[-1] + n)
         self.nch = offs[-1]
+        self.offs = offs
         seq = [i for i, n in enumerate(self.nts) for _ in range(n)]
         j = [c for n in self.nts for c in range(n)]
         self.cidx = torch.tensor([seq, j], dtype=torch.int32).t().contiguous().to(device)
         self.coff = torch.tensor(offs, dtype=torch.int64).to(device)
         self.device = device
         self._segs: dict = {}
+        self._pieces: dict = {}
+
+    def pieces(self, P: int):
+        """The chunk list cut into ``P`` near-equal pieces of chunks (pipelined state pass).
+
+        Returns ``(rows [R, 6]`` int32 ``(sequence, first chunk, chunks, flags, own row, next
+        row)`` with flags 1 = the sequence's last row, 2 = its first; rows of piece p are
+        ``prow[p] … prow[p+1] − 1``, ``prow``, ``crange`` = [(first chunk, end chunk)] per piece,
+        ``empty`` = sequences without chunks (host lists)``)``."""
+        if P not in self._pieces:
+            bounds = [round(i * self.nch / P) for i in range(P + 1)]
+            rows: list = []
+            prow, crange, row_of = [0], [], {}
+            for lo, hi in itertools.pairwise(bounds):
+                if hi <= lo:
+                    continue
+                for i, n in enumerate(self.nts):
+                    a, b = self.offs[i], self.offs[i] + n
+                    s0, s1 = max(lo, a), min(hi, b)
+                    if s1 <= s0:
+                        continue
+                    r = len(rows)
+                    rows.append([i, s0 - a, s1 - s0, int(s1 == b) | (2 * int(s0 == a)), r, r])
+                    if s0 != a:
+                        rows[row_of[i]][5] = r
+                    row_of[i] = r
+                prow.append(len(rows))
+                crange.append((lo, hi))
+            empty = [i for i, n in enumerate(self.nts) if n == 0]
+            t = torch.tensor(rows, dtype=torch.int32).to(self.device)
+            self._pieces[P] = (t, prow, crange, empty)
+        return self._pieces[P]
 
     def segs(self, SEG: int):
         if SEG not in self._segs:
@@ -934,6 +1005,34 @@ def _state_segments(plan: _Plan, H: int, NV: int) -> int:
     nseg = triton.cdiv(KNOBS["state_progs"], H * NV)
     seg = max(KNOBS["seg_min"], triton.cdiv(plan.nch, nseg))
     return seg if triton.cdiv(max(plan.nts), seg) >= KNOBS["seg_count_min"] else 0
+
+
+def _pipe_pieces(plan: _Plan, H: int, NV: int) -> int:
+    """Pieces of the pipelined state pass (0: not pipelined), from ``KNOBS["pipe*"]``: the intra
+    kernel of piece p + 1 runs beside the state pass (few programs: one per sequence, head and
+    V-block) and output of piece p."""
+    mode = KNOBS["pipe"]
+    if not mode or plan.nch == 0:
+        return 0
+    if mode == 1 and len(plan.nts) * H * NV >= KNOBS["pipe_below"]:
+        return 0
+    P = min(KNOBS["pipe_pieces"], plan.nch // KNOBS["pipe_min_chunks"])
+    return P if P >= 2 else 0
+
+
+_SIDE: dict = {}
+
+
+def _side_stream(dev) -> torch.cuda.Stream:
+    """One side stream per device for the pipelined state pass (created once)."""
+    key = torch.device(dev).index if torch.device(dev).index is not None else torch.cuda.current_device()
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(device=key)
+    return _SIDE[key]
+
+
+def _nullctx():
+    return contextlib.nullcontext()
 
 
 def chunk_kda_triton(
@@ -1017,24 +1116,31 @@ def chunk_kda_triton(
     U = torch.empty(B, T, H, V, dtype=io, device=dev)
     split = bool(KNOBS["intra_split"])
     lowp = bool(KNOBS["wy_lowp"]) and io != torch.float32
-    _intra_kernel[(nch, H)](
-        q, k, v, gargs[0], beta, Gc, *gargs[1:], Aqk, Akk, W, U, Kd, cu, cidx, scale,
+    ikw = dict(
         H=H, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(KNOBS["intra_bw"], K, V), PREC=prec, FUSE_GATE=fuse,
         WY_LOWP=lowp, A_COLS=bool(KNOBS["a_cols"]), **gkw, INV_X4=bool(KNOBS["inv_x4"]),
         A_TRI=bool(KNOBS["a_tri"]) and BT == 4 * BC, T_REGS=bool(KNOBS["t_regs"]), WY=not split,
         **_launch(KNOBS["intra_warps"], KNOBS["intra_stages"], KNOBS["intra_maxnreg"]),
     )  # fmt: skip
-    if split:
-        NP = 2 if KNOBS["wy_split"] == 2 else 1
-        _wy_kernel[(nch, H, NP)](
-            k, v, Gc, beta, Akk, W, U, Kd, cu, cidx,
-            H=H, K=K, V=V, BT=BT, BV=min(KNOBS["wy_bw"], K, V), PREC=prec, WY_LOWP=lowp, NP=NP,
-            **_launch(KNOBS["wy_warps"], KNOBS["wy_stages"], KNOBS["wy_maxnreg"]),
-        )  # fmt: skip
+    NP = 2 if KNOBS["wy_split"] == 2 else 1
+    wkw = dict(
+        H=H, K=K, V=V, BT=BT, BV=min(KNOBS["wy_bw"], K, V), PREC=prec, WY_LOWP=lowp, NP=NP,
+        **_launch(KNOBS["wy_warps"], KNOBS["wy_stages"], KNOBS["wy_maxnreg"]),
+    )  # fmt: skip
+
+    def intra(c_lo: int, c_hi: int) -> None:  # steps 1 (and 3) for chunks c_lo … c_hi − 1
+        ci = cidx[c_lo:]
+        _intra_kernel[(c_hi - c_lo, H)](
+            q, k, v, gargs[0], beta, Gc, *gargs[1:], Aqk, Akk, W, U, Kd, cu, ci, scale, **ikw
+        )
+        if split:
+            _wy_kernel[(c_hi - c_lo, H, NP)](k, v, Gc, beta, Akk, W, U, Kd, cu, ci, **wkw)
+
     BVs = min(KNOBS["state_bv"] if K > 64 else 64, V)
     h0 = initial_state.contiguous() if initial_state is not None else None
     fuse_o = bool(KNOBS["fuse_out"])
-    SEG = _state_segments(plan, H, triton.cdiv(V, min(BVs, K)))
+    pieces = _pipe_pieces(plan, H, triton.cdiv(V, BVs))
+    SEG = 0 if pieces else _state_segments(plan, H, triton.cdiv(V, min(BVs, K)))
     sg = plan.segs(SEG) if SEG else None
     wide = KNOBS["state_bv_wide"]
     if sg is not None:
@@ -1048,9 +1154,47 @@ def chunk_kda_triton(
         vnew = torch.empty(B, T, H, V, dtype=io, device=dev)
     skw = {"H": H, "K": K, "V": V, "BT": BT, "BV": BVs, "HAS_H0": h0 is not None,
            "STORE_HT": ht is not None, "PREC": prec, "FUSE_O": fuse_o}  # fmt: skip
-    lkw = _launch(KNOBS["state_warps"], KNOBS["state_stages"])
+    lkw = _launch(KNOBS["state_warps"], KNOBS["state_stages"], KNOBS["state_maxnreg"])
     h0_ = h0 if h0 is not None else Gc
     ht_ = ht if ht is not None else Gc
+    BVo = min(KNOBS["out_bv"], V)
+    okw = dict(H=H, K=K, V=V, BT=BT, BV=BVo, PREC=prec,
+               **_launch(KNOBS["out_warps"], KNOBS["out_stages"], KNOBS["out_maxnreg"]))  # fmt: skip
+
+    def output(c_lo: int, c_hi: int) -> None:  # step 3 for chunks c_lo … c_hi − 1
+        if not fuse_o:
+            _output_kernel[(c_hi - c_lo, H, triton.cdiv(V, BVo))](
+                q, Gc, Aqk, h, vnew, o, cu, cidx[c_lo:], scale, c_lo, **okw
+            )
+
+    if pieces:
+        # pipelined: piece p's state pass and output (side stream) run while the intra kernel
+        # does piece p + 1 (main stream); the state crosses pieces through S0 rows (MODE 3)
+        rows, prow, crange, empty = plan.pieces(pieces)
+        S0 = torch.empty(prow[-1], H, K, V, dtype=torch.float32, device=dev)
+        if ht is not None and empty:
+            idx = torch.tensor(empty, device=dev)
+            ht[idx] = h0[idx] if h0 is not None else 0.0
+        main = side = None
+        if dev.type == "cuda":
+            main = torch.cuda.current_stream(dev)
+            side = _side_stream(dev)
+            side.wait_stream(main)
+        for p, (c_lo, c_hi) in enumerate(crange):
+            intra(c_lo, c_hi)
+            if side is not None:
+                side.wait_stream(main)
+            with torch.cuda.stream(side) if side is not None else _nullctx():
+                _state_kernel[(prow[p + 1] - prow[p], H, triton.cdiv(V, BVs))](
+                    W, U, Kd, Gc, h, vnew, h0_, ht_, cu, coff, rows[prow[p]:], S0, Gc, q, Aqk, o, scale,
+                    MODE=3, **skw, **lkw,
+                )  # fmt: skip
+                output(c_lo, c_hi)
+        if side is not None:
+            main.wait_stream(side)
+        return o, ht
+
+    intra(0, nch)
     if sg is None:
         _state_kernel[(N, H, triton.cdiv(V, BVs))](
             W, U, Kd, Gc, h, vnew, h0_, ht_, cu, coff, coff, Gc, Gc, q, Aqk, o, scale, MODE=0, **skw, **lkw,
@@ -1072,12 +1216,7 @@ def chunk_kda_triton(
         _state_kernel[(NS, H, triton.cdiv(V, BVs))](
             W, U, Kd, Gc, h, vnew, h0_, ht_, cu, coff, seg, S0, AB, q, Aqk, o, scale, MODE=1, **skw, **lkw,
         )  # fmt: skip
-    if not fuse_o:
-        BV = min(KNOBS["out_bv"], V)
-        _output_kernel[(nch, H, triton.cdiv(V, BV))](
-            q, Gc, Aqk, h, vnew, o, cu, cidx, scale,
-            H=H, K=K, V=V, BT=BT, BV=BV, PREC=prec, **_launch(KNOBS["out_warps"], KNOBS["out_stages"]),
-        )  # fmt: skip
+    output(0, nch)
     return o, ht
 
 
