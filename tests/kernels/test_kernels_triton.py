@@ -147,7 +147,7 @@ STATE_SETS = [
     {"state_split_below": 1000, "state_progs": 64, "seg_min": 1, "seg_count_min": 2},  # auto
     # pipelined pieces across sequence boundaries (side stream on a GPU), the split intra kernel
     {"pipe": 2, "pipe_pieces": 3, "pipe_min_chunks": 1, "intra_split": 1},
-    {"pipe": 1, "pipe_pieces": 4, "pipe_min_chunks": 1, "fuse_out": 1},  # … output fused
+    {"pipe": 1, "pipe_pieces": 4, "pipe_min_chunks": 1, "pipe_min_nch": 1, "fuse_out": 1},  # fused
 ]
 STATE_IDS = ["seg1", "seg3-fused", "fused", "auto", "pipe3", "pipe4-fused"]
 

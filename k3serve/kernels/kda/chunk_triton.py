@@ -22,7 +22,11 @@ recurrence is affine in the state, ``S_end = M S_start + B`` over a segment, so
     2b. _seg_scan     per (sequence, head, V-block): S_start(s+1) = M_s S_start(s) + B_s
     2c. _state MODE 1 per (segment, head, V-block): step 2 from S_start(s)
 
-(about 3× the state-pass FLOPs for ~#segments× the parallelism). ``KNOBS["fuse_out"]`` folds
+(about 3× the state-pass FLOPs for ~#segments× the parallelism). For long layouts with few state programs
+(``KNOBS["pipe"]``, T 32k at H 12 / 16) the chunk list is instead cut into pieces that are
+pipelined (``_Plan.pieces``): the state pass (``_state`` MODE 3, the state crossing pieces
+through ``S0``) and the output of piece p run on a side stream while the intra kernel does
+piece p + 1. ``KNOBS["fuse_out"]`` folds
 step 3 into step 2 / 2c (no h / v_new round trip through HBM). The chunk and segment tables
 are cached per layout (per ``cu_seqlens`` tensor, as fla-core's ``tensor_cache`` does).
 
@@ -65,19 +69,22 @@ BC = 16  # sub-chunk
 # ``benchmarks/gpu_kernels_sweep.py`` (state / output) vary them.
 KNOBS: dict[str, int | None] = {
     # intra kernel: run 5's best of 10 (4 warps, no software pipelining, 64-wide Aqk/Akk steps,
-    # 32-wide W/Ũ steps; 8 warps were 1.2–1.5× slower)
+    # 32-wide W/Ũ steps; 8 warps were 1.2–1.5× slower); run 7's best of 33 adds a_tri, t_regs,
+    # wy_lowp and the register cap (intra_split, inv_x4 0, 8 warps, 2 stages, BK 32: slower)
     "intra_warps": 4,
     "intra_stages": 1,
     "intra_bk": 64,  # K columns per step of the intra kernel's Aqk / Akk products
     "intra_bw": 32,  # K / V columns per step of its W = T·R, Ũ = T·R products
-    "wy_lowp": 0,  # 1: W = T·R and Ũ = T·R with T, R in the io dtype (bf16), as fla does; 0: tf32
+    # 1: W = T·R and Ũ = T·R with T, R in the io dtype (bf16), as fla does; 0: tf32 (run 7: 1 is
+    # 1–3 % faster with the register cap below, error 5.5e-3 → 6.1e-3 vs the fp32 reference)
+    "wy_lowp": 1,
     "fuse_gate": 1,  # 1: the gate + cumsum run inside the intra kernel (no separate launch)
     "a_cols": 0,  # 1: Aqk / Akk by 64-row products (diagonal blocks, then column strips)
-    "a_tri": 0,  # 1: each 16-row strip of Aqk / β·Akk against only the columns it needs
+    "a_tri": 1,  # 1: each 16-row strip of Aqk / β·Akk against only the columns it needs (run 7)
     "inv_x4": 1,  # 1: the four 16×16 diagonal inverses in one [4, 16, 16] pass; 0: one at a time
     # 1: T = (I + β·Akk)⁻¹ stays in registers (its four 16-row blocks joined into one 64×64
     # tile, no store / barrier / reload through global memory); only with intra_split 0
-    "t_regs": 0,
+    "t_regs": 1,
     # 1: W, Ũ, Kd in a second launch (``_wy_kernel``, its own warps / stages / registers), the
     # intra kernel stopping at T (stored fp32); 0: all in the intra kernel
     "intra_split": 0,
@@ -85,7 +92,10 @@ KNOBS: dict[str, int | None] = {
     "wy_warps": 4,
     "wy_stages": None,
     "wy_bw": 32,  # K / V columns per step of _wy_kernel's products
-    "intra_maxnreg": None,  # ptxas register cap of the intra kernel (None: the compiler's pick)
+    # ptxas register cap of the intra kernel (None: the compiler's pick, ~160 at 4 warps = 3
+    # programs per SM). Run 7: 96 (5 programs per SM, some spilling) was the fastest of None /
+    # 128 / 112 / 96 at every shape from T 8k H 32 up; 112 by ≤ 2 % at T 8k H 12 / 16
+    "intra_maxnreg": 96,
     "wy_maxnreg": None,
     "state_maxnreg": None,
     "out_maxnreg": None,
@@ -102,8 +112,12 @@ KNOBS: dict[str, int | None] = {
     # pipelined pieces (``_pipe_pieces``): the chunk list cut into pieces; piece p's state pass and
     # output on a side stream while the intra kernel does piece p + 1. 0 off; 1 auto (when the
     # state pass has fewer than pipe_below programs; replaces the segments there); 2 always
-    "pipe": 0,
-    "pipe_below": 256,
+    # Run 7 (8 pieces): −10 % at T 32k H 16, −3.5 % at T 32k H 12 (48 and 64 programs); slower at
+    # T 32k H 32 (128 programs) and far slower at T 8k (the host's launches, ~3 per piece, then
+    # take longer than the GPU work: 0.49 → 0.9–1.3 ms), hence the auto rule below
+    "pipe": 1,
+    "pipe_below": 128,
+    "pipe_min_nch": 256,  # … and only for layouts of at least this many chunks (T ≥ 16k)
     "pipe_pieces": 8,
     "pipe_min_chunks": 16,  # … with at least this many chunks per piece
     "scan_bv": 32,  # V columns per program of the scan over segments
@@ -1014,7 +1028,7 @@ def _pipe_pieces(plan: _Plan, H: int, NV: int) -> int:
     mode = KNOBS["pipe"]
     if not mode or plan.nch == 0:
         return 0
-    if mode == 1 and len(plan.nts) * H * NV >= KNOBS["pipe_below"]:
+    if mode == 1 and (len(plan.nts) * H * NV >= KNOBS["pipe_below"] or plan.nch < KNOBS["pipe_min_nch"]):
         return 0
     P = min(KNOBS["pipe_pieces"], plan.nch // KNOBS["pipe_min_chunks"])
     return P if P >= 2 else 0
