@@ -112,9 +112,11 @@ KNOBS: dict[str, int | None] = {
     # pipelined pieces (``_pipe_pieces``): the chunk list cut into pieces; piece p's state pass and
     # output on a side stream while the intra kernel does piece p + 1. 0 off; 1 auto (when the
     # state pass has fewer than pipe_below programs; replaces the segments there); 2 always
-    # Run 7 (8 pieces): −10 % at T 32k H 16, −3.5 % at T 32k H 12 (48 and 64 programs); slower at
-    # T 32k H 32 (128 programs) and far slower at T 8k (the host's launches, ~3 per piece, then
-    # take longer than the GPU work: 0.49 → 0.9–1.3 ms), hence the auto rule below
+    # Run 7 call 2 (8 pieces, intra at cap 128): −10 % at T 32k H 16, −3.5 % at T 32k H 12 (64
+    # and 48 programs); +4 % at T 32k H 32 (128 programs) and 1.8–3.6× slower at T 8k (~3
+    # launches per piece: the host's launch time then exceeds the GPU work, inferred), hence the
+    # auto rule below. Not A/B'd in one call with the final intra settings (+1 % / −2 % vs the
+    # unpipelined times of another call: within the spread between calls)
     "pipe": 1,
     "pipe_below": 128,
     "pipe_min_nch": 256,  # … and only for layouts of at least this many chunks (T ≥ 16k)
