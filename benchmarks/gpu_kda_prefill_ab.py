@@ -1,4 +1,4 @@
-"""Chunked KDA prefill on the GPU: state-pass variants, the previous kernel, and fla-core.
+"""Chunked KDA prefill on the GPU: intra-kernel variants, the previous kernel, and fla-core.
 
 One device call (issue 17, must-show 1):
 
@@ -18,7 +18,8 @@ One device call (issue 17, must-show 1):
    rounds, medians of 2 × ``K3SERVE_BENCH_REP`` runs) at the ``--shapes`` (plain mode and fla's
    K3 mode, while ``K3SERVE_BENCH_BUDGET_S`` allows).
 
-Usage: ``python benchmarks/gpu_kda_prefill_ab.py [--out DIR] [--old FILE] [--shapes 32768x12,...]``.
+Usage: ``python benchmarks/gpu_kda_prefill_ab.py [--out DIR] [--old FILE] [--shapes 32768x12,...]``
+(``--shapes ""``: no fla comparison, ours only).
 Results: ``DIR/prefill_ab.json`` and ``DIR/prefill_ab.md`` (the RESULTS table rows).
 """
 
@@ -43,18 +44,33 @@ T0 = time.time()
 BUDGET_S = float(os.environ.get("K3SERVE_BENCH_BUDGET_S", "240"))
 
 ALL_SHAPES = "8192x12,8192x16,8192x32,32768x12,32768x16,32768x32,512x16x64"
-VARIANTS = [  # state-pass knobs, as changes to chunk_triton.KNOBS (run 6 ran them when auto split
-    # below state_progs programs with seg_min 16, before state_split_below / seg_count_min)
+# intra-kernel variants (run 7), as changes to chunk_triton.KNOBS; run 6's state-pass variants
+# are in that run's commit. ``{}`` = the committed defaults.
+# intra-kernel variants (run 7, second call: around the first call's best), as changes to
+# chunk_triton.KNOBS; run 6's state-pass variants are in that run's commit. ``{}`` = the
+# committed defaults (run 6's).
+_B1 = {"a_tri": 1, "t_regs": 1, "intra_maxnreg": 128}  # first call's best
+_B2 = {**_B1, "wy_lowp": 1}
+_S = {"intra_split": 1, "a_tri": 1, "wy_lowp": 1}
+VARIANTS = [
     {},
-    {"state_seg": -1},
-    {"state_seg": -1, "fuse_out": 1},
-    {"fuse_out": 1},
-    {"state_progs": 768},
-    {"state_progs": 768, "fuse_out": 1},
-    {"state_progs": 192},
-    {"state_bv": 64, "state_progs": 768},
-    {"state_warps": 8, "state_progs": 768},
-    {"state_stages": 2, "state_progs": 768},
+    _B1,
+    _B2,
+    {**_B2, "intra_maxnreg": 112},
+    {**_B2, "intra_maxnreg": 96},
+    {**_B2, "intra_bk": 32},
+    {**_S, "intra_maxnreg": 96},
+    {**_B2, "out_maxnreg": 128},
+    {**_B2, "state_maxnreg": 128},
+    # pipelined pieces: state pass + output of piece p beside the intra kernel of piece p + 1
+    {**_B2, "pipe": 1},
+    {**_B2, "pipe": 1, "pipe_pieces": 4},
+    {**_B2, "pipe": 1, "pipe_pieces": 16},
+    {**_B2, "pipe": 2},
+    {**_B2, "pipe": 2, "pipe_pieces": 4},
+    {**_B2, "pipe": 1, "state_bv": 64},
+    {**_S, "intra_maxnreg": 96, "pipe": 1},
+    {**_S, "intra_maxnreg": 96, "pipe": 2},
 ]
 _DEFAULTS: dict = {}
 
@@ -177,7 +193,8 @@ def main() -> int:
     knobs_of({})  # the committed defaults, before any variant changes KNOBS
     os.makedirs(args.out, exist_ok=True)
     if args.jobs:
-        heads = sorted({h for _, h, _ in gk.parse_shapes(args.shapes + "," + args.time_shapes)} | {12, 16})
+        spec = ",".join(x for x in (args.shapes, args.time_shapes) if x.strip())
+        heads = sorted({h for _, h, _ in gk.parse_shapes(spec)} | {12, 16})
         prewarm_all(heads, args.old, args.jobs, args.prewarm_fla)
     res: dict = {"card": torch.cuda.get_device_name(), "torch": torch.__version__}
     import triton
@@ -272,7 +289,10 @@ def main() -> int:
         if nm not in ("T=32768 H=12", "64x512 H=16"):
             continue
         with torch.inference_mode():
-            prof[f"new {nm}"] = profile(partial(ct.chunk_kda_triton, q, k, v, g, beta, **kw))
+            prof[f"best {nm}"] = profile(partial(ct.chunk_kda_triton, q, k, v, g, beta, **kw))
+            ct.KNOBS.update(knobs_of({}))
+            prof[f"default {nm}"] = profile(partial(ct.chunk_kda_triton, q, k, v, g, beta, **kw))
+            ct.KNOBS.update(knobs_of(best_var))
             if old is not None:
                 prof[f"previous {nm}"] = profile(
                     partial(old.chunk_kda_triton, q, k, v, g, beta, **kw)
@@ -291,9 +311,8 @@ def main() -> int:
         fla = None
     rows = []
     seen_h: set = set()
-    modes = [(False, s) for s in gk.parse_shapes(args.shapes)] + [
-        (True, s) for s in gk.parse_shapes(args.shapes)
-    ]
+    fla_shapes = gk.parse_shapes(args.shapes) if args.shapes.strip() else []  # "": ours only
+    modes = [(False, s) for s in fla_shapes] + [(True, s) for s in fla_shapes]
     for k3mode, (T, H, N) in modes:
         need = 15 if (H, k3mode, N > 1) in seen_h or fla is None else 45
         if time.time() - T0 > BUDGET_S - need:
@@ -367,7 +386,7 @@ def main() -> int:
         lines.append(
             f"| {op} | {shape} | {impl} | {t:.3f} | {tf:.3f} | {roof:.3f} | {frac:.2f} | {note} |"
         )
-    lines += ["", "| variant | " + " | ".join(res["variants"]["shapes"]) + " |",
+    lines += ["", "best: " + best, "", "| variant | " + " | ".join(res["variants"]["shapes"]) + " |",
               "|---" * (1 + len(res["variants"]["shapes"])) + "|"]  # fmt: skip
     for nm, ts in timing.items():
         lines.append(f"| {nm} | " + " | ".join(f"{t:.3f}" for t in ts) + " |")

@@ -31,6 +31,7 @@ fla's autotuning past it; prints one table last; on a machine without CUDA it sa
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -358,6 +359,9 @@ def write_table(head: str, rows: list, out: str | None, final: bool) -> None:
     if out:
         with open(os.path.join(out, "table.md"), "w") as fh:
             fh.write(table + "\n")
+        with open(os.path.join(out, "table.json"), "w") as fh:
+            keys = ("op", "shape", "impl", "ms", "fla_ms", "roofline_ms", "bw_frac", "notes")
+            json.dump({"head": head, "rows": [dict(zip(keys, r, strict=True)) for r in rows]}, fh, indent=1)
     if final:
         print("\n" + table, flush=True)
 

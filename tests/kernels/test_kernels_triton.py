@@ -113,10 +113,16 @@ KNOB_SETS = [
     {"a_cols": 1},  # Aqk / Akk by 64-row products
     {"fuse_gate": 0},  # the gate + cumsum as their own launch
     {"a_cols": 1, "intra_bk": 16, "intra_bw": 16},
+    # T joined in registers, diagonal inverses one block at a time, strips against needed columns
+    {"t_regs": 1, "inv_x4": 0, "a_tri": 1},
+    {"intra_split": 1, "wy_bw": 16},  # W, Ũ, Kd in _wy_kernel
+    {"intra_split": 1, "wy_split": 2, "a_tri": 1},  # … W/Kd and Ũ in separate programs
 ]
 
 
-@pytest.mark.parametrize("knobs", KNOB_SETS, ids=["a-cols", "gate-apart", "a-cols-bk16"])
+@pytest.mark.parametrize(
+    "knobs", KNOB_SETS, ids=["a-cols", "gate-apart", "a-cols-bk16", "t-regs", "split", "split2"]
+)
 def test_chunk_triton_knobs(knobs, monkeypatch):
     """Every intra-kernel code path behind ``KNOBS``: varlen with a partial chunk and K3's gate."""
     from k3serve.kernels.kda import chunk_triton as ct
@@ -139,10 +145,14 @@ STATE_SETS = [
     {"state_seg": 3, "fuse_out": 1},  # uneven segments, output fused into the state pass
     {"fuse_out": 1, "state_seg": -1},  # whole sequences, output fused
     {"state_split_below": 1000, "state_progs": 64, "seg_min": 1, "seg_count_min": 2},  # auto
+    # pipelined pieces across sequence boundaries (side stream on a GPU), the split intra kernel
+    {"pipe": 2, "pipe_pieces": 3, "pipe_min_chunks": 1, "intra_split": 1},
+    {"pipe": 1, "pipe_pieces": 4, "pipe_min_chunks": 1, "pipe_min_nch": 1, "fuse_out": 1},  # fused
 ]
+STATE_IDS = ["seg1", "seg3-fused", "fused", "auto", "pipe3", "pipe4-fused"]
 
 
-@pytest.mark.parametrize("knobs", STATE_SETS, ids=["seg1", "seg3-fused", "fused", "auto"])
+@pytest.mark.parametrize("knobs", STATE_SETS, ids=STATE_IDS)
 @pytest.mark.parametrize("layout", ["B2-T300", "varlen"])
 def test_chunk_triton_state_segments(knobs, layout, monkeypatch):
     """The state pass split into segments (``_seg_scan_kernel``) and the fused output pass:
@@ -170,7 +180,7 @@ def test_chunk_triton_state_segments(knobs, layout, monkeypatch):
     assert s2 is None and rel_err(o2, o2_ref) < 1e-4
 
 
-@pytest.mark.parametrize("knobs", [{"state_seg": -1}, *STATE_SETS], ids=["whole", "seg1", "seg3-fused", "fused", "auto"])
+@pytest.mark.parametrize("knobs", [{"state_seg": -1}, *STATE_SETS], ids=["whole", *STATE_IDS])
 def test_chunk_triton_state_carry(knobs, monkeypatch):
     """Weak decay (g ∈ (−0.02, 0]), so the state carries across chunks and segments: the gates
     of ``kda_inputs`` forget a chunk's state within ~64 steps (e^-15 and less), which would hide

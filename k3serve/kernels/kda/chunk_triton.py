@@ -22,7 +22,11 @@ recurrence is affine in the state, ``S_end = M S_start + B`` over a segment, so
     2b. _seg_scan     per (sequence, head, V-block): S_start(s+1) = M_s S_start(s) + B_s
     2c. _state MODE 1 per (segment, head, V-block): step 2 from S_start(s)
 
-(about 3× the state-pass FLOPs for ~#segments× the parallelism). ``KNOBS["fuse_out"]`` folds
+(about 3× the state-pass FLOPs for ~#segments× the parallelism). For long layouts with few state programs
+(``KNOBS["pipe"]``, T 32k at H 12 / 16) the chunk list is instead cut into pieces that are
+pipelined (``_Plan.pieces``): the state pass (``_state`` MODE 3, the state crossing pieces
+through ``S0``) and the output of piece p run on a side stream while the intra kernel does
+piece p + 1. ``KNOBS["fuse_out"]`` folds
 step 3 into step 2 / 2c (no h / v_new round trip through HBM). The chunk and segment tables
 are cached per layout (per ``cu_seqlens`` tensor, as fla-core's ``tensor_cache`` does).
 
@@ -47,6 +51,7 @@ fp32 inputs run every product in IEEE fp32 (for tests); bf16 inputs use bf16/tf3
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Sequence
 
@@ -65,14 +70,36 @@ BC = 16  # sub-chunk
 # ``benchmarks/gpu_kernels_sweep.py`` (state / output) vary them.
 KNOBS: dict[str, int | None] = {
     # intra kernel: run 5's best of 10 (4 warps, no software pipelining, 64-wide Aqk/Akk steps,
-    # 32-wide W/Ũ steps; 8 warps were 1.2–1.5× slower)
+    # 32-wide W/Ũ steps; 8 warps were 1.2–1.5× slower); run 7's best of 33 adds a_tri, t_regs,
+    # wy_lowp and the register cap (intra_split, inv_x4 0, 8 warps, 2 stages, BK 32: slower)
     "intra_warps": 4,
     "intra_stages": 1,
     "intra_bk": 64,  # K columns per step of the intra kernel's Aqk / Akk products
     "intra_bw": 32,  # K / V columns per step of its W = T·R, Ũ = T·R products
-    "wy_lowp": 0,  # 1: W = T·R and Ũ = T·R with T, R in the io dtype (bf16), as fla does; 0: tf32
+    # 1: W = T·R and Ũ = T·R with T, R in the io dtype (bf16), as fla does; 0: tf32 (run 7: 1 is
+    # 1–3 % faster with the register cap below, error 5.5e-3 → 6.1e-3 vs the fp32 reference)
+    "wy_lowp": 1,
     "fuse_gate": 1,  # 1: the gate + cumsum run inside the intra kernel (no separate launch)
     "a_cols": 0,  # 1: Aqk / Akk by 64-row products (diagonal blocks, then column strips)
+    "a_tri": 1,  # 1: each 16-row strip of Aqk / β·Akk against only the columns it needs (run 7)
+    "inv_x4": 1,  # 1: the four 16×16 diagonal inverses in one [4, 16, 16] pass; 0: one at a time
+    # 1: T = (I + β·Akk)⁻¹ stays in registers (its four 16-row blocks joined into one 64×64
+    # tile, no store / barrier / reload through global memory); only with intra_split 0
+    "t_regs": 1,
+    # 1: W, Ũ, Kd in a second launch (``_wy_kernel``, its own warps / stages / registers), the
+    # intra kernel stopping at T (stored fp32); 0: all in the intra kernel
+    "intra_split": 0,
+    "wy_split": 1,  # with intra_split: programs per (chunk, head), 2 = W/Kd and Ũ apart
+    "wy_warps": 4,
+    "wy_stages": None,
+    "wy_bw": 32,  # K / V columns per step of _wy_kernel's products
+    # ptxas register cap of the intra kernel (None: the compiler's pick, ~160 at 4 warps = 3
+    # programs per SM). Run 7: 96 (5 programs per SM, some spilling) was the fastest of None /
+    # 128 / 112 / 96 at every shape from T 8k H 32 up; 112 by ≤ 2 % at T 8k H 12 / 16
+    "intra_maxnreg": 96,
+    "wy_maxnreg": None,
+    "state_maxnreg": None,
+    "out_maxnreg": None,
     "state_bv": 32,  # V columns per state program (for K > 64; 64 otherwise)
     "state_warps": 4,
     "state_stages": None,
@@ -83,6 +110,19 @@ KNOBS: dict[str, int | None] = {
     "state_progs": 384,  # … into about this many programs …
     "seg_min": 64,  # … with segments of at least this many chunks …
     "seg_count_min": 4,  # … and at least this many segments in the longest sequence
+    # pipelined pieces (``_pipe_pieces``): the chunk list cut into pieces; piece p's state pass and
+    # output on a side stream while the intra kernel does piece p + 1. 0 off; 1 auto (when the
+    # state pass has fewer than pipe_below programs; replaces the segments there); 2 always
+    # Run 7 call 2 (8 pieces, intra at cap 128): −10 % at T 32k H 16, −3.5 % at T 32k H 12 (64
+    # and 48 programs); +4 % at T 32k H 32 (128 programs) and 1.8–3.6× slower at T 8k (~3
+    # launches per piece: the host's launch time then exceeds the GPU work, inferred), hence the
+    # auto rule below. Not A/B'd in one call with the final intra settings (+1 % / −2 % vs the
+    # unpipelined times of another call: within the spread between calls)
+    "pipe": 1,
+    "pipe_below": 128,
+    "pipe_min_nch": 256,  # … and only for layouts of at least this many chunks (T ≥ 16k)
+    "pipe_pieces": 8,
+    "pipe_min_chunks": 16,  # … with at least this many chunks per piece
     "scan_bv": 32,  # V columns per program of the scan over segments
     "scan_warps": 8,
     # 1: the output O = QgS + Aqk·v_new inside the state pass (no h / v_new round trip); off: at
@@ -94,10 +134,12 @@ KNOBS: dict[str, int | None] = {
 }
 
 
-def _launch(warps, stages) -> dict:
+def _launch(warps, stages, maxnreg=None) -> dict:
     kw = {"num_warps": warps}
     if stages is not None:
         kw["num_stages"] = stages
+    if maxnreg is not None:
+        kw["maxnreg"] = maxnreg
     return kw
 
 
@@ -183,6 +225,29 @@ def _inv_diag16_x4(A, L, SA: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def _inv_diag16(A, r0: tl.constexpr, L, SA: tl.constexpr, BC: tl.constexpr):
+    """(I + N)⁻¹ of one 16×16 diagonal block (rows ``r0 … r0+15``) of β·Akk, ``[16, 16]`` fp32:
+    the forward substitution of :func:`_inv_diag16_x4` for one block (fewer live registers)."""
+    o = tl.arange(0, BC)
+    rows = r0 + o
+    m = (rows[:, None] < L) & (o[None, :] < o[:, None])
+    X = -tl.load(A + rows[:, None] * SA + r0 + o[None, :], mask=m, other=0.0)
+    for i in tl.static_range(2, BC):
+        a = -tl.load(A + (r0 + i) * SA + r0 + o, mask=(o < i) & ((o * 0 + r0 + i) < L), other=0.0)
+        a = a + tl.sum(a[:, None] * X, 0)
+        X = tl.where((o == i)[:, None], a[None, :], X)
+    return X + (o[:, None] == o[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _join_rows4(X0, X1, X2, X3):
+    """The ``[64, N]`` tile whose 16-row blocks are ``X0 … X3`` (``[16, N]`` each), in registers."""
+    J = tl.join(tl.join(X0, X2), tl.join(X1, X3))  # [16, N, 2, 2]: J[r, c, x, y] = X_{2x+y}[r, c]
+    J = tl.permute(J, (2, 3, 0, 1))  # [x, y, r, c]
+    return tl.reshape(J, (4 * X0.shape[0], X0.shape[1]))
+
+
+@triton.jit
 def _block_solve(Ai0, Ai1, Ai2, Ai3, L10, L20, L21, L30, L31, L32, R0, R1, R2, R3, PREC: tl.constexpr):
     """X = (I + β·Akk)⁻¹ R for a 64-row chunk by 16-row blocks: ``X_i = Ai_i (R_i − Σ_j<i L_ij X_j)``."""
     X0 = tl.dot(Ai0, R0, input_precision=PREC)
@@ -261,6 +326,63 @@ def _a_by_rows(
         p_A = rows[:, None] * SA + o_c[None, :]
         tl.store(Aqk + p_A, b_aq.to(Aqk.dtype.element_ty), mask=m_r[:, None])
         tl.store(Akk + p_A, b_ak, mask=m_r[:, None])
+
+
+@triton.jit
+def _a_strip(
+    q, k, G, beta, Aqk, Akk, L, scale, s: tl.constexpr, NC: tl.constexpr, SK: tl.constexpr,
+    SA: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BK: tl.constexpr, PREC: tl.constexpr,
+):
+    """Strip ``s`` of :func:`_a_by_rows` against its first ``NC`` columns only (``NC`` ≥ the
+    strip's last row + 1, a power of two); the Aqk columns ``NC … BT`` get their zeros stored."""
+    o_r = tl.arange(0, BC)
+    o_c = tl.arange(0, NC)
+    rows = s * BC + o_r
+    m_r = rows < L
+    m_c = (o_c < (s + 1) * BC) & (o_c < L)
+    ref = tl.minimum(s * BC + BC // 2, L - 1)
+    b_aq = tl.zeros([BC, NC], dtype=tl.float32)
+    b_ak = tl.zeros([BC, NC], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        p_r = rows[:, None] * SK + o_k[None, :]
+        p_c = o_c[:, None] * SK + o_k[None, :]
+        b_Gm = tl.load(G + ref * SK + o_k)
+        b_Gr = tl.load(G + p_r, mask=m_r[:, None], other=0.0)
+        e_r = tl.exp(tl.where(m_r[:, None], b_Gr - b_Gm[None, :], 0.0))
+        b_q = tl.load(q + p_r, mask=m_r[:, None], other=0.0).to(tl.float32) * (e_r * scale)
+        b_kr = tl.load(k + p_r, mask=m_r[:, None], other=0.0).to(tl.float32) * e_r
+        b_Gc = tl.load(G + p_c, mask=m_c[:, None], other=0.0)
+        e_c = tl.exp(tl.where(m_c[:, None], b_Gm[None, :] - b_Gc, 0.0))
+        b_kc = tl.load(k + p_c, mask=m_c[:, None], other=0.0).to(tl.float32) * e_c
+        b_kc = tl.where(m_c[:, None], b_kc, 0.0)
+        b_aq += tl.dot(b_q, tl.trans(b_kc), input_precision=PREC)
+        b_ak += tl.dot(b_kr, tl.trans(b_kc), input_precision=PREC)
+    m_valid = m_r[:, None] & (o_c < L)[None, :]
+    b_aq = tl.where(m_valid & (o_c[None, :] <= rows[:, None]), b_aq, 0.0)
+    b_beta = tl.load(beta + rows * H, mask=m_r, other=0.0).to(tl.float32)
+    b_ak = tl.where(m_valid & (o_c[None, :] < rows[:, None]), b_ak * b_beta[:, None], 0.0)
+    p_A = rows[:, None] * SA + o_c[None, :]
+    tl.store(Aqk + p_A, b_aq.to(Aqk.dtype.element_ty), mask=m_r[:, None])
+    tl.store(Akk + p_A, b_ak, mask=m_r[:, None])
+    if NC < BT:
+        o_z = tl.arange(0, BT)
+        z = tl.zeros([BC, BT], dtype=Aqk.dtype.element_ty)
+        tl.store(Aqk + rows[:, None] * SA + o_z[None, :], z, mask=m_r[:, None] & (o_z >= NC)[None, :])
+
+
+@triton.jit
+def _a_by_rows_tri(
+    q, k, G, beta, Aqk, Akk, L, scale, SK: tl.constexpr, SA: tl.constexpr, H: tl.constexpr,
+    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+):
+    """:func:`_a_by_rows` with each strip against the columns it needs (16, 32, 64, 64 of 64
+    for BT 64: 176 of 256 column rows, fewer exponentials and smaller products)."""
+    _a_strip(q, k, G, beta, Aqk, Akk, L, scale, 0, BC, SK, SA, H, K, BT, BC, BK, PREC)
+    _a_strip(q, k, G, beta, Aqk, Akk, L, scale, 1, 2 * BC, SK, SA, H, K, BT, BC, BK, PREC)
+    _a_strip(q, k, G, beta, Aqk, Akk, L, scale, 2, BT, SK, SA, H, K, BT, BC, BK, PREC)
+    _a_strip(q, k, G, beta, Aqk, Akk, L, scale, 3, BT, SK, SA, H, K, BT, BC, BK, PREC)
 
 
 @triton.jit
@@ -359,6 +481,10 @@ def _intra_kernel(
     GATE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     G_MIN: tl.constexpr,
+    INV_X4: tl.constexpr,
+    A_TRI: tl.constexpr,
+    T_REGS: tl.constexpr,
+    WY: tl.constexpr,  # 1: step 3 here; 0: stop at T (stored in Akk) for _wy_kernel
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(cidx + 2 * i_c).to(tl.int64)
@@ -391,15 +517,24 @@ def _intra_kernel(
     # --- 1. Aqk (i ≤ t, q scaled) and β·Akk (i < t)
     if A_COLS:
         _a_by_columns(q, k, G, beta, Aqk, Akk, L, scale, SK, SA, H, K, BT, BC, BK, PREC)
+    elif A_TRI:
+        _a_by_rows_tri(q, k, G, beta, Aqk, Akk, L, scale, SK, SA, H, K, BT, BC, BK, PREC)
     else:
         _a_by_rows(q, k, G, beta, Aqk, Akk, L, scale, SK, SA, H, K, BT, BC, BK, PREC)
     tl.debug_barrier()
 
     # --- 2. T = (I + β·Akk)⁻¹ once, as a 64×64 matrix: the four 16×16 diagonal inverses in one
     #        pass, then the block substitution with the identity on the right (rows of T by blocks)
-    X = _inv_diag16_x4(Akk, L, SA, BT, BC)
+    if INV_X4:
+        X = _inv_diag16_x4(Akk, L, SA, BT, BC)
+        D0, D1, D2, D3 = _pick(X, 0), _pick(X, 1), _pick(X, 2), _pick(X, 3)
+    else:
+        D0 = _inv_diag16(Akk, 0, L, SA, BC)
+        D1 = _inv_diag16(Akk, BC, L, SA, BC)
+        D2 = _inv_diag16(Akk, 2 * BC, L, SA, BC)
+        D3 = _inv_diag16(Akk, 3 * BC, L, SA, BC)
     T0, T1, T2, T3 = _block_solve(
-        _pick(X, 0), _pick(X, 1), _pick(X, 2), _pick(X, 3),
+        D0, D1, D2, D3,
         _load_blk16(Akk, BC, 0, L, SA, BC),
         _load_blk16(Akk, 2 * BC, 0, L, SA, BC),
         _load_blk16(Akk, 2 * BC, BC, L, SA, BC),
@@ -409,36 +544,109 @@ def _intra_kernel(
         _eye_rows(0, BC, BT), _eye_rows(BC, BC, BT), _eye_rows(2 * BC, BC, BT), _eye_rows(3 * BC, BC, BT),
         PREC,
     )  # fmt: skip
-    tl.debug_barrier()  # every read of β·Akk is done: T overwrites it
-    p_T = o_r[:, None] * SA + o_c[None, :]
-    tl.store(Akk + p_T, T0, mask=(o_r < L)[:, None])
-    tl.store(Akk + BC * SA + p_T, T1, mask=(BC + o_r < L)[:, None])
-    tl.store(Akk + 2 * BC * SA + p_T, T2, mask=(2 * BC + o_r < L)[:, None])
-    tl.store(Akk + 3 * BC * SA + p_T, T3, mask=(3 * BC + o_r < L)[:, None])
-    tl.debug_barrier()
     if WY_LOWP:  # T and the right-hand sides in the io dtype (bf16/fp16 tensor-core products)
         DW = W.dtype.element_ty
     else:
         DW = tl.float32
-    b_T = tl.load(Akk + o_c[:, None] * SA + o_c[None, :], mask=m_t[:, None], other=0.0).to(DW)
+    if T_REGS and WY:
+        b_T = _join_rows4(T0, T1, T2, T3).to(DW)  # rows ≥ L of T are the identity's: R is 0 there
+    else:
+        tl.debug_barrier()  # every read of β·Akk is done: T overwrites it
+        p_T = o_r[:, None] * SA + o_c[None, :]
+        tl.store(Akk + p_T, T0, mask=(o_r < L)[:, None])
+        tl.store(Akk + BC * SA + p_T, T1, mask=(BC + o_r < L)[:, None])
+        tl.store(Akk + 2 * BC * SA + p_T, T2, mask=(2 * BC + o_r < L)[:, None])
+        tl.store(Akk + 3 * BC * SA + p_T, T3, mask=(3 * BC + o_r < L)[:, None])
+        if WY:
+            tl.debug_barrier()
+            b_T = tl.load(Akk + o_c[:, None] * SA + o_c[None, :], mask=m_t[:, None], other=0.0).to(DW)
 
     # --- 3. W = T·β(exp(G)⊙K), Kd = K ⊙ exp(G_C − G), Ũ = T·βV: one 64-row product each
+    #        (here, or in _wy_kernel with KNOBS["intra_split"])
+    if WY:
+        _wy_rows(b_T, k, v, G, beta, W, U, Kd, L, SK, SV, H, K, V, BT, BV, PREC, DW, True, True)
+
+
+@triton.jit
+def _wy_rows(
+    b_T, k, v, G, beta, W, U, Kd, L, SK: tl.constexpr, SV: tl.constexpr, H: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    DW: tl.constexpr, DO_K: tl.constexpr, DO_V: tl.constexpr,
+):
+    """W = T·β(exp(G)⊙K) and Kd = K ⊙ exp(G_C − G) (``DO_K``), Ũ = T·βV (``DO_V``) of one chunk
+    from ``b_T`` (``[BT, BT]``, T = (I + β·Akk)⁻¹, in ``DW``), ``BV`` columns per product.
+    Pointers are at the chunk's first row."""
+    o_c = tl.arange(0, BT)
+    m_t = o_c < L
     b_b = tl.load(beta + o_c * H, mask=m_t, other=0.0).to(tl.float32)
-    for kw in range(0, K, BV):
-        o_w = kw + tl.arange(0, BV)
-        p_w = o_c[:, None] * SK + o_w[None, :]
-        b_k = tl.load(k + p_w, mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_G = tl.load(G + p_w, mask=m_t[:, None], other=0.0)
-        gC = tl.load(G + (L - 1) * SK + o_w)
-        tl.store(Kd + p_w, (b_k * tl.exp(gC[None, :] - b_G)).to(Kd.dtype.element_ty), mask=m_t[:, None])
-        b_w = tl.dot(b_T, (b_k * tl.exp(b_G) * b_b[:, None]).to(DW), input_precision=PREC)
-        tl.store(W + p_w, b_w.to(W.dtype.element_ty), mask=m_t[:, None])
-    for vb in range(0, V, BV):
-        o_v = vb + tl.arange(0, BV)
-        p_v = o_c[:, None] * SV + o_v[None, :]
-        b_v = tl.load(v + p_v, mask=m_t[:, None], other=0.0).to(tl.float32)
-        b_u = tl.dot(b_T, (b_v * b_b[:, None]).to(DW), input_precision=PREC)
-        tl.store(U + p_v, b_u.to(U.dtype.element_ty), mask=m_t[:, None])
+    if DO_K:
+        gC_row = (L - 1) * SK
+        for kw in range(0, K, BV):
+            o_w = kw + tl.arange(0, BV)
+            p_w = o_c[:, None] * SK + o_w[None, :]
+            b_k = tl.load(k + p_w, mask=m_t[:, None], other=0.0).to(tl.float32)
+            b_G = tl.load(G + p_w, mask=m_t[:, None], other=0.0)
+            gC = tl.load(G + gC_row + o_w)
+            tl.store(Kd + p_w, (b_k * tl.exp(gC[None, :] - b_G)).to(Kd.dtype.element_ty), mask=m_t[:, None])
+            b_w = tl.dot(b_T, (b_k * tl.exp(b_G) * b_b[:, None]).to(DW), input_precision=PREC)
+            tl.store(W + p_w, b_w.to(W.dtype.element_ty), mask=m_t[:, None])
+    if DO_V:
+        for vb in range(0, V, BV):
+            o_v = vb + tl.arange(0, BV)
+            p_v = o_c[:, None] * SV + o_v[None, :]
+            b_v = tl.load(v + p_v, mask=m_t[:, None], other=0.0).to(tl.float32)
+            b_u = tl.dot(b_T, (b_v * b_b[:, None]).to(DW), input_precision=PREC)
+            tl.store(U + p_v, b_u.to(U.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit
+def _wy_kernel(
+    k,
+    v,
+    G,
+    beta,
+    Akk,
+    W,
+    U,
+    Kd,
+    cu,
+    cidx,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BV: tl.constexpr,
+    PREC: tl.constexpr,
+    WY_LOWP: tl.constexpr,
+    NP: tl.constexpr,
+):
+    """Step 3 of ``_intra_kernel`` as its own launch (``KNOBS["intra_split"]``): per (chunk, head,
+    part) W, Kd and Ũ from T (fp32, stored in ``Akk`` by the intra kernel). ``NP`` 1: one program
+    does all; 2: part 0 does W and Kd, part 1 Ũ."""
+    i_c, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n = tl.load(cidx + 2 * i_c).to(tl.int64)
+    i_j = tl.load(cidx + 2 * i_c + 1).to(tl.int64)
+    bos, eos = tl.load(cu + i_n).to(tl.int64), tl.load(cu + i_n + 1).to(tl.int64)
+    t0 = bos + i_j * BT
+    L = tl.minimum(eos - t0, BT).to(tl.int32)
+    hk = (t0 * H + i_h) * K
+    k, G, Kd, W = k + hk, G + hk, Kd + hk, W + hk
+    v, U = v + (t0 * H + i_h) * V, U + (t0 * H + i_h) * V
+    Akk = Akk + (t0 * H + i_h) * BT
+    beta = beta + t0 * H + i_h
+    SA: tl.constexpr = H * BT
+    o_c = tl.arange(0, BT)
+    if WY_LOWP:
+        DW = W.dtype.element_ty
+    else:
+        DW = tl.float32
+    b_T = tl.load(Akk + o_c[:, None] * SA + o_c[None, :], mask=(o_c < L)[:, None], other=0.0).to(DW)
+    if NP == 1:
+        _wy_rows(b_T, k, v, G, beta, W, U, Kd, L, H * K, H * V, H, K, V, BT, BV, PREC, DW, True, True)
+    elif i_p == 0:
+        _wy_rows(b_T, k, v, G, beta, W, U, Kd, L, H * K, H * V, H, K, V, BT, BV, PREC, DW, True, False)
+    else:
+        _wy_rows(b_T, k, v, G, beta, W, U, Kd, L, H * K, H * V, H, K, V, BT, BV, PREC, DW, False, True)
 
 
 @triton.jit
@@ -478,7 +686,10 @@ def _state_kernel(
     MODE 2: the segment's affine map ``S_end = M S_start + B`` into ``AB[segment] = [M | B]``
     (``[K, K + V]`` fp32): V-blocks ``< K / BV`` run the recurrence from identity columns without
     the Ũ term (columns of M), the rest from zero with it (columns of B); not for a sequence's
-    last segment. MODE 0/1 store h_c and v_new, or with FUSE_O the output
+    last segment. MODE 3 (pipelined pieces, ``_Plan.pieces``): a program per (row, head,
+    V-block) of ``seg`` rows ``(sequence, first chunk, chunks, flags, own row, next row)``: start
+    from ``h0`` (flag 2, a sequence's first row) or ``S0[own row]``, end in ``ht`` (flag 1, its
+    last) or ``S0[next row]``. MODE 0/1/3 store h_c and v_new, or with FUSE_O the output
     ``O = (exp(G)⊙Q·scale) h_c + Aqk v_new`` directly (no h / v_new round trip).
     """
     i_s, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -488,6 +699,17 @@ def _state_kernel(
         bos, eos = tl.load(cu + i_n).to(tl.int64), tl.load(cu + i_n + 1).to(tl.int64)
         nc = tl.cdiv(eos - bos, BT)
         last = 1
+    elif MODE == 3:
+        rw = seg + 6 * i_s  # (sequence, first chunk, chunks, flags, own row, next row)
+        i_n = tl.load(rw).to(tl.int64)
+        j0 = tl.load(rw + 1).to(tl.int64)
+        bos, eos = tl.load(cu + i_n).to(tl.int64), tl.load(cu + i_n + 1).to(tl.int64)
+        nc = tl.load(rw + 2)
+        fl = tl.load(rw + 3)
+        last = fl & 1
+        first = (fl & 2) != 0
+        own = tl.load(rw + 4).to(tl.int64)
+        nxt = tl.load(rw + 5).to(tl.int64)
     else:
         i_n = tl.load(seg + 4 * i_s).to(tl.int64)
         j0 = tl.load(seg + 4 * i_s + 1).to(tl.int64)
@@ -511,6 +733,14 @@ def _state_kernel(
         p_s = o_k[:, None] * V + c[None, :]
         if MODE == 1:
             S = tl.load(S0 + (i_s.to(tl.int64) * H + i_h) * K * V + p_s)
+        elif MODE == 3:
+            if first:
+                if HAS_H0:
+                    S = tl.load(h0 + (i_n * H + i_h) * K * V + p_s).to(tl.float32)
+                else:
+                    S = tl.zeros([K, BV], dtype=tl.float32)
+            else:
+                S = tl.load(S0 + (own * H + i_h) * K * V + p_s)
         elif HAS_H0:
             S = tl.load(h0 + (i_n * H + i_h) * K * V + p_s).to(tl.float32)
         else:
@@ -559,11 +789,14 @@ def _state_kernel(
         KV2: tl.constexpr = K + V
         p_ab = (i_s.to(tl.int64) * H + i_h) * K * KV2 + o_k[:, None] * KV2 + (i_v * BV + o_b)[None, :]
         tl.store(AB + p_ab, S, mask=(o_k[:, None] * 0 + last) == 0)
-    elif STORE_HT:
-        if MODE == 0:
-            tl.store(ht + (i_n * H + i_h) * K * V + p_s, S)
-        else:
-            tl.store(ht + (i_n * H + i_h) * K * V + p_s, S, mask=(o_k[:, None] * 0 + last) != 0)
+    else:
+        if STORE_HT:
+            if MODE == 0:
+                tl.store(ht + (i_n * H + i_h) * K * V + p_s, S)
+            else:
+                tl.store(ht + (i_n * H + i_h) * K * V + p_s, S, mask=(o_k[:, None] * 0 + last) != 0)
+        if MODE == 3:  # the next piece's segment of this sequence starts from here
+            tl.store(S0 + (nxt * H + i_h) * K * V + p_s, S, mask=(o_k[:, None] * 0 + last) == 0)
 
 
 @triton.jit
@@ -612,6 +845,7 @@ def _output_kernel(
     cu,
     cidx,
     scale,
+    c_base,
     H: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
@@ -619,6 +853,8 @@ def _output_kernel(
     BV: tl.constexpr,
     PREC: tl.constexpr,
 ):
+    """O = (exp(G)⊙Q·scale) h_c + Aqk v_new per (chunk, head, V-block); ``cidx`` may start at
+    chunk ``c_base`` of the layout (a pipelined piece), ``h`` is indexed by the layout's chunk."""
     i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n = tl.load(cidx + 2 * i_c).to(tl.int64)
     i_j = tl.load(cidx + 2 * i_c + 1).to(tl.int64)
@@ -637,7 +873,7 @@ def _output_kernel(
     b_q = tl.load(q + hk + p_q, mask=m_t[:, None], other=0.0).to(tl.float32)
     b_G = tl.load(G + hk + p_q, mask=m_t[:, None], other=0.0)
     b_qg = (b_q * tl.exp(b_G) * scale).to(DT)
-    b_h = tl.load(h + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :])
+    b_h = tl.load(h + ((i_c + c_base).to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :])
     b_o = tl.dot(b_qg, b_h, input_precision=PREC)
     b_A = tl.load(
         Aqk + (t0 * H + i_h) * BT + o_t[:, None] * (H * BT) + o_t[None, :],
@@ -686,12 +922,45 @@ class _Plan:
         for n in self.nts:
             offs.append(offs[-1] + n)
         self.nch = offs[-1]
+        self.offs = offs
         seq = [i for i, n in enumerate(self.nts) for _ in range(n)]
         j = [c for n in self.nts for c in range(n)]
         self.cidx = _to_device(torch.tensor([seq, j], dtype=torch.int32).t().contiguous(), device)
         self.coff = _to_device(torch.tensor(offs, dtype=torch.int64), device)
         self.device = device
         self._segs: dict = {}
+        self._pieces: dict = {}
+
+    def pieces(self, P: int):
+        """The chunk list cut into ``P`` near-equal pieces of chunks (pipelined state pass).
+
+        Returns ``(rows [R, 6]`` int32 ``(sequence, first chunk, chunks, flags, own row, next
+        row)`` with flags 1 = the sequence's last row, 2 = its first; rows of piece p are
+        ``prow[p] … prow[p+1] − 1``, ``prow``, ``crange`` = [(first chunk, end chunk)] per piece,
+        ``empty`` = sequences without chunks (host lists)``)``."""
+        if P not in self._pieces:
+            bounds = [round(i * self.nch / P) for i in range(P + 1)]
+            rows: list = []
+            prow, crange, row_of = [0], [], {}
+            for lo, hi in itertools.pairwise(bounds):
+                if hi <= lo:
+                    continue
+                for i, n in enumerate(self.nts):
+                    a, b = self.offs[i], self.offs[i] + n
+                    s0, s1 = max(lo, a), min(hi, b)
+                    if s1 <= s0:
+                        continue
+                    r = len(rows)
+                    rows.append([i, s0 - a, s1 - s0, int(s1 == b) | (2 * int(s0 == a)), r, r])
+                    if s0 != a:
+                        rows[row_of[i]][5] = r
+                    row_of[i] = r
+                prow.append(len(rows))
+                crange.append((lo, hi))
+            empty = [i for i, n in enumerate(self.nts) if n == 0]
+            t = torch.tensor(rows, dtype=torch.int32).to(self.device)
+            self._pieces[P] = (t, prow, crange, empty)
+        return self._pieces[P]
 
     def segs(self, SEG: int):
         if SEG not in self._segs:
@@ -764,6 +1033,34 @@ def _state_segments(plan: _Plan, H: int, NV: int) -> int:
     nseg = triton.cdiv(KNOBS["state_progs"], H * NV)
     seg = max(KNOBS["seg_min"], triton.cdiv(plan.nch, nseg))
     return seg if triton.cdiv(max(plan.nts), seg) >= KNOBS["seg_count_min"] else 0
+
+
+def _pipe_pieces(plan: _Plan, H: int, NV: int) -> int:
+    """Pieces of the pipelined state pass (0: not pipelined), from ``KNOBS["pipe*"]``: the intra
+    kernel of piece p + 1 runs beside the state pass (few programs: one per sequence, head and
+    V-block) and output of piece p."""
+    mode = KNOBS["pipe"]
+    if not mode or plan.nch == 0:
+        return 0
+    if mode == 1 and (len(plan.nts) * H * NV >= KNOBS["pipe_below"] or plan.nch < KNOBS["pipe_min_nch"]):
+        return 0
+    P = min(KNOBS["pipe_pieces"], plan.nch // KNOBS["pipe_min_chunks"])
+    return P if P >= 2 else 0
+
+
+_SIDE: dict = {}
+
+
+def _side_stream(dev) -> torch.cuda.Stream:
+    """One side stream per device for the pipelined state pass (created once)."""
+    key = torch.device(dev).index if torch.device(dev).index is not None else torch.cuda.current_device()
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(device=key)
+    return _SIDE[key]
+
+
+def _nullctx():
+    return contextlib.nullcontext()
 
 
 def chunk_kda_triton(
@@ -849,16 +1146,33 @@ def chunk_kda_triton(
     W = torch.empty(B, T, H, K, dtype=io, device=dev)
     Kd = torch.empty(B, T, H, K, dtype=io, device=dev)
     U = torch.empty(B, T, H, V, dtype=io, device=dev)
-    _intra_kernel[(nch, H)](
-        q, k, v, gargs[0], beta, Gc, *gargs[1:], Aqk, Akk, W, U, Kd, cu, cidx, scale,
+    split = bool(KNOBS["intra_split"])
+    lowp = bool(KNOBS["wy_lowp"]) and io != torch.float32
+    ikw = dict(
         H=H, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(KNOBS["intra_bw"], K, V), PREC=prec, FUSE_GATE=fuse,
-        WY_LOWP=bool(KNOBS["wy_lowp"]) and io != torch.float32, A_COLS=bool(KNOBS["a_cols"]), **gkw,
-        **_launch(KNOBS["intra_warps"], KNOBS["intra_stages"]),
+        WY_LOWP=lowp, A_COLS=bool(KNOBS["a_cols"]), **gkw, INV_X4=bool(KNOBS["inv_x4"]),
+        A_TRI=bool(KNOBS["a_tri"]) and BT == 4 * BC, T_REGS=bool(KNOBS["t_regs"]), WY=not split,
+        **_launch(KNOBS["intra_warps"], KNOBS["intra_stages"], KNOBS["intra_maxnreg"]),
     )  # fmt: skip
+    NP = 2 if KNOBS["wy_split"] == 2 else 1
+    wkw = dict(
+        H=H, K=K, V=V, BT=BT, BV=min(KNOBS["wy_bw"], K, V), PREC=prec, WY_LOWP=lowp, NP=NP,
+        **_launch(KNOBS["wy_warps"], KNOBS["wy_stages"], KNOBS["wy_maxnreg"]),
+    )  # fmt: skip
+
+    def intra(c_lo: int, c_hi: int) -> None:  # steps 1 (and 3) for chunks c_lo … c_hi − 1
+        ci = cidx[c_lo:]
+        _intra_kernel[(c_hi - c_lo, H)](
+            q, k, v, gargs[0], beta, Gc, *gargs[1:], Aqk, Akk, W, U, Kd, cu, ci, scale, **ikw
+        )
+        if split:
+            _wy_kernel[(c_hi - c_lo, H, NP)](k, v, Gc, beta, Akk, W, U, Kd, cu, ci, **wkw)
+
     BVs = min(KNOBS["state_bv"] if K > 64 else 64, V)
     h0 = initial_state.contiguous() if initial_state is not None else None
     fuse_o = bool(KNOBS["fuse_out"])
-    SEG = _state_segments(plan, H, triton.cdiv(V, min(BVs, K)))
+    pieces = _pipe_pieces(plan, H, triton.cdiv(V, BVs))
+    SEG = 0 if pieces else _state_segments(plan, H, triton.cdiv(V, min(BVs, K)))
     sg = plan.segs(SEG) if SEG else None
     wide = KNOBS["state_bv_wide"]
     if sg is not None:
@@ -872,9 +1186,47 @@ def chunk_kda_triton(
         vnew = torch.empty(B, T, H, V, dtype=io, device=dev)
     skw = {"H": H, "K": K, "V": V, "BT": BT, "BV": BVs, "HAS_H0": h0 is not None,
            "STORE_HT": ht is not None, "PREC": prec, "FUSE_O": fuse_o}  # fmt: skip
-    lkw = _launch(KNOBS["state_warps"], KNOBS["state_stages"])
+    lkw = _launch(KNOBS["state_warps"], KNOBS["state_stages"], KNOBS["state_maxnreg"])
     h0_ = h0 if h0 is not None else Gc
     ht_ = ht if ht is not None else Gc
+    BVo = min(KNOBS["out_bv"], V)
+    okw = dict(H=H, K=K, V=V, BT=BT, BV=BVo, PREC=prec,
+               **_launch(KNOBS["out_warps"], KNOBS["out_stages"], KNOBS["out_maxnreg"]))  # fmt: skip
+
+    def output(c_lo: int, c_hi: int) -> None:  # step 3 for chunks c_lo … c_hi − 1
+        if not fuse_o:
+            _output_kernel[(c_hi - c_lo, H, triton.cdiv(V, BVo))](
+                q, Gc, Aqk, h, vnew, o, cu, cidx[c_lo:], scale, c_lo, **okw
+            )
+
+    if pieces:
+        # pipelined: piece p's state pass and output (side stream) run while the intra kernel
+        # does piece p + 1 (main stream); the state crosses pieces through S0 rows (MODE 3)
+        rows, prow, crange, empty = plan.pieces(pieces)
+        S0 = torch.empty(prow[-1], H, K, V, dtype=torch.float32, device=dev)
+        if ht is not None and empty:
+            idx = torch.tensor(empty, device=dev)
+            ht[idx] = h0[idx] if h0 is not None else 0.0
+        main = side = None
+        if dev.type == "cuda":
+            main = torch.cuda.current_stream(dev)
+            side = _side_stream(dev)
+            side.wait_stream(main)
+        for p, (c_lo, c_hi) in enumerate(crange):
+            intra(c_lo, c_hi)
+            if side is not None:
+                side.wait_stream(main)
+            with torch.cuda.stream(side) if side is not None else _nullctx():
+                _state_kernel[(prow[p + 1] - prow[p], H, triton.cdiv(V, BVs))](
+                    W, U, Kd, Gc, h, vnew, h0_, ht_, cu, coff, rows[prow[p]:], S0, Gc, q, Aqk, o, scale,
+                    MODE=3, **skw, **lkw,
+                )  # fmt: skip
+                output(c_lo, c_hi)
+        if side is not None:
+            main.wait_stream(side)
+        return o, ht
+
+    intra(0, nch)
     if sg is None:
         _state_kernel[(N, H, triton.cdiv(V, BVs))](
             W, U, Kd, Gc, h, vnew, h0_, ht_, cu, coff, coff, Gc, Gc, q, Aqk, o, scale, MODE=0, **skw, **lkw,
@@ -896,12 +1248,7 @@ def chunk_kda_triton(
         _state_kernel[(NS, H, triton.cdiv(V, BVs))](
             W, U, Kd, Gc, h, vnew, h0_, ht_, cu, coff, seg, S0, AB, q, Aqk, o, scale, MODE=1, **skw, **lkw,
         )  # fmt: skip
-    if not fuse_o:
-        BV = min(KNOBS["out_bv"], V)
-        _output_kernel[(nch, H, triton.cdiv(V, BV))](
-            q, Gc, Aqk, h, vnew, o, cu, cidx, scale,
-            H=H, K=K, V=V, BT=BT, BV=BV, PREC=prec, **_launch(KNOBS["out_warps"], KNOBS["out_stages"]),
-        )  # fmt: skip
+    output(0, nch)
     return o, ht
 
 
