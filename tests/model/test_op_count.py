@@ -134,13 +134,19 @@ def decode_ops(num_experts: int, batch: int) -> Counter[str]:
     cfg = dataclasses.replace(
         TINY, num_layers=4, mla_layers=(3,), attn_res_block_layers=2, n_routed_experts=num_experts
     )
+    tables = [[2 * i, 2 * i + 1] for i in range(batch)]
+    step = make_batch([1] * batch, [5] * batch, list(range(batch)), tables, 4)
+    return forward_ops(cfg, batch, batch * 2 + 2, step)
+
+
+def forward_ops(cfg, num_slots: int, num_pages: int, step) -> Counter[str]:
+    """Ops of one forward of a fresh ``cfg`` model (seed 0) over ``step``'s tokens (random
+    ids), with pools of ``num_slots`` slots and ``num_pages`` pages of 4 tokens; the MoE's
+    load-time work is done before counting."""
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).eval()
-    bs = 4
-    pools = KVPools(cfg, num_slots=batch, num_pages=batch * 2 + 2, block_size=bs)
-    ids = torch.randint(0, cfg.vocab_size, (batch,))
-    tables = [[2 * i, 2 * i + 1] for i in range(batch)]
-    step = make_batch([1] * batch, [5] * batch, list(range(batch)), tables, bs)
+    pools = KVPools(cfg, num_slots=num_slots, num_pages=num_pages, block_size=4)
+    ids = torch.randint(0, cfg.vocab_size, (step.num_tokens,))
     with torch.inference_mode():
         for mod in model.modules():
             if isinstance(mod, MoE):
@@ -172,21 +178,10 @@ def prefill_ops(num_layers: int, mla_layers: tuple[int, ...], host: bool = True)
         TINY, num_layers=num_layers, mla_layers=mla_layers, attn_res_block_layers=2,
         n_routed_experts=8,
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = K3ForCausalLM(cfg).eval()
-    bs = 4
-    pools = KVPools(cfg, num_slots=2, num_pages=6, block_size=bs)
-    ids = torch.randint(0, cfg.vocab_size, (12,))
-    step = make_batch([7, 5], [0, 0], [0, 1], [[0, 1], [2, 3]], bs)
+    step = make_batch([7, 5], [0, 0], [0, 1], [[0, 1], [2, 3]], 4)
     if not host:
         step = dataclasses.replace(step, host=None)
-    with torch.inference_mode():
-        for mod in model.modules():
-            if isinstance(mod, MoE):
-                mod.stacked_experts()  # load-time work
-        with OpCounter() as c:
-            model(ids, step, pools)
-    return c.ops
+    return forward_ops(cfg, 2, 6, step)
 
 
 @pytest.mark.slow

@@ -414,16 +414,24 @@ def test_placement_reads_the_larger_of_own_account_and_reported():
     assert w.placement_queued(rate, w.reported_at) == 400
 
 
+def _frozen() -> RecentLoad:
+    """A :class:`RecentLoad` whose clock stands still: no decay between the reads."""
+    return RecentLoad(clock=lambda: 0.0)
+
+
+def _prefill_worker(url: str) -> Worker:
+    """A prefill worker's router-side state with frozen load clocks."""
+    info = WorkerInfo(role="prefill", model=MODEL, fingerprint="f", block_size=16,
+                      capacity=Capacity(num_pages=100, num_slots=8))
+    return Worker(url, info, recent=_frozen(), seen=_frozen())
+
+
 def test_replicas_read_the_pools_prefill_counters():
     """A prefill worker's counters (``WorkerLoad.prefills`` / ``prefill_tokens``, every
     replica pulls them): ``util`` and ``request_rate`` of placement count the worker's
     prefills from every replica; the first report is the baseline, a counter that went down
     restarted with the worker."""
-    t = [0.0]
-    clock = lambda: t[0]  # a frozen clock: no decay between the reads
-    info = WorkerInfo(role="prefill", model=MODEL, fingerprint="f", block_size=16,
-                      capacity=Capacity(num_pages=100, num_slots=8))
-    w = Worker("http://w", info, recent=RecentLoad(clock=clock), seen=RecentLoad(clock=clock))
+    w = _prefill_worker("http://w")
     rate, H = 1000.0, w.recent.horizon_s
     w.report(WorkerLoad(prefills=7, prefill_tokens=9000))  # its history: not this window's
     assert w.counts_prefills and w.seen.tokens() == 0
@@ -441,8 +449,7 @@ def test_replicas_read_the_pools_prefill_counters():
     assert w.seen.tokens() == pytest.approx(1100 + 300)
     assert w.placement_load.request_rate() == pytest.approx(6 / H)
     # a worker without the counters: requests are the own account's, tokens the events'
-    old = Worker("http://old", info, recent=RecentLoad(clock=clock),
-                 seen=RecentLoad(clock=clock))
+    old = _prefill_worker("http://old")
     old.report(WorkerLoad())
     assert not old.counts_prefills
     with old.load(queued_tokens=100):
@@ -455,16 +462,12 @@ def test_placement_util_is_the_larger_of_own_account_and_the_pools():
     """``util`` that placement reads (``Worker.placement_load``): a replica that sent a quarter
     of a worker's prefills sees the worker's computed tokens (its cache events, pulled by
     every replica), not its own quarter; one router alone keeps its own."""
-    t = [0.0]
-    clock = lambda: t[0]  # a frozen clock: no decay between the reads
-    info = WorkerInfo(role="prefill", model=MODEL, fingerprint="f", block_size=16,
-                      capacity=Capacity(num_pages=100, num_slots=8))
-    w = Worker("http://w", info, recent=RecentLoad(clock=clock), seen=RecentLoad(clock=clock))
+    w = _prefill_worker("http://w")
     rate, H = 1000.0, w.recent.horizon_s
     with w.load(queued_tokens=300):  # no load report yet: the own account alone
         w.seen.add(5000, requests=0.0)
         assert w.placement_load.util(rate) == pytest.approx(300 / (rate * H))
-    w.recent, w.seen = RecentLoad(clock=clock), RecentLoad(clock=clock)
+    w.recent, w.seen = _frozen(), _frozen()
     w.report(WorkerLoad())
     for _ in range(2):  # this router's two prefills of 200 tokens
         with w.load(queued_tokens=200):
@@ -476,7 +479,7 @@ def test_placement_util_is_the_larger_of_own_account_and_the_pools():
     assert w.placement_load.request_rate() == pytest.approx(2 / H)  # its own requests
     with w.load(queued_tokens=100):  # sent after the pull: on top of the events
         assert w.placement_load.util(rate) == pytest.approx(1700 / (rate * H))
-    one = Worker("http://one", info, recent=RecentLoad(clock=clock), seen=RecentLoad(clock=clock))
+    one = _prefill_worker("http://one")
     with one.load(queued_tokens=500):
         pass
     one.report(WorkerLoad())
