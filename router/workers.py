@@ -351,7 +351,7 @@ class WorkerPool:
         """Stop every poller and close the HTTP client."""
         self._closed = True
         tasks = [t for w in self.workers.values() for t in (w.task, w.live_task, w.kick_task)
-                 if t]
+                 if t] + list(self._draining)
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -549,10 +549,11 @@ class WorkerPool:
     def kick(self, w: Worker) -> None:
         """Pull ``w``'s cache events now, without waiting for its next poll.
 
-        Called when a prefill answers: the blocks it just stored are then in the index
-        before the client can send its next request, so a repeated prompt's predicted
-        cached tokens are the worker's actual reuse (a replica learns other replicas'
-        placements only from these events). One kick task per worker: kicks that arrive
+        Called when a prefill answer did not bring the worker's events (:meth:`answered`):
+        the blocks it just stored are then in the index before the client can send its next
+        request, so a repeated prompt's predicted cached tokens are the worker's actual reuse
+        (a replica learns other replicas' placements only from these events). One kick task
+        per worker: kicks that arrive
         before its pull starts share that pull; a kick that arrives while a pull runs (whose
         request may predate the blocks) gets one more pull after it. A failure is left to the
         poll loop, which counts it against the worker's health."""

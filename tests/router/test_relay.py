@@ -453,8 +453,8 @@ def test_decode_events_run_equals_iterating_across_a_migration():
 #: Payloads both decoders take (with the same values) or both refuse.
 EVENT_PAYLOADS = [
     b'{}',
-    b'{"token_ids":[1,2],"text":"ab","logprobs":[{"logprob":-0.5,"top_logprobs":[[3,-1.0],'
-    b'[4,null]]},{"logprob":null}],"finish_reason":"stop","error":null}',
+    (b'{"token_ids":[1,2],"text":"ab","logprobs":[{"logprob":-0.5,"top_logprobs":[[3,-1.0],'
+     b'[4,null]]},{"logprob":null}],"finish_reason":"stop","error":null}'),
     b'{"token_ids":[1],"extra":{"a":1}}', b'{"logprobs":[{"logprob":1}]}',
     b'{"finish_reason":"abort","error":"engine died"}', b'{"finish_reason":"length"}',
     b'{"token_ids":[-1]}',
