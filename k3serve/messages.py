@@ -283,6 +283,11 @@ class PrefillRequest(Message):
     ``snapshot_at``: block boundaries (tokens) where a KDA snapshot should be kept (the router's
     branch points). ``debug_fail_transfer_n``: test hook (accepted with
     ``K3SERVE_TEST_HOOKS=1`` only): the first n write submissions of this transfer fail.
+    ``events_after``: the last ``seq`` of this worker's cache events the router has applied
+    (its cursor in the worker's current epoch): the answer then carries the worker's events
+    after it (``PrefillResponse.cache_events``, at most :data:`ANSWER_EVENTS_LIMIT`), the
+    prompt's new blocks among them, so the router indexes them without a pull of
+    ``GET /internal/cache_events``; ``None``: none wanted.
     """
 
     request_id: str = Field(min_length=1)
@@ -293,6 +298,7 @@ class PrefillRequest(Message):
     snapshot_at: list[StrictInt] = Field(default_factory=list)
     cache_salt: str | None = None
     debug_fail_transfer_n: StrictInt = Field(default=0, ge=0)
+    events_after: StrictInt | None = Field(default=None, ge=0)
 
 
 class PrefillResponse(Message):
@@ -308,6 +314,11 @@ class PrefillResponse(Message):
         text: token #1 decoded alone (a courtesy; the router detokenizes incrementally).
         position: the position token #1 takes (= prompt length L).
         seed: the resolved sampling seed.
+        cache_events: the worker's cache events after the request's ``events_after``, as
+            ``GET /internal/cache_events?after=...&limit=ANSWER_EVENTS_LIMIT`` would answer
+            them at the time of this answer (the prompt's stored blocks included, and the
+            worker's load); ``None`` when none were asked for (or from a worker that does
+            not send them: the router then pulls them).
     """
 
     request_id: str
@@ -319,6 +330,7 @@ class PrefillResponse(Message):
     text: str = ""
     position: StrictInt
     seed: StrictInt
+    cache_events: CacheEvents | None = None
 
 
 class TransferMetadata(Message):
@@ -408,6 +420,13 @@ class CacheEvents(Message):
     last_seq: StrictInt = Field(ge=0)
     events: list[CacheEvent] = Field(default_factory=list)
     load: WorkerLoad | None = None
+
+
+#: Most cache events a token-#1 answer carries (``PrefillRequest.events_after``); a router
+#: further behind pulls the rest.
+ANSWER_EVENTS_LIMIT = 256
+
+PrefillResponse.model_rebuild()  # its ``cache_events`` field is defined above
 
 
 class CacheState(Message):

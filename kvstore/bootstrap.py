@@ -140,6 +140,7 @@ class KVBootstrapServer(TicketTable):
             log_level="warning",
             access_log=False,
             lifespan="off",
+            http="h11",  # as before httptools was installed for the router (router/config.py)
         )
         self._server = uvicorn.Server(cfg)
         self._thread = threading.Thread(target=self._server.run, name="kv-bootstrap", daemon=True)

@@ -54,6 +54,7 @@ class PrefillState:
     num_cached: int = 0
     first: FirstToken | None = None
     first_at: float = 0.0  # time.monotonic() when token #1 was sampled
+    events_after: int | None = None  # the router's event cursor (PrefillRequest.events_after)
 
     @property
     def answered(self) -> bool:

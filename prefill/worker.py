@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 from k3serve.messages import (
+    ANSWER_EVENTS_LIMIT,
     PrefillRequest,
     PrefillResponse,
     RequestsDebug,
@@ -114,7 +115,7 @@ class PrefillWorker(BaseWorker):
         if rid in self.reqs:
             raise ValueError(f"request_id: {rid!r} is already live")
         r = PrefillState(rid, list(body.prompt_token_ids), params, body.ticket, body.bootstrap_addr,
-                     fut, body.debug_fail_transfer_n)
+                     fut, body.debug_fail_transfer_n, events_after=body.events_after)
         self.engine.add_prefill_request(
             rid, r.ids, params, cache_salt=body.cache_salt, snapshot_at=body.snapshot_at,
             on_admit=lambda h: self._on_admit(r, h),
@@ -230,7 +231,11 @@ class PrefillWorker(BaseWorker):
             request_id=r.rid, token_id=ft.token_id, logprob=logprob, top_logprobs=top,
             num_cached_tokens=r.num_cached, cached_source=self.cached_source.pop(r.rid, "local"),
             text=self._text(ft.token_id),
-            position=ft.position, seed=ft.seed))
+            position=ft.position, seed=ft.seed,
+            # the prompt's stored blocks (and the rest since the router's cursor): indexed by
+            # the router from the answer, without a pull
+            cache_events=None if r.events_after is None
+            else self.cache_events(r.events_after, ANSWER_EVENTS_LIMIT)))
 
     def _text(self, tok: int) -> str:
         t = self.engine.tokenizer

@@ -195,6 +195,29 @@ def _without_replicas(argv: list[str]) -> list[str]:
     return out
 
 
+#: uvicorn's HTTP implementation of the router (tests/router_fakes.Stack serves it the same).
+ROUTER_HTTP = "httptools"
+
+#: The router process's first collector threshold (CPython's default is 700): a request
+#: allocates and frees thousands of container objects (messages, deltas, tasks, futures),
+#: and a young-generation collection every 700 of them cost ~4 % of the router's CPU in the
+#: streaming benchmark (benchmarks/router_relay.py); 50 000 young objects are a few MB.
+GC_THRESHOLD0 = 50_000
+
+
+def tune_gc() -> None:
+    """Collector settings of a router process (not of the code that imports the router):
+    the objects made at startup (the app, its schemas and models: ~80 000) are frozen out of
+    every later collection (``gc.freeze``), and the young generation is collected every
+    :data:`GC_THRESHOLD0` allocations. Cycles are still collected; only less often."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    _, t1, t2 = gc.get_threshold()
+    gc.set_threshold(GC_THRESHOLD0, t1, t2)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m router.app``: parse flags, bind the port, serve until stopped
     (``--replicas N`` > 1: N replica processes on that port, :mod:`router.replicas`).
@@ -235,9 +258,13 @@ def main(argv: list[str] | None = None) -> int:
                 sock.close()
     # access lines are INFO records: above INFO none would be written, so none is made
     level = logging.getLevelName(args.log_level.upper())
+    # httptools (C request parser, chunked body writes without h11's state machine): ~10 % of
+    # the router's CPU per request and per relayed chunk (benchmarks/router_relay.py, README
+    # issue 19); the workers' servers stay on h11
     server = uvicorn.Server(uvicorn.Config(
-        create_app(config), log_level=args.log_level,
+        create_app(config), log_level=args.log_level, http=ROUTER_HTTP,
         access_log=not isinstance(level, int) or level <= logging.INFO))
+    tune_gc()
     try:
         server.run(sockets=[sock])
     finally:

@@ -270,11 +270,13 @@ class Router:
                     first = await self.pool.prefill(P, PrefillRequest(
                         request_id=sub, prompt_token_ids=job.token_ids, sampling=spec,
                         ticket=ticket, bootstrap_addr=addr, snapshot_at=list(p.snapshot_at),
-                        cache_salt=cache_salt))
+                        cache_salt=cache_salt, events_after=self.pool.events_cursor(P)))
                 if not 0 <= first.num_cached_tokens <= len(job.token_ids):
                     raise WorkerError(P.url, f"prefill: malformed answer: num_cached_tokens "
                                              f"{first.num_cached_tokens}")
-                self.pool.kick(P)  # its new blocks into the index before the next request
+                # its new blocks into the index before the next request (carried by the
+                # answer, else pulled)
+                self.pool.answered(P, first.cache_events)
             except BaseException as e:
                 self._abort(D, sub)
                 if isinstance(e, asyncio.CancelledError):
@@ -330,7 +332,7 @@ class Router:
                 if not 0 <= first.num_cached_tokens <= len(job.token_ids):
                     raise WorkerError(W.url, f"generate: malformed answer: num_cached_tokens "
                                              f"{first.num_cached_tokens}")
-                self.pool.kick(W)
+                self.pool.answered(W, first.cache_events)
             except BaseException:
                 self._abort(W, sub)
                 raise

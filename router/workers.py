@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -33,10 +34,12 @@ from typing import Any, TypeVar
 import aiohttp
 import httpx
 import pybreaker
+import yarl
 from pydantic import BaseModel, ValidationError
 
 from k3serve.messages import (
     AbortRequest,
+    CacheEvents,
     PrefillRequest,
     PrefillResponse,
     ReserveRequest,
@@ -49,7 +52,7 @@ from k3serve.messages import (
 from k3serve.protocol import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER  # noqa: F401 - re-exported
 from router.index import GlobalIndex, PrefixMatch, ResyncNeeded
 from router.policies.load import PoolLoad, RecentLoad
-from router.sse import SSEReader
+from router.sse import SSEReader, decode_event
 
 log = logging.getLogger("k3serve.router")
 
@@ -378,6 +381,9 @@ class WorkerPool:
         self._pool_timeout_s = pool_timeout_s
         self._slots = asyncio.Semaphore(max_connections)
         self._session: aiohttp.ClientSession | None = None  # made in the running loop
+        self._draining: set[asyncio.Task] = set()  # stream readers in :meth:`_drain`
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0,
+                                                     sock_read=None)
         # Registration reads and the cache-event pollers: httpx (``transport``: tests may route
         # them in-process), its own pool (one poller per worker) and short timeouts.
         self.health = httpx.AsyncClient(
@@ -390,7 +396,7 @@ class WorkerPool:
         """Stop every poller and close the HTTP client."""
         self._closed = True
         tasks = [t for w in self.workers.values() for t in (w.task, w.live_task, w.kick_task)
-                 if t]
+                 if t] + list(self._draining)
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -513,16 +519,7 @@ class WorkerPool:
                                    timeout=self.poll_timeout_s)
             try:
                 events = self.index.parse_events(w.url, body)
-                w.report(events.load)
-                self.index.apply_events(w.url, events)
-                # computed blocks (new, local MLA blocks): the pool's account of a worker
-                # that does not report its prefill counters
-                computed = 0 if w.counts_prefills else sum(
-                    len(ev.block_hashes) for ev in events.events
-                    if ev.seq > after and ev.type == "stored" and not ev.snapshot
-                    and ev.source == "local")
-                if computed:
-                    w.seen.add(computed * w.info.block_size, requests=0.0)
+                self._absorb(w, events)
             except ResyncNeeded as e:
                 log.info("resync %s: %s", w.url, e)
                 state = await self._get(w.url, "/internal/cache_state")
@@ -534,6 +531,58 @@ class WorkerPool:
                 return
             if self.index.cursor(w.url)[1] >= events.last_seq:
                 return
+
+    def _absorb(self, w: Worker, events: CacheEvents) -> None:
+        """Apply one ``CacheEvents`` answer of ``w`` (a poll's, or a prefill answer's):
+        its load report, its events into the index (those at or before the cursor are
+        skipped there: overlapping answers apply each event once, in ``seq`` order), and the
+        new local MLA blocks among them to the pool's account of the worker (:attr:`Worker.seen`)
+        when it reports no prefill counters, counted from the cursor as it is now, so an event
+        two answers carry counts once.
+        Synchronous: no other pull can apply events in between.
+
+        Raises:
+            ResyncNeeded: as :meth:`GlobalIndex.apply_events` (nothing of the events applied).
+        """
+        w.report(events.load)
+        before = self.index.cursor(w.url)[1]
+        self.index.apply_events(w.url, events)
+        # computed blocks (new, local MLA blocks): the pool's account of a worker that does
+        # not report its prefill counters (``WorkerLoad.prefills``)
+        computed = 0 if w.counts_prefills else sum(
+            len(ev.block_hashes) for ev in events.events
+            if ev.seq > before and ev.type == "stored" and not ev.snapshot
+            and ev.source == "local")
+        if computed:
+            w.seen.add(computed * w.info.block_size, requests=0.0)
+
+    def events_cursor(self, w: Worker) -> int | None:
+        """What a prefill request asks the worker for (``PrefillRequest.events_after``): the
+        last ``seq`` of ``w``'s events applied, ``None`` before its first sync."""
+        epoch, after = self.index.cursor(w.url)
+        return after if epoch is not None and after >= 0 else None
+
+    def answered(self, w: Worker, events: CacheEvents | None) -> None:
+        """A prefill (or generate) answer of ``w`` came back: its blocks into the index
+        before the client can send its next request, so a repeated prompt's predicted cached
+        tokens are the worker's actual reuse (a replica learns other replicas' placements
+        only from these events).
+
+        ``events``: the cache events the answer carried (``PrefillResponse.cache_events``),
+        applied at once (:meth:`_absorb`) — no pull. Without them (a worker that does not
+        send them), or when they cannot be applied (another epoch: the worker restarted; a
+        gap) or do not reach the worker's newest event (the answer's page was full), the
+        worker's events are pulled now instead (:meth:`kick`)."""
+        if w.url not in self.workers:  # removed meanwhile (drained, moved)
+            return
+        if events is not None:
+            try:
+                self._absorb(w, events)
+                if self.index.cursor(w.url)[1] >= events.last_seq:
+                    return
+            except ResyncNeeded:
+                pass
+        self.kick(w)
 
     async def pull(self, w: Worker) -> None:
         """:meth:`sync` under ``w.sync_lock``: every pull of a worker's events (the poll loop,
@@ -549,10 +598,11 @@ class WorkerPool:
     def kick(self, w: Worker) -> None:
         """Pull ``w``'s cache events now, without waiting for its next poll.
 
-        Called when a prefill answers: the blocks it just stored are then in the index
-        before the client can send its next request, so a repeated prompt's predicted
-        cached tokens are the worker's actual reuse (a replica learns other replicas'
-        placements only from these events). One kick task per worker: kicks that arrive
+        Called when a prefill answer did not bring the worker's events (:meth:`answered`):
+        the blocks it just stored are then in the index before the client can send its next
+        request, so a repeated prompt's predicted cached tokens are the worker's actual reuse
+        (a replica learns other replicas' placements only from these events). One kick task
+        per worker: kicks that arrive
         before its pull starts share that pull; a kick that arrives while a pull runs (whose
         request may predate the blocks) gets one more pull after it. A failure is left to the
         poll loop, which counts it against the worker's health."""
@@ -664,8 +714,11 @@ class WorkerPool:
     def session(self) -> aiohttp.ClientSession:
         """The request path's HTTP client (made on first use, in the running event loop)."""
         if self._session is None:
+            # every call posts a JSON message (Content-Type set once); no cookies (the jar's
+            # per-call filtering is pure cost) and URLs parsed once (:func:`_url`)
             self._session = aiohttp.ClientSession(
-                headers=self._headers,
+                headers={**self._headers, "Content-Type": "application/json"},
+                cookie_jar=aiohttp.DummyCookieJar(),
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0,
                                               sock_read=self._timeout_s))
@@ -678,10 +731,13 @@ class WorkerPool:
         Raises:
             PoolBusy: none free within ``pool_timeout_s``.
         """
-        try:
-            await asyncio.wait_for(self._slots.acquire(), self._pool_timeout_s)
-        except TimeoutError:
-            raise PoolBusy(w.url, f"{what}: no free connection") from None
+        if self._slots.locked():  # none free: wait for one (a task and a timer)
+            try:
+                await asyncio.wait_for(self._slots.acquire(), self._pool_timeout_s)
+            except TimeoutError:
+                raise PoolBusy(w.url, f"{what}: no free connection") from None
+        else:  # one is free: taken at once, without ``wait_for``'s task and timer
+            await self._slots.acquire()
         try:
             yield
         finally:
@@ -696,9 +752,8 @@ class WorkerPool:
         """
         async with self._slot(w, f"POST {path}"):
             try:
-                async with self.session.post(
-                        w.url + path, data=body.model_dump_json().encode(),
-                        headers={"Content-Type": "application/json"}) as r:
+                async with self.session.post(_url(w.url, path),
+                                             data=body.model_dump_json().encode()) as r:
                     return r.status, await r.read()
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
                 raise WorkerError(w.url, f"POST {path}: {e!r}", retryable=True) from None
@@ -775,9 +830,8 @@ class WorkerPool:
         """Best-effort ``POST /internal/abort`` (errors are logged, never raised)."""
         try:
             async with self.session.post(
-                    w.url + "/internal/abort",
+                    _url(w.url, "/internal/abort"),
                     data=AbortRequest(request_id=request_id).model_dump_json().encode(),
-                    headers={"Content-Type": "application/json"},
                     timeout=aiohttp.ClientTimeout(total=5.0)) as r:
                 await r.read()
         except Exception as e:  # noqa: BLE001 - best effort
@@ -817,8 +871,11 @@ class WorkerPool:
         """
         with self.calling(w, "/internal/stream"):
             batches: asyncio.Queue = asyncio.Queue()
+            last = time.monotonic()  # the reader's last batch (or the start)
 
             def deliver(batch: list[StreamEvent]) -> bool:
+                nonlocal last
+                last = time.monotonic()
                 batches.put_nowait(batch)
                 return False
 
@@ -828,7 +885,7 @@ class WorkerPool:
             # and a timer per batch): one timer per stream looks every ``min(1, deadline_s)``
             # s whether the wait has lasted ``deadline_s`` on an unavailable worker.
             loop = asyncio.get_running_loop()
-            every = min(1.0, self.deadline_s)
+            every = min(1.0, self.deadline_s, self._timeout_s)
             waiting: float | None = None  # monotonic start of the current wait
             timer: asyncio.TimerHandle | None = None
 
@@ -839,6 +896,9 @@ class WorkerPool:
                     batches.put_nowait(WorkerError(
                         w.url, f"no answer within {self.deadline_s:g} s from an unavailable "
                                f"worker", hung=True))
+                    return
+                if time.monotonic() - last >= self._timeout_s:
+                    batches.put_nowait(self._no_event(w))
                     return
                 timer = loop.call_later(every, watch)
 
@@ -860,7 +920,7 @@ class WorkerPool:
                         return
             finally:
                 timer.cancel()
-                await _stop_reader(reader)
+                await _stop_reader(reader, self._draining)
 
     async def relay_stream(self, w: Worker, body: StreamRequest,
                            handle: Callable[[list[StreamEvent]], bool]) -> None:
@@ -905,14 +965,18 @@ class WorkerPool:
 
             reader = asyncio.create_task(self._read_stream(w, body, deliver, end))
             reader.add_done_callback(reader_done)
-            every = min(1.0, self.deadline_s)
+            every = min(1.0, self.deadline_s, self._timeout_s)
             timer: asyncio.TimerHandle | None = None
 
             def watch() -> None:
                 nonlocal timer
-                if time.monotonic() - last >= self.deadline_s and not w.available:
+                waited = time.monotonic() - last
+                if waited >= self.deadline_s and not w.available:
                     end(WorkerError(w.url, f"no answer within {self.deadline_s:g} s from an "
                                            f"unavailable worker", hung=True))
+                    return
+                if waited >= self._timeout_s:
+                    end(self._no_event(w))
                     return
                 timer = loop.call_later(every, watch)
 
@@ -923,48 +987,84 @@ class WorkerPool:
                     raise item
             finally:
                 timer.cancel()
-                await _stop_reader(reader)
+                await _stop_reader(reader, self._draining)
+
+    async def _drain(self, r: aiohttp.ClientResponse) -> None:
+        """Read what is left of a decode stream's body after D ended the stream (``[DONE]``,
+        the chunked end: they follow at once), for ``DRAIN_S`` at most, so that its
+        connection goes back to the pool: aiohttp closes a connection whose response was
+        left unread, and every stream then paid for a new connection on both sides. The
+        reader is not cancelled meanwhile (:func:`_stop_reader`); a body that does not end in
+        time, or fails, just closes its connection."""
+        me = asyncio.current_task()
+        self._draining.add(me)
+        try:
+            async with asyncio.timeout(DRAIN_S):
+                async for _ in r.content.iter_any():
+                    pass
+        except (TimeoutError, aiohttp.ClientError):
+            pass
+        finally:
+            self._draining.discard(me)
+
+    def _no_event(self, w: Worker) -> WorkerError:
+        """A decode stream that sent nothing for ``timeout_s``."""
+        return WorkerError(w.url, f"stream: no event within {self._timeout_s:g} s", hung=True)
 
     async def _read_stream(self, w: Worker, body: StreamRequest,
                            deliver: Callable[[list[StreamEvent]], bool],
                            end: Callable[[BaseException | None], None]) -> None:
         """Read D's SSE stream: ``deliver`` a list of ``StreamEvent`` s per network read (it
         returns True to stop reading), then ``end(None)`` at the end, or ``end`` of the
-        ``WorkerError`` that ended it (after the events before it were delivered)."""
+        ``WorkerError`` that ended it (after the events before it were delivered). The events
+        are decoded by :func:`router.sse.decode_event` (the same message, msgspec's decoder:
+        :class:`router.sse.StreamEventWire`)."""
         try:
             async with self._slot(w, "stream"), self.session.post(
-                    w.url + "/internal/stream", data=body.model_dump_json().encode(),
-                    headers={"Content-Type": "application/json",
-                             "Accept": "text/event-stream", "Cache-Control": "no-store"}) as r:
+                    _url(w.url, "/internal/stream"), data=body.model_dump_json().encode(),
+                    headers=_STREAM_HEADERS,
+                    # the wait between two events is bounded by the stream's watcher
+                    # (``timeout_s``, :meth:`relay_stream`), not by aiohttp's read timeout,
+                    # which re-arms a timer on every network read of the stream
+                    timeout=self._stream_timeout) as r:
                 if r.status // 100 != 2:
                     text = (await r.read()).decode("utf-8", "replace")
                     raise WorkerError(w.url, f"stream: HTTP {r.status}: {text[:200]}",
                                       retryable=r.status == 503, status=r.status)
                 sse = SSEReader()
-                done = False
+                done = ended = False  # ended: D ended the stream (a finish, or [DONE])
                 async for chunk in r.content.iter_any():
                     batch: list[StreamEvent] = []
                     failed: WorkerError | None = None
                     try:
                         for data in sse.feed(chunk):
                             if data.strip() == b"[DONE]":
-                                done = True
+                                done = ended = True
                                 break
-                            ev = _parse_json(StreamEvent, w.url, "stream", data)
+                            try:
+                                ev = decode_event(data)
+                            except ValueError as e:
+                                raise WorkerError(w.url, f"stream: malformed StreamEvent: "
+                                                         f"{e}") from None
                             if ev.error is not None and not ev.token_ids:
                                 raise WorkerError(w.url, f"stream: {ev.error}")
                             batch.append(ev)
                             if ev.finish_reason:
-                                done = True
+                                done = ended = True
                                 break
                     except WorkerError as e:  # after the events before it
                         failed = e
                     if batch and deliver(batch):
-                        done = True  # stopped by the consumer: what follows is not its news
+                        done, ended = True, False  # stopped by the consumer: what follows
+                        # is not its news (the router aborts the request on D)
                     elif failed is not None:
                         raise failed
                     if done:
                         break
+                if ended and not r.content.at_eof():
+                    end(None)  # the consumer has the end; the rest of the body follows
+                    await self._drain(r)
+                    return
             end(None)
         except WorkerError as e:
             end(e)
@@ -974,6 +1074,15 @@ class WorkerPool:
             end(WorkerError(w.url, f"stream: no event in time: {e!r}", hung=True))
         except aiohttp.ClientError as e:
             end(WorkerError(w.url, f"stream: {e!r}"))
+
+
+_STREAM_HEADERS = {"Accept": "text/event-stream", "Cache-Control": "no-store"}
+
+
+@functools.lru_cache(maxsize=4096)
+def _url(base: str, path: str) -> yarl.URL:
+    """A request-path URL, parsed once (a worker's base URL and one of the few paths)."""
+    return yarl.URL(base + path)
 
 
 async def relay_batches(batches: AsyncIterator[list[StreamEvent]],
@@ -986,14 +1095,22 @@ async def relay_batches(batches: AsyncIterator[list[StreamEvent]],
             break
 
 
-async def _stop_reader(reader: asyncio.Task) -> None:
-    """Cancel a stream's reader task once and wait (5 s at most) for it to end.
+#: Longest a stream's reader reads the rest of a body after D ended the stream (s).
+DRAIN_S = 1.0
+
+
+async def _stop_reader(reader: asyncio.Task, draining: set[asyncio.Task]) -> None:
+    """Cancel a stream's reader task once and wait (5 s at most) for it to end; a reader in
+    ``draining`` (reading the rest of a body D ended, :meth:`WorkerPool._drain`) is left to
+    end by itself (within ``DRAIN_S``).
 
     The reader owns the connection and is cancelled once, here: a close that a second
     cancellation interrupts (a client that goes away cancels its choices more than once)
     leaves the connection checked out of the pool for good, and a pool of such connections
     starves every later call.
     """
+    if reader in draining:
+        return
     reader.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await asyncio.wait([reader], timeout=5.0)
@@ -1058,13 +1175,6 @@ def _parse(model: type[M], url: str, path: str, body: Any) -> M:
     """
     try:
         return model.model_validate(body)
-    except ValidationError as e:
-        raise WorkerError(url, f"{path}: malformed {model.__name__}: {_first(e)}") from None
-
-
-def _parse_json(model: type[M], url: str, path: str, text: str) -> M:
-    try:
-        return model.model_validate_json(text)
     except ValidationError as e:
         raise WorkerError(url, f"{path}: malformed {model.__name__}: {_first(e)}") from None
 

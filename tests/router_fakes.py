@@ -35,6 +35,7 @@ from decode.stream import take_ready
 from k3serve.cache.manager import CacheManager
 from k3serve.cache.specs import CacheConfig
 from k3serve.messages import (
+    ANSWER_EVENTS_LIMIT,
     AbortRequest,
     AbortResponse,
     CacheEvents,
@@ -124,6 +125,10 @@ class FakeState:
     queued_prefill_tokens: int = 0  # prompt tokens of prefills not answered yet (reported)
     prefill_count: int = 0  # prefills admitted since the last restart (reported, a counter) ...
     prefill_tokens: int = 0  # ... and their uncached prompt tokens
+    # a prefill answer carries the cache events after the request's ``events_after`` (as
+    # prefill/worker.py); off: an older worker that sends none (the router pulls them)
+    answer_events: bool = True
+    events_pulls: int = 0  # GET /internal/cache_events answered
 
     def __post_init__(self) -> None:
         self.restart()
@@ -166,8 +171,7 @@ def make_worker_app(state: FakeState) -> FastAPI:
                           capacity=Capacity(num_pages=state.num_pages, num_slots=8,
                                             num_snapshots=16))
 
-    @app.get("/internal/cache_events")
-    async def events(after: int = 0) -> CacheEvents:
+    def cache_events(after: int, limit: int | None = None) -> CacheEvents:
         u = state.cm.usage()
         running = sum(1 for r in state.reservations.values()
                       if not r["aborted"] and not r.get("done"))
@@ -177,7 +181,13 @@ def make_worker_app(state: FakeState) -> FastAPI:
                           prefills=state.prefill_count if state.role == "prefill" else None,
                           prefill_tokens=state.prefill_tokens if state.role == "prefill"
                           else None)
-        return CacheEvents.model_validate({**state.cm.events_since(after), "load": load})
+        return CacheEvents.model_validate({**state.cm.events_since(after, limit),
+                                           "load": load})
+
+    @app.get("/internal/cache_events")
+    async def events(after: int = 0) -> CacheEvents:
+        state.events_pulls += 1
+        return cache_events(after)
 
     @app.get("/internal/cache_state")
     async def cache_state() -> CacheState:
@@ -252,10 +262,12 @@ def make_worker_app(state: FakeState) -> FastAPI:
         r = await clients[0].post(b.bootstrap_addr + "/fake/transfer",  # the "transfer"
                                   json={"ticket": b.ticket, "token_id": tok})
         r.raise_for_status()
+        events = (cache_events(b.events_after, ANSWER_EVENTS_LIMIT)
+                  if state.answer_events and b.events_after is not None else None)
         return PrefillResponse(request_id=b.request_id, token_id=tok, logprob=lp.logprob,
                                top_logprobs=lp.top_logprobs, num_cached_tokens=rec["_cached"],
                                cached_source="local", text=TOKENIZER.decode([tok]),
-                               position=len(ids), seed=sp.seed or 0)
+                               position=len(ids), seed=sp.seed or 0, cache_events=events)
 
     # ---------------- decode
     @app.post("/internal/reserve", response_model=None)
@@ -353,11 +365,12 @@ def free_port() -> int:
 class ServerThread:
     """Serve an ASGI app with uvicorn in a daemon thread on a free local port."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, http: str = "h11") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error",
-                             lifespan="on", timeout_keep_alive=30)  # > clients' pool expiry
+                             lifespan="on", timeout_keep_alive=30,  # > clients' pool expiry
+                             http=http)  # workers: h11, as worker/serve.py
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -403,7 +416,9 @@ class Stack:
         self.app = create_app(RouterConfig(model=MODEL, api_key=api_key, cluster_token=TOKEN,
                                            **config))
         self.router = self.app.state.router
-        self.srv = ServerThread(self.app).start()
+        from router.config import ROUTER_HTTP
+
+        self.srv = ServerThread(self.app, http=ROUTER_HTTP).start()  # as router/config.py
         self.url = self.srv.url
         self.prefill: list = []
         self.decode: list = []

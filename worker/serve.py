@@ -131,8 +131,9 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
                     "worker and its kvstore is open to anyone who can reach it")
     worker = worker_cls(config)
     app = create_app(worker)
+    # h11, as before httptools was installed for the router (router/config.py)
     server = _server_cls()(uvicorn.Config(app, log_level=config.log_level, access_log=False,
-                                          timeout_graceful_shutdown=3), worker, app)
+                                          timeout_graceful_shutdown=3, http="h11"), worker, app)
     print(f"k3serve {role} worker {worker.worker_id} listening on {worker.url}", flush=True)
     server.run(sockets=[sock])
     return 0

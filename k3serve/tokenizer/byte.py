@@ -166,6 +166,12 @@ class ByteTokenizer:
         Raises:
             ValueError: an id outside ``[0, vocab_size)``.
         """
+        if not isinstance(ids, list | tuple):
+            ids = list(ids)
+        try:  # every id a byte (the common case): one C call
+            return bytes(ids)
+        except (ValueError, TypeError):  # a special token, or an id to check one by one
+            pass
         out = bytearray()
         for i in ids:
             i = int(i)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from k3serve.sampling import SamplingParams
 
@@ -55,12 +55,25 @@ class TokenDecoder(Protocol):
         ...
 
 
+@functools.lru_cache(maxsize=64)
+def _takes_skip_kw(decode_func: Any) -> bool:
+    """Whether a ``decode`` function (the unbound one of a tokenizer's class) takes the
+    ``skip_special_tokens`` keyword; cached, since ``inspect.signature`` costs tens of µs
+    and a router builds a detokenizer per choice."""
+    try:
+        return "skip_special_tokens" in inspect.signature(decode_func).parameters
+    except (TypeError, ValueError):  # builtins / C extensions without a signature
+        return False
+
+
 def _bind_decode(tokenizer: TokenDecoder, skip_special_tokens: bool) -> Callable[[list[int]], str]:
     """``tokenizer.decode`` with ``skip_special_tokens`` bound when it takes that keyword."""
+    decode = tokenizer.decode
+    func = getattr(decode, "__func__", None)  # a bound method: its class's function
     try:
-        takes_kw = "skip_special_tokens" in inspect.signature(tokenizer.decode).parameters
-    except (TypeError, ValueError):  # builtins / C extensions without a signature
-        takes_kw = False
+        takes_kw = _takes_skip_kw(func) if func is not None else _takes_skip_kw(decode)
+    except TypeError:  # an unhashable callable: not cached
+        takes_kw = _takes_skip_kw.__wrapped__(decode)
     if takes_kw:
         return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
     return tokenizer.decode

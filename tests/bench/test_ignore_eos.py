@@ -14,6 +14,7 @@ import pytest
 from router_fakes import TOKENIZER, ServerThread, start_worker
 
 from router.app import RouterConfig, create_app
+from router.config import ROUTER_HTTP
 from router.workers import CLUSTER_TOKEN_HEADER
 
 TOKEN = "cluster-secret"
@@ -22,7 +23,7 @@ TOKEN = "cluster-secret"
 @pytest.fixture(scope="module")
 def stack():
     app = create_app(RouterConfig(model="k3-tiny", cluster_token=TOKEN, poll_interval_s=0.02))
-    srv = ServerThread(app).start()
+    srv = ServerThread(app, http=ROUTER_HTTP).start()  # the router's server, as served
     workers = []
     try:
         workers = [start_worker("prefill", TOKEN), start_worker("decode", TOKEN)]

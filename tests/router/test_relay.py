@@ -23,6 +23,7 @@ from k3serve.messages import StreamEvent, TokenLogprob
 from k3serve.sampling import SamplingParams
 from k3serve.tokenizer.detok import IncrementalDetokenizer
 from router.app import RouterConfig, coalesce, create_app
+from router.config import ROUTER_HTTP
 from router.preprocess import parse_request
 from router.render import Render
 from router.schemas import ChatCompletionRequest, CompletionRequest
@@ -161,7 +162,7 @@ def test_frame_is_the_pydantic_chunk(chat, first, text, finish):
 @pytest.fixture(scope="module")
 def stack():
     app = create_app(RouterConfig(model=MODEL, cluster_token=TOKEN, poll_interval_s=0.02))
-    srv = ServerThread(app).start()
+    srv = ServerThread(app, http=ROUTER_HTTP).start()  # the router's server, as served
     workers = [start_worker("prefill", TOKEN), start_worker("decode", TOKEN)]
     for st, _ in workers:
         r = httpx.post(srv.url + "/internal/register", json={"url": st.url},
@@ -263,6 +264,10 @@ STREAMS = {
 }
 
 
+#: Streams that pause 1.5 s between two writes (longer than the pool's ``timeout_s`` below).
+STALLS = {"stall": [_wire(1), _wire(2, finish="stop")]}
+
+
 @pytest.fixture(scope="module")
 def scripted():
     """A decode 'worker' that answers ``/internal/stream`` with ``STREAMS[request_id]``
@@ -282,9 +287,10 @@ def scripted():
                 break
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})
-        for k, part in enumerate(STREAMS[json.loads(body)["request_id"]]):
+        name = json.loads(body)["request_id"]
+        for k, part in enumerate(STREAMS.get(name) or STALLS[name]):
             if k:
-                await asyncio.sleep(0.03)
+                await asyncio.sleep(0.03 if name in STREAMS else 1.5)
             await send({"type": "http.response.body", "body": part, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -293,23 +299,23 @@ def scripted():
     srv.stop()
 
 
-def _pool_and_worker(url: str):
+def _pool_and_worker(url: str, **kw):
     from k3serve.messages import Capacity, WorkerInfo
     from router.workers import Worker, WorkerPool
 
     info = WorkerInfo(role="decode", model=MODEL, fingerprint="f", block_size=4,
                       capacity=Capacity(num_pages=8, num_slots=8, num_snapshots=0),
                       max_model_len=256)
-    return WorkerPool(MODEL, None), Worker(url, info)
+    return WorkerPool(MODEL, None, **kw), Worker(url, info)
 
 
-async def _both_paths(url: str, name: str, stop_after: int | None):
+async def _both_paths(url: str, name: str, stop_after: int | None, **kw):
     """(events, error) through ``stream_batches`` (the generator) and through
     ``relay_stream`` (the callback in the reader's task), for the same scripted body;
-    ``stop_after``: the consumer stops after that many batches."""
+    ``stop_after``: the consumer stops after that many batches; ``kw``: pool arguments."""
     from k3serve.messages import StreamRequest
 
-    pool, w = _pool_and_worker(url)
+    pool, w = _pool_and_worker(url, **kw)
     body = StreamRequest(request_id=name, token_id=0)
     res = []
     try:
@@ -352,6 +358,15 @@ def test_relay_stream_equals_stream_batches(scripted, name):
         assert plain_err is None and not plain[-1][1]  # ended without a finish
     if name in ("malformed", "error_event"):
         assert plain_err is not None and [e[0] for e in plain] == [[1], [2]]
+
+
+def test_stream_without_an_event_for_timeout_s_fails_as_hung(scripted):
+    """The wait between two events is bounded by ``timeout_s`` (the stream's own watcher,
+    not aiohttp's read timeout), on both paths; the event before the pause is delivered."""
+    (plain, plain_err), (fast, fast_err) = asyncio.run(
+        _both_paths(scripted, "stall", None, timeout_s=0.3))
+    assert fast == plain == [([1], None, None)]
+    assert plain_err == fast_err and "no event within 0.3 s" in plain_err
 
 
 def test_relay_stream_stops_when_the_consumer_does(scripted):
@@ -432,3 +447,69 @@ def test_decode_events_run_equals_iterating_across_a_migration():
     assert fast == plain
     assert plain[0] == [[11], [12, 13], [14], [15]] and plain[1] == [10, 11, 12, 13, 14, 15]
     assert plain[5] == [("d0", "sub", 10), ("d1", "sub-m1", 13)]
+
+
+# ----------------------------------------------------------------------------- the wire decoder
+#: Payloads both decoders take (with the same values) or both refuse.
+EVENT_PAYLOADS = [
+    b'{}',
+    (b'{"token_ids":[1,2],"text":"ab","logprobs":[{"logprob":-0.5,"top_logprobs":[[3,-1.0],'
+     b'[4,null]]},{"logprob":null}],"finish_reason":"stop","error":null}'),
+    b'{"token_ids":[1],"extra":{"a":1}}', b'{"logprobs":[{"logprob":1}]}',
+    b'{"finish_reason":"abort","error":"engine died"}', b'{"finish_reason":"length"}',
+    b'{"token_ids":[-1]}',
+    b'{"token_ids":["x"]}', b'{"token_ids":[1.5]}', b'{"token_ids":[true]}',
+    b'{"token_ids":[1.0]}', b'{"token_ids":null}', b'{"finish_reason":"bogus"}',
+    b'{"logprobs":[{"logprob":"a"}]}', b'{"text":5}', b'not json', b'[]', b'{"error":3}',
+    b'{"logprobs":[{"top_logprobs":[[1]]}]}', b'{"logprobs":[{"top_logprobs":[[true,1.0]]}]}',
+    b'{"token_ids":[1]', b'{"logprobs":{"logprob":1}}',
+]
+#: Payloads only pydantic's lax mode takes (a number as a string or a bool, the NaN
+#: literal): the relay refuses them; decode workers send JSON numbers, and ``null`` for a
+#: value that is not finite (:func:`k3serve.messages.finite`).
+LAX_ONLY = [b'{"logprobs":[{"logprob":"1.5"}]}', b'{"logprobs":[{"logprob":NaN}]}',
+            b'{"logprobs":[{"logprob":true}]}']
+
+
+def _norm(x):
+    if isinstance(x, dict):
+        return {k: _norm(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_norm(v) for v in x]
+    return x
+
+
+@pytest.mark.parametrize("data", EVENT_PAYLOADS)
+def test_wire_decoder_agrees_with_stream_event(data):
+    import msgspec
+
+    from router.sse import decode_event
+
+    try:
+        want = StreamEvent.model_validate_json(data).model_dump(mode="json")
+    except ValueError:
+        want = None
+    try:
+        got = _norm(msgspec.to_builtins(decode_event(data)))
+    except ValueError:
+        got = None
+    assert got == want
+
+
+@pytest.mark.parametrize("data", LAX_ONLY)
+def test_wire_decoder_refuses_what_only_lax_pydantic_takes(data):
+    from router.sse import decode_event
+
+    StreamEvent.model_validate_json(data)
+    with pytest.raises(ValueError):
+        decode_event(data)
+
+
+def test_wire_structs_have_the_messages_fields_and_defaults():
+    import msgspec
+
+    from router.sse import StreamEventWire, TokenLogprobWire
+
+    for model, wire in ((StreamEvent, StreamEventWire), (TokenLogprob, TokenLogprobWire)):
+        assert wire.__struct_fields__ == tuple(model.model_fields)
+        assert _norm(msgspec.to_builtins(wire())) == model().model_dump(mode="json")
