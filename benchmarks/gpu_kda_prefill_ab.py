@@ -78,25 +78,23 @@ VARIANTS = [
 ]
 # K3-gate mode variants (``--k3``: A_log / dt_bias / lower_bound given, raw f in; timed in that
 # mode only, plus one plain-mode row for reference). The k3_* knobs leave plain mode alone.
-_D0 = {"k3_diag32": 0, "k3_bk": None}  # run 7's K3 path: 16-row strips (a_tri), BK 64, cap 96
-_D1 = {"k3_diag32": 1, "k3_bk": None}  # 32-row Aqk / β·Akk blocks (K3's bound makes them legal)
-_D2 = {"k3_diag32": 2, "k3_bk": None}  # … in one pass over K, shared factors
-_D2b = {**_D2, "k3_bk": 32}  # the committed defaults
+# registers per variant (sm_90 build on the CPU box): see the k3_* comments in chunk_triton.KNOBS
+_D0 = {"k3_diag32": 0, "k3_bk": None, "k3_maxnreg": None}  # run 7's K3 path: a_tri, BK 64, cap 96
+_D1 = {"k3_diag32": 1, "k3_bk": 16, "k3_maxnreg": 128}  # 32-row blocks (the committed defaults)
+_D2 = {"k3_diag32": 2, "k3_bk": 16, "k3_maxnreg": 0}  # … one pass over K, shared factors, no cap
 K3_VARIANTS = [
     _D0,
-    {**_D0, "k3_maxnreg": 112},
     {**_D0, "k3_maxnreg": 128},
+    {**_D0, "k3_bk": 32, "k3_maxnreg": 128},
     {**_D0, "k3_fuse_gate": 0},
     _D1,
-    {**_D1, "k3_maxnreg": 128},
+    {**_D1, "k3_maxnreg": None},  # cap 96
+    {**_D1, "k3_maxnreg": 0},  # uncapped (130)
     {**_D1, "k3_bk": 32},
+    {**_D1, "k3_bk": 32, "k3_maxnreg": None},
     {**_D1, "k3_fuse_gate": 0},
     _D2,
     {**_D2, "k3_maxnreg": 128},
-    _D2b,
-    {**_D2b, "k3_maxnreg": 112},
-    {**_D2b, "k3_maxnreg": 128},
-    {**_D2b, "k3_fuse_gate": 0},
 ]
 K3_TIME_SHAPES = "8192x12,8192x32,32768x12,32768x16,32768x32,512x16x64"
 _DEFAULTS: dict = {}

@@ -151,11 +151,16 @@ KNOBS: dict[str, int | None] = {
     # 2: the same in one pass over K with the lower block's factors taken from the diagonal
     # blocks' (_a_diag32_shared: 128 rows of exponentials per K column, a_tri's strips 240);
     # 0: a_tri / a_cols as in plain mode. Taken only for −5 ≤ lower_bound < 0 (fla's safe_gate
-    # range). Defaults 2 / BK 32 are a guess before the device A/B (gpu_k3_final.sh)
-    "k3_diag32": 2,
-    "k3_maxnreg": None,  # the intra kernel's register cap in K3 mode (None: intra_maxnreg)
+    # range). Registers (Triton 3.9 sm_90 build on the CPU box, cuobjdump, 4 warps, H 12; the
+    # device runs 3.6): a_tri BK 64 139 uncapped / 96 + 144 B stack at cap 96 (run 7's K3 path);
+    # k3_diag32 1 at BK 16: 130 / cap 128 + 24 B / cap 96 + 200 B; at BK 32: 160 / 128 + 72 B;
+    # at BK 64: 220; k3_diag32 2 (six 32×32 accumulators live): 206 at BK 16, 250 at BK 32.
+    # Defaults (1, BK 16, cap 128: 4 programs per SM, little spilling) are a guess before the
+    # device A/B (benchmarks/gpu_k3_final.sh)
+    "k3_diag32": 1,
+    "k3_maxnreg": 128,  # the intra kernel's register cap in K3 mode (None: intra_maxnreg; 0: none)
     "k3_fuse_gate": None,  # the gate inside the intra kernel in K3 mode (None: fuse_gate)
-    "k3_bk": 32,  # K columns per step of the Aqk / Akk products in K3 mode (None: intra_bk)
+    "k3_bk": 16,  # K columns per step of the Aqk / Akk products in K3 mode (None: intra_bk)
 }
 
 
@@ -185,7 +190,7 @@ def _launch(warps, stages, maxnreg=None) -> dict:
     kw = {"num_warps": warps}
     if stages is not None:
         kw["num_stages"] = stages
-    if maxnreg is not None:
+    if maxnreg:  # None / 0: no cap
         kw["maxnreg"] = maxnreg
     return kw
 
