@@ -21,6 +21,10 @@ One device call (issue 17, must-show 1):
 Usage: ``python benchmarks/gpu_kda_prefill_ab.py [--out DIR] [--old FILE] [--shapes 32768x12,...]``
 (``--shapes ""``: no fla comparison, ours only).
 Results: ``DIR/prefill_ab.json`` and ``DIR/prefill_ab.md`` (the RESULTS table rows).
+
+``--k3 [--phase check|time|all]`` (``benchmarks/gpu_k3_final.sh``): ``K3_VARIANTS`` instead,
+checked and timed in K3-gate mode only (``k3_main``); the fastest correct one is written to
+``DIR/k3_best.knobs`` as ``K3SERVE_KDA_KNOBS`` text for the next process.
 """
 
 from __future__ import annotations
@@ -72,7 +76,29 @@ VARIANTS = [
     {**_S, "intra_maxnreg": 96, "pipe": 1},
     {**_S, "intra_maxnreg": 96, "pipe": 2},
 ]
+# K3-gate mode variants (``--k3``: A_log / dt_bias / lower_bound given, raw f in; timed in that
+# mode only, plus one plain-mode row for reference). The k3_* knobs leave plain mode alone.
+# registers per variant (sm_90 build on the CPU box): see the k3_* comments in chunk_triton.KNOBS
+_D0 = {"k3_diag32": 0, "k3_bk": None, "k3_maxnreg": None}  # run 7's K3 path: a_tri, BK 64, cap 96
+_D1 = {"k3_diag32": 1, "k3_bk": 16, "k3_maxnreg": 128}  # 32-row blocks (the committed defaults)
+_D2 = {"k3_diag32": 2, "k3_bk": 16, "k3_maxnreg": 0}  # … one pass over K, shared factors, no cap
+K3_VARIANTS = [
+    _D0,
+    {**_D0, "k3_maxnreg": 128},
+    {**_D0, "k3_bk": 32, "k3_maxnreg": 128},
+    {**_D0, "k3_fuse_gate": 0},
+    _D1,
+    {**_D1, "k3_maxnreg": None},  # cap 96
+    {**_D1, "k3_maxnreg": 0},  # uncapped (130)
+    {**_D1, "k3_bk": 32},
+    {**_D1, "k3_bk": 32, "k3_maxnreg": None},
+    {**_D1, "k3_fuse_gate": 0},
+    _D2,
+    {**_D2, "k3_maxnreg": 128},
+]
+K3_TIME_SHAPES = "8192x12,8192x32,32768x12,32768x16,32768x32,512x16x64"
 _DEFAULTS: dict = {}
+K3_MODE = False
 
 
 def log(*a):
@@ -121,15 +147,32 @@ def prewarm(H: int, idx: int, old_path: str | None) -> None:
         if idx == -3:
             import fla.ops.kda as fla
 
-            fla.chunk_kda(q, k, v, g, beta, **kw)
-            fla.chunk_kda(q, k, v, f, beta, **kw, use_gate_in_kernel=True, safe_gate=True, **k3)
-            q, k, v, g, f, beta, kw, k3 = inputs(64, H, 64)
-            fla.chunk_kda(q, k, v, g, beta, **kw)
-            fla.chunk_kda(q, k, v, f, beta, **kw, use_gate_in_kernel=True, safe_gate=True, **k3)
+            # K3SERVE_FLA_PREWARM="plain,fixed" etc.: one part per process (more in parallel)
+            part = os.environ.get("K3SERVE_FLA_PREWARM", "plain,k3,fixed,varlen").split(",")
+            for layout in [x for x in ("fixed", "varlen") if x in part]:
+                if layout == "varlen":
+                    q, k, v, g, f, beta, kw, k3 = inputs(64, H, 64)
+                if "plain" in part:
+                    fla.chunk_kda(q, k, v, g, beta, **kw)
+                if "k3" in part:
+                    fla.chunk_kda(q, k, v, f, beta, **kw, use_gate_in_kernel=True, safe_gate=True, **k3)
         elif idx == -2:
             old = load_module(old_path, "chunk_triton_old")
             old.chunk_kda_triton(q, k, v, g, beta, **kw)
             old.chunk_kda_triton(q, k, v, f, beta, **kw, **k3)
+        elif K3_MODE:  # K3 mode only (+ plain for variant 0), whole / segments / pipelined
+            pipe = {"pipe": 2, "pipe_min_chunks": 1}
+            for extra in ({}, {"state_seg": -1}, pipe):
+                ct.KNOBS.update(knobs_of({**VARIANTS[idx], **extra}))
+                ct.chunk_kda_triton(q, k, v, f, beta, **kw, **k3)
+                if idx == 0:
+                    ct.chunk_kda_triton(q, k, v, g, beta, **kw)
+            if H == 16:  # the varlen timing shape
+                q, k, v, g, f, beta, kw, k3 = inputs(512, H, 8)
+                ct.KNOBS.update(knobs_of(VARIANTS[idx]))
+                ct.chunk_kda_triton(q, k, v, f, beta, **kw, **k3)
+                if idx == 0:
+                    ct.chunk_kda_triton(q, k, v, g, beta, **kw)
         else:
             for extra in ({}, {"state_seg": -1}):
                 ct.KNOBS.update(knobs_of({**VARIANTS[idx], **extra}))
@@ -151,6 +194,8 @@ def prewarm_all(heads: list, old_path: str | None, jobs: int, with_fla: bool) ->
 
     def one(t):
         cmd = [sys.executable, os.path.abspath(__file__), "--prewarm", str(t[0]), "--variant", str(t[1])]
+        if K3_MODE:
+            cmd.append("--k3")
         if old_path:
             cmd += ["--old", old_path]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -161,6 +206,119 @@ def prewarm_all(heads: list, old_path: str | None, jobs: int, with_fla: bool) ->
             if rc:
                 log("prewarm", t, "rc", rc, err)
     log(f"prewarm: {len(tasks)} compiles done")
+
+
+def knob_spec(var: dict) -> str:
+    """A variant as ``K3SERVE_KDA_KNOBS`` text (``k=v,…``; chunk_triton reads it at import)."""
+    return ",".join(f"{k}={v}" for k, v in var.items())
+
+
+def k3_main(args) -> int:
+    """``--k3``: K3_VARIANTS checked against torch ``chunk_kda`` (fp32 upcast, g = the gate's
+    value) at T 8k H 12 and a varlen batch, then timed alone in K3 mode (2 rounds over all
+    variants, ``K3SERVE_BENCH_REP`` runs each, median of both rounds' runs) at ``--time-shapes``
+    (default ``K3_TIME_SHAPES``), with the committed defaults in plain mode as a reference row.
+    Writes ``DIR/k3_ab.json``, ``DIR/k3_ab.md`` and the fastest correct variant (geometric mean
+    over the shapes) as ``DIR/k3_best.knobs``."""
+    from k3serve.kernels.kda import chunk_kda
+    from k3serve.kernels.kda import chunk_triton as ct
+
+    knobs_of({})
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "k3_ab.json")
+    res: dict = {"card": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if args.phase in ("all", "check"):
+        if args.jobs:
+            prewarm_all([12, 16, 32], None, args.jobs, False)
+        checks = []
+        from k3serve.kernels.kda import kda_gate
+
+        # the third: f × 40, every step's gate ≈ −5 (the 32-row blocks' factors near e^±80)
+        for T, H, cu_list, sat in ((8192, 12, None, 1), (None, 16, [0, 1, 700, 4096, 4160, 9000], 1),
+                                   (8192, 12, None, 40)):  # fmt: skip
+            TT = T or cu_list[-1]
+            q, k, v, g, f, beta, kw, k3 = inputs(TT, H, seed=1)
+            if sat != 1:
+                f = (f.float() * sat).bfloat16()
+                g = kda_gate(f, k3["A_log"], k3["dt_bias"], k3["lower_bound"])
+            if cu_list is not None:
+                kw["cu_seqlens"] = torch.tensor(cu_list, device="cuda")
+                kw["initial_state"] = torch.randn(len(cu_list) - 1, H, 128, 128, device="cuda") * 0.1
+            with torch.inference_mode():
+                o_ref, s_ref = chunk_kda(q.float(), k.float(), v.float(), g, beta.float(), **kw)
+                for var in VARIANTS:
+                    ct.KNOBS.update(knobs_of(var))
+                    shape = f"T={TT} H={H}" + (" varlen" if cu_list else "") + (" gate at bound" if sat != 1 else "")
+                    row = {"shape": shape, "knobs": name_of(var)}
+                    try:
+                        o3, s3 = ct.chunk_kda_triton(q, k, v, f, beta, **kw, **k3)
+                        row["err_o_k3"], row["err_s_k3"] = gk._rel(o3, o_ref), gk._rel(s3, s_ref)
+                    except Exception as e:  # noqa: BLE001  (a variant that fails to build is reported)
+                        row["error"] = repr(e)[-400:]
+                    checks.append(row)
+                    log("check", row)
+                    res["checks"] = checks  # kept as it goes (a timeout keeps what was checked)
+                    with open(path, "w") as fh:
+                        json.dump(res, fh, indent=1, default=str)
+                del o_ref, s_ref
+        if args.phase == "check":
+            return 0
+    with open(path) as fh:
+        res = json.load(fh)
+    bad = {r["knobs"] for r in res["checks"]
+           if "error" in r or not all(r.get(e, 1.0) < 3e-2 for e in ("err_o_k3", "err_s_k3"))}  # fmt: skip
+    n_checks = {}
+    for r in res["checks"]:
+        n_checks[r["knobs"]] = n_checks.get(r["knobs"], 0) + 1
+    # a variant counts as correct only with all three checks passed
+    ok = [v for v in VARIANTS if name_of(v) not in bad and n_checks.get(name_of(v), 0) == 3]
+    for nm in sorted(bad):
+        log("variant", nm, "skipped: wrong or failed")
+    if not ok:
+        log("no K3 variant is correct")
+        return 1
+    shapes = gk.parse_shapes(args.time_shapes if args.time_shapes != ALL_SHAPES else K3_TIME_SHAPES)
+    runs: dict = {}
+    names = [f"{N}x{T} H={H}" if N > 1 else f"T={T} H={H}" for T, H, N in shapes]
+    for T, H, N in shapes:  # one shape's inputs at a time (T 32k H 32 is ~1 GB of them)
+        q, k, v, g, f, beta, kw, k3 = inputs(T, H, N)
+        with torch.inference_mode():
+            for _ in range(2):  # two rounds over the variants: drift hits every variant alike
+                ct.KNOBS.update(knobs_of({}))
+                gk.bench(ct.chunk_kda_triton, q, k, v, g, beta, **kw)
+                runs.setdefault("plain mode, defaults", []).append(list(gk.RUNS))
+                for var in ok:
+                    ct.KNOBS.update(knobs_of(var))
+                    gk.bench(ct.chunk_kda_triton, q, k, v, f, beta, **kw, **k3)
+                    runs.setdefault(name_of(var), []).append(list(gk.RUNS))
+        log("timed", names[len(runs[name_of(ok[0])]) // 2 - 1])
+        del q, k, v, g, f, beta, kw, k3
+        torch.cuda.empty_cache()
+    timing = {}
+    for nm, rr in runs.items():  # rr: 2 rounds per shape, in shape order
+        timing[nm] = [gk._median(rr[2 * i] + rr[2 * i + 1]) for i in range(len(shapes))]
+    best = min(ok, key=lambda v: sum(torch.tensor(timing[name_of(v)]).log().tolist()))
+    res["k3_timing"] = {"shapes": names, "ms": timing, "best": name_of(best)}
+    with open(path, "w") as fh:
+        json.dump(res, fh, indent=1, default=str)
+    with open(os.path.join(args.out, "k3_best.knobs"), "w") as fh:
+        fh.write(knob_spec(best) + "\n")
+    errs = {}
+    for r in res["checks"]:
+        errs.setdefault(r["knobs"], []).append(
+            f"{r.get('err_o_k3', float('nan')):.1e}/{r.get('err_s_k3', float('nan')):.1e}")
+    lines = ["| variant (K3 mode unless said) | " + " | ".join(names)
+             + " | err o/state (8k H12; varlen; 8k H12 gate at bound) |",
+             "|---" * (len(names) + 2) + "|"]  # fmt: skip
+    for nm, ts in timing.items():
+        star = "**" if nm == name_of(best) else ""
+        lines.append(f"| {star}{nm}{star} | " + " | ".join(f"{t:.3f}" for t in ts)
+                     + f" | {'; '.join(errs.get(nm, ['–']))} |")  # fmt: skip
+    md = "\n".join(lines) + f"\n\nbest: {name_of(best)} → K3SERVE_KDA_KNOBS={knob_spec(best)}\n"
+    with open(os.path.join(args.out, "k3_ab.md"), "w") as fh:
+        fh.write(md)
+    print(md, flush=True)
+    return 0
 
 
 def profile(fn, n=5) -> dict:
@@ -180,13 +338,23 @@ def main() -> int:
     ap.add_argument(
         "--variant", type=int, default=0, help="with --prewarm: variant index, -2 = --old, -3 = fla"
     )
+    ap.add_argument("--k3", action="store_true",
+                    help="K3-gate mode: K3_VARIANTS, checked and timed in K3 mode (ours only)")
+    ap.add_argument("--phase", default="all", choices=["all", "check", "time"],
+                    help="with --k3: check = compile + correctness (DIR/k3_checks.json); time = "
+                         "time the correct ones, write the fastest to DIR/k3_best.knobs")  # fmt: skip
     args = ap.parse_args()
+    if args.k3:
+        global VARIANTS, K3_MODE
+        VARIANTS, K3_MODE = K3_VARIANTS, True
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return 0
     if args.prewarm:
         prewarm(args.prewarm, args.variant, args.old)
         return 0
+    if args.k3:
+        return k3_main(args)
     from k3serve.kernels.kda import chunk_kda
     from k3serve.kernels.kda import chunk_triton as ct
 

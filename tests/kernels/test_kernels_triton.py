@@ -140,6 +140,53 @@ def test_chunk_triton_knobs(knobs, monkeypatch):
     assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
 
 
+K3_SETS = [
+    {"k3_diag32": 1},  # 32-row Aqk / β·Akk blocks (the committed defaults: BK 16)
+    {"k3_diag32": 1, "k3_bk": None, "k3_fuse_gate": 0},  # … intra_bk's K steps, the gate apart
+    {"k3_diag32": 0, "k3_bk": None, "k3_maxnreg": 0},  # the 16-row strips (a_tri) in K3 mode
+    {"k3_diag32": 2, "k3_bk": None},  # 32-row blocks in one pass over K, shared factors
+    {"k3_diag32": 2, "k3_bk": 16},
+]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize(
+    "knobs", K3_SETS, ids=["diag32", "diag32-bk-gate-apart", "strips", "shared", "shared-bk16"]
+)
+@pytest.mark.parametrize("sat", [1.0, 40.0], ids=["gate-spread", "gate-at-bound"])
+def test_chunk_triton_k3_knobs(knobs, sat, monkeypatch):
+    """K3-gate mode's code paths (``k3_*`` KNOBS), varlen with partial chunks: the gate spread
+    over (−5, 0), and saturated at the bound (``f`` × 40: every step ≈ −5, so the 32-row
+    diagonal blocks' factors reach e^±80, the most K3's bound allows) — vs the fp64 recurrence.
+    Plain mode (g given) must not see the k3 knobs: same output as with the defaults."""
+    from k3serve.kernels.kda import chunk_triton as ct
+
+    cu = [0, 3, 67, 150, 230, 270]  # last chunks of 3, 64, 19, 16 and 40 rows
+    q, k, v, _g, beta, h0, f, A_log, dt_bias = kda_inputs(1, 270, 2, 32, 32, N=5, seed=13)
+    f = f * sat
+    g = kda_gate(f.cpu(), A_log.cpu(), dt_bias.cpu(), -5.0).to(DEV)
+    cu_t = torch.tensor(cu, device=DEV)
+    kw = {"initial_state": h0, "output_final_state": True, "cu_seqlens": cu_t}
+    o_p0, s_p0 = chunk_kda_triton(q, k, v, g, beta, **kw)
+    for key, val in knobs.items():
+        monkeypatch.setitem(ct.KNOBS, key, val)
+    o_ref, s_ref = ref_kda(q, k, v, g, beta, h0, cu_t)
+    o, s = chunk_kda_triton(q, k, v, f, beta, **kw, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
+    o_p, s_p = chunk_kda_triton(q, k, v, g, beta, **kw)
+    assert torch.equal(o_p, o_p0) and torch.equal(s_p, s_p0)
+
+
+def test_knobs_from_env():
+    from k3serve.kernels.kda.chunk_triton import _knobs_from_env
+
+    assert _knobs_from_env("k3_diag32=0, k3_maxnreg=None,") == {"k3_diag32": 0, "k3_maxnreg": None}
+    assert _knobs_from_env("") == {} and _knobs_from_env(None) == {}
+    with pytest.raises(ValueError, match="unknown knob"):
+        _knobs_from_env("no_such_knob=1")
+
+
 STATE_SETS = [
     {"state_seg": 1},  # every chunk its own segment: affine maps, scan, then the segments
     {"state_seg": 3, "fuse_out": 1},  # uneven segments, output fused into the state pass

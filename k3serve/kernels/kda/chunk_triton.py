@@ -44,6 +44,18 @@ bounded gate ``g > lb = −5`` gives factors within e^±40; the same premise as 
 ``safe_gate``). Per-step log-decays below ``G_MIN = −10`` (a kept fraction < 4.5e-5) are
 clamped to −10 — the only departure from ``chunk_kda``, and only for unbounded gates.
 
+K3-gate mode (``KNOBS["k3_diag32"]``). fla-core 0.6.0's ``chunk_kda`` is faster with
+``safe_gate=True`` than with g given because only then does it compute the diagonal 16×16
+blocks by a tensor-core product about a reference row (``chunk_kda_fwd_kernel_intra_sub_chunk``
+in ``fla/ops/kda/chunk_intra.py``, legal for log-gates in [lower_bound, 0) with
+lower_bound ≥ −5); with g given it takes a token-parallel kernel (one program per token,
+per-pair exponentials, no tensor cores). This module factorises in both modes already (the
+G_MIN clamp). What K3's bound adds here is the block size: about the middle row of a 32-row
+block every factor is within e^(16·5) = e^80 < 3.4e38 (fp32's largest, e^88.7), so Aqk / β·Akk
+run as two 32×32 diagonal blocks plus the block below them (factors ≤ 1 there) — fewer
+exponentials than 16-row strips (128 or 192 rows per K column against 240). Unbounded gates
+(G_MIN −10: e^160) cannot take this path.
+
 Dtypes: q, k, v (bf16/fp16/fp32, "io dtype") feed the tensor cores; g, G, β and all states
 are fp32; intermediates W, Ũ, Kd, v_new, h and Aqk are stored in the io dtype (as fla does).
 fp32 inputs run every product in IEEE fp32 (for tests); bf16 inputs use bf16/tf32 products.
@@ -53,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 from collections.abc import Sequence
 
 import torch
@@ -131,14 +144,53 @@ KNOBS: dict[str, int | None] = {
     "out_bv": 64,
     "out_warps": 4,
     "out_stages": None,
+    # K3-gate mode only (``A_log`` + ``lower_bound`` given; plain-mode calls ignore these).
+    # k3_diag32 1: Aqk / β·Akk by 32-row blocks (two diagonal 32×32 blocks about their middle
+    # row, legal only because K3's per-step gate is > lower_bound ≥ −5: factors within e^±80;
+    # the block below the diagonal about its columns' last row, factors ≤ 1), see _a_diag32;
+    # 2: the same in one pass over K with the lower block's factors taken from the diagonal
+    # blocks' (_a_diag32_shared: 128 rows of exponentials per K column, a_tri's strips 240);
+    # 0: a_tri / a_cols as in plain mode. Taken only for −5 ≤ lower_bound < 0 (fla's safe_gate
+    # range). Registers (Triton 3.9 sm_90 build on the CPU box, cuobjdump, 4 warps, H 12; the
+    # device runs 3.6): a_tri BK 64 139 uncapped / 96 + 144 B stack at cap 96 (run 7's K3 path);
+    # k3_diag32 1 at BK 16: 130 / cap 128 + 24 B / cap 96 + 200 B; at BK 32: 160 / 128 + 72 B;
+    # at BK 64: 220; k3_diag32 2 (six 32×32 accumulators live): 206 at BK 16, 250 at BK 32.
+    # Defaults (1, BK 16, cap 128: 4 programs per SM, little spilling) are a guess before the
+    # device A/B (benchmarks/gpu_k3_final.sh)
+    "k3_diag32": 1,
+    "k3_maxnreg": 128,  # the intra kernel's register cap in K3 mode (None: intra_maxnreg; 0: none)
+    "k3_fuse_gate": None,  # the gate inside the intra kernel in K3 mode (None: fuse_gate)
+    "k3_bk": 16,  # K columns per step of the Aqk / Akk products in K3 mode (None: intra_bk)
 }
+
+
+def _knobs_from_env(spec: str | None) -> dict:
+    """``"k3_diag32=1,k3_maxnreg=112"`` (``K3SERVE_KDA_KNOBS``) → KNOBS overrides ("None" → None).
+
+    Raises:
+        ValueError: a name that is not a knob, or a value that is not an int / ``None``.
+    """
+    out: dict = {}
+    for part in (spec or "").split(","):
+        if not part.strip():
+            continue
+        key, _, val = part.partition("=")
+        key, val = key.strip(), val.strip()
+        if key not in KNOBS:
+            raise ValueError(f"K3SERVE_KDA_KNOBS: unknown knob {key!r} (known: {sorted(KNOBS)})")
+        out[key] = None if val == "None" else int(val)
+    return out
+
+
+# the device scripts pick a variant at run time and hand it to every process through this
+KNOBS.update(_knobs_from_env(os.environ.get("K3SERVE_KDA_KNOBS")))
 
 
 def _launch(warps, stages, maxnreg=None) -> dict:
     kw = {"num_warps": warps}
     if stages is not None:
         kw["num_stages"] = stages
-    if maxnreg is not None:
+    if maxnreg:  # None / 0: no cap
         kw["maxnreg"] = maxnreg
     return kw
 
@@ -386,6 +438,151 @@ def _a_by_rows_tri(
 
 
 @triton.jit
+def _a_blk32(
+    q, k, G, beta, Aqk, Akk, L, scale, r0: tl.constexpr, c0: tl.constexpr, SK: tl.constexpr,
+    SA: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """One ``[BB, BB]`` block (rows ``r0 …``, columns ``c0 …``) of Aqk and β·Akk, stored.
+
+    Diagonal block (``r0 == c0``): both factors about the block's middle row ``m``:
+    ``exp(G_t − G_i) = exp(G_t − G_m) · exp(G_m − G_i)``, exponents up to ``(BB/2)·|g|max``
+    (e^±80 for BB 32 under K3's bound g > −5: inside fp32's e^±87; the non-causal entries may
+    overflow in the accumulator, they are masked to 0), the column operand from the row tile
+    (same rows: ``k · exp(−(G − G_m))``). Below the diagonal: about the column block's last row,
+    both factors ≤ 1 (exact for any gate). Pointers are at the chunk's first row."""
+    o_b = tl.arange(0, BB)
+    rows = r0 + o_b
+    m_r = rows < L
+    DIAG: tl.constexpr = r0 == c0
+    if DIAG:
+        ref = tl.minimum(r0 + BB // 2, L - 1)
+    else:
+        ref = tl.minimum(c0 + BB - 1, L - 1)
+    cols = c0 + o_b
+    m_c = cols < L
+    b_aq = tl.zeros([BB, BB], dtype=tl.float32)
+    b_ak = tl.zeros([BB, BB], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        p_r = rows[:, None] * SK + o_k[None, :]
+        b_Gm = tl.load(G + ref * SK + o_k)
+        d_r = tl.where(m_r[:, None], tl.load(G + p_r, mask=m_r[:, None], other=0.0) - b_Gm[None, :], 0.0)
+        e_r = tl.exp(d_r)
+        b_k = tl.load(k + p_r, mask=m_r[:, None], other=0.0).to(tl.float32)
+        b_q = tl.load(q + p_r, mask=m_r[:, None], other=0.0).to(tl.float32) * (e_r * scale)
+        if DIAG:
+            b_kc = b_k * tl.exp(-d_r)
+        else:
+            p_c = cols[:, None] * SK + o_k[None, :]
+            b_Gc = tl.load(G + p_c, mask=m_c[:, None], other=0.0)
+            b_kc = tl.load(k + p_c, mask=m_c[:, None], other=0.0).to(tl.float32)
+            b_kc = tl.where(m_c[:, None], b_kc * tl.exp(tl.where(m_c[:, None], b_Gm[None, :] - b_Gc, 0.0)), 0.0)
+        b_aq += tl.dot(b_q, tl.trans(b_kc), input_precision=PREC)
+        b_ak += tl.dot(b_k * e_r, tl.trans(b_kc), input_precision=PREC)
+    m_valid = m_r[:, None] & m_c[None, :]
+    b_beta = tl.load(beta + rows * H, mask=m_r, other=0.0).to(tl.float32)
+    if DIAG:
+        b_aq = tl.where(m_valid & (cols[None, :] <= rows[:, None]), b_aq, 0.0)
+        b_ak = tl.where(m_valid & (cols[None, :] < rows[:, None]), b_ak * b_beta[:, None], 0.0)
+    else:
+        b_aq = tl.where(m_valid, b_aq, 0.0)
+        b_ak = tl.where(m_valid, b_ak * b_beta[:, None], 0.0)
+    p_A = rows[:, None] * SA + cols[None, :]
+    tl.store(Aqk + p_A, b_aq.to(Aqk.dtype.element_ty), mask=m_r[:, None])
+    tl.store(Akk + p_A, b_ak, mask=m_r[:, None])
+
+
+@triton.jit
+def _a_diag32(
+    q, k, G, beta, Aqk, Akk, L, scale, SK: tl.constexpr, SA: tl.constexpr, H: tl.constexpr,
+    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+):
+    """Aqk and β·Akk of one 64-row chunk by 32-row blocks (``KNOBS["k3_diag32"]``, K3's bounded
+    gate only): the two diagonal blocks and the one below them (:func:`_a_blk32`), the Aqk
+    block above the diagonal stored as zeros. 192 rows of exponentials per K column against
+    :func:`_a_by_rows_tri`'s 240 (the diagonal blocks take the column factor from the row
+    tile). fla-core's ``safe_gate`` (``chunk_kda_fwd_kernel_intra_sub_chunk``) uses the same
+    bound for its 16-row diagonal blocks; 32 rows need ``|lower_bound| · 16 < 87``."""
+    BB: tl.constexpr = BT // 2
+    _a_blk32(q, k, G, beta, Aqk, Akk, L, scale, 0, 0, SK, SA, H, K, BB, BK, PREC)
+    _a_blk32(q, k, G, beta, Aqk, Akk, L, scale, BB, BB, SK, SA, H, K, BB, BK, PREC)
+    _a_blk32(q, k, G, beta, Aqk, Akk, L, scale, BB, 0, SK, SA, H, K, BB, BK, PREC)
+    o_b = tl.arange(0, BB)
+    z = tl.zeros([BB, BB], dtype=Aqk.dtype.element_ty)
+    tl.store(Aqk + o_b[:, None] * SA + BB + o_b[None, :], z, mask=(o_b < L)[:, None])
+
+
+@triton.jit
+def _a_diag32_shared(
+    q, k, G, beta, Aqk, Akk, L, scale, SK: tl.constexpr, SA: tl.constexpr, H: tl.constexpr,
+    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+):
+    """:func:`_a_diag32` in one pass over K (``KNOBS["k3_diag32"] = 2``), the block below the
+    diagonal taking its factors from the diagonal blocks' (128 rows of exponentials per K column
+    instead of 192): with ``m0, m1`` the middle rows of the two halves and ``c`` = row 31,
+    ``exp(G_t − G_c) = exp(G_t − G_m1) · exp(G_m1 − G_c)`` (rows t ≥ 32) and
+    ``exp(G_c − G_i) = exp(G_m0 − G_i) · exp(G_c − G_m0)`` (columns i ≤ 31): each product is the
+    decay it stands for (≤ 1), so a factor pair can only underflow where that decay is below
+    e^-87 (negligible, as in :func:`_a_blk32`)."""
+    BB: tl.constexpr = BT // 2
+    o_b = tl.arange(0, BB)
+    r1 = BB + o_b
+    m0, m1 = o_b < L, r1 < L
+    ref0 = tl.minimum(BB // 2, L - 1)
+    ref1 = tl.minimum(BB + BB // 2, L - 1)
+    refc = tl.minimum(BB - 1, L - 1)
+    q00 = tl.zeros([BB, BB], dtype=tl.float32)
+    k00 = tl.zeros([BB, BB], dtype=tl.float32)
+    q11 = tl.zeros([BB, BB], dtype=tl.float32)
+    k11 = tl.zeros([BB, BB], dtype=tl.float32)
+    q10 = tl.zeros([BB, BB], dtype=tl.float32)
+    k10 = tl.zeros([BB, BB], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        p0 = o_b[:, None] * SK + o_k[None, :]
+        p1 = p0 + BB * SK
+        g_m0 = tl.load(G + ref0 * SK + o_k)
+        g_m1 = tl.load(G + ref1 * SK + o_k)
+        g_c = tl.load(G + refc * SK + o_k)
+        d0 = tl.where(m0[:, None], tl.load(G + p0, mask=m0[:, None], other=0.0) - g_m0[None, :], 0.0)
+        e0 = tl.exp(d0)
+        b_k0 = tl.load(k + p0, mask=m0[:, None], other=0.0).to(tl.float32)
+        c0 = b_k0 * tl.exp(-d0)  # k_i · exp(G_m0 − G_i)
+        a0 = tl.load(q + p0, mask=m0[:, None], other=0.0).to(tl.float32) * (e0 * scale)
+        q00 += tl.dot(a0, tl.trans(c0), input_precision=PREC)
+        k00 += tl.dot(b_k0 * e0, tl.trans(c0), input_precision=PREC)
+        c0 = tl.where(m0[:, None], c0 * tl.exp(g_c - g_m0)[None, :], 0.0)  # k_i · exp(G_c − G_i)
+        d1 = tl.where(m1[:, None], tl.load(G + p1, mask=m1[:, None], other=0.0) - g_m1[None, :], 0.0)
+        e1 = tl.exp(d1)
+        b_k1 = tl.load(k + p1, mask=m1[:, None], other=0.0).to(tl.float32)
+        c1 = b_k1 * tl.exp(-d1)
+        a1 = tl.load(q + p1, mask=m1[:, None], other=0.0).to(tl.float32) * (e1 * scale)
+        b1 = b_k1 * e1
+        q11 += tl.dot(a1, tl.trans(c1), input_precision=PREC)
+        k11 += tl.dot(b1, tl.trans(c1), input_precision=PREC)
+        s1 = tl.exp(g_m1 - g_c)[None, :]  # exp(G_m1 − G_c): rows t ≥ 32 → exp(G_t − G_c)
+        q10 += tl.dot(a1 * s1, tl.trans(c0), input_precision=PREC)
+        k10 += tl.dot(b1 * s1, tl.trans(c0), input_precision=PREC)
+    low = o_b[None, :] <= o_b[:, None]
+    strict = o_b[None, :] < o_b[:, None]
+    b0 = tl.load(beta + o_b * H, mask=m0, other=0.0).to(tl.float32)
+    b1_ = tl.load(beta + r1 * H, mask=m1, other=0.0).to(tl.float32)
+    v00 = m0[:, None] & m0[None, :]
+    v11 = m1[:, None] & m1[None, :]
+    v10 = m1[:, None] & m0[None, :]
+    pA = o_b[:, None] * SA + o_b[None, :]
+    DA = Aqk.dtype.element_ty
+    tl.store(Aqk + pA, tl.where(v00 & low, q00, 0.0).to(DA), mask=m0[:, None])
+    tl.store(Aqk + pA + BB, tl.zeros([BB, BB], dtype=DA), mask=m0[:, None])
+    tl.store(Aqk + pA + BB * SA, tl.where(v10, q10, 0.0).to(DA), mask=m1[:, None])
+    tl.store(Aqk + pA + BB * SA + BB, tl.where(v11 & low, q11, 0.0).to(DA), mask=m1[:, None])
+    tl.store(Akk + pA, tl.where(v00 & strict, k00 * b0[:, None], 0.0), mask=m0[:, None])
+    tl.store(Akk + pA + BB * SA, tl.where(v10, k10 * b1_[:, None], 0.0), mask=m1[:, None])
+    tl.store(Akk + pA + BB * SA + BB, tl.where(v11 & strict, k11 * b1_[:, None], 0.0), mask=m1[:, None])
+
+
+@triton.jit
 def _a_by_columns(
     q, k, G, beta, Aqk, Akk, L, scale, SK: tl.constexpr, SA: tl.constexpr, H: tl.constexpr,
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
@@ -485,6 +682,7 @@ def _intra_kernel(
     A_TRI: tl.constexpr,
     T_REGS: tl.constexpr,
     WY: tl.constexpr,  # 1: step 3 here; 0: stop at T (stored in Akk) for _wy_kernel
+    A_D32: tl.constexpr = 0,  # 1 / 2: Aqk / β·Akk by 32-row blocks (K3's bounded gate only)
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(cidx + 2 * i_c).to(tl.int64)
@@ -515,7 +713,11 @@ def _intra_kernel(
         tl.debug_barrier()
 
     # --- 1. Aqk (i ≤ t, q scaled) and β·Akk (i < t)
-    if A_COLS:
+    if A_D32 == 2:
+        _a_diag32_shared(q, k, G, beta, Aqk, Akk, L, scale, SK, SA, H, K, BT, BK, PREC)
+    elif A_D32:
+        _a_diag32(q, k, G, beta, Aqk, Akk, L, scale, SK, SA, H, K, BT, BK, PREC)
+    elif A_COLS:
         _a_by_columns(q, k, G, beta, Aqk, Akk, L, scale, SK, SA, H, K, BT, BC, BK, PREC)
     elif A_TRI:
         _a_by_rows_tri(q, k, G, beta, Aqk, Akk, L, scale, SK, SA, H, K, BT, BC, BK, PREC)
@@ -1133,12 +1335,19 @@ def chunk_kda_triton(
         if ht is not None:
             ht.copy_(initial_state if initial_state is not None else torch.zeros_like(ht))
         return o, ht
-    BK = min(KNOBS["intra_bk"], K)
-    Gc = torch.empty(B, T, H, K, dtype=torch.float32, device=dev)
     gate = 0 if A_log is None else (1 if lower_bound is not None else 2)
+    k3 = gate == 1  # K3's bounded gate: the k3_* knobs apply
+
+    def knob(name: str):
+        if k3 and KNOBS.get("k3_" + name) is not None:
+            return KNOBS["k3_" + name]
+        return KNOBS[{"bk": "intra_bk", "maxnreg": "intra_maxnreg"}.get(name, name)]
+
+    BK = min(knob("bk"), K)
+    Gc = torch.empty(B, T, H, K, dtype=torch.float32, device=dev)
     gargs = (g, A_log if A_log is not None else g, dt_bias if dt_bias is not None else g, float(lower_bound or 0.0))
     gkw = {"GATE": gate, "HAS_BIAS": dt_bias is not None, "G_MIN": G_MIN}
-    fuse = bool(KNOBS["fuse_gate"])
+    fuse = bool(knob("fuse_gate"))
     if not fuse:
         _gate_cumsum_kernel[(nch, H)](g, Gc, *gargs[1:], cu, cidx, H=H, K=K, BT=BT, BK=BK, **gkw)
     Aqk = torch.empty(B, T, H, BT, dtype=io, device=dev)
@@ -1152,7 +1361,8 @@ def chunk_kda_triton(
         H=H, K=K, V=V, BT=BT, BC=BC, BK=BK, BV=min(KNOBS["intra_bw"], K, V), PREC=prec, FUSE_GATE=fuse,
         WY_LOWP=lowp, A_COLS=bool(KNOBS["a_cols"]), **gkw, INV_X4=bool(KNOBS["inv_x4"]),
         A_TRI=bool(KNOBS["a_tri"]) and BT == 4 * BC, T_REGS=bool(KNOBS["t_regs"]), WY=not split,
-        **_launch(KNOBS["intra_warps"], KNOBS["intra_stages"], KNOBS["intra_maxnreg"]),
+        A_D32=int(KNOBS["k3_diag32"] or 0) if k3 and -5.0 <= float(lower_bound) < 0.0 and BT == 64 else 0,
+        **_launch(KNOBS["intra_warps"], KNOBS["intra_stages"], knob("maxnreg")),
     )  # fmt: skip
     NP = 2 if KNOBS["wy_split"] == 2 else 1
     wkw = dict(
