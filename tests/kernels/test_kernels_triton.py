@@ -141,7 +141,8 @@ def test_chunk_triton_knobs(knobs, monkeypatch):
 
 
 K3_SETS = [
-    {"k3_diag32": 1},  # 32-row Aqk / β·Akk blocks (the committed defaults: BK 16)
+    {},  # the committed defaults (run 7's 16-row strips, plain mode's cap and K steps)
+    {"k3_diag32": 1, "k3_bk": 16},  # 32-row Aqk / β·Akk blocks, 16 K columns per step
     {"k3_diag32": 1, "k3_bk": None, "k3_fuse_gate": 0},  # … intra_bk's K steps, the gate apart
     {"k3_diag32": 0, "k3_bk": None, "k3_maxnreg": 0},  # the 16-row strips (a_tri) in K3 mode
     {"k3_diag32": 2, "k3_bk": None},  # 32-row blocks in one pass over K, shared factors
@@ -152,7 +153,7 @@ K3_SETS = [
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize(
-    "knobs", K3_SETS, ids=["diag32", "diag32-bk-gate-apart", "strips", "shared", "shared-bk16"]
+    "knobs", K3_SETS, ids=["defaults", "diag32", "diag32-bk-gate-apart", "strips", "shared", "shared-bk16"]
 )
 @pytest.mark.parametrize("sat", [1.0, 40.0], ids=["gate-spread", "gate-at-bound"])
 def test_chunk_triton_k3_knobs(knobs, sat, monkeypatch):

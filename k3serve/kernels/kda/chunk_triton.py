@@ -54,7 +54,7 @@ G_MIN clamp). What K3's bound adds here is the block size: about the middle row 
 block every factor is within e^(16·5) = e^80 < 3.4e38 (fp32's largest, e^88.7), so Aqk / β·Akk
 run as two 32×32 diagonal blocks plus the block below them (factors ≤ 1 there) — fewer
 exponentials than 16-row strips (128 or 192 rows per K column against 240). Unbounded gates
-(G_MIN −10: e^160) cannot take this path.
+(G_MIN −10: e^160) cannot take this path. Measured slower on the H200 (run 8): off by default.
 
 Dtypes: q, k, v (bf16/fp16/fp32, "io dtype") feed the tensor cores; g, G, β and all states
 are fp32; intermediates W, Ũ, Kd, v_new, h and Aqk are stored in the io dtype (as fla does).
@@ -155,12 +155,15 @@ KNOBS: dict[str, int | None] = {
     # device runs 3.6): a_tri BK 64 139 uncapped / 96 + 144 B stack at cap 96 (run 7's K3 path);
     # k3_diag32 1 at BK 16: 130 / cap 128 + 24 B / cap 96 + 200 B; at BK 32: 160 / 128 + 72 B;
     # at BK 64: 220; k3_diag32 2 (six 32×32 accumulators live): 206 at BK 16, 250 at BK 32.
-    # Defaults (1, BK 16, cap 128: 4 programs per SM, little spilling) are a guess before the
-    # device A/B (benchmarks/gpu_k3_final.sh)
-    "k3_diag32": 1,
-    "k3_maxnreg": 128,  # the intra kernel's register cap in K3 mode (None: intra_maxnreg; 0: none)
+    # Measured on the H200 (RESULTS_gpu_kernels.md run 8, benchmarks/gpu_k3_final.sh, 12
+    # variants, every one correct): k3_diag32 1 / 2 were 1-13 % SLOWER than run 7's path at
+    # every shape (the 32×32 blocks' extra registers cost more than the exponentials they
+    # save), as were caps and BK 32; the defaults are run 7's path (0, plain mode's cap and BK),
+    # the 32-row variants kept behind the knob for later A/B
+    "k3_diag32": 0,
+    "k3_maxnreg": None,  # the intra kernel's register cap in K3 mode (None: intra_maxnreg; 0: none)
     "k3_fuse_gate": None,  # the gate inside the intra kernel in K3 mode (None: fuse_gate)
-    "k3_bk": 16,  # K columns per step of the Aqk / Akk products in K3 mode (None: intra_bk)
+    "k3_bk": None,  # K columns per step of the Aqk / Akk products in K3 mode (None: intra_bk)
 }
 
 
