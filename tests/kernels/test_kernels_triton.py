@@ -117,11 +117,13 @@ KNOB_SETS = [
     {"t_regs": 1, "inv_x4": 0, "a_tri": 1},
     {"intra_split": 1, "wy_bw": 16},  # W, Ũ, Kd in _wy_kernel
     {"intra_split": 1, "wy_split": 2, "a_tri": 1},  # … W/Kd and Ũ in separate programs
+    {"a_tri": 0, "a_cols": 0},  # strips against all 64 columns (_a_by_rows)
 ]
 
 
 @pytest.mark.parametrize(
-    "knobs", KNOB_SETS, ids=["a-cols", "gate-apart", "a-cols-bk16", "t-regs", "split", "split2"]
+    "knobs", KNOB_SETS, ids=["a-cols", "gate-apart", "a-cols-bk16", "t-regs", "split", "split2",
+                              "full-strips"]
 )
 def test_chunk_triton_knobs(knobs, monkeypatch):
     """Every intra-kernel code path behind ``KNOBS``: varlen with a partial chunk and K3's gate."""

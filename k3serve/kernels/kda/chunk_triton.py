@@ -348,39 +348,10 @@ def _a_by_rows(
 ):
     """Aqk and β·Akk of one chunk by 16-row strips: strip s against columns ≤ its last row, with
     the reference row in the middle of s for both factors (exponents ≤ 8·|g|max, see the module
-    docstring). Pointers are at the chunk's first row."""
-    o_r = tl.arange(0, BC)
-    o_c = tl.arange(0, BT)
-    m_t = o_c < L
-    for s in range(BT // BC):
-        rows = s * BC + o_r
-        m_r = rows < L
-        m_c = (o_c < (s + 1) * BC) & m_t
-        ref = tl.minimum(s * BC + BC // 2, L - 1)
-        b_aq = tl.zeros([BC, BT], dtype=tl.float32)
-        b_ak = tl.zeros([BC, BT], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            o_k = k0 + tl.arange(0, BK)
-            p_r = rows[:, None] * SK + o_k[None, :]
-            p_c = o_c[:, None] * SK + o_k[None, :]
-            b_Gm = tl.load(G + ref * SK + o_k)
-            b_Gr = tl.load(G + p_r, mask=m_r[:, None], other=0.0)
-            e_r = tl.exp(tl.where(m_r[:, None], b_Gr - b_Gm[None, :], 0.0))
-            b_q = tl.load(q + p_r, mask=m_r[:, None], other=0.0).to(tl.float32) * (e_r * scale)
-            b_kr = tl.load(k + p_r, mask=m_r[:, None], other=0.0).to(tl.float32) * e_r
-            b_Gc = tl.load(G + p_c, mask=m_c[:, None], other=0.0)
-            e_c = tl.exp(tl.where(m_c[:, None], b_Gm[None, :] - b_Gc, 0.0))
-            b_kc = tl.load(k + p_c, mask=m_c[:, None], other=0.0).to(tl.float32) * e_c
-            b_kc = tl.where(m_c[:, None], b_kc, 0.0)
-            b_aq += tl.dot(b_q, tl.trans(b_kc), input_precision=PREC)
-            b_ak += tl.dot(b_kr, tl.trans(b_kc), input_precision=PREC)
-        m_valid = m_r[:, None] & m_t[None, :]
-        b_aq = tl.where(m_valid & (o_c[None, :] <= rows[:, None]), b_aq, 0.0)
-        b_beta = tl.load(beta + rows * H, mask=m_r, other=0.0).to(tl.float32)
-        b_ak = tl.where(m_valid & (o_c[None, :] < rows[:, None]), b_ak * b_beta[:, None], 0.0)
-        p_A = rows[:, None] * SA + o_c[None, :]
-        tl.store(Aqk + p_A, b_aq.to(Aqk.dtype.element_ty), mask=m_r[:, None])
-        tl.store(Akk + p_A, b_ak, mask=m_r[:, None])
+    docstring), each strip against all BT columns (:func:`_a_strip` with ``NC = BT``; the
+    ``a_tri`` knob narrows them). Pointers are at the chunk's first row."""
+    for s in tl.static_range(BT // BC):
+        _a_strip(q, k, G, beta, Aqk, Akk, L, scale, s, BT, SK, SA, H, K, BT, BC, BK, PREC)
 
 
 @triton.jit
