@@ -170,18 +170,29 @@ class IncrementalDetokenizer:
         Raises:
             RuntimeError: If the choice already finished.
         """
-        if self.finished:
+        # (the stop-string steps are skipped outright for a request without stop strings:
+        # ``_find_stop`` and ``_held_back`` find nothing then; the router runs this per token)
+        if self.finish_reason is not None:
             raise RuntimeError("IncrementalDetokenizer.step: choice already finished")
-        self._token_ids.append(token_id)
+        all_ids = self._token_ids
+        all_ids.append(token_id)
         stop_token = token_id in self._stop_ids
         if token_id not in self._skip and (not stop_token or self._include_stop):
-            self._ids.append(token_id)
-            self._decode_new()
-        at_length = self._max_tokens is not None and len(self._token_ids) >= self._max_tokens
+            ids = self._ids
+            ids.append(token_id)
+            # _decode_new, inlined
+            decode, p = self._decode, self._prefix_offset
+            prefix = decode(ids[p : self._read_offset])
+            full = decode(ids[p:])
+            if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
+                self._text += full[len(prefix) :]
+                self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        at_length = self._max_tokens is not None and len(all_ids) >= self._max_tokens
         if stop_token or at_length:
             self._flush_partial()
 
-        hit = self._find_stop()
+        stops = self._stops
+        hit = self._find_stop() if stops else None
         if hit is not None:
             start, end, s = hit
             self._text = self._text[: end if self._include_stop else start]
@@ -190,12 +201,17 @@ class IncrementalDetokenizer:
             self._finish("stop", token_id)
         elif at_length:
             self._finish("length", None)
-        self._checked = len(self._text)
+        text = self._text
+        n = self._checked = len(text)
 
-        upto = len(self._text) if self.finished else len(self._text) - self._held_back()
-        new_text = self._text[self._emitted : upto] if upto > self._emitted else ""
-        self._emitted = max(self._emitted, upto)
-        return DetokOutput(new_text, self.finished, self.finish_reason)
+        reason = self.finish_reason
+        if reason is None and stops and not self._include_stop:
+            n -= self._held_back()
+        emitted = self._emitted
+        if n > emitted:
+            self._emitted = n
+            return DetokOutput(text[emitted:n], reason is not None, reason)
+        return DetokOutput("", reason is not None, reason)
 
     def update(self, token_ids: Iterable[int]) -> DetokOutput:
         """Feeds several tokens in order (e.g. token #1 plus the decode worker's first batch).
