@@ -161,6 +161,8 @@ class Worker:
     requests_since_report: int = 0  # ... and prefill requests
     reported_at: float = 0.0  # monotonic seconds when that report arrived
     reports: int = 0  # reports so far (which report a prefill was sent under)
+    reported_epoch: str | None = None  # the event epoch and last_seq of that report's answer
+    reported_seq: int | None = None
     #: tokens of this router's prefills running when that report came, answered since
     answered_since_report: int = 0
 
@@ -209,14 +211,33 @@ class Worker:
         r = self.reported
         return r is not None and r.prefills is not None and r.prefill_tokens is not None
 
-    def report(self, load: WorkerLoad | None) -> None:
-        """A new load report from the worker (its cache-event poll). Its prefill counters'
-        increase since the last report goes into :attr:`seen` (tokens and requests; a counter
-        that went down restarted with the worker: its whole value is new); the first report
-        sets the baseline."""
+    def report(self, load: WorkerLoad | None, epoch: str | None = None,
+               seq: int | None = None) -> None:
+        """A new load report from the worker (with its cache events: a poll's or a prefill
+        answer's). Its prefill counters' increase since the last report goes into :attr:`seen`
+        (tokens and requests); the first report sets the baseline.
+
+        ``epoch`` / ``seq``: the event stream's epoch and ``last_seq`` of the answer that
+        carried the report. Polls and prefill answers arrive on different connections, so
+        an older report can land after a newer one: within one epoch a report whose
+        ``last_seq`` is below the last applied one's, or whose counters went down (they never
+        do within an epoch), is older and ignored — read as a restart it would add the
+        worker's whole lifetime counters. Counters that went down in another epoch (or with
+        no epoch given) restarted with the worker: their whole value is new."""
+        same_epoch = epoch is not None and epoch == self.reported_epoch
         last = self.reported if self.counts_prefills else None
+        if same_epoch and seq is not None and self.reported_seq is not None \
+                and seq < self.reported_seq:
+            return  # an older answer than the one applied
+        if last is not None and load is not None and load.prefills is not None \
+                and load.prefill_tokens is not None:
+            n, tok = load.prefills, load.prefill_tokens
+            went_down = n < last.prefills or tok < last.prefill_tokens  # type: ignore[operator]
+            if went_down and same_epoch:
+                return  # older: counters only grow within an epoch
         self.reported, self.sent_since_report, self.requests_since_report = load, 0, 0
         self.reported_at, self.answered_since_report = time.monotonic(), 0
+        self.reported_epoch, self.reported_seq = epoch, seq
         self.reports += 1
         if last is not None and self.counts_prefills:
             n, tok = load.prefills, load.prefill_tokens  # type: ignore[union-attr]
@@ -544,7 +565,7 @@ class WorkerPool:
         Raises:
             ResyncNeeded: as :meth:`GlobalIndex.apply_events` (nothing of the events applied).
         """
-        w.report(events.load)
+        w.report(events.load, events.epoch, events.last_seq)
         before = self.index.cursor(w.url)[1]
         self.index.apply_events(w.url, events)
         # computed blocks (new, local MLA blocks): the pool's account of a worker that does
@@ -1055,8 +1076,10 @@ class WorkerPool:
                     except WorkerError as e:  # after the events before it
                         failed = e
                     if batch and deliver(batch):
-                        done, ended = True, False  # stopped by the consumer: what follows
-                        # is not its news (the router aborts the request on D)
+                        # stopped by the consumer: if D's end was not in this batch, what
+                        # follows is not its news (the router aborts the request on D); if it
+                        # was (the finish it stopped at), the rest of the body is drained
+                        done = True
                     elif failed is not None:
                         raise failed
                     if done:

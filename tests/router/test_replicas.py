@@ -458,6 +458,27 @@ def test_replicas_read_the_pools_prefill_counters():
     assert old.placement_load.request_rate() == pytest.approx(1 / H)
 
 
+def test_an_older_load_report_landing_late_is_ignored():
+    """Polls and prefill answers carry load reports on different connections, so an older
+    one can land second: within one event epoch it is ignored (by ``last_seq``, or by its
+    counters, which never go down within an epoch) — read as a restart it added the worker's
+    whole lifetime counters to its load. In a new epoch, lower counters are a restart."""
+    w, H = _prefill_worker("http://w"), RecentLoad().horizon_s
+    w.report(WorkerLoad(prefills=10_000, prefill_tokens=5_000_000), "e1", 40)
+    w.report(WorkerLoad(prefills=10_002, prefill_tokens=5_000_100), "e1", 42)
+    assert w.seen.request_rate() == pytest.approx(2 / H) and w.seen.tokens() == 100
+    w.report(WorkerLoad(prefills=10_005, prefill_tokens=5_000_400), "e1", 44)
+    w.report(WorkerLoad(prefills=10_004, prefill_tokens=5_000_300), "e1", 44)  # older, same seq
+    w.report(WorkerLoad(prefills=10_003, prefill_tokens=5_000_200), "e1", 43)  # older seq
+    assert w.seen.request_rate() == pytest.approx(5 / H) and w.seen.tokens() == 400
+    assert w.reported.prefills == 10_005
+    w.report(WorkerLoad(queued_prefill_tokens=9, prefills=10_005, prefill_tokens=5_000_400),
+             "e1", 40)  # an older answer without new prefills: its queue is not taken either
+    assert w.reported.queued_prefill_tokens == 0
+    w.report(WorkerLoad(prefills=3, prefill_tokens=300), "e2", 3)  # restarted: all of it new
+    assert w.seen.request_rate() == pytest.approx(8 / H) and w.seen.tokens() == 700
+
+
 def test_placement_util_is_the_larger_of_own_account_and_the_pools():
     """``util`` that placement reads (``Worker.placement_load``): a replica that sent a quarter
     of a worker's prefills sees the worker's computed tokens (its cache events, pulled by
