@@ -137,6 +137,19 @@ def inputs(T, H, N=1, seed=0):
     return q, k, v, g, f, beta, kw, k3
 
 
+def check_case(T, H, cu_list):
+    """One correctness case: ``inputs`` of ``T`` tokens (``cu_list[-1]`` when ``T`` is None),
+    with ``cu_list`` as varlen boundaries and random initial states when given; returns
+    ``(TT, (q, k, v, g, f, beta, kw, k3))``."""
+    TT = T or cu_list[-1]
+    case = inputs(TT, H, seed=1)
+    if cu_list is not None:
+        kw = case[6]
+        kw["cu_seqlens"] = torch.tensor(cu_list, device="cuda")
+        kw["initial_state"] = torch.randn(len(cu_list) - 1, H, 128, 128, device="cuda") * 0.1
+    return TT, case
+
+
 def prewarm(H: int, idx: int, old_path: str | None) -> None:
     """Compile variant ``idx`` (−2: the previous code; −3: fla-core) for H heads: g given and
     the K3 gate, the state pass in segments and whole (T 4096, as the timed shapes use them)."""
@@ -236,14 +249,10 @@ def k3_main(args) -> int:
         # the third: f × 40, every step's gate ≈ −5 (the 32-row blocks' factors near e^±80)
         for T, H, cu_list, sat in ((8192, 12, None, 1), (None, 16, [0, 1, 700, 4096, 4160, 9000], 1),
                                    (8192, 12, None, 40)):  # fmt: skip
-            TT = T or cu_list[-1]
-            q, k, v, g, f, beta, kw, k3 = inputs(TT, H, seed=1)
+            TT, (q, k, v, g, f, beta, kw, k3) = check_case(T, H, cu_list)
             if sat != 1:
                 f = (f.float() * sat).bfloat16()
                 g = kda_gate(f, k3["A_log"], k3["dt_bias"], k3["lower_bound"])
-            if cu_list is not None:
-                kw["cu_seqlens"] = torch.tensor(cu_list, device="cuda")
-                kw["initial_state"] = torch.randn(len(cu_list) - 1, H, 128, 128, device="cuda") * 0.1
             with torch.inference_mode():
                 o_ref, s_ref = chunk_kda(q.float(), k.float(), v.float(), g, beta.float(), **kw)
                 for var in VARIANTS:
@@ -380,11 +389,7 @@ def main() -> int:
     # 1. correctness of every variant against torch chunk_kda (fp32 upcast)
     checks = []
     for T, H, cu_list in ((8192, 12, None), (None, 16, [0, 1, 700, 4096, 4160, 9000])):
-        TT = T or cu_list[-1]
-        q, k, v, g, f, beta, kw, k3 = inputs(TT, H, seed=1)
-        if cu_list is not None:
-            kw["cu_seqlens"] = torch.tensor(cu_list, device="cuda")
-            kw["initial_state"] = torch.randn(len(cu_list) - 1, H, 128, 128, device="cuda") * 0.1
+        TT, (q, k, v, g, f, beta, kw, k3) = check_case(T, H, cu_list)
         with torch.inference_mode():
             o_ref, s_ref = chunk_kda(q.float(), k.float(), v.float(), g, beta.float(), **kw)
             for var in VARIANTS:

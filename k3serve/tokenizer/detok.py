@@ -180,7 +180,7 @@ class IncrementalDetokenizer:
         if token_id not in self._skip and (not stop_token or self._include_stop):
             ids = self._ids
             ids.append(token_id)
-            # _decode_new, inlined
+            # the newly decodable text (ids held back while it ends in U+FFFD), inline: per token
             decode, p = self._decode, self._prefix_offset
             prefix = decode(ids[p : self._read_offset])
             full = decode(ids[p:])
@@ -270,14 +270,6 @@ class IncrementalDetokenizer:
     def _finish(self, reason: str, stop_reason: str | int | None) -> None:
         self.finish_reason = reason
         self.stop_reason = stop_reason
-
-    def _decode_new(self) -> None:
-        """Appends the newly decodable text; holds ids back while it ends in U+FFFD."""
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
-            self._text += full[len(prefix) :]
-            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
 
     def _flush_partial(self) -> None:
         """At finish: appends whatever is still undecoded, U+FFFD included."""
