@@ -225,26 +225,23 @@ class Worker:
         worker's whole lifetime counters. Counters that went down in another epoch (or with
         no epoch given) restarted with the worker: their whole value is new."""
         same_epoch = epoch is not None and epoch == self.reported_epoch
-        last = self.reported if self.counts_prefills else None
         if same_epoch and seq is not None and self.reported_seq is not None \
                 and seq < self.reported_seq:
             return  # an older answer than the one applied
-        if last is not None and load is not None and load.prefills is not None \
-                and load.prefill_tokens is not None:
-            n, tok = load.prefills, load.prefill_tokens
-            went_down = n < last.prefills or tok < last.prefill_tokens  # type: ignore[operator]
+        last = self.reported if self.counts_prefills else None
+        counted = last is not None and load is not None and load.prefills is not None \
+            and load.prefill_tokens is not None
+        if counted:
+            n, tok = load.prefills, load.prefill_tokens  # type: ignore[union-attr]
+            went_down = n < last.prefills or tok < last.prefill_tokens  # type: ignore[operator,union-attr]
             if went_down and same_epoch:
                 return  # older: counters only grow within an epoch
         self.reported, self.sent_since_report, self.requests_since_report = load, 0, 0
         self.reported_at, self.answered_since_report = time.monotonic(), 0
         self.reported_epoch, self.reported_seq = epoch, seq
         self.reports += 1
-        if last is not None and self.counts_prefills:
-            n, tok = load.prefills, load.prefill_tokens  # type: ignore[union-attr]
-            if n < last.prefills or tok < last.prefill_tokens:  # type: ignore[operator]
-                dn, dt = n, tok
-            else:
-                dn, dt = n - last.prefills, tok - last.prefill_tokens  # type: ignore[operator]
+        if counted:
+            dn, dt = (n, tok) if went_down else (n - last.prefills, tok - last.prefill_tokens)  # type: ignore[operator,union-attr]
             if dn or dt:
                 self.seen.add(dt, requests=float(dn))
 
