@@ -23,6 +23,12 @@ this checkout's router both ways: one event per token, and coalesced (the decode
 the tokens that are ready together, decode/stream.py). ``--replicas 1,2,4``: tokens/s (wall) and CPU per token of the streaming
 load through each replica count (source trees without ``--replicas`` measure 1 only).
 
+Event loop: each tree's router runs as that tree ships it. A tree whose ``pyproject.toml``
+does not declare uvloop (e.g. main before issue 19) ran on asyncio's loop: it is measured with
+uvloop hidden from it (``loop: asyncio``), and, with ``--baseline-loop both`` (the default),
+once more with the uvloop installed here (``loop: uvloop``; uvicorn's ``auto`` picks it), so
+the table shows what the loop alone is worth to the old relay.
+
 Usage::
 
     python benchmarks/router_relay.py [--src /tmp/main,.] [--replicas 1,2,4] [--json out.json]
@@ -66,9 +72,26 @@ def serve_fakes(num_prefill: int, num_decode: int, token: str, coalesce: bool) -
 
 
 # ---------------------------------------------------------------- processes
-def _env(src: Path, token: str) -> dict[str, str]:
+def declares_uvloop(src: Path) -> bool:
+    """Whether the tree's package depends on uvloop (its router then runs on it)."""
+    p = src / "pyproject.toml"
+    return p.exists() and '"uvloop' in p.read_text()
+
+
+def _no_uvloop_dir() -> Path:
+    """A directory whose ``uvloop`` module fails to import (first on PYTHONPATH: uvicorn's
+    ``auto`` loop then is asyncio's, as in an environment without uvloop)."""
+    import tempfile
+
+    d = Path(tempfile.gettempdir()) / "k3serve-bench-no-uvloop"
+    d.mkdir(exist_ok=True)
+    (d / "uvloop.py").write_text('raise ImportError("hidden by benchmarks/router_relay.py")\n')
+    return d
+
+
+def _env(src: Path, token: str, hide_uvloop: bool = False) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(src)
+    env["PYTHONPATH"] = (f"{_no_uvloop_dir()}{os.pathsep}{src}" if hide_uvloop else str(src))
     env["K3SERVE_CLUSTER_TOKEN"] = token
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     return env
@@ -94,14 +117,15 @@ def start_fakes(token: str, num_prefill: int, num_decode: int, coalesce: bool
     return p, json.loads(line)
 
 
-def start_router(src: Path, token: str, replicas: int, port: int) -> subprocess.Popen:
+def start_router(src: Path, token: str, replicas: int, port: int, hide_uvloop: bool = False
+                 ) -> subprocess.Popen:
     # cache-event polls once a second (not 10/s): their CPU is not the relay's (the prompts are
     # distinct, the index does not matter here); what is left is measured idle and subtracted
     args = [sys.executable, "-m", "router.app", "--host", "127.0.0.1", "--port", str(port),
             "--model", MODEL, "--log-level", "warning", "--poll-interval", "1.0"]
     if replicas > 1:
         args += ["--replicas", str(replicas)]
-    return subprocess.Popen(args, env=_env(src, token), cwd=src)
+    return subprocess.Popen(args, env=_env(src, token, hide_uvloop), cwd=src)
 
 
 def start_py_spy(pid: int, out: str) -> subprocess.Popen:
@@ -243,11 +267,11 @@ async def phase(pid: int, url: str, args, stream: bool, max_tokens: int, offset:
 
 
 async def measure(src: Path, replicas: int, args, token: str, workers: list[str],
-                  full: bool, mode: str = "") -> dict[str, float]:
+                  full: bool, mode: str = "", hide_uvloop: bool = False) -> dict[str, float]:
     """Rounds of the loads through one router (``replicas`` processes); medians."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    router = start_router(src, token, replicas, port)
+    router = start_router(src, token, replicas, port, hide_uvloop)
     try:
         await wait_router(url, workers, token, replicas)
         await load(url, args.concurrency, args.concurrency, True, args.tokens, 10**6)  # warm-up
@@ -316,16 +340,23 @@ async def main_async(args) -> dict:
     for src_s in args.src.split(","):
         src = Path(src_s).resolve()
         new = supports_replicas(src)  # a tree with issue 19's relay and replicas
+        if declares_uvloop(src):
+            loops = ["uvloop"]
+        else:  # as shipped (asyncio's loop); and on the uvloop installed here
+            loops = {"shipped": ["asyncio"], "uvloop": ["uvloop"],
+                     "both": ["asyncio", "uvloop"]}[args.baseline_loop]
         for coalesce in ([False, True] if new else [False]):
             fakes, workers = start_fakes(token, args.prefill, args.decode, coalesce)
             try:
                 reps = [r for r in args.replicas if r == 1 or new] if coalesce else [1]
-                for r in reps:
-                    res = await measure(src, r, args, token, workers, full=r == 1,
-                                        mode="coalesced" if coalesce else "each")
-                    res.update(src=str(src), replicas=r, coalesce=coalesce)
-                    out["runs"].append(res)
-                    print(json.dumps(res), flush=True)
+                for loop in loops:
+                    for r in reps:
+                        res = await measure(src, r, args, token, workers, full=r == 1,
+                                            mode="coalesced" if coalesce else "each",
+                                            hide_uvloop=loop == "asyncio")
+                        res.update(src=str(src), replicas=r, coalesce=coalesce, loop=loop)
+                        out["runs"].append(res)
+                        print(json.dumps(res), flush=True)
             finally:
                 fakes.stdin.close()
                 fakes.wait(15)
@@ -336,15 +367,16 @@ def table(out: dict) -> str:
     t = out["tokens"]
     lines = [(f"{out['requests']} requests at concurrency {out['concurrency']}, fake workers; "
               "router CPU (all its processes, net of idle polling), medians"), "",
-             ("| router source | worker events | replicas | CPU / request, non-streaming 1 "
+             ("| router source | event loop | worker events | replicas | CPU / request, non-streaming 1 "
               f"token | CPU / request, streaming {t} tokens | CPU / relayed token | beyond "
               "fixed cost | tokens/s (wall) | tokens per router CPU-s | chunks per stream |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in out["runs"]:
         ns = f"{r['nonstream_ms']:.2f} ms" if "nonstream_ms" in r else "–"
         bf = f"{r['us_beyond_fixed']:.1f} µs" if "us_beyond_fixed" in r else "–"
         ev = "coalesced" if r["coalesce"] else "1 token each"
-        lines.append(f"| {Path(r['src']).name} | {ev} | {r['replicas']} | {ns} | {r['stream_ms']:.2f} ms"
+        lines.append(f"| {Path(r['src']).name} | {r.get('loop', '?')} | {ev} | {r['replicas']} | {ns} "
+                     f"| {r['stream_ms']:.2f} ms"
                      f" | {r['us_per_token']:.1f} µs | {bf} | {r['tokens_per_s']:,.0f} | "
                      f"{r['tokens_per_cpu_s']:,.0f} | {r['chunks']:.0f} |")
     return "\n".join(lines)
@@ -365,6 +397,9 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--baseline-loop", choices=["shipped", "uvloop", "both"], default="both",
+                    help="event loop of a tree that does not declare uvloop: as shipped "
+                         "(asyncio's), on the uvloop installed here, or both (default)")
     ap.add_argument("--py-spy", default=None, metavar="PREFIX",
                     help="profile the router during the first round with py-spy (collapsed "
                          "stacks in PREFIX.TREE.MODE.rN.txt, streaming, and "

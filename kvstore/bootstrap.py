@@ -141,6 +141,7 @@ class KVBootstrapServer(TicketTable):
             access_log=False,
             lifespan="off",
             http="h11",  # as before httptools was installed for the router (router/config.py)
+            loop="asyncio",  # and asyncio's loop, as before uvloop was (router/config.py)
         )
         self._server = uvicorn.Server(cfg)
         self._thread = threading.Thread(target=self._server.run, name="kv-bootstrap", daemon=True)

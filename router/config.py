@@ -198,6 +198,12 @@ def _without_replicas(argv: list[str]) -> list[str]:
 #: uvicorn's HTTP implementation of the router (tests/router_fakes.Stack serves it the same).
 ROUTER_HTTP = "httptools"
 
+#: uvicorn's event loop for the router: ``"auto"`` is uvloop (a declared dependency, C event
+#: loop on libuv) where it is installed, else asyncio's. uvloop cuts the router's CPU per
+#: relayed token by ~15 % (benchmarks/router_relay.py, README issue 19): every chunk is a
+#: socket read, a task wake-up and a socket write. The workers stay on asyncio's loop.
+ROUTER_LOOP = "auto"
+
 #: The router process's first collector threshold (CPython's default is 700): a request
 #: allocates and frees thousands of container objects (messages, deltas, tasks, futures),
 #: and a young-generation collection every 700 of them cost ~4 % of the router's CPU in the
@@ -262,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     # the router's CPU per request and per relayed chunk (benchmarks/router_relay.py, README
     # issue 19); the workers' servers stay on h11
     server = uvicorn.Server(uvicorn.Config(
-        create_app(config), log_level=args.log_level, http=ROUTER_HTTP,
+        create_app(config), log_level=args.log_level, http=ROUTER_HTTP, loop=ROUTER_LOOP,
         access_log=not isinstance(level, int) or level <= logging.INFO))
     tune_gc()
     try:

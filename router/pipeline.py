@@ -16,9 +16,9 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import ExitStack
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import httpx
 from tenacity import (
@@ -61,6 +61,8 @@ if TYPE_CHECKING:
     from k3serve.sampling import SamplingParams
 
 log = logging.getLogger("k3serve.router")
+
+T = TypeVar("T")
 
 #: Pause before a choice that found every decode worker busy retries its reservation; waiting
 #: choices take turns, so at most 1 / BUSY_RETRY_S such retries per second leave the router.
@@ -109,6 +111,38 @@ def affinity_key(ids: Sequence[int], hashes: Sequence[str], fingerprint: str,
 def _busy(e: BaseException) -> bool:
     """A decode worker had no room for the reservation now."""
     return isinstance(e, WorkerError) and e.busy
+
+
+async def first_then_retrying(attempt: Callable[[int], Awaitable[T]],
+                              retryable: Callable[[BaseException], bool],
+                              retrying: Callable[[], AsyncRetrying]) -> T:
+    """``attempt(1)``, awaited directly; only when it fails with an error ``retryable``
+    accepts does the tenacity loop ``retrying()`` run, from that failure: the loop's attempt
+    1 re-raises it (so its retry, stop, before-sleep and error callbacks see it as their own
+    first attempt), then ``attempt(2)``, ``attempt(3)``, ... as the loop decides.
+
+    The same attempts, waits and errors as running the loop from the start, without
+    tenacity's per-attempt work (its callbacks are checked and wrapped on every attempt:
+    ~0.1 ms of router CPU per request for the two loops a choice runs) in the usual case,
+    where the first attempt succeeds (benchmarks/router_relay.py, README issue 19).
+
+    Raises:
+        Whatever ``attempt(1)`` raised that ``retryable`` refuses; else what the loop raises.
+    """
+    try:
+        return await attempt(1)
+    except BaseException as e:  # re-raised below, or by the loop
+        if not retryable(e):
+            raise
+        failed: BaseException | None = e
+    async for a in retrying():
+        with a:
+            n = a.retry_state.attempt_number
+            if n == 1 and failed is not None:
+                e, failed = failed, None
+                raise e
+            result = await attempt(n)
+    return result
 
 
 class Router:
@@ -240,23 +274,28 @@ class Router:
         ``busy_wait_s``) while every D is busy. The returned stack holds D's load."""
         need = len(job.token_ids) + job.max_new
         deadline = time.monotonic() + self.config.busy_wait_s
-        async for attempt in AsyncRetrying(
-                retry=retry_if_exception(_busy), stop=stop_after_delay(self.config.busy_wait_s),
+
+        async def attempt(_: int) -> tuple[Placement, Worker, Worker, str, str, ExitStack]:
+            p, P, D = self.place(job.token_ids, cache_salt, job.max_new, exclude)
+            with ExitStack() as hold:
+                hold.enter_context(D.load(running=1, reserved_tokens=need))
+                try:
+                    res = await self.pool.reserve(D, ReserveRequest(
+                        request_id=sub, prompt_token_ids=job.token_ids, sampling=spec,
+                        cache_salt=cache_salt))
+                except asyncio.CancelledError:
+                    self._abort(D, sub)
+                    raise
+                return p, P, D, res.ticket, res.bootstrap_addr, hold.pop_all()
+
+        def retrying() -> AsyncRetrying:  # the wait for room, from the first busy answer
+            return AsyncRetrying(
+                retry=retry_if_exception(_busy),
+                stop=stop_after_delay(max(0.0, deadline - time.monotonic())),
                 wait=wait_fixed(BUSY_RETRY_S), retry_error_callback=self._no_room,
-                sleep=lambda s: self._busy_turn(s, deadline)):
-            with attempt:
-                p, P, D = self.place(job.token_ids, cache_salt, job.max_new, exclude)
-                with ExitStack() as hold:
-                    hold.enter_context(D.load(running=1, reserved_tokens=need))
-                    try:
-                        res = await self.pool.reserve(D, ReserveRequest(
-                            request_id=sub, prompt_token_ids=job.token_ids, sampling=spec,
-                            cache_salt=cache_salt))
-                    except asyncio.CancelledError:
-                        self._abort(D, sub)
-                        raise
-                    hold = hold.pop_all()
-        return p, P, D, res.ticket, res.bootstrap_addr, hold
+                sleep=lambda s: self._busy_turn(s, deadline))
+
+        return await first_then_retrying(attempt, _busy, retrying)
 
     async def _first_token(self, job: PromptJob, spec: SamplingSpec, cache_salt: str | None,
                            sub: str, exclude: frozenset[str]) -> Placed:
@@ -392,16 +431,18 @@ class Router:
                         tried.difference_update(others)
                     tried.add(w.url)
 
+        async def attempt(n: int) -> Placed:
+            sub = f"{rid}-{index}" + (f"-r{n - 1}" if n > 1 else "")
+            first_token = (self._first_token_monolithic if self.monolithic
+                           else self._first_token)
+            return await first_token(job, spec, cache_salt, sub, frozenset(tried))
+
         try:
-            async for attempt in AsyncRetrying(retry=retry_if_exception(_failover),
-                                               stop=stop_after_attempt(FIRST_TOKEN_ATTEMPTS),
-                                               reraise=True, before_sleep=exclude_failed):
-                with attempt:
-                    n = attempt.retry_state.attempt_number
-                    sub = f"{rid}-{index}" + (f"-r{n - 1}" if n > 1 else "")
-                    first_token = (self._first_token_monolithic if self.monolithic
-                                   else self._first_token)
-                    placed = await first_token(job, spec, cache_salt, sub, frozenset(tried))
+            placed = await first_then_retrying(
+                attempt, _failover,
+                lambda: AsyncRetrying(retry=retry_if_exception(_failover),
+                                      stop=stop_after_attempt(FIRST_TOKEN_ATTEMPTS),
+                                      reraise=True, before_sleep=exclude_failed))
         except WorkerError as e:
             if e.client_error:
                 raise _refused(e) from None

@@ -92,8 +92,13 @@ def relay_batch(index: int, batch: list[StreamEvent], detok, logprobs: bool = Tr
     the held-back text is released and D's reason kept.
 
     ``logprobs`` False (the request asked for none): ``Delta.logprobs`` stays empty (no
-    :class:`TokenLogprob` per token; nothing renders them).
+    :class:`TokenLogprob` per token; nothing renders them), and the batch's tokens go through
+    the detokenizer at once (:meth:`~k3serve.tokenizer.detok.IncrementalDetokenizer.update`:
+    the same text, tokens and finish; ``Delta.texts`` is ``None``, the per-token split of
+    the text being needed only for logprobs' ``text_offset``).
     """
+    if not logprobs:
+        return _relay_plain(index, batch, detok)
     d = Delta(index, texts=[])
     texts, ids, lps = d.texts, d.token_ids, d.logprobs
     step = detok.step
@@ -118,6 +123,24 @@ def relay_batch(index: int, batch: list[StreamEvent], detok, logprobs: bool = Tr
             d.text = rest
             break
     d.text = "".join(texts) if d.texts is not None else d.text
+    d.finish_reason = detok.finish_reason
+    return d
+
+
+def _relay_plain(index: int, batch: list[StreamEvent], detok) -> Delta:
+    """:func:`relay_batch` without logprobs: the tokens up to D's first finish, fed at once."""
+    ids: list[int] = []
+    reason = None
+    for ev in batch:
+        ids += ev.token_ids
+        if ev.finish_reason:
+            reason = ev.finish_reason
+            break
+    n0 = detok.num_tokens
+    text = detok.update(ids).new_text if ids else ""
+    d = Delta(index, text, ids[:detok.num_tokens - n0])
+    if reason and not detok.finished:  # D ended it first
+        d.text += detok.finish(reason).new_text
     d.finish_reason = detok.finish_reason
     return d
 

@@ -365,12 +365,12 @@ def free_port() -> int:
 class ServerThread:
     """Serve an ASGI app with uvicorn in a daemon thread on a free local port."""
 
-    def __init__(self, app: Any, http: str = "h11") -> None:
+    def __init__(self, app: Any, http: str = "h11", loop: str = "asyncio") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error",
                              lifespan="on", timeout_keep_alive=30,  # > clients' pool expiry
-                             http=http)  # workers: h11, as worker/serve.py
+                             http=http, loop=loop)  # workers: h11, asyncio, as worker/serve.py
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -416,9 +416,10 @@ class Stack:
         self.app = create_app(RouterConfig(model=MODEL, api_key=api_key, cluster_token=TOKEN,
                                            **config))
         self.router = self.app.state.router
-        from router.config import ROUTER_HTTP
+        from router.config import ROUTER_HTTP, ROUTER_LOOP
 
-        self.srv = ServerThread(self.app, http=ROUTER_HTTP).start()  # as router/config.py
+        # served as router/config.py serves it
+        self.srv = ServerThread(self.app, http=ROUTER_HTTP, loop=ROUTER_LOOP).start()
         self.url = self.srv.url
         self.prefill: list = []
         self.decode: list = []

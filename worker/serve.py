@@ -131,9 +131,11 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
                     "worker and its kvstore is open to anyone who can reach it")
     worker = worker_cls(config)
     app = create_app(worker)
-    # h11, as before httptools was installed for the router (router/config.py)
+    # h11 and asyncio's loop, as before httptools and uvloop were installed for the router
+    # (router/config.py)
     server = _server_cls()(uvicorn.Config(app, log_level=config.log_level, access_log=False,
-                                          timeout_graceful_shutdown=3, http="h11"), worker, app)
+                                          timeout_graceful_shutdown=3, http="h11",
+                                          loop="asyncio"), worker, app)
     print(f"k3serve {role} worker {worker.worker_id} listening on {worker.url}", flush=True)
     server.run(sockets=[sock])
     return 0

@@ -157,6 +157,11 @@ class IncrementalDetokenizer:
         """Every token fed so far (a copy), including a final stop token."""
         return list(self._token_ids)
 
+    @property
+    def num_tokens(self) -> int:
+        """How many tokens were fed so far (``len(token_ids)``, without the copy)."""
+        return len(self._token_ids)
+
     # ------------------------------------------------------------------ feeding
     def step(self, token_id: int) -> DetokOutput:
         """Feeds one generated token.
@@ -214,9 +219,19 @@ class IncrementalDetokenizer:
         return DetokOutput("", reason is not None, reason)
 
     def update(self, token_ids: Iterable[int]) -> DetokOutput:
-        """Feeds several tokens in order (e.g. token #1 plus the decode worker's first batch).
+        """Feeds several tokens in order (e.g. token #1 plus the decode worker's first batch):
+        the same text, finish and :attr:`token_ids` as :meth:`step` on each in turn.
 
-        Tokens after the one that finishes the choice are ignored.
+        Tokens after the one that finishes the choice are ignored (:attr:`num_tokens` tells
+        how many were consumed).
+
+        Without stop strings, the leading run of tokens that cannot finish the choice (no stop
+        token, no skipped special, below the length limit) is decoded at once: one window
+        decode for the run instead of one per token (:meth:`_extend`; the router relays the
+        tokens a decode worker sent together this way). What the run completes is the text
+        the per-token steps emit over it: both append ``decode(window + run)`` minus
+        ``decode(window)``; only the split of that text among the run's tokens is not
+        computed. A run whose text ends in an unfinished character is stepped token by token.
 
         Returns:
             The concatenated new text and the state after the last token consumed.
@@ -226,13 +241,49 @@ class IncrementalDetokenizer:
         """
         if self.finished:
             raise RuntimeError("IncrementalDetokenizer.update: choice already finished")
+        ids = token_ids if isinstance(token_ids, list) else list(token_ids)
         pieces: list[str] = []
-        for t in token_ids:
+        start = 0
+        if not self._stops and len(ids) > 1:
+            end = len(ids)
+            if self._max_tokens is not None:  # the token that reaches the limit is stepped
+                end = min(end, self._max_tokens - len(self._token_ids) - 1)
+            stop, skip = self._stop_ids, self._skip
+            run = 0
+            while run < end and ids[run] not in stop and ids[run] not in skip:
+                run += 1
+            if run > 1:
+                text = self._extend(ids[:run])
+                if text is not None:
+                    pieces.append(text)
+                    start = run
+        for t in ids[start:] if start else ids:
             out = self.step(t)
             pieces.append(out.new_text)
             if out.finished:
                 break
         return DetokOutput("".join(pieces), self.finished, self.finish_reason)
+
+    def _extend(self, run: list[int]) -> str | None:
+        """Feeds ``run`` (tokens none of which finishes the choice; no stop strings) with one
+        window decode; returns the text it releases, or ``None`` (nothing fed) when the
+        window's text would end in U+FFFD or not grow (the caller steps it per token)."""
+        ids = self._ids
+        n0 = len(ids)
+        ids += run
+        decode, p = self._decode, self._prefix_offset
+        prefix = decode(ids[p : self._read_offset])
+        full = decode(ids[p:])
+        if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
+            del ids[n0:]
+            return None
+        self._token_ids += run
+        self._text += full[len(prefix) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        text = self._text
+        emitted, self._emitted = self._emitted, len(text)
+        self._checked = len(text)
+        return text[emitted:]
 
     def finish(self, reason: str = "abort") -> DetokOutput:
         """Ends the choice where the token stream stopped, releasing the held-back text.

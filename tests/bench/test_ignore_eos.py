@@ -14,7 +14,7 @@ import pytest
 from router_fakes import TOKENIZER, ServerThread, start_worker
 
 from router.app import RouterConfig, create_app
-from router.config import ROUTER_HTTP
+from router.config import ROUTER_HTTP, ROUTER_LOOP
 from router.workers import CLUSTER_TOKEN_HEADER
 
 TOKEN = "cluster-secret"
@@ -23,7 +23,7 @@ TOKEN = "cluster-secret"
 @pytest.fixture(scope="module")
 def stack():
     app = create_app(RouterConfig(model="k3-tiny", cluster_token=TOKEN, poll_interval_s=0.02))
-    srv = ServerThread(app, http=ROUTER_HTTP).start()  # the router's server, as served
+    srv = ServerThread(app, http=ROUTER_HTTP, loop=ROUTER_LOOP).start()  # the router's server, as served
     workers = []
     try:
         workers = [start_worker("prefill", TOKEN), start_worker("decode", TOKEN)]

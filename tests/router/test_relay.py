@@ -23,7 +23,7 @@ from k3serve.messages import StreamEvent, TokenLogprob
 from k3serve.sampling import SamplingParams
 from k3serve.tokenizer.detok import IncrementalDetokenizer
 from router.app import RouterConfig, coalesce, create_app
-from router.config import ROUTER_HTTP
+from router.config import ROUTER_HTTP, ROUTER_LOOP
 from router.preprocess import parse_request
 from router.render import Render
 from router.schemas import ChatCompletionRequest, CompletionRequest
@@ -98,8 +98,9 @@ def _detok(**kw) -> IncrementalDetokenizer:
     return IncrementalDetokenizer(TOKENIZER, sp, eos_token_id=TOKENIZER.eos_token_id)
 
 
-@pytest.mark.parametrize("kw", [{}, {"stop": ("lo w",)}, {"max_tokens": 7}])
-def test_relay_batch_equals_token_by_token(kw):
+@pytest.mark.parametrize("logprobs", [True, False])
+@pytest.mark.parametrize("kw", [{}, {"stop": ("lo w",)}, {"max_tokens": 7}, {"max_tokens": 9}])
+def test_relay_batch_equals_token_by_token(kw, logprobs):
     ids = list("hello world, héllo".encode())
     one = _detok(**kw)
     texts = []
@@ -110,18 +111,32 @@ def test_relay_batch_equals_token_by_token(kw):
             break
     batched = _detok(**kw)
     evs = [StreamEvent(token_ids=ids[i:i + 3], text="") for i in range(0, len(ids), 3)]
-    d = relay_batch(0, evs[:2], batched)
-    d.absorb(relay_batch(0, evs[2:], batched) if not batched.finished else Delta(0))
+    d = relay_batch(0, evs[:2], batched, logprobs)
+    d.absorb(relay_batch(0, evs[2:], batched, logprobs) if not batched.finished else Delta(0))
     assert d.text == "".join(texts) == one.text
-    assert d.texts == texts and d.token_ids == ids[:len(texts)]
-    assert d.finish_reason == one.finish_reason
+    assert d.token_ids == ids[:len(texts)] and d.finish_reason == one.finish_reason
+    if logprobs:  # the text each token completed (completions' text_offset)
+        assert d.texts == texts
 
 
-def test_relay_batch_releases_held_text_when_decode_ends_first():
+@pytest.mark.parametrize("logprobs", [True, False])
+def test_relay_batch_releases_held_text_when_decode_ends_first(logprobs):
     det = _detok(stop=("xyz",))
     d = relay_batch(0, [StreamEvent(token_ids=[97, 120], text=""),
-                        StreamEvent(token_ids=[], finish_reason="abort")], det)
-    assert d.text == "ax" and d.finish_reason == "abort" and d.texts == ["a", "x"]
+                        StreamEvent(token_ids=[], finish_reason="abort")], det, logprobs)
+    assert d.text == "ax" and d.finish_reason == "abort" and d.token_ids == [97, 120]
+    if logprobs:
+        assert d.texts == ["a", "x"]
+
+
+@pytest.mark.parametrize("logprobs", [True, False])
+def test_relay_batch_ignores_tokens_after_decodes_finish(logprobs):
+    """Tokens after an event that carries D's finish are not D's news (not relayed)."""
+    det = _detok()
+    d = relay_batch(0, [StreamEvent(token_ids=[97, 0xC3], text="", finish_reason="abort"),
+                        StreamEvent(token_ids=[98], text="")], det, logprobs)
+    assert d.token_ids == [97, 0xC3] and d.finish_reason == "abort"
+    assert d.text == "a\ufffd"  # the cut character released as decoded
 
 
 def test_coalesce_merges_one_choice_only():
@@ -162,7 +177,7 @@ def test_frame_is_the_pydantic_chunk(chat, first, text, finish):
 @pytest.fixture(scope="module")
 def stack():
     app = create_app(RouterConfig(model=MODEL, cluster_token=TOKEN, poll_interval_s=0.02))
-    srv = ServerThread(app, http=ROUTER_HTTP).start()  # the router's server, as served
+    srv = ServerThread(app, http=ROUTER_HTTP, loop=ROUTER_LOOP).start()  # the router's server, as served
     workers = [start_worker("prefill", TOKEN), start_worker("decode", TOKEN)]
     for st, _ in workers:
         r = httpx.post(srv.url + "/internal/register", json={"url": st.url},
