@@ -82,6 +82,8 @@ def _run(tok, ids, params, eos, batches):
         o = many.update(ids[i:i + n])
         got.append(o.new_text)
         assert many.num_tokens - before <= n
+        # each update's text (one client chunk) is what the steps over its tokens emitted
+        assert o.new_text == "".join(texts[before:many.num_tokens])
         i += n
     rest = [many.finish("abort").new_text, one.finish("abort").new_text]
     assert "".join(got) + rest[0] == "".join(texts) + rest[1]
