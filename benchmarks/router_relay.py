@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import secrets
@@ -340,8 +341,8 @@ async def main_async(args) -> dict:
     for src_s in args.src.split(","):
         src = Path(src_s).resolve()
         new = supports_replicas(src)  # a tree with issue 19's relay and replicas
-        if declares_uvloop(src):
-            loops = ["uvloop"]
+        if declares_uvloop(src):  # uvicorn's ``auto``: uvloop where it is installed
+            loops = ["uvloop" if importlib.util.find_spec("uvloop") else "asyncio"]
         else:  # as shipped (asyncio's loop); and on the uvloop installed here
             loops = {"shipped": ["asyncio"], "uvloop": ["uvloop"],
                      "both": ["asyncio", "uvloop"]}[args.baseline_loop]

@@ -272,8 +272,12 @@ class IncrementalDetokenizer:
         n0 = len(ids)
         ids += run
         decode, p = self._decode, self._prefix_offset
-        prefix = decode(ids[p : self._read_offset])
-        full = decode(ids[p:])
+        try:
+            prefix = decode(ids[p : self._read_offset])
+            full = decode(ids[p:])
+        except BaseException:  # e.g. an id outside the vocabulary: nothing fed
+            del ids[n0:]
+            raise
         if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
             del ids[n0:]
             return None

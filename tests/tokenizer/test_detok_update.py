@@ -131,3 +131,13 @@ def test_update_equals_step_hf_tokenizers(kind, bulk):
         batches = [rng.randrange(1, 9) for _ in range(len(ids))]
         _run(tok, ids, _params(rng, [eos, ids[0]]), eos, batches)
     assert bulk["runs"] > 200
+
+
+def test_a_decode_error_in_a_run_feeds_nothing():
+    """An id the tokenizer refuses (raises in ``decode``) leaves the detokenizer as it was:
+    the run is not half fed (its ids and its token count stay in step)."""
+    det = IncrementalDetokenizer(BYTE, SamplingParams(max_tokens=50), eos_token_id=EOS)
+    with pytest.raises(ValueError, match="outside the byte vocabulary"):
+        det.update([97, 98, 10_000])
+    assert det.num_tokens == 0 and det.text == ""
+    assert det.update([97, 98]).new_text == "ab" and det.token_ids == [97, 98]
