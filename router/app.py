@@ -204,7 +204,7 @@ def create_app(config: RouterConfig,
                         acc = accs.get(d.index)
                         if acc is None:
                             acc = accs[d.index] = ChoiceAcc()
-                        acc.absorb(d)
+                        acc.count(d)
                         frame = render.frame(d, d.index not in seen)
                         seen.add(d.index)
                         if d.finish_reason and done == num_choices - 1:

@@ -94,9 +94,22 @@ class DecodeEvents:
                  served: ServedBy | None = None) -> None:
         self.pool, self.worker, self.sub, self.resume = pool, worker, sub, resume
         self.served = served
-        self.tokens: list[int] = [first[0]]
-        self.logprobs: list[float | None] = [first[1]]
+        self._tokens: list[int] = [first[0]]
+        self._logprobs: list[float | None] = [first[1]]
+        self._pending: list[list[StreamEvent]] = []  # delivered batches not yet counted
         self.migrations = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every output token handed to the consumer, token #1 first (the list itself)."""
+        self._count()
+        return self._tokens
+
+    @property
+    def logprobs(self) -> list[float | None]:
+        """The logprob of each of :attr:`tokens` (``None``: none sent, or not finite)."""
+        self._count()
+        return self._logprobs
 
     async def __aiter__(self) -> AsyncIterator[list[StreamEvent]]:
         """Yield the events, a batch per network read (``WorkerPool.stream_batches``: the
@@ -146,11 +159,19 @@ class DecodeEvents:
                              logprob=self.logprobs[0])
 
     def _delivered(self, batch: list[StreamEvent]) -> None:
-        """Count the tokens (and their logprobs) of a batch the consumer has."""
-        for ev in batch:
-            self.tokens += ev.token_ids
-            self.logprobs += [lp.logprob for lp in ev.logprobs[:len(ev.token_ids)]]
-            self.logprobs += [None] * (len(self.tokens) - len(self.logprobs))
+        """Note a batch the consumer has: its tokens are counted into :attr:`tokens` when
+        they are read (a migration, rarely), not per batch on the relay's path."""
+        self._pending.append(batch)
+
+    def _count(self) -> None:
+        """Move the delivered batches' tokens (and their logprobs) into the lists."""
+        tokens, lps = self._tokens, self._logprobs
+        for batch in self._pending:
+            for ev in batch:
+                tokens += ev.token_ids
+                lps += [lp.logprob for lp in ev.logprobs[:len(ev.token_ids)]]
+                lps += [None] * (len(tokens) - len(lps))
+        self._pending.clear()
 
     async def _migrate(self, e: WorkerError) -> StreamRequest:
         """After the stream failed with ``e``: resume the request on another decode worker;

@@ -66,6 +66,14 @@ class ChoiceAcc:
         self.token_texts += token_texts(d)
         self.finish_reason = d.finish_reason or self.finish_reason
 
+    def count(self, d: Delta) -> None:
+        """A streamed delta: only its tokens and finish are kept (the usage chunk counts the
+        tokens; the text went to the client in the chunk). Per chunk, without the text
+        concatenation of :meth:`absorb`, which copies the whole text each time (quadratic in
+        a long stream)."""
+        self.token_ids += d.token_ids
+        self.finish_reason = d.finish_reason or self.finish_reason
+
 
 def token_texts(d: Delta) -> list[str]:
     """Text attributed per token: the text each token completed (``Delta.texts``), else the

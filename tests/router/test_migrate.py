@@ -108,3 +108,25 @@ def test_a_consumer_that_stops_does_not_migrate():
     pool = ScriptedPool({"d0": [ev(11, 12), WorkerError("d0", "late")]})
     assert collect(DecodeEvents(pool, W("d0"), "s", (10, None), resume), stop_after=2) == [11, 12]
     assert calls == []
+
+
+def test_tokens_read_between_batches_follow_the_delivered_ones():
+    """``tokens`` / ``logprobs`` are counted when read (the relay only notes each batch):
+    read after every batch, and after a read and more batches, they are the tokens the
+    consumer has, token #1 first, a token sent without a logprob getting ``None``."""
+    no_lp = StreamEvent(token_ids=[13, 14], logprobs=[TokenLogprob(logprob=-0.5)])
+    pool = ScriptedPool({"d0": [ev(11), ev(12), no_lp, ev(15, finish="stop")]})
+    src = DecodeEvents(pool, W("d0"), "sub", (10, -1.0), None)
+    seen = []
+
+    async def go() -> None:
+        async for batch in src:
+            seen.append((list(src.tokens), list(src.logprobs)))
+            del batch
+    asyncio.run(go())
+    # a batch counts as delivered once the next one is asked for
+    assert seen == [([10], [-1.0]), ([10, 11], [-1.0, -11 / 8]),
+                    ([10, 11, 12], [-1.0, -11 / 8, -12 / 8]),
+                    ([10, 11, 12, 13, 14], [-1.0, -11 / 8, -12 / 8, -0.5, None])]
+    assert src.tokens == [10, 11, 12, 13, 14, 15]
+    assert src.logprobs == [-1.0, -11 / 8, -12 / 8, -0.5, None, -15 / 8]
