@@ -71,6 +71,10 @@ class ServedBy:
             self.metrics.running.labels(self.name).dec()
 
 
+#: Delivered batches a :class:`DecodeEvents` holds before it counts their tokens.
+COUNT_EVERY = 64
+
+
 class DecodeEvents:
     """The :class:`StreamEvent` s of one choice from token #2 on, across decode workers, in
     batches (the events that arrived in one network read).
@@ -160,8 +164,13 @@ class DecodeEvents:
 
     def _delivered(self, batch: list[StreamEvent]) -> None:
         """Note a batch the consumer has: its tokens are counted into :attr:`tokens` when
-        they are read (a migration, rarely), not per batch on the relay's path."""
-        self._pending.append(batch)
+        they are read (a migration, rarely), or every ``COUNT_EVERY`` batches, not per batch
+        on the relay's path (the noted events, their text and logprobs, are held until
+        then: a bounded number of them)."""
+        pending = self._pending
+        pending.append(batch)
+        if len(pending) >= COUNT_EVERY:
+            self._count()
 
     def _count(self) -> None:
         """Move the delivered batches' tokens (and their logprobs) into the lists."""

@@ -130,3 +130,22 @@ def test_tokens_read_between_batches_follow_the_delivered_ones():
                     ([10, 11, 12, 13, 14], [-1.0, -11 / 8, -12 / 8, -0.5, None])]
     assert src.tokens == [10, 11, 12, 13, 14, 15]
     assert src.logprobs == [-1.0, -11 / 8, -12 / 8, -0.5, None, -15 / 8]
+
+
+def test_a_long_stream_counts_its_batches_as_it_goes():
+    """Past ``COUNT_EVERY`` delivered batches the tokens are counted (the events are not
+    held for the whole stream), and the tokens read at the end are still all of them."""
+    from router.migrate import COUNT_EVERY
+
+    n = 2 * COUNT_EVERY + 5
+    events = [ev(100 + k) for k in range(n)] + [ev(999, finish="length")]
+    src = DecodeEvents(ScriptedPool({"d0": events}), W("d0"), "sub", (10, -1.0), None)
+    held = []
+
+    async def go() -> None:
+        async for _ in src:
+            held.append(len(src._pending))
+    asyncio.run(go())
+    assert max(held) < COUNT_EVERY
+    assert src.tokens == [10, *range(100, 100 + n), 999]
+    assert src.logprobs == [-1.0, *[-(100 + k) / 8 for k in range(n)], -999 / 8]
