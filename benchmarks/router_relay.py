@@ -23,6 +23,12 @@ this checkout's router both ways: one event per token, and coalesced (the decode
 the tokens that are ready together, decode/stream.py). ``--replicas 1,2,4``: tokens/s (wall) and CPU per token of the streaming
 load through each replica count (source trees without ``--replicas`` measure 1 only).
 
+Decode streams: a tree whose router reads decode channels (``--no-decode-channels`` exists)
+reads them, one channel per decode worker carrying every request's stream (the fake workers
+serve them as the real decode worker does); with coalescing workers it is measured once more
+with one stream per request (``--no-decode-channels``; ``--no-per-request`` skips that run).
+Older trees open one stream per request.
+
 Event loop: each tree's router runs as that tree ships it. A tree whose ``pyproject.toml``
 does not declare uvloop (e.g. main before issue 19) ran on asyncio's loop: it is measured with
 uvloop hidden from it (``loop: asyncio``), and, with ``--baseline-loop both`` (the default),
@@ -118,14 +124,16 @@ def start_fakes(token: str, num_prefill: int, num_decode: int, coalesce: bool
     return p, json.loads(line)
 
 
-def start_router(src: Path, token: str, replicas: int, port: int, hide_uvloop: bool = False
-                 ) -> subprocess.Popen:
+def start_router(src: Path, token: str, replicas: int, port: int, hide_uvloop: bool = False,
+                 channels: bool = True) -> subprocess.Popen:
     # cache-event polls once a second (not 10/s): their CPU is not the relay's (the prompts are
     # distinct, the index does not matter here); what is left is measured idle and subtracted
     args = [sys.executable, "-m", "router.app", "--host", "127.0.0.1", "--port", str(port),
             "--model", MODEL, "--log-level", "warning", "--poll-interval", "1.0"]
     if replicas > 1:
         args += ["--replicas", str(replicas)]
+    if not channels:
+        args += ["--no-decode-channels"]
     return subprocess.Popen(args, env=_env(src, token, hide_uvloop), cwd=src)
 
 
@@ -147,6 +155,11 @@ def stop_py_spy(spy: subprocess.Popen) -> None:
 
 def supports_replicas(src: Path) -> bool:
     return "--replicas" in (src / "router" / "config.py").read_text()
+
+
+def supports_channels(src: Path) -> bool:
+    """Whether the tree's router reads decode channels (and has ``--no-decode-channels``)."""
+    return "--no-decode-channels" in (src / "router" / "config.py").read_text()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -268,11 +281,12 @@ async def phase(pid: int, url: str, args, stream: bool, max_tokens: int, offset:
 
 
 async def measure(src: Path, replicas: int, args, token: str, workers: list[str],
-                  full: bool, mode: str = "", hide_uvloop: bool = False) -> dict[str, float]:
+                  full: bool, mode: str = "", hide_uvloop: bool = False,
+                  channels: bool = True) -> dict[str, float]:
     """Rounds of the loads through one router (``replicas`` processes); medians."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    router = start_router(src, token, replicas, port, hide_uvloop)
+    router = start_router(src, token, replicas, port, hide_uvloop, channels)
     try:
         await wait_router(url, workers, token, replicas)
         await load(url, args.concurrency, args.concurrency, True, args.tokens, 10**6)  # warm-up
@@ -346,18 +360,26 @@ async def main_async(args) -> dict:
         else:  # as shipped (asyncio's loop); and on the uvloop installed here
             loops = {"shipped": ["asyncio"], "uvloop": ["uvloop"],
                      "both": ["asyncio", "uvloop"]}[args.baseline_loop]
+        chan = supports_channels(src)
         for coalesce in ([False, True] if new else [False]):
             fakes, workers = start_fakes(token, args.prefill, args.decode, coalesce)
             try:
                 reps = [r for r in args.replicas if r == 1 or new] if coalesce else [1]
+                # a tree with decode channels: per request streams too (coalesced workers),
+                # to show what the channels are worth
+                transports = ([False, True] if coalesce and args.per_request else [True]
+                              ) if chan else [False]
                 for loop in loops:
-                    for r in reps:
-                        res = await measure(src, r, args, token, workers, full=r == 1,
-                                            mode="coalesced" if coalesce else "each",
-                                            hide_uvloop=loop == "asyncio")
-                        res.update(src=str(src), replicas=r, coalesce=coalesce, loop=loop)
-                        out["runs"].append(res)
-                        print(json.dumps(res), flush=True)
+                    for channels in transports:
+                        for r in (reps if channels or not chan else [1]):
+                            res = await measure(src, r, args, token, workers, full=r == 1,
+                                                mode="coalesced" if coalesce else "each",
+                                                hide_uvloop=loop == "asyncio",
+                                                channels=channels)
+                            res.update(src=str(src), replicas=r, coalesce=coalesce, loop=loop,
+                                       channels=channels)
+                            out["runs"].append(res)
+                            print(json.dumps(res), flush=True)
             finally:
                 fakes.stdin.close()
                 fakes.wait(15)
@@ -368,15 +390,18 @@ def table(out: dict) -> str:
     t = out["tokens"]
     lines = [(f"{out['requests']} requests at concurrency {out['concurrency']}, fake workers; "
               "router CPU (all its processes, net of idle polling), medians"), "",
-             ("| router source | event loop | worker events | replicas | CPU / request, non-streaming 1 "
-              f"token | CPU / request, streaming {t} tokens | CPU / relayed token | beyond "
-              "fixed cost | tokens/s (wall) | tokens per router CPU-s | chunks per stream |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             ("| router source | event loop | worker events | decode streams | replicas | CPU / "
+              f"request, non-streaming 1 token | CPU / request, streaming {t} tokens | CPU / "
+              "relayed token | beyond fixed cost | tokens/s (wall) | tokens per router CPU-s | "
+              "chunks per stream |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in out["runs"]:
         ns = f"{r['nonstream_ms']:.2f} ms" if "nonstream_ms" in r else "–"
         bf = f"{r['us_beyond_fixed']:.1f} µs" if "us_beyond_fixed" in r else "–"
         ev = "coalesced" if r["coalesce"] else "1 token each"
-        lines.append(f"| {Path(r['src']).name} | {r.get('loop', '?')} | {ev} | {r['replicas']} | {ns} "
+        tr = "channel per worker" if r.get("channels") else "one per request"
+        lines.append(f"| {Path(r['src']).name} | {r.get('loop', '?')} | {ev} | {tr} | "
+                     f"{r['replicas']} | {ns} "
                      f"| {r['stream_ms']:.2f} ms"
                      f" | {r['us_per_token']:.1f} µs | {bf} | {r['tokens_per_s']:,.0f} | "
                      f"{r['tokens_per_cpu_s']:,.0f} | {r['chunks']:.0f} |")
@@ -398,6 +423,9 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-per-request", dest="per_request", action="store_false",
+                    help="measure a tree with decode channels on its channels only (default: "
+                         "also with one decode stream per request, --no-decode-channels)")
     ap.add_argument("--baseline-loop", choices=["shipped", "uvloop", "both"], default="both",
                     help="event loop of a tree that does not declare uvloop: as shipped "
                          "(asyncio's), on the uvloop installed here, or both (default)")

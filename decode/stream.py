@@ -8,6 +8,11 @@ path and of the router's relay is paid once per write rather than once per token
 that keeps up sees one event per engine step, as before.
 
 ``error`` is written only when set: readers tell a failed request by the key.
+
+A decode channel (:class:`Channel`; ``POST /internal/channel``, ``POST /internal/attach``)
+carries the same events of many requests on one body, each tagged with its request id as the
+SSE ``event:`` field, and writes every event that is ready, of any request, at once: a router
+reads one connection per decode worker instead of one per request.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.responses import StreamingResponse
 
 from k3serve.messages import StreamEvent
 
@@ -112,5 +118,128 @@ async def events(q: asyncio.Queue, idle_s: float,
         on_close(finished)
 
 
-__all__ = ["DONE", "MAX_TOKENS_PER_EVENT", "StreamEventsResponse", "events", "merge",
-           "mergeable", "sse", "take_ready"]
+#: A decode channel with nothing to send writes an SSE comment this often (s): a keep-alive.
+CHANNEL_PING_S = 15.0
+
+
+class Channel:
+    """A decode channel (:class:`k3serve.messages.ChannelRequest`): the events of the
+    requests attached to it (:meth:`forward`) as one SSE body (:meth:`body`), each event
+    ``event: <request id>`` and its ``data:`` line, every event ready at a write in that write.
+
+    Args:
+        cid: the channel's id (the router's).
+    """
+
+    def __init__(self, cid: str) -> None:
+        self.cid = cid
+        self._q: asyncio.Queue[bytes | None] = asyncio.Queue()  # None: the body ends
+        self._forwarders: set[asyncio.Task] = set()
+        self.closed = False
+
+    def put(self, rid: str, data: str) -> None:
+        """Queue one event of request ``rid`` (``data``: one line, a JSON message or
+        ``[DONE]``)."""
+        self._q.put_nowait(f"event: {rid}\ndata: {data}\n\n".encode())
+
+    def forward(self, rid: str, stream: AsyncIterator[ServerSentEvent | str]) -> None:
+        """Send ``stream`` (a request's SSE events, as :func:`events` yields them) on this
+        channel, tagged with ``rid``, in a task of its own; closing the channel cancels it
+        (the stream's generator then closes: as a stream whose reader went away)."""
+        async def run() -> None:
+            try:
+                async for ev in stream:
+                    self.put(rid, ev.data if isinstance(ev, ServerSentEvent) else ev)
+            finally:
+                aclose = getattr(stream, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+
+        t = asyncio.create_task(run())
+        self._forwarders.add(t)
+        t.add_done_callback(self._forwarders.discard)
+
+    async def body(self) -> AsyncIterator[bytes]:
+        """The channel's SSE body: what is queued, in one chunk per write (an SSE comment
+        after ``CHANNEL_PING_S`` s without an event). Ends the channel when closed."""
+        q = self._q
+        try:
+            while True:
+                try:
+                    first = await asyncio.wait_for(q.get(), CHANNEL_PING_S)
+                except TimeoutError:
+                    yield b": ping\n\n"
+                    continue
+                if first is None:
+                    return
+                if q.empty():
+                    yield first
+                    continue
+                parts = [first]
+                while not q.empty():
+                    nxt = q.get_nowait()
+                    if nxt is None:
+                        yield b"".join(parts)
+                        return
+                    parts.append(nxt)
+                yield b"".join(parts)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Cancel every forwarder (their requests end as streams closed early) and end the
+        body after what is queued."""
+        if not self.closed:
+            self.closed = True
+            self._q.put_nowait(None)
+        for t in list(self._forwarders):
+            t.cancel()
+
+
+class Channels:
+    """A decode worker's open channels, by id."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, Channel] = {}
+
+    def open(self, cid: str) -> Channel:
+        """A new channel ``cid``; an open one of that id is closed first."""
+        old = self._open.pop(cid, None)
+        if old is not None:
+            old.close()
+        ch = self._open[cid] = Channel(cid)
+        return ch
+
+    def get(self, cid: str) -> Channel | None:
+        """The open channel ``cid``, else ``None``."""
+        ch = self._open.get(cid)
+        return ch if ch is not None and not ch.closed else None
+
+    def drop(self, ch: Channel) -> None:
+        """Forget ``ch`` (its body ended) and close it."""
+        if self._open.get(ch.cid) is ch:
+            del self._open[ch.cid]
+        ch.close()
+
+    def response(self, ch: Channel) -> StreamingResponse:
+        """The ``POST /internal/channel`` answer: ``ch``'s body; dropped when it ends (the
+        router went away)."""
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in ch.body():
+                    yield chunk
+            finally:
+                self.drop(ch)
+
+        return ChannelResponse(body(), headers={"Cache-Control": "no-cache"})
+
+
+class ChannelResponse(StreamingResponse):
+    """A decode channel's SSE body (``media_type`` on the class for the OpenAPI schema)."""
+
+    media_type = "text/event-stream"
+
+
+__all__ = ["CHANNEL_PING_S", "DONE", "MAX_TOKENS_PER_EVENT", "Channel", "ChannelResponse",
+           "Channels", "StreamEventsResponse", "events", "merge", "mergeable", "sse",
+           "take_ready"]

@@ -31,6 +31,10 @@ request goes through the phases of :class:`DecodePhase`::
         yields the tokens after the outputs; k3serve:requests_resumed_total
     POST /internal/abort  at any point: the ticket fails (the sender stops), the engine request
         ends, every slot and page comes back.
+    POST /internal/channel (ChannelRequest) ─▶ a decode channel: one SSE body for the streams
+        of many requests, each event tagged ``event: <request id>`` (decode/stream.py)
+    POST /internal/attach (AttachRequest: /internal/stream's body + the channel) ─▶ the
+        request's stream goes on that channel; answered at once (AttachResponse)
 """
 
 from __future__ import annotations
@@ -42,9 +46,12 @@ import time
 from typing import Any
 
 from decode.state import DecodePhase, DecodeState
-from decode.stream import StreamEventsResponse, events
+from decode.stream import ChannelResponse, Channels, StreamEventsResponse, events
 from k3serve.cache.allocator import CacheFullError
 from k3serve.messages import (
+    AttachRequest,
+    AttachResponse,
+    ChannelRequest,
     GenerateRequest,
     PrefillResponse,
     RequestsDebug,
@@ -99,6 +106,7 @@ class DecodeWorker(BaseWorker):
         #: cancelled reserve call): request id → when; such a reserve is refused (409)
         self.aborted_early: dict[str, float] = {}
         self.stream_idle_s = max(120.0, c.receiver_timeout_s + 60.0)
+        self.channels = Channels()  # decode channels open here (POST /internal/channel)
 
     def start(self) -> None:
         self.server.start()
@@ -414,7 +422,8 @@ class DecodeWorker(BaseWorker):
             "num_requests_tracked": len(self.reqs)})
 
     def info(self) -> WorkerInfo:
-        return super().info().model_copy(update={"bootstrap_addr": self.server.address})
+        return super().info().model_copy(update={"bootstrap_addr": self.server.address,
+                                                  "channels": True})
 
     def describe(self, rid: str | None) -> RequestsDebug:
         """``GET /internal/requests`` body: tracked requests, their phase and ticket state."""
@@ -472,22 +481,47 @@ class DecodeWorker(BaseWorker):
             params = sampling_params(body.sampling)
             return await engine_call(worker._resume, body, params, asyncio.Queue())
 
+        def closer(rid: str) -> Any:
+            """A request stream's ``on_close``: one that ends before its finish aborts it."""
+            def on_close(finished: bool) -> None:
+                if not finished:
+                    worker.loop.submit(worker.abort, rid, "stream closed early")
+                worker.loop.submit(worker._close_stream, rid)
+
+            return on_close
+
         @app.post("/internal/stream", response_class=StreamEventsResponse,
                   responses={200: {"model": StreamEvent,
                                    "description": "one StreamEvent per data: line, then "
                                                   "data: [DONE]"},
                              **json_errors(400, 403, 404, 409)})
         async def stream(body: StreamRequest) -> StreamEventsResponse:
+            q = await worker.loop.call(worker._open_stream, body)
+            return StreamEventsResponse(events(q, worker.stream_idle_s,
+                                               closer(body.request_id)),
+                                        headers={"Cache-Control": "no-cache"})
+
+        @app.post("/internal/channel", response_class=ChannelResponse,
+                  responses={200: {"model": StreamEvent,
+                                   "description": "the attached requests' StreamEvents, "
+                                                  "each 'event: <request id>' and its "
+                                                  "data: line; [DONE] per request"},
+                             **json_errors(400, 403)})
+        async def channel(body: ChannelRequest) -> ChannelResponse:
+            """A decode channel: the streams of the requests attached to it, on one body."""
+            return worker.channels.response(worker.channels.open(body.channel))
+
+        @app.post("/internal/attach", response_model=AttachResponse,
+                  responses=errors(400, 403, 404, 409))
+        async def attach(body: AttachRequest) -> AttachResponse:
+            """``/internal/stream``'s events, sent on the open channel ``body.channel``."""
+            ch = worker.channels.get(body.channel)
+            if ch is None:
+                raise Failure(409, "unknown_channel", f"no channel {body.channel!r} is open")
             rid = body.request_id
             q = await worker.loop.call(worker._open_stream, body)
-
-            def on_close(finished: bool) -> None:
-                if not finished:
-                    worker.loop.submit(worker.abort, rid, "stream closed early")
-                worker.loop.submit(worker._close_stream, rid)
-
-            return StreamEventsResponse(events(q, worker.stream_idle_s, on_close),
-                                        headers={"Cache-Control": "no-cache"})
+            ch.forward(rid, events(q, worker.stream_idle_s, closer(rid)))
+            return AttachResponse(request_id=rid, channel=ch.cid)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,12 @@ Hop by hop (``→`` request body, ``←`` answer)::
     router → decode    POST /internal/reserve    ReserveRequest      ← ReserveResponse
     router → prefill   POST /internal/prefill    PrefillRequest      ← PrefillResponse (token #1)
     router → decode    POST /internal/stream     StreamRequest       ← SSE of StreamEvent
+    router → decode    POST /internal/channel    ChannelRequest      ← SSE of StreamEvent,
+                                                                       each tagged with its
+                                                                       request id (one per
+                                                                       router process)
+    router → decode    POST /internal/attach     AttachRequest       ← AttachResponse (the
+                                                                       stream goes on a channel)
     router → decode    POST /internal/resume     ResumeRequest       ← ResumeResponse (migration)
     router → both      POST /internal/abort      AbortRequest        ← AbortResponse
     router → both      GET  /internal/info                           ← WorkerInfo
@@ -37,7 +43,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
@@ -197,6 +203,39 @@ class StreamRequest(Message):
     request_id: str = Field(min_length=1)
     token_id: TokenId = Field(ge=0)
     logprob: Logprob = None
+
+
+#: A decode channel's id, and a request id sent on one: an SSE ``event:`` field (no CR/LF).
+ChannelId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
+
+
+class ChannelRequest(Message):
+    """``POST /internal/channel`` (router → decode): open a decode channel, one long-lived
+    SSE body that carries the token streams of every request the router attaches to it
+    (:class:`AttachRequest`): each event is one of those streams' events (a
+    :class:`StreamEvent`, or ``[DONE]``) with the request id as its SSE ``event:`` field, and
+    the events ready together, of any requests, go out in one write. One router process
+    opens one per decode worker: the router reads one connection per worker instead of one
+    per request (issue 19). Opening a channel of an id that is open replaces it."""
+
+    channel: ChannelId
+
+
+class AttachRequest(StreamRequest):
+    """``POST /internal/attach`` (router → decode): what ``POST /internal/stream`` opens, sent
+    on the open decode channel ``channel`` instead of in the answer (which is an
+    :class:`AttachResponse` at once). 409 ``unknown_channel``: no such channel is open (the
+    router opens it again)."""
+
+    request_id: ChannelId
+    channel: ChannelId
+
+
+class AttachResponse(Message):
+    """Answer to :class:`AttachRequest`: the request's events follow on the channel."""
+
+    request_id: str
+    channel: str
 
 
 class TokenLogprob(Message):
@@ -485,6 +524,9 @@ class WorkerInfo(Message):
         usage: occupancy now.
         tp: tensor-parallel ranks of the instance (a prefill/decode pair must agree).
         ep: expert-parallel ranks of the instance.
+        channels: decode only: it serves decode channels (:class:`ChannelRequest`,
+            :class:`AttachRequest`); older workers leave it False and the router opens one
+            stream per request.
     """
 
     role: Role
@@ -502,6 +544,7 @@ class WorkerInfo(Message):
     usage: WorkerUsage = Field(default_factory=WorkerUsage)
     tp: StrictInt = Field(default=1, ge=1)
     ep: StrictInt = Field(default=1, ge=1)
+    channels: bool = False
 
     @property
     def capacity_tokens(self) -> int:

@@ -55,7 +55,12 @@ only): the router, the workers and kvstore import it without the model.
    request itself from P's token #1: ``LLMEngine.add_request(rid, prompt, params,
    output_token_ids=[token #1])`` prefills prompt + token #1 and samples from position ``L + 1``
    on (token #1 is never re-sampled; counted in ``k3serve:kv_transfer_fallbacks_total``). D
-   streams tokens #2… [SSE of ``StreamEvent``, decode/stream.py].
+   streams tokens #2… [SSE of ``StreamEvent``, decode/stream.py]. A decode worker that serves
+   decode channels (``WorkerInfo.channels``) gets ``POST /internal/attach`` instead
+   [``AttachRequest``: the same body and the router's channel id] and sends the same events on
+   the router process's one open channel to it (``POST /internal/channel``, each event tagged
+   ``event: <request id>``; router.workers.DecodeChannel): one connection per decode worker
+   and router process, and the events of many requests in one write.
 9. Finish (stop token, stop string, ``max_tokens``, model length) or ``POST /internal/abort``
    [``AbortRequest``] at any point frees the slot and pages (``KVConnector.on_abort``); a
    finished request's end-of-request KDA snapshot (prompt + answer, minus the last sampled token,

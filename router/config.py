@@ -66,6 +66,9 @@ class RouterConfig:
         registry_dir: The replicas' shared registry folder (``None``: no replicas).
         metrics_dir: The replicas' prometheus-client multiprocess folder (``None``: metrics
             of this process only).
+        decode_channels: Read a decode worker's token streams on one decode channel per
+            worker (when the worker serves them: ``WorkerInfo.channels``); False: one stream
+            per request (``--no-decode-channels``).
 
     Raises:
         ValueError: an unknown policy or a non-positive poll interval / timeout (named).
@@ -97,6 +100,7 @@ class RouterConfig:
     replica: int | None = None
     registry_dir: str | None = None
     metrics_dir: str | None = None
+    decode_channels: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -140,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--prefill-rate", type=float, default=10_000.0, help="tokens/s")
     ap.add_argument("--log-level", default="warning")
+    ap.add_argument("--no-decode-channels", action="store_true",
+                    help="one decode stream per request, not one channel per decode worker")
     ap.add_argument("--replicas", type=int, default=1,
                     help="router processes behind the one address (router/replicas.py)")
     ap.add_argument("--replica-index", type=int, default=None, help=argparse.SUPPRESS)
@@ -158,7 +164,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_prompts=args.max_prompts, max_body_bytes=args.max_body_bytes,
         max_queued=args.max_queued,
         max_model_len=args.max_model_len, prefill_rate=args.prefill_rate,
-        replica=args.replica_index,
+        replica=args.replica_index, decode_channels=not args.no_decode_channels,
         registry_dir=os.environ.get(REGISTRY_ENV) if args.replica_index is not None else None,
         metrics_dir=os.environ.get(METRICS_ENV) if args.replica_index is not None else None)
 

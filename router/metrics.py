@@ -32,6 +32,7 @@ replica's window (each replica publishes its window sums, refreshed every second
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import deque
@@ -131,6 +132,63 @@ def observe_many(child, value: float, n: int) -> None:
         if value <= bound:
             buckets[i].inc(n)
             break
+
+
+class HistogramBuffer:
+    """Observations of one labelled histogram series (``Histogram.labels(...)``) counted
+    here, per bucket, and added to the series in one update every ``every`` calls of
+    :meth:`observe_many` or ``every_s`` seconds, and at :meth:`flush`: the relay observes the
+    inter-token latency of every network read of every stream, and each prometheus-client
+    update takes a lock and scans the buckets. A series of another prometheus-client layout
+    (no ``_upper_bounds``) is observed directly.
+
+    Args:
+        child: the labelled series.
+        every / every_s: flush after this many calls, or this many seconds since the last
+            flush (``now`` as :meth:`observe_many` is given it: ``time.monotonic()``).
+    """
+
+    def __init__(self, child, every: int = 64, every_s: float = 1.0) -> None:
+        self.child = child
+        self._every, self._every_s = every, every_s
+        self._bounds = getattr(child, "_upper_bounds", None)
+        self._counts = [0] * len(self._bounds) if self._bounds is not None else []
+        self._sum = 0.0
+        self._calls = 0
+        self._since: float | None = None
+
+    def observe_many(self, value: float, n: int, now: float) -> None:
+        """``n`` observations of ``value`` (seconds), noted at ``now`` (monotonic s).
+
+        Raises:
+            ValueError: ``n`` < 0.
+        """
+        if n <= 0:
+            if n < 0:
+                raise ValueError("n: must be >= 0")
+            return
+        if self._bounds is None:
+            observe_many(self.child, value, n)
+            return
+        self._counts[bisect.bisect_left(self._bounds, value)] += n
+        self._sum += value * n
+        self._calls += 1
+        if self._since is None:
+            self._since = now
+        elif self._calls >= self._every or now - self._since >= self._every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Add what was counted to the series."""
+        if not self._calls:
+            return
+        self.child._sum.inc(self._sum)
+        buckets, counts = self.child._buckets, self._counts
+        for i, c in enumerate(counts):
+            if c:
+                buckets[i].inc(c)
+                counts[i] = 0
+        self._sum, self._calls, self._since = 0.0, 0, None
 
 
 #: Hidden per-replica gauges (multiprocess mode): one replica's hit-rate window sums.

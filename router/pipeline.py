@@ -168,7 +168,8 @@ class Router:
                                pool_timeout_s=config.pool_timeout_s,
                                max_connections=config.max_connections,
                                breaker_fail_max=config.breaker_fail_max,
-                               breaker_reset_s=config.breaker_reset_s)
+                               breaker_reset_s=config.breaker_reset_s,
+                               channels=config.decode_channels)
         self.admission = Admission(
             lambda: sum(w.info.capacity.num_slots for w in self.pool.live("decode")),
             config.max_queued, config.retry_after_s)

@@ -66,8 +66,8 @@ class SSEReader:
     def __init__(self) -> None:
         self._buf = b""
 
-    def feed(self, chunk: bytes) -> list[bytes]:
-        """The ``data`` payloads of the events completed by ``chunk``, in order."""
+    def _events(self, chunk: bytes) -> list[bytes]:
+        """The raw events (lines joined by ``\\n``, no blank line) ``chunk`` completes."""
         buf = self._buf + chunk
         if b"\r" in buf:
             keep_cr = buf.endswith(b"\r")  # may be the first half of \r\n
@@ -80,8 +80,12 @@ class SSEReader:
             self._buf = buf
             return []
         *events, self._buf = buf.split(b"\n\n")
+        return events
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The ``data`` payloads of the events completed by ``chunk``, in order."""
         out = []
-        for ev in events:
+        for ev in self._events(chunk):
             if ev.startswith(b"data: ") and b"\n" not in ev:  # the common case: one line
                 out.append(ev[6:])
                 continue
@@ -89,6 +93,27 @@ class SSEReader:
                     if line.startswith(b"data:")]
             if data:
                 out.append(b"\n".join(data))
+        return out
+
+    def feed_tagged(self, chunk: bytes) -> list[tuple[bytes, bytes]]:
+        """The events completed by ``chunk`` as ``(event, data)`` pairs, in order: a decode
+        channel's (``event:`` the request id; ``b""`` for an event without one). Comments
+        and events without ``data`` are skipped, as by :meth:`feed`."""
+        out = []
+        for ev in self._events(chunk):
+            if ev.startswith(b"event: "):  # the common case: "event: RID", "data: ...", alone
+                nl = ev.find(b"\n")
+                if nl > 0 and ev.startswith(b"data: ", nl + 1) and ev.find(b"\n", nl + 1) < 0:
+                    out.append((ev[7:nl], ev[nl + 7:]))
+                    continue
+            name, data = b"", []
+            for line in ev.split(b"\n"):
+                if line.startswith(b"data:"):
+                    data.append(line[5:].removeprefix(b" "))
+                elif line.startswith(b"event:"):
+                    name = line[6:].removeprefix(b" ")
+            if data:
+                out.append((name, b"\n".join(data)))
         return out
 
     @property

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from k3serve.messages import PrefillResponse, StreamEvent, finite
-from router.metrics import RouterMetrics, observe_many
+from router.metrics import RouterMetrics
 from router.migrate import DecodeEvents, Resume, ServedBy
 from router.placement import Placement
 from router.workers import Worker, WorkerError, WorkerPool
@@ -214,7 +214,7 @@ async def stream_choice(c: Placed, prompt_len: int, index: int, sampling: Sampli
         t = time.monotonic()
         n = len(d.token_ids)
         if n:
-            observe_many(served.itl, (t - last) / n, n)
+            served.itl.observe_many((t - last) / n, n, t)
         last = t
         n_out += n
         if d.token_ids or d.text or d.finish_reason:

@@ -25,8 +25,9 @@ import contextlib
 import functools
 import json
 import logging
+import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -39,7 +40,9 @@ from pydantic import BaseModel, ValidationError
 
 from k3serve.messages import (
     AbortRequest,
+    AttachRequest,
     CacheEvents,
+    ChannelRequest,
     PrefillRequest,
     PrefillResponse,
     ReserveRequest,
@@ -363,6 +366,9 @@ class WorkerPool:
             stopped (``SIGSTOP``) or wedged process leaves within
             ``live_misses × (live_interval_s + live_timeout_s)`` seconds; one answer brings
             it back.
+        channels: read the token streams of a decode worker that serves decode channels
+            (``WorkerInfo.channels``) on one channel per worker (:class:`DecodeChannel`);
+            False: one stream per request, as with an older worker.
     """
 
     def __init__(self, model: str, cluster_token: str | None, poll_interval_s: float = 0.1,
@@ -373,7 +379,7 @@ class WorkerPool:
                  pool_timeout_s: float = 5.0, max_connections: int = 1024,
                  breaker_fail_max: int = 3, breaker_reset_s: float = 5.0,
                  live_interval_s: float = 0.5, live_timeout_s: float = 1.5,
-                 live_misses: int = 2) -> None:
+                 live_misses: int = 2, channels: bool = True) -> None:
         self.model = model
         self.live_interval_s = live_interval_s
         self.live_timeout_s = live_timeout_s
@@ -390,16 +396,22 @@ class WorkerPool:
         headers = {CLUSTER_TOKEN_HEADER: cluster_token} if cluster_token else {}
         # The request path (reserve, prefill, generate, resume, streams, aborts) on aiohttp: its
         # C HTTP parser costs a fraction of httpx + httpcore + anyio per call and per streamed
-        # read (issue 19: most of the router's fixed cost per request was there). Every open
-        # stream holds a connection; at most ``max_connections`` calls run at once (past that
-        # a call waits ``pool_timeout_s`` for a turn, then sheds as PoolBusy); idle connections
-        # are kept 2 s (< uvicorn's 5 s keep-alive: a connection is never reused as it closes).
+        # read (issue 19: most of the router's fixed cost per request was there). A stream of
+        # its own (no decode channel) holds a connection; at most ``max_connections`` calls
+        # run at once (past that a call waits ``pool_timeout_s`` for a turn, then sheds as
+        # PoolBusy); idle connections are kept 2 s (< uvicorn's 5 s keep-alive: a connection
+        # is never reused as it closes). A decode channel is one connection per decode worker,
+        # outside that count.
         self._headers = headers
         self._timeout_s = timeout_s
         self._pool_timeout_s = pool_timeout_s
         self._slots = asyncio.Semaphore(max_connections)
         self._session: aiohttp.ClientSession | None = None  # made in the running loop
         self._draining: set[asyncio.Task] = set()  # stream readers in :meth:`_drain`
+        # decode channels of this process, by decode worker URL (:class:`DecodeChannel`)
+        self.channels = channels
+        self._channels: dict[str, DecodeChannel] = {}
+        self._closing: set[asyncio.Task] = set()  # channels closed, not ended yet
         self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0,
                                                      sock_read=None)
         # Registration reads and the cache-event pollers: httpx (``transport``: tests may route
@@ -414,7 +426,8 @@ class WorkerPool:
         """Stop every poller and close the HTTP client."""
         self._closed = True
         tasks = [t for w in self.workers.values() for t in (w.task, w.live_task, w.kick_task)
-                 if t] + list(self._draining)
+                 if t] + list(self._draining) + list(self._closing) + [
+                     c.task for c in self._channels.values() if c.task is not None]
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -953,6 +966,10 @@ class WorkerPool:
                 (the router finished the choice itself). Must not block; what it raises ends
                 the stream and is raised here.
 
+        A decode worker that serves decode channels (``WorkerInfo.channels``) sends the
+        stream on this process's channel to it (:meth:`_attach`): ``handle`` is then called
+        in the channel's reader task, with the events of one network read of the channel.
+
         Returns once the stream ended (an event with a ``finish_reason``, ``data: [DONE]``,
         the end of the body) or ``handle`` returned True. The wait between two batches is
         bounded as in :meth:`stream_batches` (``deadline_s`` on an unavailable worker).
@@ -981,8 +998,12 @@ class WorkerPool:
             def reader_done(t: asyncio.Task) -> None:  # a reader that died of a bug
                 end(None if t.cancelled() or t.exception() is None else t.exception())
 
-            reader = asyncio.create_task(self._read_stream(w, body, deliver, end))
-            reader.add_done_callback(reader_done)
+            if self.channels and w.info.channels:  # on the worker's decode channel
+                stop = await self._attach(w, body, deliver, end)
+            else:  # a stream of its own, read in a task
+                reader = asyncio.create_task(self._read_stream(w, body, deliver, end))
+                reader.add_done_callback(reader_done)
+                stop = functools.partial(_stop_reader, reader, self._draining)
             every = min(1.0, self.deadline_s, self._timeout_s)
             timer: asyncio.TimerHandle | None = None
 
@@ -1005,7 +1026,49 @@ class WorkerPool:
                     raise item
             finally:
                 timer.cancel()
-                await _stop_reader(reader, self._draining)
+                await stop()
+
+    async def _attach(self, w: Worker, body: StreamRequest,
+                      deliver: Callable[[list[StreamEvent]], bool],
+                      end: Callable[[BaseException | None], None]
+                      ) -> Callable[[], Awaitable[None]]:
+        """Send ``body``'s stream on this process's decode channel to ``w`` (opened first
+        when it is not open): ``deliver`` / ``end`` as :meth:`_read_stream` calls them, from
+        the channel's reader. Returns the coroutine function that detaches the stream.
+
+        A channel the worker no longer knows (409 ``unknown_channel``: it restarted, or the
+        channel's connection just dropped) is opened again once.
+
+        Raises:
+            WorkerError: the channel could not be opened, or the attach call failed (as
+                :meth:`_post`); ``PoolBusy``: no free connection for the call.
+        """
+        ch = self._channels.get(w.url)
+        if ch is None:
+            ch = self._channels[w.url] = DecodeChannel(self, w)
+        key = body.request_id.encode()
+        for again in (False, True):
+            cid = await self._bounded(w, ch.open())
+            try:
+                ch.attach(key, deliver, end)
+                status, data = await self._bounded(w, self._call(
+                    w, "/internal/attach", AttachRequest(channel=cid, **body.model_dump())))
+                _check_status(w.url, "/internal/attach", status, data)
+            except WorkerError as e:
+                ch.detach(key)
+                if e.code == "unknown_channel" and not again:
+                    ch.close()
+                    continue
+                raise
+            except BaseException:
+                ch.detach(key)
+                raise
+            break
+
+        async def detach() -> None:
+            ch.detach(key)
+
+        return detach
 
     async def _drain(self, r: aiohttp.ClientResponse) -> None:
         """Read what is left of a decode stream's body after D ended the stream (``[DONE]``,
@@ -1103,6 +1166,162 @@ _STREAM_HEADERS = {"Accept": "text/event-stream", "Cache-Control": "no-store"}
 def _url(base: str, path: str) -> yarl.URL:
     """A request-path URL, parsed once (a worker's base URL and one of the few paths)."""
     return yarl.URL(base + path)
+
+
+class DecodeChannel:
+    """This router process's decode channel to one decode worker: ``POST /internal/channel``
+    held open in a task of its own (:meth:`open`), whose body carries the token streams of
+    every request attached to it (:meth:`WorkerPool._attach`), each event tagged with its
+    request id (:class:`k3serve.messages.ChannelRequest`). Per network read of the channel,
+    each attached request's events go to its ``deliver`` as one batch, in order, and its
+    stream ends as it would on a stream of its own: ``end(None)`` after a ``finish_reason``,
+    ``[DONE]``, or ``deliver`` returning True; ``end`` of a ``WorkerError`` after an error
+    or malformed event. A channel whose body ends or fails ends every stream on it with a
+    ``WorkerError`` (migration takes them on); the next attach opens a new channel.
+
+    The router then reads one connection per decode worker, and the events of many requests
+    that one worker wrote together in one network read (issue 19: the per-read cost of the
+    HTTP client and the event loop is paid per worker write, not per request).
+
+    Args:
+        pool: the router's pool (its session and timeouts).
+        w: the decode worker.
+    """
+
+    def __init__(self, pool: WorkerPool, w: Worker) -> None:
+        self.pool, self.w = pool, w
+        self.cid = ""
+        self.task: asyncio.Task | None = None
+        self._opened: asyncio.Future | None = None
+        self._subs: dict[bytes, tuple[Callable[[list[StreamEvent]], bool],
+                                      Callable[[BaseException | None], None]]] = {}
+
+    async def open(self) -> str:
+        """The channel's id, once the worker has answered its ``POST /internal/channel``
+        (opened now when it is not open).
+
+        Raises:
+            WorkerError: the worker refused it or could not be reached; ``hung``: no answer
+                within the call timeout (``timeout_s``).
+        """
+        if self.task is None or self.task.done():
+            self.cid = secrets.token_hex(8)
+            self._subs = {}
+            self._opened = asyncio.get_running_loop().create_future()
+            self.task = asyncio.create_task(self._run(self.cid, self._opened, self._subs))
+        try:  # shielded: a caller that goes away leaves it opening for the others
+            await asyncio.wait_for(asyncio.shield(self._opened), self.pool._timeout_s)
+        except TimeoutError:
+            self.close()
+            raise WorkerError(self.w.url, f"channel: not answered within "
+                                          f"{self.pool._timeout_s:g} s", hung=True) from None
+        return self.cid
+
+    def attach(self, rid: bytes, deliver: Callable[[list[StreamEvent]], bool],
+               end: Callable[[BaseException | None], None]) -> None:
+        """Route the events of request ``rid`` (its id, ASCII bytes) to ``deliver``/``end``.
+
+        Raises:
+            WorkerError: the channel ended since :meth:`open` (retryable, code
+                ``unknown_channel``: open it again).
+        """
+        if self.task is None or self.task.done():
+            raise WorkerError(self.w.url, "channel: closed", retryable=True,
+                              code="unknown_channel")
+        self._subs[rid] = (deliver, end)
+
+    def detach(self, rid: bytes) -> None:
+        """Drop request ``rid``: what the worker still sends for it is ignored."""
+        self._subs.pop(rid, None)
+
+    def close(self) -> None:
+        """End the channel (its streams end with a ``WorkerError``); the next :meth:`open`
+        opens a new one at once."""
+        if self.task is not None:
+            self.task.cancel()
+            self.pool._closing.add(self.task)
+            self.task.add_done_callback(self.pool._closing.discard)
+            self.task = None
+
+    async def _run(self, cid: str, opened: asyncio.Future,
+                   subs: dict[bytes, tuple[Callable[[list[StreamEvent]], bool],
+                                           Callable[[BaseException | None], None]]]) -> None:
+        w, pool = self.w, self.pool
+        err: WorkerError | None = None
+        try:
+            async with pool.session.post(
+                    _url(w.url, "/internal/channel"),
+                    data=ChannelRequest(channel=cid).model_dump_json().encode(),
+                    headers=_STREAM_HEADERS, timeout=pool._stream_timeout) as r:
+                if r.status // 100 != 2:
+                    data = await r.read()
+                    _check_status(w.url, "/internal/channel", r.status, data)
+                opened.set_result(None)
+                sse = SSEReader()
+                async for chunk in r.content.iter_any():
+                    self._dispatch(sse.feed_tagged(chunk), subs)
+            err = WorkerError(w.url, "channel: the decode worker ended it")
+        except WorkerError as e:
+            err = e
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+            err = WorkerError(w.url, f"channel: {e!r}", retryable=True)
+        except aiohttp.ClientError as e:
+            err = WorkerError(w.url, f"channel: {e!r}")
+        except asyncio.CancelledError:
+            err = WorkerError(w.url, "channel: closed by the router", retryable=True)
+            raise
+        except Exception as e:  # a bug here must not leave the channel's streams hanging
+            log.exception("decode channel to %s failed", w.url)
+            err = WorkerError(w.url, f"channel: {e!r}")
+        finally:
+            if not opened.done():
+                opened.set_exception(err)
+                opened.exception()  # retrieved: nobody may be waiting any more
+            ends = [end for _, end in subs.values()]
+            subs.clear()
+            for end in ends:
+                end(err)
+
+    def _dispatch(self, items: list[tuple[bytes, bytes]],
+                  subs: dict[bytes, tuple[Callable[[list[StreamEvent]], bool],
+                                          Callable[[BaseException | None], None]]]) -> None:
+        """One network read of the channel: each attached request's events as one batch."""
+        url = self.w.url
+        batches: dict[bytes, list[StreamEvent]] = {}
+
+        def finish(rid: bytes, err: BaseException | None) -> None:
+            deliver, end = subs.pop(rid)
+            batch = batches.pop(rid, None)
+            if batch:
+                deliver(batch)
+            end(err)
+
+        for rid, data in items:
+            if rid not in subs:  # detached (the router finished it first), or not ours
+                continue
+            if data.strip() == b"[DONE]":
+                finish(rid, None)
+                continue
+            try:
+                ev = decode_event(data)
+            except ValueError as e:
+                finish(rid, WorkerError(url, f"stream: malformed StreamEvent: {e}"))
+                continue
+            if ev.error is not None and not ev.token_ids:
+                finish(rid, WorkerError(url, f"stream: {ev.error}"))
+                continue
+            batch = batches.get(rid)
+            if batch is None:
+                batches[rid] = [ev]
+            else:
+                batch.append(ev)
+            if ev.finish_reason:
+                finish(rid, None)
+        for rid, batch in batches.items():
+            deliver, end = subs[rid]
+            if deliver(batch):  # the consumer stopped: what follows is not its news
+                del subs[rid]
+                end(None)
 
 
 async def relay_batches(batches: AsyncIterator[list[StreamEvent]],

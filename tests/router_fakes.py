@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,20 +28,23 @@ import httpx
 import openai
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 from sse_starlette import EventSourceResponse
 
-from decode.stream import take_ready
+from decode.stream import Channels, take_ready
 from k3serve.cache.manager import CacheManager
 from k3serve.cache.specs import CacheConfig
 from k3serve.messages import (
     ANSWER_EVENTS_LIMIT,
     AbortRequest,
     AbortResponse,
+    AttachRequest,
+    AttachResponse,
     CacheEvents,
     CacheState,
     Capacity,
+    ChannelRequest,
     ErrorBody,
     PrefillRequest,
     PrefillResponse,
@@ -129,6 +133,12 @@ class FakeState:
     # prefill/worker.py); off: an older worker that sends none (the router pulls them)
     answer_events: bool = True
     events_pulls: int = 0  # GET /internal/cache_events answered
+    # decode: serve decode channels (POST /internal/channel, /internal/attach) and say so in
+    # /internal/info; off: an older worker (the router opens one stream per request)
+    channels: bool = True
+    channels_opened: int = 0  # POST /internal/channel answered
+    forget_channels: int = 0  # answer this many attaches 409 unknown_channel
+    channel_registry: Channels | None = None  # the app's open decode channels
 
     def __post_init__(self) -> None:
         self.restart()
@@ -152,6 +162,7 @@ def make_worker_app(state: FakeState) -> FastAPI:
 
     app = FastAPI(lifespan=lifespan)
     rid_counter = iter(range(1 << 30))
+    channels = state.channel_registry = Channels()  # decode channels, as a real worker
 
     @app.middleware("http")
     async def token_check(request: Request, call_next):
@@ -169,7 +180,8 @@ def make_worker_app(state: FakeState) -> FastAPI:
                           block_size=state.block_size, max_model_len=state.max_model_len,
                           worker_id=f"{state.role}@{state.url.rsplit(':', 1)[-1]}",
                           capacity=Capacity(num_pages=state.num_pages, num_slots=8,
-                                            num_snapshots=16))
+                                            num_snapshots=16),
+                          channels=state.role == "decode" and state.channels)
 
     def cache_events(after: int, limit: int | None = None) -> CacheEvents:
         u = state.cm.usage()
@@ -295,7 +307,30 @@ def make_worker_app(state: FakeState) -> FastAPI:
 
     @app.post("/internal/stream")
     async def stream(b: StreamRequest) -> EventSourceResponse:
-        state.streams.append(b.model_dump())
+        return EventSourceResponse(await open_stream(b), sep="\n")
+
+    @app.post("/internal/channel", response_model=None)
+    async def channel(b: ChannelRequest) -> StreamingResponse | JSONResponse:
+        if not state.channels:
+            return JSONResponse(ErrorBody(error="not_found").model_dump(), status_code=404)
+        state.channels_opened += 1
+        return channels.response(channels.open(b.channel))
+
+    @app.post("/internal/attach", response_model=None)
+    async def attach(b: AttachRequest) -> AttachResponse | JSONResponse:
+        ch = channels.get(b.channel) if state.channels else None
+        if state.forget_channels > 0:  # a worker that lost the channel (e.g. restarted)
+            state.forget_channels -= 1
+            ch = None
+        if ch is None:
+            return JSONResponse(ErrorBody(error="unknown_channel").model_dump(),
+                                status_code=409)
+        ch.forward(b.request_id, await open_stream(b))
+        return AttachResponse(request_id=b.request_id, channel=ch.cid)
+
+    async def open_stream(b: StreamRequest) -> AsyncIterator[str]:
+        """The request's decode stream: its SSE data lines, ``[DONE]`` last."""
+        state.streams.append(b.model_dump(exclude={"channel"}))
         r = state.reservations[b.request_id]
         await asyncio.wait_for(r["ready"].wait(), 10)
         sp: SamplingParams = r["sampling"]
@@ -351,7 +386,7 @@ def make_worker_app(state: FakeState) -> FastAPI:
             finally:
                 task.cancel()
 
-        return EventSourceResponse(gen(), sep="\n")
+        return gen()
 
     return app
 

@@ -117,14 +117,10 @@ async def _stream(c: httpx.AsyncClient, d_url: str, rid: str,
     return toks, finish
 
 
-async def _request(c: httpx.AsyncClient, P: Proc, D: Proc, rid: str, ids: list[int],
-                   sampling: dict | None = None, prefill_sampling: dict | None = None,
-                   **extra) -> tuple[list[int], dict]:
-    """reserve → prefill → stream, as the router does; returns (all tokens, prefill answer).
-
-    ``sampling`` goes to both workers (default :func:`_sampling`); ``prefill_sampling``, when
-    given, to the prefill worker instead (a test device: the router sends the same to both).
-    """
+async def _first(c: httpx.AsyncClient, P: Proc, D: Proc, rid: str, ids: list[int],
+                 sampling: dict | None = None, prefill_sampling: dict | None = None,
+                 **extra) -> dict:
+    """reserve → prefill, as the router does; returns the prefill answer (token #1)."""
     sampling = sampling or _sampling()
     r = await c.post(D.url + "/internal/reserve",
                      json={"request_id": rid, "prompt_token_ids": ids, "sampling": sampling,
@@ -136,7 +132,18 @@ async def _request(c: httpx.AsyncClient, P: Proc, D: Proc, rid: str, ids: list[i
         "ticket": res["ticket"], "bootstrap_addr": res["bootstrap_addr"], "snapshot_at": [],
         "cache_salt": None, **extra})
     assert p.status_code == 200, p.text
-    first = p.json()
+    return p.json()
+
+
+async def _request(c: httpx.AsyncClient, P: Proc, D: Proc, rid: str, ids: list[int],
+                   sampling: dict | None = None, prefill_sampling: dict | None = None,
+                   **extra) -> tuple[list[int], dict]:
+    """reserve → prefill → stream, as the router does; returns (all tokens, prefill answer).
+
+    ``sampling`` goes to both workers (default :func:`_sampling`); ``prefill_sampling``, when
+    given, to the prefill worker instead (a test device: the router sends the same to both).
+    """
+    first = await _first(c, P, D, rid, ids, sampling, prefill_sampling, **extra)
     rest, finish = await _stream(c, D.url, rid, first)
     assert finish in ("stop", "length")
     return [first["token_id"], *rest], first

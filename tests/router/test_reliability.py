@@ -90,9 +90,12 @@ def test_a_large_batch_that_the_client_gives_up_on_leaves_every_worker_healthy()
 
 def test_exhausted_request_pool_sheds_requests_and_leaves_workers_healthy():
     """The failure of the issue: requests that hold every connection of the router's pool
-    starved the health polls (PoolTimeout) and every worker was marked unhealthy for good."""
+    starved the health polls (PoolTimeout) and every worker was marked unhealthy for good.
+    Streams hold a connection each when they are one per request (``decode_channels`` off, or
+    a decode worker without channels); on a decode channel they hold none."""
     s = Stack(num_prefill=1, num_decode=1, api_key=None, max_connections=3,
-              pool_timeout_s=0.3, poll_timeout_s=0.2, unhealthy_after=2, max_queued=64)
+              pool_timeout_s=0.3, poll_timeout_s=0.2, unhealthy_after=2, max_queued=64,
+              decode_channels=False)
     holders: list[_Holder] = []
     try:
         (dec, _), = s.decode

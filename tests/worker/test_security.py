@@ -105,7 +105,9 @@ def test_every_worker_route_needs_the_cluster_token(role):
     # the enumeration sees the role's routes and the shared ones
     want = {"prefill": {"/internal/prefill"}, "decode": {"/internal/reserve",
                                                          "/internal/stream",
-                                                         "/internal/generate"}}[role]
+                                                         "/internal/generate",
+                                                         "/internal/channel",
+                                                         "/internal/attach"}}[role]
     assert want | {"/internal/abort", "/internal/info"} <= {p for _, p in guarded}
     assert {p for _, p in routes} - {p for _, p in guarded} == set(WORKER_PUBLIC)
     client = TestClient(app, raise_server_exceptions=False)  # no `with`: no engine thread

@@ -32,7 +32,8 @@ ROUTES = {
                ("get", "/internal/cache_state"), ("get", "/internal/requests"),
                ("post", "/internal/abort"), ("post", "/internal/reserve"),
                ("post", "/internal/generate"), ("post", "/internal/stream"),
-               ("post", "/internal/resume")},
+               ("post", "/internal/resume"), ("post", "/internal/channel"),
+               ("post", "/internal/attach")},
 }
 ROLES = {"prefill": PrefillWorker, "decode": DecodeWorker}
 
@@ -84,9 +85,12 @@ def test_every_internal_body_is_a_named_message(role):
         assert seen[("post", "/internal/prefill")][:2] == ["PrefillRequest", "PrefillResponse"]
     else:
         assert seen[("post", "/internal/reserve")][:2] == ["ReserveRequest", "ReserveResponse"]
-        stream = ops[("post", "/internal/stream")]["responses"]["200"]["content"]
-        assert list(stream) == ["text/event-stream"]
-        assert _model_of(stream["text/event-stream"]["schema"]) == "StreamEvent"
+        for path in ("/internal/stream", "/internal/channel"):
+            stream = ops[("post", path)]["responses"]["200"]["content"]
+            assert list(stream) == ["text/event-stream"]
+            assert _model_of(stream["text/event-stream"]["schema"]) == "StreamEvent"
+        assert seen[("post", "/internal/channel")][0] == "ChannelRequest"
+        assert seen[("post", "/internal/attach")][:2] == ["AttachRequest", "AttachResponse"]
 
 
 @pytest.mark.parametrize("role,path,body,field", [
@@ -98,6 +102,9 @@ def test_every_internal_body_is_a_named_message(role):
      "sampling.temperature"),
     ("decode", "/internal/reserve", {"request_id": "x", "prompt_token_ids": [1], "n": 2}, "n"),
     ("decode", "/internal/stream", {"request_id": "x", "token_id": -1}, "token_id"),
+    ("decode", "/internal/attach", {"request_id": "x\ny", "token_id": 1, "channel": "c"},
+     "request_id"),
+    ("decode", "/internal/channel", {"channel": ""}, "channel"),
     ("decode", "/internal/abort", {}, "request_id"),
 ])
 def test_a_bad_internal_body_is_a_400_naming_the_field(role, path, body, field):
