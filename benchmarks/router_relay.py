@@ -125,14 +125,16 @@ def start_fakes(token: str, num_prefill: int, num_decode: int, coalesce: bool
 
 
 def start_router(src: Path, token: str, replicas: int, port: int, hide_uvloop: bool = False,
-                 channels: bool = True) -> subprocess.Popen:
+                 channels: bool | None = None) -> subprocess.Popen:
+    """The router of ``src``; ``channels`` False: with ``--no-decode-channels`` (``None``:
+    as the tree reads decode streams)."""
     # cache-event polls once a second (not 10/s): their CPU is not the relay's (the prompts are
     # distinct, the index does not matter here); what is left is measured idle and subtracted
     args = [sys.executable, "-m", "router.app", "--host", "127.0.0.1", "--port", str(port),
             "--model", MODEL, "--log-level", "warning", "--poll-interval", "1.0"]
     if replicas > 1:
         args += ["--replicas", str(replicas)]
-    if not channels:
+    if channels is False:
         args += ["--no-decode-channels"]
     return subprocess.Popen(args, env=_env(src, token, hide_uvloop), cwd=src)
 
@@ -282,7 +284,7 @@ async def phase(pid: int, url: str, args, stream: bool, max_tokens: int, offset:
 
 async def measure(src: Path, replicas: int, args, token: str, workers: list[str],
                   full: bool, mode: str = "", hide_uvloop: bool = False,
-                  channels: bool = True) -> dict[str, float]:
+                  channels: bool | None = None) -> dict[str, float]:
     """Rounds of the loads through one router (``replicas`` processes); medians."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -368,10 +370,10 @@ async def main_async(args) -> dict:
                 # a tree with decode channels: per request streams too (coalesced workers),
                 # to show what the channels are worth
                 transports = ([False, True] if coalesce and args.per_request else [True]
-                              ) if chan else [False]
+                              ) if chan else [None]
                 for loop in loops:
                     for channels in transports:
-                        for r in (reps if channels or not chan else [1]):
+                        for r in (reps if channels is not False else [1]):
                             res = await measure(src, r, args, token, workers, full=r == 1,
                                                 mode="coalesced" if coalesce else "each",
                                                 hide_uvloop=loop == "asyncio",
