@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.responses import StreamingResponse
 
-from k3serve.messages import StreamEvent
+from k3serve.messages import CHANNEL_PING_S, StreamEvent
 
 DONE = "[DONE]"
 
@@ -118,9 +118,6 @@ async def events(q: asyncio.Queue, idle_s: float,
         on_close(finished)
 
 
-#: A decode channel with nothing to send writes an SSE comment this often (s): a keep-alive.
-CHANNEL_PING_S = 15.0
-
 
 class Channel:
     """A decode channel (:class:`k3serve.messages.ChannelRequest`): the events of the
@@ -142,11 +139,18 @@ class Channel:
         ``[DONE]``)."""
         self._q.put_nowait(f"event: {rid}\ndata: {data}\n\n".encode())
 
-    def forward(self, rid: str, stream: AsyncIterator[ServerSentEvent | str]) -> None:
+    def forward(self, rid: str, stream: AsyncIterator[ServerSentEvent | str],
+                abandoned: Callable[[], None] | None = None) -> None:
         """Send ``stream`` (a request's SSE events, as :func:`events` yields them) on this
         channel, tagged with ``rid``, in a task of its own; closing the channel cancels it
-        (the stream's generator then closes: as a stream whose reader went away)."""
+        (the stream's generator then closes: as a stream whose reader went away).
+        ``abandoned`` is called when the stream never started (the channel closed first:
+        its generator's own ``finally`` does not run then)."""
+        started = False
+
         async def run() -> None:
+            nonlocal started
+            started = True
             try:
                 async for ev in stream:
                     self.put(rid, ev.data if isinstance(ev, ServerSentEvent) else ev)
@@ -155,9 +159,18 @@ class Channel:
                 if aclose is not None:
                     await aclose()
 
+        def done(t: asyncio.Task) -> None:
+            self._forwarders.discard(t)
+            if not started and abandoned is not None:
+                abandoned()
+
+        if self.closed:  # nothing will be sent: as a stream that never started
+            if abandoned is not None:
+                abandoned()
+            return
         t = asyncio.create_task(run())
         self._forwarders.add(t)
-        t.add_done_callback(self._forwarders.discard)
+        t.add_done_callback(done)
 
     async def body(self) -> AsyncIterator[bytes]:
         """The channel's SSE body: what is queued, in one chunk per write (an SSE comment
@@ -221,6 +234,12 @@ class Channels:
             del self._open[ch.cid]
         ch.close()
 
+    def close_all(self) -> None:
+        """Close every open channel (a worker that stops: their bodies end, so the server's
+        shutdown does not wait on them, and the routers see the channels end)."""
+        for ch in list(self._open.values()):
+            self.drop(ch)
+
     def response(self, ch: Channel) -> StreamingResponse:
         """The ``POST /internal/channel`` answer: ``ch``'s body; dropped when it ends (the
         router went away)."""
@@ -240,6 +259,6 @@ class ChannelResponse(StreamingResponse):
     media_type = "text/event-stream"
 
 
-__all__ = ["CHANNEL_PING_S", "DONE", "MAX_TOKENS_PER_EVENT", "Channel", "ChannelResponse",
+__all__ = ["DONE", "MAX_TOKENS_PER_EVENT", "Channel", "ChannelResponse",
            "Channels", "StreamEventsResponse", "events", "merge", "mergeable", "sse",
            "take_ready"]

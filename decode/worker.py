@@ -404,6 +404,10 @@ class DecodeWorker(BaseWorker):
         if r is not None:
             r.stream_closed = True
 
+    def end_streams(self) -> None:
+        """Close the decode channels (the end of a drain, on the server's loop)."""
+        self.channels.close_all()
+
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self._num_transferring()
 
@@ -520,7 +524,12 @@ class DecodeWorker(BaseWorker):
                 raise Failure(409, "unknown_channel", f"no channel {body.channel!r} is open")
             rid = body.request_id
             q = await worker.loop.call(worker._open_stream, body)
-            ch.forward(rid, events(q, worker.stream_idle_s, closer(rid)))
+            on_close = closer(rid)
+            if ch.closed:  # it closed while the stream opened: the router hears of it
+                on_close(False)
+                raise Failure(409, "unknown_channel", f"channel {body.channel!r} closed")
+            ch.forward(rid, events(q, worker.stream_idle_s, on_close),
+                       abandoned=lambda: on_close(False))
             return AttachResponse(request_id=rid, channel=ch.cid)
 
 

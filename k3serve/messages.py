@@ -205,6 +205,11 @@ class StreamRequest(Message):
     logprob: Logprob = None
 
 
+#: A decode channel with nothing to send writes an SSE comment this often (s): a keep-alive
+#: that also lets the router tell a live channel from a silent one (it gives up on a channel
+#: that sent nothing for 3 × this).
+CHANNEL_PING_S = 15.0
+
 #: A decode channel's id, and a request id sent on one: an SSE ``event:`` field (no CR/LF).
 ChannelId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
 

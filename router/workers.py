@@ -39,6 +39,7 @@ import yarl
 from pydantic import BaseModel, ValidationError
 
 from k3serve.messages import (
+    CHANNEL_PING_S,
     AbortRequest,
     AttachRequest,
     CacheEvents,
@@ -411,7 +412,7 @@ class WorkerPool:
         # decode channels of this process, by decode worker URL (:class:`DecodeChannel`)
         self.channels = channels
         self._channels: dict[str, DecodeChannel] = {}
-        self._closing: set[asyncio.Task] = set()  # channels closed, not ended yet
+        self._closing: set[asyncio.Task] = set()  # closed channels ending; background aborts
         self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0,
                                                      sock_read=None)
         # Registration reads and the cache-event pollers: httpx (``transport``: tests may route
@@ -999,7 +1000,7 @@ class WorkerPool:
                 end(None if t.cancelled() or t.exception() is None else t.exception())
 
             if self.channels and w.info.channels:  # on the worker's decode channel
-                stop = await self._attach(w, body, deliver, end)
+                stop = await self._attach(w, body, deliver, end, ended)
             else:  # a stream of its own, read in a task
                 reader = asyncio.create_task(self._read_stream(w, body, deliver, end))
                 reader.add_done_callback(reader_done)
@@ -1030,14 +1031,17 @@ class WorkerPool:
 
     async def _attach(self, w: Worker, body: StreamRequest,
                       deliver: Callable[[list[StreamEvent]], bool],
-                      end: Callable[[BaseException | None], None]
-                      ) -> Callable[[], Awaitable[None]]:
+                      end: Callable[[BaseException | None], None],
+                      ended: asyncio.Future) -> Callable[[], Awaitable[None]]:
         """Send ``body``'s stream on this process's decode channel to ``w`` (opened first
         when it is not open): ``deliver`` / ``end`` as :meth:`_read_stream` calls them, from
-        the channel's reader. Returns the coroutine function that detaches the stream.
+        the channel's reader; ``ended``: done once ``end`` was called. Returns the coroutine
+        function that detaches the stream: one the worker did not end (a watcher gave up on
+        it, the caller went away) is aborted there too, as closing a stream of its own does.
 
         A channel the worker no longer knows (409 ``unknown_channel``: it restarted, or the
-        channel's connection just dropped) is opened again once.
+        channel's connection just dropped) is opened again once, unless the stream already
+        ended meanwhile (the old channel's end reached it).
 
         Raises:
             WorkerError: the channel could not be opened, or the attach call failed (as
@@ -1050,25 +1054,33 @@ class WorkerPool:
         for again in (False, True):
             cid = await self._bounded(w, ch.open())
             try:
-                ch.attach(key, deliver, end)
+                ch.attach(cid, key, deliver, end)
                 status, data = await self._bounded(w, self._call(
                     w, "/internal/attach", AttachRequest(channel=cid, **body.model_dump())))
                 _check_status(w.url, "/internal/attach", status, data)
             except WorkerError as e:
-                ch.detach(key)
-                if e.code == "unknown_channel" and not again:
-                    ch.close()
+                ch.detach(cid, key)
+                if e.code == "unknown_channel" and not again and not ended.done():
+                    ch.close(cid)
                     continue
                 raise
             except BaseException:
-                ch.detach(key)
+                if ch.detach(cid, key):  # the worker may have taken it: end it there
+                    self._spawn(self.abort(w, body.request_id))
                 raise
             break
 
         async def detach() -> None:
-            ch.detach(key)
+            if ch.detach(cid, key):  # still streaming on the worker: stop it there
+                self._spawn(self.abort(w, body.request_id))
 
         return detach
+
+    def _spawn(self, coro: Any) -> None:
+        """Run ``coro`` in the background (kept until it ends; cancelled by :meth:`close`)."""
+        t = asyncio.ensure_future(coro)
+        self._closing.add(t)
+        t.add_done_callback(self._closing.discard)
 
     async def _drain(self, r: aiohttp.ClientResponse) -> None:
         """Read what is left of a decode stream's body after D ended the stream (``[DONE]``,
@@ -1160,6 +1172,10 @@ class WorkerPool:
 
 
 _STREAM_HEADERS = {"Accept": "text/event-stream", "Cache-Control": "no-store"}
+#: A decode channel: its worker writes at least a keep-alive every ``CHANNEL_PING_S``; one
+#: silent for 3 × that is given up (its streams fail, the next attach opens a new one).
+_CHANNEL_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5.0,
+                                         sock_read=3 * CHANNEL_PING_S)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -1212,32 +1228,34 @@ class DecodeChannel:
         try:  # shielded: a caller that goes away leaves it opening for the others
             await asyncio.wait_for(asyncio.shield(self._opened), self.pool._timeout_s)
         except TimeoutError:
-            self.close()
+            self.close(self.cid)
             raise WorkerError(self.w.url, f"channel: not answered within "
                                           f"{self.pool._timeout_s:g} s", hung=True) from None
         return self.cid
 
-    def attach(self, rid: bytes, deliver: Callable[[list[StreamEvent]], bool],
+    def attach(self, cid: str, rid: bytes, deliver: Callable[[list[StreamEvent]], bool],
                end: Callable[[BaseException | None], None]) -> None:
-        """Route the events of request ``rid`` (its id, ASCII bytes) to ``deliver``/``end``.
+        """Route the events of request ``rid`` (its id, ASCII bytes) on channel ``cid`` (as
+        :meth:`open` returned it) to ``deliver``/``end``.
 
         Raises:
-            WorkerError: the channel ended since :meth:`open` (retryable, code
+            WorkerError: ``cid`` is not the open channel any more (retryable, code
                 ``unknown_channel``: open it again).
         """
-        if self.task is None or self.task.done():
+        if cid != self.cid or self.task is None or self.task.done():
             raise WorkerError(self.w.url, "channel: closed", retryable=True,
                               code="unknown_channel")
         self._subs[rid] = (deliver, end)
 
-    def detach(self, rid: bytes) -> None:
-        """Drop request ``rid``: what the worker still sends for it is ignored."""
-        self._subs.pop(rid, None)
+    def detach(self, cid: str, rid: bytes) -> bool:
+        """Drop request ``rid`` of channel ``cid``: what the worker still sends for it is
+        ignored. Returns whether it was still attached (its stream had not ended)."""
+        return cid == self.cid and self._subs.pop(rid, None) is not None
 
-    def close(self) -> None:
-        """End the channel (its streams end with a ``WorkerError``); the next :meth:`open`
-        opens a new one at once."""
-        if self.task is not None:
+    def close(self, cid: str | None = None) -> None:
+        """End the channel (``cid``: only if it is still the open one); its streams end with
+        a ``WorkerError`` and the next :meth:`open` opens a new one at once."""
+        if self.task is not None and (cid is None or cid == self.cid):
             self.task.cancel()
             self.pool._closing.add(self.task)
             self.task.add_done_callback(self.pool._closing.discard)
@@ -1252,7 +1270,7 @@ class DecodeChannel:
             async with pool.session.post(
                     _url(w.url, "/internal/channel"),
                     data=ChannelRequest(channel=cid).model_dump_json().encode(),
-                    headers=_STREAM_HEADERS, timeout=pool._stream_timeout) as r:
+                    headers=_STREAM_HEADERS, timeout=_CHANNEL_TIMEOUT) as r:
                 if r.status // 100 != 2:
                     data = await r.read()
                     _check_status(w.url, "/internal/channel", r.status, data)
@@ -1281,6 +1299,8 @@ class DecodeChannel:
             subs.clear()
             for end in ends:
                 end(err)
+            if pool.workers.get(w.url) is not w and pool._channels.get(w.url) is self:
+                del pool._channels[w.url]  # the worker is gone: forget its channel
 
     def _dispatch(self, items: list[tuple[bytes, bytes]],
                   subs: dict[bytes, tuple[Callable[[list[StreamEvent]], bool],

@@ -139,6 +139,7 @@ class FakeState:
     channels_opened: int = 0  # POST /internal/channel answered
     forget_channels: int = 0  # answer this many attaches 409 unknown_channel
     channel_registry: Channels | None = None  # the app's open decode channels
+    loop: asyncio.AbstractEventLoop | None = None  # the server's, once it started
 
     def __post_init__(self) -> None:
         self.restart()
@@ -156,6 +157,7 @@ def make_worker_app(state: FakeState) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
         yield
         for c in clients:
             await c.aclose()
@@ -325,8 +327,20 @@ def make_worker_app(state: FakeState) -> FastAPI:
         if ch is None:
             return JSONResponse(ErrorBody(error="unknown_channel").model_dump(),
                                 status_code=409)
-        ch.forward(b.request_id, await open_stream(b))
+        stream = await open_stream(b)
+        if ch.closed:  # it closed while the stream opened (as decode/worker.py)
+            abandon(b.request_id)
+            return JSONResponse(ErrorBody(error="unknown_channel").model_dump(),
+                                status_code=409)
+        ch.forward(b.request_id, stream, abandoned=lambda: abandon(b.request_id))
         return AttachResponse(request_id=b.request_id, channel=ch.cid)
+
+    def abandon(rid: str) -> None:
+        """A stream that never started: the request ends, as a real worker aborts it."""
+        r = state.reservations.get(rid)
+        if r is not None:
+            r["aborted"] = True
+            r["abort_ev"].set()
 
     async def open_stream(b: StreamRequest) -> AsyncIterator[str]:
         """The request's decode stream: its SSE data lines, ``[DONE]`` last."""
@@ -400,7 +414,9 @@ def free_port() -> int:
 class ServerThread:
     """Serve an ASGI app with uvicorn in a daemon thread on a free local port."""
 
-    def __init__(self, app: Any, http: str = "h11", loop: str = "asyncio") -> None:
+    def __init__(self, app: Any, http: str = "h11", loop: str = "asyncio",
+                 on_stop: Any = None) -> None:
+        self.on_stop = on_stop  # called (from the stopping thread) before the server stops
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error",
@@ -419,13 +435,21 @@ class ServerThread:
         return self
 
     def stop(self) -> None:
+        if self.on_stop is not None:
+            self.on_stop()
         self.server.should_exit = True
         self.thread.join(10)
 
 
 def start_worker(role: str, cluster_token: str | None) -> tuple[FakeState, ServerThread]:
     state = FakeState(role, cluster_token=cluster_token)
-    srv = ServerThread(make_worker_app(state))
+
+    def end_streams() -> None:  # as a real worker at the end of its drain
+        if state.loop is not None and state.channel_registry is not None:
+            with contextlib.suppress(RuntimeError):  # its loop already closed
+                state.loop.call_soon_threadsafe(state.channel_registry.close_all)
+
+    srv = ServerThread(make_worker_app(state), on_stop=end_streams)
     state.url = srv.url
     return state, srv.start()
 

@@ -165,6 +165,10 @@ class BaseWorker(abc.ABC):
         (:func:`worker.serve.serve` waits for :meth:`num_tracked` to reach 0)."""
         self.draining = True
 
+    def end_streams(self) -> None:
+        """Close what would keep a connection open past the end of a drain (a decode
+        worker's channels); called on the server's loop just before it stops."""
+
     def num_tracked(self) -> int:  # engine thread
         """Requests this worker still holds anything for: the role's tracked requests that are
         not :meth:`settled`, plus the engine's own (0: idle, a drain may end)."""

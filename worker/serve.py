@@ -100,6 +100,7 @@ def _server_cls() -> type:
                             left, cfg.drain_timeout_s)
             else:
                 log.warning("drain: done; stopping")
+            w.end_streams()
             self.should_exit = True
 
     return DrainingServer

@@ -232,3 +232,60 @@ def test_channel_open_failure_is_a_worker_error():
 
     err = asyncio.run(go())
     assert err.status == 404 and "/internal/channel" in str(err)
+
+
+def test_a_stream_the_router_gives_up_on_is_aborted_on_the_worker():
+    """A stream on a channel that the router stops waiting for while the worker still runs
+    it (here: no event within ``timeout_s``): the worker gets ``/internal/abort``, as the
+    close of a stream of its own told it before; the client sees the failure."""
+    s = Stack(num_prefill=1, num_decode=1, api_key=None, timeout_s=1.0, busy_wait_s=1.0)
+    try:
+        dec = s.decode[0][0]
+        dec.hang_after = 2
+        body = {"model": MODEL, "prompt": "given up", "max_tokens": 40, "stream": True,
+                "temperature": 0}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = list(r.iter_lines())
+        assert any('"error"' in x for x in lines if x.startswith("data: {")), lines
+        rid = dec.streams[-1]["request_id"]
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and rid not in dec.aborted:
+            time.sleep(0.02)
+        assert rid in dec.aborted
+        assert dec.channels_opened == 1
+    finally:
+        s.close()
+
+
+def test_a_stale_channel_id_neither_attaches_nor_closes_the_open_channel():
+    """``attach`` / ``close`` name the channel ``open`` returned: a caller holding the id of
+    a channel that has been replaced gets ``unknown_channel`` and cannot end the new one."""
+    async def go() -> None:
+        from router.workers import WorkerPool
+
+        s = Stack(num_prefill=1, num_decode=1, api_key=None)
+        try:
+            pool = WorkerPool(MODEL, "cluster-secret")
+            try:
+                w = await pool.register(s.decode[0][0].url)
+                ch = DecodeChannel(pool, w)
+                old = await ch.open()
+                ch.close(old)
+                new = await ch.open()
+                assert new != old
+                with pytest.raises(WorkerError) as e:
+                    ch.attach(old, b"r", lambda b: False, lambda err: None)
+                assert e.value.code == "unknown_channel"
+                ch.close(old)  # a no-op: not the open one
+                ch.attach(new, b"r", lambda b: False, lambda err: None)
+                assert ch.task is not None and not ch.task.done()
+                assert ch.detach(new, b"r") and not ch.detach(new, b"r")
+                ch.close()
+            finally:
+                await pool.close()
+        finally:
+            t0 = time.monotonic()
+            s.close()
+            assert time.monotonic() - t0 < 5  # the fakes end their channels when they stop
+
+    asyncio.run(go())

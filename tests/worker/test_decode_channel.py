@@ -106,3 +106,39 @@ def test_a_channel_that_closes_mid_stream_aborts_its_requests(pair):
         time.sleep(0.1)
     assert r is None or r["phase"] == "done", r
     assert r is None or r["tokens_sent"] < 2000  # aborted, not run to its end
+
+
+def test_a_closed_channel_ends_every_stream_on_it_started_or_not():
+    """``Channel.close`` ends each attached stream as a stream whose reader went away
+    (``on_close(False)`` on the worker: an abort), also one whose forwarder had not started
+    yet, and one forwarded after the close; the channel's body ends."""
+    from decode.stream import Channel, events
+    from k3serve.messages import StreamEvent
+
+    async def go() -> tuple[list, list]:
+        ch = Channel("c")
+        closes: list[tuple[str, bool]] = []
+
+        def stream(rid: str):
+            q: asyncio.Queue = asyncio.Queue()
+            q.put_nowait(StreamEvent(token_ids=[1]))
+            on_close = lambda finished: closes.append((rid, finished))  # noqa: E731
+            return events(q, 60.0, on_close), on_close
+
+        gen, on_close = stream("started")
+        ch.forward("started", gen, abandoned=lambda: on_close(False))
+        body = ch.body()
+        first = await body.__anext__()  # the started stream's first event
+        gen2, on_close2 = stream("not-started")
+        ch.forward("not-started", gen2, abandoned=lambda: on_close2(False))
+        ch.close()  # before the second forwarder ran
+        rest = [chunk async for chunk in body]
+        await asyncio.sleep(0)
+        gen3, on_close3 = stream("after")
+        ch.forward("after", gen3, abandoned=lambda: on_close3(False))
+        await asyncio.sleep(0.01)
+        return closes, [first, *rest]
+
+    closes, chunks = asyncio.run(go())
+    assert sorted(closes) == [("after", False), ("not-started", False), ("started", False)]
+    assert chunks[0].startswith(b"event: started\ndata: ")
