@@ -66,8 +66,8 @@ def test_one_read_gives_each_request_its_events_as_one_batch_and_ends_streams_as
     d_end = [x for x in log if x[:2] == ("d", "end")]
     assert log.index(("d", "batch", [30], None)) < log.index(d_end[0])
     assert "engine died" in d_end[0][2]
-    assert [x for x in log if x[0] == "e"][0][1] == "end" and "malformed" in [
-        x for x in log if x[0] == "e"][0][2]
+    e = next(x for x in log if x[0] == "e")
+    assert e[1] == "end" and "malformed" in e[2]
     assert ("s", "batch", [40, 41], None) in log and ("s", "end", None) in log
     assert ("a", "batch", [1, 2], None) in log and not [x for x in log if x[:2] == ("a", "end")]
     assert not [x for x in log if x[0] == "x"]
@@ -115,7 +115,7 @@ def test_streams_on_one_channel_per_decode_worker_keep_text_usage_and_finish(sta
     cases = [("channel one", {}), ("channel two", {"stop": ["q"]}),
              ("channel three", {"max_tokens": 5}), ("channel four", {})]
     for prompt, kw in cases:
-        text, chunks, usage, finish = _stream(stack, prompt, **kw)
+        text, _, usage, finish = _stream(stack, prompt, **kw)
         want_text, want_tokens, want_finish = _oracle(prompt, **kw)
         assert (text, finish) == (want_text, want_finish)
         assert usage["completion_tokens"] == want_tokens
@@ -208,9 +208,8 @@ def test_channel_open_failure_is_a_worker_error():
     """A worker that refuses the channel (404 here): the stream fails as a worker failure,
     retryable, and nothing is left attached."""
     async def go() -> WorkerError:
-        from router.workers import WorkerPool
-
         from k3serve.messages import StreamRequest
+        from router.workers import WorkerPool
 
         s = Stack(num_prefill=1, num_decode=1, api_key=None)
         try:

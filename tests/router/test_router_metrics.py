@@ -95,3 +95,50 @@ def test_registries_are_independent():
     w = HitRateWindow(window_s=10, clock=lambda: 0.0)
     w.add(4, 1)
     assert w.rate() == 0.25
+
+
+def test_histogram_buffer_adds_what_direct_observations_would():
+    """``HistogramBuffer``: the same buckets, sum and count as observing each value, added
+    at the 64th call, a second after the first unadded one, or at ``flush``; nothing
+    before."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from router.metrics import ITL_BUCKETS, HistogramBuffer
+
+    reg = CollectorRegistry()
+    h = Histogram("t_buf_seconds", "x", ["w"], buckets=ITL_BUCKETS, registry=reg)
+    direct, buffered = h.labels("direct"), h.labels("buffered")
+    buf = HistogramBuffer(buffered)
+    rng = random.Random(3)
+
+    def samples(name: str) -> dict:
+        return {(s.name, s.labels.get("le")): s.value for s in next(iter(reg.collect())).samples
+                if s.labels.get("w") == name and not s.name.endswith("_created")}
+
+    def both(v: float, n: int, now: float) -> None:
+        for _ in range(n):
+            direct.observe(v)
+        buf.observe_many(v, n, now)
+
+    def same() -> bool:
+        got, want = samples("buffered"), samples("direct")
+        return got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-9 for k in want)
+
+    values = [0.0, 10.0, *ITL_BUCKETS[:-1]]  # the bounds themselves: le is inclusive
+    for _ in range(63):
+        both(rng.choice([rng.random() * 0.2, *values]), rng.randrange(1, 4), 0.5)
+    assert samples("buffered")[("t_buf_seconds_count", None)] == 0  # nothing added yet
+    both(0.01, 2, 0.5)  # the 64th call
+    assert same()
+    both(0.3, 1, 10.0)
+    assert not same()
+    both(0.3, 1, 11.5)  # a second after the first unadded observation
+    assert same()
+    both(0.07, 3, 11.6)
+    buf.observe_many(0.5, 0, 11.6)  # nothing to note
+    buf.flush()
+    assert same()
+    with pytest.raises(ValueError, match="n"):
+        buf.observe_many(0.1, -1, 12.0)

@@ -122,7 +122,9 @@ def test_a_closed_channel_ends_every_stream_on_it_started_or_not():
         def stream(rid: str):
             q: asyncio.Queue = asyncio.Queue()
             q.put_nowait(StreamEvent(token_ids=[1]))
-            on_close = lambda finished: closes.append((rid, finished))  # noqa: E731
+            def on_close(finished: bool, rid: str = rid) -> None:
+                closes.append((rid, finished))
+
             return events(q, 60.0, on_close), on_close
 
         gen, on_close = stream("started")
