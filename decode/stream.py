@@ -118,7 +118,6 @@ async def events(q: asyncio.Queue, idle_s: float,
         on_close(finished)
 
 
-
 class Channel:
     """A decode channel (:class:`k3serve.messages.ChannelRequest`): the events of the
     requests attached to it (:meth:`forward`) as one SSE body (:meth:`body`), each event
@@ -183,19 +182,16 @@ class Channel:
                 except TimeoutError:
                     yield b": ping\n\n"
                     continue
-                if first is None:
+                parts, item = [], first
+                while item is not None:  # what is queued now, up to the end
+                    parts.append(item)
+                    if q.empty():
+                        break
+                    item = q.get_nowait()
+                if parts:
+                    yield parts[0] if len(parts) == 1 else b"".join(parts)
+                if item is None:
                     return
-                if q.empty():
-                    yield first
-                    continue
-                parts = [first]
-                while not q.empty():
-                    nxt = q.get_nowait()
-                    if nxt is None:
-                        yield b"".join(parts)
-                        return
-                    parts.append(nxt)
-                yield b"".join(parts)
         finally:
             self.close()
 

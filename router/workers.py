@@ -412,7 +412,7 @@ class WorkerPool:
         # decode channels of this process, by decode worker URL (:class:`DecodeChannel`)
         self.channels = channels
         self._channels: dict[str, DecodeChannel] = {}
-        self._closing: set[asyncio.Task] = set()  # closed channels ending; background aborts
+        self._closing: set[asyncio.Task] = set()  # :meth:`_spawn`: aborts, channels ending
         self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0,
                                                      sock_read=None)
         # Registration reads and the cache-event pollers: httpx (``transport``: tests may route
@@ -1052,7 +1052,7 @@ class WorkerPool:
             ch = self._channels[w.url] = DecodeChannel(self, w)
         key = body.request_id.encode()
         for again in (False, True):
-            cid = await self._bounded(w, ch.open())
+            cid = ch.open_id or await self._bounded(w, ch.open())
             try:
                 ch.attach(cid, key, deliver, end)
                 status, data = await self._bounded(w, self._call(
@@ -1076,9 +1076,10 @@ class WorkerPool:
 
         return detach
 
-    def _spawn(self, coro: Any) -> None:
-        """Run ``coro`` in the background (kept until it ends; cancelled by :meth:`close`)."""
-        t = asyncio.ensure_future(coro)
+    def _spawn(self, aw: Any) -> None:
+        """Run ``aw`` (a coroutine or a task) in the background, kept until it ends;
+        cancelled by :meth:`close`."""
+        t = asyncio.ensure_future(aw)
         self._closing.add(t)
         t.add_done_callback(self._closing.discard)
 
@@ -1131,16 +1132,10 @@ class WorkerPool:
                     failed: WorkerError | None = None
                     try:
                         for data in sse.feed(chunk):
-                            if data.strip() == b"[DONE]":
+                            ev = _stream_event(w.url, data)
+                            if ev is None:
                                 done = ended = True
                                 break
-                            try:
-                                ev = decode_event(data)
-                            except ValueError as e:
-                                raise WorkerError(w.url, f"stream: malformed StreamEvent: "
-                                                         f"{e}") from None
-                            if ev.error is not None and not ev.token_ids:
-                                raise WorkerError(w.url, f"stream: {ev.error}")
                             batch.append(ev)
                             if ev.finish_reason:
                                 done = ended = True
@@ -1178,6 +1173,24 @@ _CHANNEL_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5.0,
                                          sock_read=3 * CHANNEL_PING_S)
 
 
+def _stream_event(url: str, data: bytes) -> StreamEvent | None:
+    """One ``data:`` payload of decode worker ``url``'s stream (its own, or its part of a
+    channel) as a ``StreamEvent`` (:func:`router.sse.decode_event`); ``None`` for ``[DONE]``.
+
+    Raises:
+        WorkerError: a malformed event, or an error event without tokens.
+    """
+    if data.strip() == b"[DONE]":
+        return None
+    try:
+        ev = decode_event(data)
+    except ValueError as e:
+        raise WorkerError(url, f"stream: malformed StreamEvent: {e}") from None
+    if ev.error is not None and not ev.token_ids:
+        raise WorkerError(url, f"stream: {ev.error}")
+    return ev
+
+
 @functools.lru_cache(maxsize=4096)
 def _url(base: str, path: str) -> yarl.URL:
     """A request-path URL, parsed once (a worker's base URL and one of the few paths)."""
@@ -1211,6 +1224,14 @@ class DecodeChannel:
         self._opened: asyncio.Future | None = None
         self._subs: dict[bytes, tuple[Callable[[list[StreamEvent]], bool],
                                       Callable[[BaseException | None], None]]] = {}
+
+    @property
+    def open_id(self) -> str | None:
+        """The id of the channel when it is open (the worker answered it), else ``None``."""
+        t, opened = self.task, self._opened
+        if t is None or t.done() or opened is None or not opened.done():
+            return None
+        return self.cid if opened.exception() is None else None
 
     async def open(self) -> str:
         """The channel's id, once the worker has answered its ``POST /internal/channel``
@@ -1257,8 +1278,7 @@ class DecodeChannel:
         a ``WorkerError`` and the next :meth:`open` opens a new one at once."""
         if self.task is not None and (cid is None or cid == self.cid):
             self.task.cancel()
-            self.pool._closing.add(self.task)
-            self.task.add_done_callback(self.pool._closing.discard)
+            self.pool._spawn(self.task)  # kept (and awaited by the pool's close) as it ends
             self.task = None
 
     async def _run(self, cid: str, opened: asyncio.Future,
@@ -1319,16 +1339,13 @@ class DecodeChannel:
         for rid, data in items:
             if rid not in subs:  # detached (the router finished it first), or not ours
                 continue
-            if data.strip() == b"[DONE]":
-                finish(rid, None)
-                continue
             try:
-                ev = decode_event(data)
-            except ValueError as e:
-                finish(rid, WorkerError(url, f"stream: malformed StreamEvent: {e}"))
+                ev = _stream_event(url, data)
+            except WorkerError as e:
+                finish(rid, e)
                 continue
-            if ev.error is not None and not ev.token_ids:
-                finish(rid, WorkerError(url, f"stream: {ev.error}"))
+            if ev is None:  # [DONE]
+                finish(rid, None)
                 continue
             batch = batches.get(rid)
             if batch is None:
