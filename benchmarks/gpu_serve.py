@@ -1,4 +1,4 @@
-"""k3-mini served disaggregated on one GPU through the HTTP API (issue 11, must-show 3).
+"""k3-mini served disaggregated on one GPU through the HTTP API.
 
 What it does, in one process that drives the others:
 

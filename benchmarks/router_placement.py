@@ -1,4 +1,4 @@
-"""Latency of one placement decision: 64 workers, 1 M indexed blocks (issue 5, must-show 3).
+"""Latency of one placement decision: 64 workers, 1 M indexed blocks.
 
 One decision = ``GlobalIndex.match`` over the prompt's block hashes (every worker in one
 pass) + one ``PrefillWorkerState`` per prefill worker + ``place`` (cache-aware prefill choice,

@@ -1,5 +1,5 @@
 """Run a grid of (trace, store fraction, policy, prefix_home knobs) through the simulator in
-parallel processes; one line per run (for choosing the default policy's knobs, issue 12).
+parallel processes; one line per run (for choosing the default policy's knobs).
 
 Usage: ``python benchmarks/simulate_grid.py --traces A B --store 0 1 --policy P ...
 [--grid "dup_weight=1,3;ext_weight=0,1"] [--jobs N]``.

@@ -1,4 +1,4 @@
-"""Snapshot policy trade-off (issue 12, part 4): hit rate vs snapshot interval and size.
+"""Snapshot policy trade-off: hit rate vs snapshot interval and size.
 
 For each model's snapshot size (k3-tiny ≈ 1,315 tokens of latents, k3-mini ≈ 2,827, K3 ≈
 16,000) and each store-only snapshot interval k, replay the trace under the default policy

@@ -1,16 +1,17 @@
 #!/bin/bash
-# Build the folder that the device tool carries to the H200 for benchmarks/gpu_*.py
+# Build the folder that the device tool carries to the H200 for benchmarks/gpu_*.py and
+# scripts/gpu/*.sh
 # (the device image has torch / triton but none of the serving stack, no fla-core, no Mooncake,
 # and reaches no registry). Run it HERE, in the checkout that the device tool ships, then name
 # the folder in the run's `carry` and start the device command with `source .devcarry/setup.sh`.
 #
-#   bash benchmarks/gpu_carry.sh [SRC_WORKTREE]     # default: this checkout
+#   bash scripts/gpu_carry.sh [SRC_WORKTREE]        # default: this checkout
 #
 # Produces (git-ignored through .git/info/exclude; ~17 MB, under the 64 MiB carry limit with
 # the tree):
 #   .devcarry/whl/        cp312 wheels: fla-core 0.6.0, fastapi, starlette, pydantic(+core),
 #                         pydantic-settings, python-dotenv, annotated-types, typing-inspection,
-#                         typing-extensions, uvicorn, sse-starlette, httpx-sse, tenacity, pybreaker,
+#                         typing-extensions, uvicorn, sse-starlette, tenacity, pybreaker,
 #                         llguidance, opentelemetry-api, aiohttp (+ its deps)
 #   .devcarry/mc.tar.xz   mooncake-transfer-engine-cuda13 0.3.14 slimmed to the transfer engine:
 #                         mooncake/{__init__.py,engine.so,libetcd_wrapper.so,libasio.so} and the
@@ -34,7 +35,7 @@ PIP=(python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
      --platform manylinux2014_x86_64 --platform any)
 "${PIP[@]}" -q -d "$D/whl" fla-core==0.6.0 fastapi starlette pydantic pydantic-core \
   pydantic-settings python-dotenv annotated-types typing-inspection typing-extensions uvicorn \
-  sse-starlette httpx-sse tenacity pybreaker llguidance opentelemetry-api aiohttp \
+  sse-starlette tenacity pybreaker llguidance opentelemetry-api aiohttp \
   aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna
 "${PIP[@]}" -q -d "$T" mooncake-transfer-engine-cuda13==0.3.14
 (cd "$T" && mkdir x slim && cd x && unzip -q ../mooncake_transfer_engine_cuda13-*.whl \
@@ -49,7 +50,7 @@ PIP=(python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
   libnuma1 2>/dev/null)
 rm -rf "$D/gpu" && mkdir -p "$D/gpu"
 (cd "$SRC" && git ls-files -co --exclude-standard \
-  | grep -v -E '^(tests/data/|traces/|k3serve/assets/k3-tiny/model.safetensors|docs/.*\.png|benchmarks/.*\.png)' \
+  | grep -v -E '^(tests/data/|traces/|k3serve/assets/k3-tiny/model.safetensors|docs/.*\.png|docs/results/)' \
   | tar cf - -T - | tar xf - -C "$D/gpu")
 cat > "$D/setup.sh" <<'EOF'
 # sourced from the repo root on the device: wheels, mooncake (slimmed, unpacked), debs

@@ -1,10 +1,10 @@
 #!/bin/bash
-# Issue 11, Run 5 first device call: the new prefill kernels compiled (stacked KDA prefill,
+# One device call: the new prefill kernels compiled (stacked KDA prefill,
 # q/k L2 norm, MoE tiles), prefill 1x8192 / 8x8192 with a profile of 1x8192 (host syncs,
 # kernels, GPU busy), then the decode-size MoE tile sweep.
 #
-#   source .devcarry/setup.sh; bash benchmarks/gpu_issue11_run5a.sh "$OUT"
-source "$(dirname "$0")/gpu_run_lib.sh" "${1:-}"
+#   source .devcarry/setup.sh; bash scripts/gpu/prefill_profile.sh "$OUT"
+source "$(dirname "$0")/run_lib.sh" "${1:-}"
 step "compiled: new prefill / MoE-tile tests"
 timeout 45 python3 -m pytest -q -p no:cacheprovider -x tests/kernels/test_prefill_triton.py \
   tests/model/test_moe_grouped.py -k "stacked or l2norm or tiles or k3mini" 2>&1 | tail -4

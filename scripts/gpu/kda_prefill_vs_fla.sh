@@ -1,6 +1,6 @@
 #!/bin/bash
-# Issue 17 must-show 1, K3-gate mode, in one device call (≤ ~420 s wall):
-#   source .devcarry/setup.sh && bash benchmarks/gpu_k3_final.sh "$OUT"
+# KDA chunked prefill, ours vs fla-core in plain and K3-gate mode, in one device call (≤ ~420 s wall):
+#   source .devcarry/setup.sh && bash scripts/gpu/kda_prefill_vs_fla.sh "$OUT"
 # 1. in parallel: fla-core's kernels compiled (every autotune configuration, FLA_CACHE_RESULTS=0
 #    so that fla still autotunes alone in step 3, on this GPU), one process per (H, mode,
 #    layout) that step 3 uses; and ours: K3_VARIANTS compiled (H 12/16/32) and checked against

@@ -1,5 +1,5 @@
-# Sourced by the benchmarks/gpu_*.sh device scripts (one device call each):
-#   source "$(dirname "$0")/gpu_run_lib.sh" "$1"
+# Sourced by the scripts/gpu/*.sh device scripts (one device call each; run from the repo root):
+#   source "$(dirname "$0")/run_lib.sh" "$1"
 # Sets OUT (the first argument; created), tees everything to OUT/run.log, defines `step MSG`
 # (elapsed seconds + MSG) and writes the card, driver and versions to OUT/env.txt.
 set -u

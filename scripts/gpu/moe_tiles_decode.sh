@@ -1,10 +1,10 @@
 #!/bin/bash
-# Issue 11, Run 5 second device call: the stacked-KDA test compiled (fixed tolerance), the MoE
+# One device call: the stacked-KDA test compiled (fixed tolerance), the MoE
 # decode tile sweep under inference_mode, then the fused decode step (MXFP4 experts, batch
 # 1 / 64 / 256) with the sweep's table.
 #
-#   source .devcarry/setup.sh; bash benchmarks/gpu_issue11_run5b.sh "$OUT"
-source "$(dirname "$0")/gpu_run_lib.sh" "${1:-}"
+#   source .devcarry/setup.sh; bash scripts/gpu/moe_tiles_decode.sh "$OUT"
+source "$(dirname "$0")/run_lib.sh" "${1:-}"
 step "compiled: stacked KDA prefill + l2norm tests"
 timeout 40 python3 -m pytest -q -p no:cacheprovider -x tests/kernels/test_prefill_triton.py \
   -k "stacked or l2norm" --tb=short 2>&1 | tail -25
