@@ -22,7 +22,7 @@ Usage: ``python benchmarks/gpu_kda_prefill_ab.py [--out DIR] [--old FILE] [--sha
 (``--shapes ""``: no fla comparison, ours only).
 Results: ``DIR/prefill_ab.json`` and ``DIR/prefill_ab.md`` (the RESULTS table rows).
 
-``--k3 [--phase check|time|all]`` (``benchmarks/gpu_k3_final.sh``): ``K3_VARIANTS`` instead,
+``--k3 [--phase check|time|all]`` (``scripts/gpu/kda_prefill_vs_fla.sh``): ``K3_VARIANTS`` instead,
 checked and timed in K3-gate mode only (``k3_main``); the fastest correct one is written to
 ``DIR/k3_best.knobs`` as ``K3SERVE_KDA_KNOBS`` text for the next process.
 """

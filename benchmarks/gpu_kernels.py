@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 T0 = time.time()
 BUDGET_S = float(os.environ.get("K3SERVE_BENCH_BUDGET_S", "240"))  # no new prefill rows after this
 # seconds a head count new to fla costs (its autotuning; ~90 s when its kernels are not compiled
-# yet, less after a prewarm of Triton's disk cache as benchmarks/gpu_k3_final.sh does)
+# yet, less after a prewarm of Triton's disk cache as scripts/gpu/kda_prefill_vs_fla.sh does)
 NEW_H_S = float(os.environ.get("K3SERVE_BENCH_NEW_H_S", "120"))
 
 

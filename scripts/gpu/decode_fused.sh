@@ -6,7 +6,7 @@
 #
 #   source .devcarry/setup.sh; cd <this checkout>; bash scripts/gpu/decode_fused.sh "$OUT"
 #
-# Writes into OUT: run.log, env.txt, fastpath.json, gpu_e2e.json, RESULTS_gpu_e2e.md.
+# Writes into OUT: run.log, env.txt, fastpath.json, gpu_e2e.json, gpu_e2e.md.
 source "$(dirname "$0")/run_lib.sh" "${1:-}"
 step "decode: K3SERVE_FUSED_DECODE=0 and 1 (k3-mini, batch 1/64/256)"
 timeout ${T_E2E:-300} python3 benchmarks/gpu_e2e.py --out "$OUT" --skip-check --skip-prefill --gpu-init \

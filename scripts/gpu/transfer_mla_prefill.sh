@@ -6,7 +6,7 @@
 #   source .devcarry/setup.sh; cd <this checkout>; bash scripts/gpu/transfer_mla_prefill.sh "$OUT"
 #
 # Writes into OUT (7 files): run.log, env.txt, transfer_direct.json, transfer_host.json,
-# fastpath.json, gpu_e2e.json, RESULTS_gpu_e2e.md. Every step has its own time limit so a
+# fastpath.json, gpu_e2e.json, gpu_e2e.md. Every step has its own time limit so a
 # slow one leaves the others' results.
 source "$(dirname "$0")/run_lib.sh" "${1:-}"
 
