@@ -459,7 +459,7 @@ def write_md(path, res):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=".", help="folder for gpu_e2e.json and gpu_e2e.md")
+    ap.add_argument("--out", default=".", help="folder for the JSON result and the Markdown tables")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])

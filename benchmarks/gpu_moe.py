@@ -103,7 +103,7 @@ def rel(a, b):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=".", help="folder for gpu_moe.json and gpu_moe.md")
+    ap.add_argument("--out", default=".", help="folder for the JSON result and the Markdown table")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to measure")
