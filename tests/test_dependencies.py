@@ -59,12 +59,18 @@ def declared() -> dict[str, str]:
     return out
 
 
-def imported_names() -> set[str]:
+def imported_names(root: Path = ROOT) -> set[str]:
     """Top-level module names imported by any ``.py`` file of the repository."""
     names: set[str] = set()
-    pat = re.compile(r"^\s*(?:from\s+([A-Za-z_]\w*)[\w.]*\s+import\b|import\s+([^#\n]+))", re.M)
-    for p in ROOT.rglob("*.py"):
-        if any(part in SKIP_DIRS or part.endswith(".egg-info") for part in p.relative_to(ROOT).parts):
+    # a whole import statement on its line (prose such as "import the pools" does not match)
+    pat = re.compile(
+        r"^\s*(?:from\s+([A-Za-z_]\w*)[\w.]*\s+import\s+[\w(*]"
+        r"|import\s+([\w.]+(?:\s+as\s+\w+)?(?:\s*,\s*[\w.]+(?:\s+as\s+\w+)?)*)\s*(?:#.*)?$)",
+        re.MULTILINE,
+    )
+    for p in root.rglob("*.py"):
+        parts = p.relative_to(root).parts
+        if any(part in SKIP_DIRS or part.endswith(".egg-info") for part in parts):
             continue
         for m in pat.finditer(p.read_text(encoding="utf-8", errors="replace")):
             if m.group(1):
@@ -79,6 +85,12 @@ def imported_names() -> set[str]:
 
 def import_name(dist: str) -> str:
     return IMPORT_NAMES.get(dist, dist.replace("-", "_"))
+
+
+def test_import_statements_recognised(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "import a.b as c, d\n    from e.f import (g)\nimport the pools here\n")
+    assert imported_names(tmp_path) == {"a", "d", "e"}
 
 
 def test_mapping_rules():

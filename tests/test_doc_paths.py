@@ -8,8 +8,9 @@ What counts as a cited path (the rules the test applies, in order):
    characters ``* { } ,``), the token is not preceded by a path character, ``.``, ``/`` or
    ``:`` (so ``/tmp/x``, ``../x``, URLs and module paths ``a.b`` are not tokens), and the token
    ends in a file suffix (``.py``, ``.md``, ``.json``, ``.yaml``, …) or in ``/`` (a folder).
-   ``{a,b}`` is expanded; a token with ``*`` must match at least one file. Cited at the
-   repository root: it must exist relative to the root.
+   ``{a,b}`` is expanded; a token with ``*`` must match at least one file. It must exist
+   relative to the repository root — or, in a ``.md`` file, relative to that file's folder
+   (``docs/results/simulate.md`` citing ``simulate/simulate_sweep.json`` beside it).
 2. **Root files.** ``README.md``, ``Makefile``, ``pyproject.toml`` cited bare must exist at the
    root (they always do; the rule keeps them honest if one is renamed).
 3. **Bare Markdown names.** A token ``NAME.md`` without a folder (``DESIGN.md``,
@@ -125,7 +126,7 @@ def broken_citations() -> list[str]:
         text = f.read_text(encoding="utf-8", errors="replace")
         for kind, tok in cited_paths(text, f.suffix == ".md", tops):
             if kind == "root":
-                ok = exists(tok)
+                ok = exists(tok) or (f.suffix == ".md" and exists(tok, f.parent))
             elif kind == "bare-md":
                 ok = (ROOT / tok).exists() or (ROOT / "docs" / tok).exists() or (
                     f.parent / tok).exists()
