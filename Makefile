@@ -47,14 +47,34 @@ plan: install
 test: install
 	$(PY) -m pytest -q -ra --durations=30 tests
 
-# CPU benchmarks (speed is printed, never asserted); benchmarks/gpu_kernels.py needs a CUDA GPU.
-CPU_BENCH := model_cpu engine_cpu transfer router_placement
+# CPU benchmarks (speed is printed and written as JSON, never asserted); the gpu_*.py ones need a
+# CUDA GPU and are not run here. Each writes $(BENCH_OUT)/NAME.json. Sizes are modest where a
+# benchmark's own default is a long run (its --help gives the full-size flags).
+BENCH_OUT ?= bench-results
+CPU_BENCH := model_cpu engine_cpu transfer store router_placement grammar_mask expert_placement \
+  simulate_sweep simulate_grid simulate_snapshots overload fuzz_api migration soak \
+  pd_vs_monolithic calibrate_live router_relay relay_floor
+SLICE := traces/mooncake_ci_slice_3940_3963.jsonl
+BENCH_ARGS_simulate_sweep := $(SLICE)
+BENCH_ARGS_simulate_grid := --traces $(SLICE) --policy prefix_home cache_aware
+BENCH_ARGS_simulate_snapshots := $(SLICE) --models k3-tiny
+BENCH_ARGS_fuzz_api := --cases 300
+BENCH_ARGS_migration := --streams 16
+BENCH_ARGS_soak := --duration 90 --warmup 20
+BENCH_ARGS_router_relay := --rounds 1
+BENCH_ARGS_relay_floor := --rounds 1
+# the flag that names the JSON file, where it is not --json
+BENCH_JSON_soak := --out
+BENCH_JSON_pd_vs_monolithic := --out
+BENCH_JSON_calibrate_live := --out
 # Every benchmark runs to the end; the failed ones are listed last and make the target fail.
 bench: install
-	@failed=""; for b in $(CPU_BENCH); do echo "== benchmarks/$$b.py"; \
-	  $(PY) benchmarks/$$b.py || failed="$$failed $$b"; done; \
+	@mkdir -p $(BENCH_OUT); failed=""; \
+	$(foreach b,$(CPU_BENCH),echo "== benchmarks/$(b).py"; \
+	  $(PY) benchmarks/$(b).py $(BENCH_ARGS_$(b)) $(or $(BENCH_JSON_$(b)),--json) \
+	    $(BENCH_OUT)/$(b).json || failed="$$failed $(b)";) \
 	if [ -n "$$failed" ]; then echo "make bench: failed:$$failed"; exit 1; fi; \
-	echo "make bench: all $(words $(CPU_BENCH)) CPU benchmarks finished"
+	echo "make bench: all $(words $(CPU_BENCH)) CPU benchmarks finished; results in $(BENCH_OUT)/"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

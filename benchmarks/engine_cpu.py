@@ -150,6 +150,7 @@ def main() -> int:
     ap.add_argument("--budget", type=int, default=256, help="max_num_batched_tokens")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg: ModelConfig | str = MICRO if args.model == "micro" else args.model
@@ -175,9 +176,14 @@ def main() -> int:
         f"{oracle_hit_rate(reqs, args.block_size):.1%}"
     )
     rows = {}
+    out = {"model": args.model, "requests": len(reqs), "block_size": args.block_size,
+           "oracle_hit_rate": oracle_hit_rate(reqs, args.block_size), "runs": []}
     for caching in (False, True):
         dt, prompt, gen, cached, toks = run(cfg, reqs, caching, args)
         rows[caching] = (dt, toks)
+        out["runs"].append({"prefix_caching": caching, "seconds": dt, "prompt_tokens": prompt,
+                            "output_tokens": gen, "cached_tokens": cached,
+                            "tokens_per_s": (prompt + gen) / dt, "hit_rate": cached / prompt})
         print(
             f"prefix caching {'on ' if caching else 'off'}: {dt:7.2f} s  "
             f"{(prompt + gen) / dt:9.1f} tokens/s (prompt + output)  "
@@ -188,6 +194,11 @@ def main() -> int:
         f"ratio (cache on / off throughput): {rows[False][0] / rows[True][0]:.2f}x; "
         f"greedy outputs identical: {rows[False][1] == rows[True][1]}"
     )
+    out["speedup"] = rows[False][0] / rows[True][0]
+    out["greedy_outputs_identical"] = rows[False][1] == rows[True][1]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Expert placement planner on a Zipf-like load: 896 experts × 12 layers on 64 ranks (issue 16).
+"""Expert placement planner on a Zipf-like load: 896 experts × 12 layers on 64 ranks.
 
 Prints, per layer, max/mean rank load for
 
@@ -84,6 +84,7 @@ def main() -> int:
     ap.add_argument("--redundant", type=int, default=64)
     ap.add_argument("--max-moves", type=int, default=32)
     ap.add_argument("--write-counts", action="store_true", help="regenerate the committed load")
+    ap.add_argument("--json", default=None, help="write the per-layer figures here")
     args = ap.parse_args()
     if args.write_counts:
         with open(COUNTS, "w") as f:
@@ -106,6 +107,10 @@ def main() -> int:
           f"{max(r['r_fresh']):.4f} | R=0 ({s0} slots/rank): planner worst {max(r['r0']):.3f}, "
           f"LPT worst {max(r['lpt']):.3f} | re-plan, {args.max_moves} moves: worst "
           f"{max(r['shift_after']):.4f} | {r['seconds']:.2f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ranks": args.ranks, "redundant": args.redundant,
+                       "max_moves": args.max_moves, **r}, f, indent=1)
     return 0
 
 

@@ -57,7 +57,7 @@ simulator reads. ``transfer_bytes_per_s`` is null here (the disaggregated HTTP r
 benchmark's).
 
 Usage: ``python benchmarks/gpu_e2e.py [--out DIR] [--context 2048] [--iters 20]``; writes
-``gpu_e2e.json`` and ``RESULTS_gpu_e2e.md`` (tables) into DIR (default: ``benchmarks/``).
+``DIR/gpu_e2e.json`` and ``DIR/gpu_e2e.md`` (tables; DIR defaults to the current folder).
 Exits 0 without CUDA.
 """
 
@@ -459,7 +459,7 @@ def write_md(path, res):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    ap.add_argument("--out", default=".", help="folder for the JSON result and the Markdown tables")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
@@ -554,7 +554,7 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "gpu_e2e.json"), "w") as f:
         json.dump(res, f, indent=1)
-    write_md(os.path.join(a.out, "RESULTS_gpu_e2e.md"), res)
+    write_md(os.path.join(a.out, "gpu_e2e.md"), res)
     log(f"total {time.time() - t0:.0f}s")
     return 0
 

@@ -1,13 +1,13 @@
 """Chunked KDA prefill on the GPU: intra-kernel variants, the previous kernel, and fla-core.
 
-One device call (issue 17, must-show 1):
+One device call:
 
 0. compiles every variant (with ``--prewarm-fla`` also fla-core's kernels, under
    ``FLA_CACHE_RESULTS=0`` so that no autotuning result is kept from a shared GPU) in parallel
    subprocesses (``--jobs``) first, so the timed process finds Triton's disk cache warm; fla
-   then autotunes alone in step 4. Run 6: 14 jobs took 237 s with fla's prewarm (it compiles
-   and times every autotune configuration of every kernel), which left no time for step 4;
-   ours alone compile in ~16 s (3 head counts);
+   then autotunes alone in step 4. With fla's prewarm 14 jobs take ~240 s on an H200 (it
+   compiles and times every autotune configuration of every kernel), which leaves no time for
+   step 4; ours alone compile in ~16 s (3 head counts);
 1. correctness of every variant of ``chunk_kda_triton`` (``VARIANTS``: changes to the committed
    ``KNOBS``) against the torch ``chunk_kda`` (fp32 upcast inputs) at T 8k H 12 (g given and K3
    gate fused) and a 5-sequence varlen batch (H 16): ``max |ours − ref| / max |ref|``;
@@ -22,7 +22,7 @@ Usage: ``python benchmarks/gpu_kda_prefill_ab.py [--out DIR] [--old FILE] [--sha
 (``--shapes ""``: no fla comparison, ours only).
 Results: ``DIR/prefill_ab.json`` and ``DIR/prefill_ab.md`` (the RESULTS table rows).
 
-``--k3 [--phase check|time|all]`` (``benchmarks/gpu_k3_final.sh``): ``K3_VARIANTS`` instead,
+``--k3 [--phase check|time|all]`` (``scripts/gpu/kda_prefill_vs_fla.sh``): ``K3_VARIANTS`` instead,
 checked and timed in K3-gate mode only (``k3_main``); the fastest correct one is written to
 ``DIR/k3_best.knobs`` as ``K3SERVE_KDA_KNOBS`` text for the next process.
 """
@@ -48,11 +48,9 @@ T0 = time.time()
 BUDGET_S = float(os.environ.get("K3SERVE_BENCH_BUDGET_S", "240"))
 
 ALL_SHAPES = "8192x12,8192x16,8192x32,32768x12,32768x16,32768x32,512x16x64"
-# intra-kernel variants (run 7), as changes to chunk_triton.KNOBS; run 6's state-pass variants
-# are in that run's commit. ``{}`` = the committed defaults.
-# intra-kernel variants (run 7, second call: around the first call's best), as changes to
-# chunk_triton.KNOBS; run 6's state-pass variants are in that run's commit. ``{}`` = the
-# committed defaults (run 6's).
+# intra-kernel variants, as changes to chunk_triton.KNOBS. ``{}`` = the committed defaults.
+# intra-kernel variants around the best of VARIANTS, as changes to chunk_triton.KNOBS.
+# ``{}`` = the committed defaults.
 _B1 = {"a_tri": 1, "t_regs": 1, "intra_maxnreg": 128}  # first call's best
 _B2 = {**_B1, "wy_lowp": 1}
 _S = {"intra_split": 1, "a_tri": 1, "wy_lowp": 1}
@@ -79,7 +77,7 @@ VARIANTS = [
 # K3-gate mode variants (``--k3``: A_log / dt_bias / lower_bound given, raw f in; timed in that
 # mode only, plus one plain-mode row for reference). The k3_* knobs leave plain mode alone.
 # registers per variant (sm_90 build on the CPU box): see the k3_* comments in chunk_triton.KNOBS
-_D0 = {"k3_diag32": 0, "k3_bk": None, "k3_maxnreg": None}  # run 7's K3 path: a_tri, BK 64, cap 96
+_D0 = {"k3_diag32": 0, "k3_bk": None, "k3_maxnreg": None}  # K3 path without 32-row blocks: a_tri, BK 64, cap 96
 _D1 = {"k3_diag32": 1, "k3_bk": 16, "k3_maxnreg": 128}  # 32-row blocks (the committed defaults)
 _D2 = {"k3_diag32": 2, "k3_bk": 16, "k3_maxnreg": 0}  # … one pass over K, shared factors, no cap
 K3_VARIANTS = [

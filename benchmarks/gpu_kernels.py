@@ -14,7 +14,7 @@ of a 2 GiB device copy) and the bf16 matmul rate (8192³) measured here. Bytes a
 each op must move (inputs once, outputs once); decode counts state read + write; MLA counts
 latents once per head block. ``bw%`` = bytes / time / copy_bw.
 
-Timing (issue 17): every implementation, ours and fla's, is warmed up the same way
+Timing: every implementation, ours and fla's, is warmed up the same way
 (``K3SERVE_BENCH_WARMUP`` = 5 untimed calls: JIT compile and fla's autotuning happen there) and
 timed ``K3SERVE_BENCH_REP`` = 30 times, each run alone between CUDA events after an L2 flush;
 prefill rows alternate ours / fla in two rounds and report the median of all 60 runs of each.
@@ -23,7 +23,7 @@ Usage: ``python benchmarks/gpu_kernels.py [--out DIR] [--quick] [--no-fla] [--on
 [--prefill-shapes 32768x12,512x16x64] [--knobs state_warps=8]`` (decode and MLA rows first, then
 prefill rows until ``K3SERVE_BENCH_BUDGET_S``, skipping a row whose new head count would cost
 fla's autotuning past it; prints one table last; on a machine without CUDA it says so and exits
-0). MLA rows time the tuned table's pick (``mla_decode_config``) and neighbours of it. Issue 17's marks: prefill ≥ 1.0× fla
+0). MLA rows time the tuned table's pick (``mla_decode_config``) and neighbours of it. The aims: prefill ≥ 1.0× fla
 ``chunk_kda`` at every shape (plain, K3 gate, varlen); MLA decode ≥ 0.85 of copy bandwidth at
 256×32k and ≥ 0.75 at 64×4k; KDA decode step ≥ 0.9 at 256 sequences.
 """
@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 T0 = time.time()
 BUDGET_S = float(os.environ.get("K3SERVE_BENCH_BUDGET_S", "240"))  # no new prefill rows after this
 # seconds a head count new to fla costs (its autotuning; ~90 s when its kernels are not compiled
-# yet, less after a prewarm of Triton's disk cache as benchmarks/gpu_k3_final.sh does)
+# yet, less after a prewarm of Triton's disk cache as scripts/gpu/kda_prefill_vs_fla.sh does)
 NEW_H_S = float(os.environ.get("K3SERVE_BENCH_NEW_H_S", "120"))
 
 

@@ -1,4 +1,4 @@
-"""Tuning sweep for the Triton kernels (issue 17): the numbers behind the tables in the kernels.
+"""Tuning sweep for the Triton kernels: the numbers behind the tables in the kernels.
 
 Parts (``--only``, comma-separated):
 

@@ -23,8 +23,8 @@ MXFP4 0.53125 B per parameter), the layer's other weights in bf16, ``x`` in and 
 FLOPs: ``2·T·(router + down + up + shared) + 2·T·k·3·W·I``. Timings are medians of
 ``triton.testing.do_bench`` (25 ms warm-up, 100 ms of repetitions) after one untimed call.
 
-Usage: ``python benchmarks/gpu_moe.py [--out DIR]``; writes ``RESULTS_gpu_moe.md`` and
-``gpu_moe.json`` to DIR (default ``benchmarks/``). Exits 0 on a machine without CUDA.
+Usage: ``python benchmarks/gpu_moe.py [--out DIR]``; writes ``DIR/gpu_moe.md`` and
+``DIR/gpu_moe.json`` (DIR defaults to the current folder). Exits 0 on a machine without CUDA.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def rel(a, b):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    ap.add_argument("--out", default=".", help="folder for the JSON result and the Markdown table")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to measure")
@@ -257,14 +257,14 @@ def main():
     for c in checks:
         err = c.get("rel_err_vs_fp32_loop", c.get("rel_err"))
         lines.append(f"| {c['T']} | {c['path']} | {err:.2e} |")
-    with open(os.path.join(args.out, "RESULTS_gpu_moe.md"), "w") as f:
+    with open(os.path.join(args.out, "gpu_moe.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     log("\n".join(lines))
     try:
         extra = model_check()
     except Exception as exc:  # noqa: BLE001 — report, keep the layer results
         extra = [f"whole-model check failed: {type(exc).__name__}: {exc}"]
-    with open(os.path.join(args.out, "RESULTS_gpu_moe.md"), "a") as f:
+    with open(os.path.join(args.out, "gpu_moe.md"), "a") as f:
         f.write("\n".join(extra) + "\n")
     log("\n".join(extra))
     log(f"total {time.time() - t0:.0f}s")

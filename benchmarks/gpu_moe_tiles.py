@@ -1,4 +1,4 @@
-"""Tile sweep of the decode-size routed experts (issue 11): one k3-mini MoE layer, one GPU.
+"""Tile sweep of the decode-size routed experts: one k3-mini MoE layer, one GPU.
 
 The two-launch Triton grouped GEMMs (``k3serve.kernels.moe.grouped_triton.routed_experts_triton``)
 at decode sizes T ∈ {1, 64, 256} tokens × top-8 over 64 experts (W = latent 1024, I = 768), for
@@ -51,8 +51,8 @@ CANDIDATES = (  # MXFP4; None (the heuristic: 16/32/128/4/4 up to 16 rows per ex
     T(16, 32, 64, 4, 4),
     T(32, 64, 128, 4, 3),  # the heuristic's shape for 17-64 rows per expert
 )
-"""Run 5's second sweep. The first (same day, an H200, without ``inference_mode``: the torch
-block layout) also tried 16/128/128/4/3, 16/64/256/4/2, 16/32/128/2/4, 32/128/128/4/3 and the
+"""The candidates kept. A sweep on an H200 without ``inference_mode`` (the torch block
+layout) also tried 16/128/128/4/3, 16/64/256/4/2, 16/32/128/2/4, 32/128/128/4/3 and the
 ``split`` tile form of 16/32/128, 16/64/128 and 32/64/128: none within 3 % of the best at any
 size, ``split`` 1.1–2.2× slower."""
 BF16_CANDIDATES = (T(16, 64, 128, 4, 4),)

@@ -1,4 +1,4 @@
-"""Where k3-mini prefill time goes on one GPU, and what the prefill kernels change (issue 11).
+"""Where k3-mini prefill time goes on one GPU, and what the prefill kernels change.
 
 For each variant (``base``: the torch references for the KDA conv and AttnRes mix and the
 two-launch Triton MoE at every size; ``fused``: this tree's prefill path —

@@ -1,4 +1,4 @@
-"""k3-mini served disaggregated on one GPU through the HTTP API (issue 11, must-show 3).
+"""k3-mini served disaggregated on one GPU through the HTTP API.
 
 What it does, in one process that drives the others:
 
@@ -20,7 +20,7 @@ What it does, in one process that drives the others:
    worker's ``k3serve:kv_transfer_bytes_total`` over its ``k3serve:kv_transfer_seconds`` sum
    (admission → every write confirmed) from ``/metrics``.
 
-Writes ``gpu_serve.json`` and ``serve.md`` into ``--out`` and prints a summary last. Exits 0
+Writes ``OUT/gpu_serve.json`` and ``OUT/serve.md`` (``--out OUT``, default the current folder) and prints a summary last. Exits 0
 without CUDA (says so).
 
 Usage: ``python benchmarks/gpu_serve.py [--out DIR] [--folder DIR] [--requests 8]``
@@ -247,7 +247,7 @@ def transfer_log(log_dir: Path) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks")
+    ap.add_argument("--out", default=".")
     ap.add_argument("--folder", default="/tmp/k3-mini-ckpt")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--log-dir", default="/tmp/k3serve-logs", help="the stack's process logs")

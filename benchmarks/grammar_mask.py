@@ -18,6 +18,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -38,7 +39,7 @@ TOOL_TEXT = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weath
              f"<|tool_call_argument_begin|>{ARGS}<|tool_call_end|><|tool_calls_section_end|>")
 
 
-def mask_alone(batch: int, steps: int) -> None:
+def mask_alone(batch: int, steps: int) -> dict:
     tok = ByteTokenizer()
     vocab = GrammarVocab(tok)
     t0 = time.perf_counter()
@@ -66,9 +67,13 @@ def mask_alone(batch: int, steps: int) -> None:
           f"each; per step (bitmask + unpack + apply + consume) median {med:.3f} ms, "
           f"p90 {sorted(per_step)[int(0.9 * len(per_step))] * 1e3:.3f} ms over {n} steps; "
           f"plain-torch reference mask {statistics.median(ref_step) * 1e3:.1f} ms/step")
+    return {"batch": batch, "vocab_size": tok.vocab_size, "steps": n,
+            "matcher_build_ms": build * 1e3, "mask_step_median_ms": med,
+            "mask_step_p90_ms": sorted(per_step)[int(0.9 * len(per_step))] * 1e3,
+            "reference_mask_step_ms": statistics.median(ref_step) * 1e3}
 
 
-def engine_steps(batch: int, steps: int) -> None:
+def engine_steps(batch: int, steps: int) -> dict:
     from k3serve import LLM
     from k3serve.sampling import SamplingParams
 
@@ -95,16 +100,20 @@ def engine_steps(batch: int, steps: int) -> None:
     print(f"engine, k3-tiny batch {batch}: decode step median {free:.2f} ms unconstrained, "
           f"{masked:.2f} ms with a JSON-Schema grammar on every row "
           f"(+{masked - free:.2f} ms, {100 * (masked - free) / free:.1f} %)")
+    return {"batch": batch, "decode_step_median_ms": free, "decode_step_grammar_median_ms": masked}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--json", default=None, help="write the result here")
     a = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    mask_alone(a.batch, a.steps)
-    engine_steps(a.batch, a.steps)
+    result = {"mask_alone": mask_alone(a.batch, a.steps), "engine": engine_steps(a.batch, a.steps)}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

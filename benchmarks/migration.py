@@ -1,6 +1,6 @@
-"""Request migration at issue 15's size: kill -9 of a decode worker while 50 streams run.
+"""Request migration: kill -9 of a decode worker while 50 streams run.
 
-``python benchmarks/migration.py [--streams 50] [--max-tokens 32]``
+``python benchmarks/migration.py [--streams 50] [--max-tokens 32] [--json PATH]``
 
 Starts router + 1 prefill + 2 decode workers (k3-tiny, CPU, loopback), streams every request
 once without a fault (the reference), then again and ``kill -9`` decode-0 once every stream
@@ -91,6 +91,7 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=50)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=3, help="fault-free runs (first discarded)")
+    ap.add_argument("--json", default=None, help="write the figures here")
     a = ap.parse_args()
     from deploy.launcher import start_stack
 
@@ -117,6 +118,12 @@ def main() -> int:
               f"| {a.streams} | {done} | {same} | {migrated:.0f} | {resumed:.0f} | "
               f"{sum(r[2] for r in ref)} | {t_ref:.2f} s | {t_fault:.2f} s | "
               f"{t_fault / t_ref:.2f} |")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"streams": a.streams, "completed": done, "equal_to_fault_free": same,
+                           "migrations": migrated, "resumed": resumed,
+                           "tokens": sum(r[2] for r in ref), "wall_fault_free_s": t_ref,
+                           "wall_with_kill_s": t_fault}, f, indent=1)
         return 0 if done == same == a.streams else 1
     finally:
         st.stop()

@@ -8,6 +8,7 @@ never asserted. Run: ``python benchmarks/model_cpu.py [--model k3-tiny] [--threa
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -33,6 +34,7 @@ def main() -> None:
     ap.add_argument("--model", default="k3-tiny")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -73,6 +75,12 @@ def main() -> None:
     print(f"{'phase':8} {'shape':>18} {'tokens/s':>12}")
     for phase, shape, tps in rows:
         print(f"{phase:8} {shape:>18} {tps:12.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": cfg.name, "weights": "trained" if folder else "random",
+                       "dtype": "float32", "threads": torch.get_num_threads(),
+                       "rows": [{"phase": p, "shape": s, "tokens_per_s": t} for p, s, t in rows]},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Must-show 5 of issue 15: overload at ~10× capacity for 30 s against a router with fake
+"""Router admission under overload: ~10× capacity for 30 s against a router with fake
 workers (tests/router_fakes.py; the model is a toy, so the router's admission control is
 what is measured).
 
@@ -11,7 +11,7 @@ process's RSS before, at peak and after: "before" is taken after a warm-up burst
 shape (``--warm-seconds``) and a ``gc.collect()``, "after" 2 s after the overload and another
 ``gc.collect()`` (``--tracemalloc``: the allocation sites that grew in between).
 
-Run: ``python benchmarks/overload.py [--seconds 30] [--factor 10]``.
+Run: ``python benchmarks/overload.py [--seconds 30] [--factor 10] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import resource
 import statistics
 import sys
@@ -85,7 +86,8 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--factor", type=int, default=10)
     ap.add_argument("--max-queued", type=int, default=8)
@@ -177,6 +179,17 @@ def main() -> int:
         ok = (all(r[2] for r in ref if r[0]) and all(r[3] for r in adm) and a.admitted == 0
               and set(codes) <= {429, 503})
         print("overload: OK" if ok else "overload: FAILED")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"seconds": wall, "factor": args.factor, "capacity_per_s": capacity,
+                           "sent": len(rec), "admitted": len(adm), "refused": codes,
+                           "refused_with_retry_after": sum(1 for r in ref if r[2]),
+                           "admitted_right_text": sum(1 for r in adm if r[3]),
+                           "admitted_latency_p50_s": statistics.median(lat),
+                           "admitted_latency_p99_s": pct(lat, 0.99),
+                           "unloaded_latency_p50_s": statistics.median(base),
+                           "rss_mib": {"before": rss0, "peak": max(peak), "after": rss1},
+                           "ok": ok}, f, indent=1)
         return 0 if ok else 1
     finally:
         s.close()

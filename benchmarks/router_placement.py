@@ -1,4 +1,4 @@
-"""Latency of one placement decision: 64 workers, 1 M indexed blocks (issue 5, must-show 3).
+"""Latency of one placement decision: 64 workers, 1 M indexed blocks.
 
 One decision = ``GlobalIndex.match`` over the prompt's block hashes (every worker in one
 pass) + one ``PrefillWorkerState`` per prefill worker + ``place`` (cache-aware prefill choice,
@@ -17,6 +17,7 @@ Usage: ``python benchmarks/router_placement.py [--blocks 1000000] [--workers 64]
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -95,6 +96,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=1_000_000)
     ap.add_argument("--workers", type=int, default=64)
     ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -122,6 +124,8 @@ def main() -> None:
           "cpu = thread CPU time of the decision")
     print(f"{'prompt':>24s} {'p50 µs':>9s} {'p99 µs':>9s} {'mean µs':>9s} "
           f"{'cpu p50':>9s} {'cpu p99':>9s}")
+    out = {"blocks": args.blocks, "workers": args.workers, "iters": args.iters,
+           "decisions": [], "hashing": []}
     for kind in ("system", "conversation", "hot"):
         for tokens in (1024, 32_768, 131_072):
             prompts = [prompt(kind, tokens) for _ in range(64)]
@@ -136,6 +140,10 @@ def main() -> None:
             print(f"{kind + ' ' + str(tokens // 1024) + 'k tok':>24s} {_pct(times, 50):9.1f} "
                   f"{_pct(times, 99):9.1f} {statistics.fmean(times):9.1f} "
                   f"{_pct(cpu, 50):9.1f} {_pct(cpu, 99):9.1f}")
+            out["decisions"].append({
+                "prompt": kind, "tokens": tokens, "wall_p50_us": _pct(times, 50),
+                "wall_p99_us": _pct(times, 99), "wall_mean_us": statistics.fmean(times),
+                "cpu_p50_us": _pct(cpu, 50), "cpu_p99_us": _pct(cpu, 99)})
 
     from k3serve.cache.hashing import block_hashes, make_salt
 
@@ -146,8 +154,13 @@ def main() -> None:
         reps = max(1, 200_000 // tokens)
         for _ in range(reps):
             block_hashes(ids, B, salt)
+        per_prompt = (time.perf_counter() - t) / reps * 1e6
         print(f"{'hashing ' + str(tokens // 1024) + 'k tok':>24s} "
-              f"{(time.perf_counter() - t) / reps * 1e6:9.1f} µs (per prompt, not per worker)")
+              f"{per_prompt:9.1f} µs (per prompt, not per worker)")
+        out["hashing"].append({"tokens": tokens, "us_per_prompt": per_prompt})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Snapshot policy trade-off (issue 12, part 4): hit rate vs snapshot interval and size.
+"""Snapshot policy trade-off: hit rate vs snapshot interval and size.
 
 For each model's snapshot size (k3-tiny ≈ 1,315 tokens of latents, k3-mini ≈ 2,827, K3 ≈
 16,000) and each store-only snapshot interval k, replay the trace under the default policy
@@ -12,6 +12,7 @@ Usage: ``python benchmarks/simulate_snapshots.py TRACE [--store 1] [--intervals 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
@@ -19,6 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from k3serve.traces import load_trace, snapshot_rule_ceiling
+from router.placement import DEFAULT_POLICY
+from router.policies.home import HomeParams
 from simulate.calibration import Calibration
 from simulate.engine import (
     SimConfig,
@@ -26,9 +30,6 @@ from simulate.engine import (
     replay,
     trace_facts,
 )
-from k3serve.traces import load_trace, snapshot_rule_ceiling
-from router.placement import DEFAULT_POLICY
-from router.policies.home import HomeParams
 
 MODELS = {"k3-tiny": (320, 420_864), "k3-mini": (6_912, 19_537_920),
           "k3": (27_648, 16_000 * 27_648)}
@@ -48,27 +49,37 @@ def _job(a):
     kk = auto if k == "auto" else int(k)
     r = replay(reqs, DEFAULT_POLICY, replace(cfg, store_snapshot_interval=kk), facts)
     ceil = snapshot_rule_ceiling(reqs, kk) / facts.oracle_hit_rate
-    return (f"| {model} | {k if k != 'auto' else f'auto ({auto})'} | {r.of_oracle:.3f} | "
+    row = {"model": model, "interval": k, "auto_interval": auto, "of_oracle": r.of_oracle,
+           "store_share": r.store_hit_rate / r.hit_rate if r.hit_rate else 0.0,
+           "store_evictions": r.store_stats.get("evictions", 0), "ceiling_of_oracle": ceil,
+           "load_max_over_mean": r.load_max_over_mean}
+    return row, (f"| {model} | {k if k != 'auto' else f'auto ({auto})'} | {r.of_oracle:.3f} | "
             f"{r.store_hit_rate / r.hit_rate:.2f} | {r.store_stats.get('evictions', 0)} | "
             f"{ceil:.3f} | {r.load_max_over_mean:.3f} |")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
     ap.add_argument("--store", type=float, default=1.0)
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--intervals", nargs="+", default=["0", "auto", "4", "16", "64"])
     ap.add_argument("--jobs", type=int, default=None)
+    ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args()
     print(f"store {a.store:g} × working set, policy {DEFAULT_POLICY}")
     print("| snapshot size | store-only interval (blocks) | hit / oracle | store share | "
           "store evictions | infinite-memory ceiling / oracle | max/mean load |")
     print("|---|---|---|---|---|---|---|")
     jobs = [(a.trace, m, a.store, k) for m in a.models for k in a.intervals]
+    rows = []
     with ProcessPoolExecutor(a.jobs) as ex:
-        for line in ex.map(_job, jobs):
+        for row, line in ex.map(_job, jobs):
             print(line, flush=True)
+            rows.append(row)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"store": a.store, "policy": DEFAULT_POLICY, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Soak (issue 15, must-show 7; not CI): a steady ~4 req/s of mixed lengths against a live
+"""Soak (not CI): a steady ~4 req/s of mixed lengths against a live
 stack for up to 10 minutes; reports RSS growth per process, pages left held, transfer failures.
 
     python benchmarks/soak.py                       # 10 min, 4 req/s, 1 prefill + 1 decode
