@@ -4,7 +4,7 @@ The only engine module that touches tensors. What the cache manager decides in i
 runner carries out on :class:`~k3serve.cache.pools.KVPools`:
 
 * admission: zero the slot (fresh sequence) or load a snapshot into it (prefix hit);
-* after a forward: copy slots into snapshots (:class:`~k3serve.cache.manager.SnapshotSave`);
+* after a forward: copy slots into snapshots (:class:`~k3serve.cache.types.SnapshotSave`);
 * ``n > 1``: copy the parent's slot and its partial last page (:class:`ForkPlan`).
 
 Packing of one forward (``T`` new tokens of ``N`` sequences)::
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from k3serve.cache.manager import Admission, ForkPlan, SnapshotSave
 from k3serve.cache.pools import KVPools
+from k3serve.cache.types import Admission, ForkPlan, SnapshotSave
 from k3serve.model.batch import make_batch
 
 

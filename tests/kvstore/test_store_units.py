@@ -61,19 +61,19 @@ def test_import_pins_local_part_and_indexes_fetched_entries():
     ids = list(range(13))
     hs, cap = cm.prefix_hashes(ids)
     assert cap == 3 and len(hs) == 3
-    plan = cm.begin_import(hs, hs, hs[-1])
+    plan = cm.importer.begin(hs, hs, hs[-1])
     assert plan is not None and len(plan.pages) == 3 and plan.snapshot is not None
-    cm.end_import(plan)
+    cm.importer.end(plan)
     assert cm.lookup(ids) == 12
     cm.check()
     # a second import needing more pages than free (all 3 held by the first prefix? no: LRU)
     other = [100 + i for i in range(13)]
     ho, _ = cm.prefix_hashes(other)
-    plan2 = cm.begin_import(ho, ho, ho[-1])  # 3 pages: 1 free + LRU ones evicted
+    plan2 = cm.importer.begin(ho, ho, ho[-1])  # 3 pages: 1 free + LRU ones evicted
     assert plan2 is not None
-    cm.abort_import(plan2)
+    cm.importer.abort(plan2)
     cm.check()
-    assert cm.begin_import(ho, ho[:1], ho[-1]) is None  # blocks 1-2 neither local nor fetched
+    assert cm.importer.begin(ho, ho[:1], ho[-1]) is None  # blocks 1-2 neither local nor fetched
 
 
 def test_pool_bytes_round_trip():
