@@ -13,11 +13,11 @@ from k3serve.cache.events import EventLog, make_state
 from k3serve.cache.manager import CacheManager
 from k3serve.cache.prefix import fetch_plan, log_snapshot_points
 from k3serve.cache.specs import CacheConfig
-from kvstore.store import KVStore, StoreConfig, StoreState, block_key, snapshot_key
+from kvstore.store.client import KVStore, StoreConfig, StoreState, block_key, snapshot_key
+from kvstore.store.tier import store_events
 from router.index import STORE, GlobalIndex
 from router.placement import PlacementParams, PlacementRequest, PrefillWorkerState, cache_aware
 from router.policies import RecentLoad, WorkerView, live_view
-from worker.store import store_events
 
 
 def test_log_snapshot_points_are_dense_then_doubling():
