@@ -15,10 +15,10 @@ Packing of one forward (``T`` new tokens of ``N`` sequences)::
 
 The run seam: the engine hands every forward to :meth:`ModelRunner.execute` as one
 :class:`RunBatch` (rows + an optional per-layer hook) and gets ``[N, V]`` logits back; it never
-calls the model itself. A CUDA-graph runner (issue 11) plugs in there: a subclass whose
-``execute`` replays a captured graph for batches it has one for (decode-only, a captured
-size, ``layer_hook is None``: a Python hook cannot run inside a graph) and falls back to
-:meth:`ModelRunner.forward` otherwise. Slot preparation, snapshot saves and forks stay plain
+calls the model itself. A CUDA-graph runner (:mod:`k3serve.engine.cuda_graphs`) plugs in there:
+a subclass whose ``execute`` replays a captured graph for batches it has one for (decode-only,
+a captured size, ``layer_hook is None``: a Python hook cannot run inside a graph) and falls back
+to :meth:`ModelRunner.forward` otherwise. Slot preparation, snapshot saves and forks stay plain
 tensor copies outside the graph.
 """
 

@@ -646,7 +646,7 @@ def test_runner_execute_is_the_run_seam(model):
 
 
 def test_prefill_backlog_cap_admits_prompts_fcfs(model):
-    """Issue 15 (soak): uncapped, chunks ending on snapshot points leave budget that admits
+    """Uncapped, chunks ending on snapshot points leave budget that admits
     every waiting prompt, and all of them share the steps; with ``max_prefill_backlog`` a
     prompt is admitted only while fewer tokens than the cap are left to prefill, so prompts
     are computed nearly one after another, each finishing in about (cap + its length) of

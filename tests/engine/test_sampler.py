@@ -13,6 +13,7 @@ from typing import ClassVar
 import pytest
 import torch
 
+from k3serve.tokenizer.detok import IncrementalDetokenizer
 from k3serve.engine.sampler import (
     SamplingRow,
     apply_penalties,
@@ -21,7 +22,6 @@ from k3serve.engine.sampler import (
     uniform_noise,
 )
 from k3serve.sampling import SamplingParams
-from k3serve.tokenizer.detok import IncrementalDetokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
