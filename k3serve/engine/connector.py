@@ -70,19 +70,23 @@ class CacheReservation:
 
 
 class EngineAPI(Protocol):
-    """What a connector may use of the engine (``LLMEngine`` implements it); nothing else."""
+    """What a connector may use of the engine (``LLMEngine`` implements it; its methods'
+    docstrings have Args / Returns / Raises); nothing else. Engine thread only."""
 
     connector: KVConnector | None
-    max_model_len: int
 
     @property
     def cache(self) -> CacheReader:
-        """The cache manager's read side."""
+        """The cache manager's read side (no call on it changes the cache)."""
         ...
 
-    def attach(self, connector: KVConnector) -> None: ...
+    def attach(self, connector: KVConnector) -> None:
+        """Mutates: puts ``connector`` at the engine's edge (ValueError if another is there)."""
+        ...
 
-    def check_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> list[int]: ...
+    def check_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> list[int]:
+        """Read-only: the checked prompt of a new request (ValueError naming the field)."""
+        ...
 
     def add_request(
         self,
@@ -95,13 +99,19 @@ class EngineAPI(Protocol):
         output_token_ids: Sequence[int] = (),
         output_logprobs: Sequence[float] | None = None,
         snapshot_on_finish: bool = True,
-    ) -> RequestOutput | None: ...
+    ) -> RequestOutput | None:
+        """Mutates: queues a request (after ``output_token_ids`` sampled elsewhere)."""
+        ...
 
     def reserve_cache(
         self, request_id: str, token_ids: list[int], num_tokens: int | None, cache_salt: str | None
-    ) -> CacheReservation: ...
+    ) -> CacheReservation:
+        """Mutates: takes a zeroed slot and pages for a cache that arrives (CacheFullError)."""
+        ...
 
-    def free_cache(self, reservation: CacheReservation) -> None: ...
+    def free_cache(self, reservation: CacheReservation) -> None:
+        """Mutates: gives a reservation's slot and pages back."""
+        ...
 
     def resume(
         self,
@@ -110,13 +120,21 @@ class EngineAPI(Protocol):
         output_token_ids: Sequence[int],
         params: SamplingParams,
         output_logprobs: Sequence[float] | None = None,
-    ) -> RequestOutput | None: ...
+    ) -> RequestOutput | None:
+        """Mutates: runs the request on its landed cache after the given outputs."""
+        ...
 
-    def hold(self, seq: Seq, handle: CacheHandle) -> None: ...
+    def hold(self, seq: Seq, handle: CacheHandle) -> None:
+        """Mutates: takes a sampled sequence off the scheduler, ``HELD`` with ``handle``."""
+        ...
 
-    def release_held(self, request_id: str) -> bool: ...
+    def release_held(self, request_id: str) -> bool:
+        """Mutates: frees a held request (False: it is not held, nothing done)."""
+        ...
 
-    def abort_request(self, request_id: str) -> bool: ...
+    def abort_request(self, request_id: str) -> bool:
+        """Mutates: stops a request anywhere (True when it was live)."""
+        ...
 
 
 class KVConnector:
