@@ -190,7 +190,7 @@ class LLMEngine(EngineCore):
         decode worker's fallback after a failed transfer continues from the prefill worker's
         token #1, which the client already has): the prefill covers ``prompt + outputs`` and
         sampling continues at position ``L + len(outputs)``, exactly as after
-        :meth:`admit`. The given tokens are outputs #1…: they count for ``max_tokens``, stop
+        :meth:`resume`. The given tokens are outputs #1…: they count for ``max_tokens``, stop
         tokens / strings and the penalties, and are not sampled again.
 
         Args:
