@@ -1,7 +1,7 @@
 """Shared-store benchmark: Mooncake Store put/get GB/s beside raw Transfer Engine, same run.
 
 One ``mooncake_master`` on loopback (``deploy.local.start_store_master``); two store clients in
-this process (:class:`kvstore.store.KVStore`, the product's client: a writer that puts through
+this process (:class:`kvstore.store.client.KVStore`, the product's client: a writer that puts through
 its bounded queue + writer thread, a reader that gets) each contribute a DRAM segment. Payloads
 have the shapes the workers put (``KVPools.snapshot_nbytes`` / ``block_nbytes``):
 
@@ -36,7 +36,7 @@ from deploy.local import start_store_master
 from k3serve.cache.pools import KVPools
 from k3serve.config import PRESETS
 from kvstore import KVEngine
-from kvstore.store import KVStore, StoreConfig
+from kvstore.store.client import KVStore, StoreConfig
 
 _PEER = r"""
 import sys, numpy as np

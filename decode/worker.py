@@ -5,10 +5,10 @@
 Lifecycle steps 3 and 7–9 of :mod:`k3serve.protocol` (the numbered walkthrough); here, one
 request goes through the phases of :class:`DecodePhase`::
 
-    POST /internal/reserve (ReserveRequest) ─▶ engine.reserve(rid, prompt) → slot + pages;
+    POST /internal/reserve (ReserveRequest) ─▶ disagg.reserve(rid, prompt) → slot + pages;
         KVReceiver(bootstrap server, slot/pages) ─▶ ReserveResponse{ticket, bootstrap_addr}
     TRANSFER     the prefill worker pairs with our bootstrap server and writes the cache
-      │ receiver SUCCESS ─▶ engine.admit(rid, [token #1], TransferMetadata's params) ─▶ RUNNING
+      │ receiver SUCCESS ─▶ disagg.admit(rid, [token #1], TransferMetadata's params) ─▶ RUNNING
       │ receiver FAILED  ─▶ AWAIT_FIRST: the reservation is freed once no sender can still
       │                     write into it (on_release); as soon as the router has passed
       │                     token #1 (``/internal/stream``): engine.add_request(rid#fallback,
@@ -124,7 +124,7 @@ class DecodeWorker(BaseWorker):
             raise ValueError(f"request_id: {rid!r} is already live")
         if self.aborted_early.pop(rid, None) is not None:
             raise Failure(409, "aborted", f"request {rid!r} was aborted before its reservation")
-        h = self.engine.reserve(rid, list(body.prompt_token_ids), cache_salt=body.cache_salt)
+        h = self.disagg.reserve(rid, list(body.prompt_token_ids), cache_salt=body.cache_salt)
         r = DecodeState(rid, list(body.prompt_token_ids), params, body.cache_salt, events)
         try:
             r.receiver = KVReceiver(self.server, CacheRef(h.slot, h.pages, h.num_tokens),
@@ -185,7 +185,7 @@ class DecodeWorker(BaseWorker):
             if r.first is not None and r.first[0] != tok:
                 log.warning("decode %s: token #1 %d from the router differs from the "
                             "transferred %d", r.rid, r.first[0], tok)
-            out = self.engine.admit(r.rid, [tok], params,
+            out = self.disagg.admit(r.rid, [tok], params,
                                     output_logprobs=[math.nan if lp is None else float(lp)])
         except (KeyError, TypeError, ValueError) as e:
             # the sender is done writing (SUCCESS), so the reservation can go right away

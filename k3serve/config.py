@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ class ModelConfig:
             need(width % 32 == 0, "moe_latent_size", "MXFP4 needs the expert input width % 32 == 0")
             need(self.moe_intermediate_size % 32 == 0, "moe_intermediate_size", "MXFP4 needs % 32 == 0")
         need(self.attn_res_block_layers >= 0, "attn_res_block_layers", "must be >= 0")
-        need(self.dtype in _DTYPE_BYTES, "dtype", f"must be one of {sorted(_DTYPE_BYTES)}")
+        need(self.dtype in DTYPE_BYTES, "dtype", f"must be one of {sorted(DTYPE_BYTES)}")
         need(self.max_position_embeddings > 0, "max_position_embeddings", "must be > 0")
         need(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
         for f in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -182,7 +182,7 @@ class ModelConfig:
 
     @property
     def dtype_bytes(self) -> int:
-        return _DTYPE_BYTES[self.dtype]
+        return DTYPE_BYTES[self.dtype]
 
     # ------------------------------------------------------------------ cache sizes
     def kda_state_bytes_per_layer(self, conv_dtype_bytes: int | None = None) -> int:

@@ -134,6 +134,116 @@ def _changed_outside(
     return out
 
 
+class LoopbackPeer:
+    """The decode-side peer behind :func:`main`: pools registered with a :class:`KVEngine`, a
+    :class:`KVBootstrapServer`, and one :class:`KVReceiver` per ``register`` command.
+
+    Args:
+        cfg: the model config (pool shapes). pools: from :func:`make_pools`.
+        staging: ``K3SERVE_KV_STAGING`` mode. release_grace_s: the server's release grace (s).
+    """
+
+    def __init__(self, cfg: ModelConfig, pools: dict[str, torch.Tensor], staging: str,
+                 release_grace_s: float) -> None:
+        self.pools = pools
+        self.snap = {k: v.clone() for k, v in pools.items()}  # baseline of the next check
+        self.engine = KVEngine(EngineConfig())
+        layout = register_pools(self.engine, cfg, pools, staging)
+        self.server = KVBootstrapServer(self.engine, layout, release_grace_s=release_grace_s)
+        self.server.start()
+        self.stage_in_s: list[float] = []  # seconds of each mirror → device copy (host staging)
+        if self.server.on_landed is not None:
+            landed = self.server.on_landed
+
+            def timed(ref: CacheRef) -> None:
+                t = time.perf_counter()
+                landed(ref)
+                self.stage_in_s.append(time.perf_counter() - t)
+
+            self.server.on_landed = timed
+        self.rx: dict[str, KVReceiver] = {}
+        self.releases: dict[str, int] = {}
+
+    def ready(self) -> dict[str, Any]:
+        return {"ready": True, "bootstrap": self.server.address,
+                "session": self.engine.session_id, "pid": os.getpid()}
+
+    def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """One command's reply (module docstring); unknown ops answer ``{"error"}``."""
+        op = cmd.get("op")
+        if op == "register":
+            return self.register(cmd)
+        if op == "wait":
+            return self.wait(cmd)
+        if op == "abort":
+            self.rx[cmd["ticket"]].abort(cmd.get("reason", "aborted by test"))
+            return {"ok": True}
+        if op == "stats":
+            self.server.pump()
+            return {"open": self.server.open_tickets(), "unreleased": self.server.unreleased(),
+                    "releases": sum(self.releases.values())}
+        if op == "exit":
+            return {"ok": True}
+        return {"error": f"unknown op {op!r}"}
+
+    def register(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """A receiver for ``slot`` / ``pages`` / ``num_tokens``; its ticket."""
+        ref = CacheRef(int(cmd["slot"]), tuple(cmd["pages"]), int(cmd["num_tokens"]))
+        key: dict[str, str] = {}
+
+        def on_release(key: dict[str, str] = key) -> None:
+            self.releases[key["t"]] = self.releases.get(key["t"], 0) + 1
+
+        r = KVReceiver(
+            self.server, ref, timeout_s=float(cmd.get("timeout_s", 30.0)), on_release=on_release
+        )
+        key["t"] = r.ticket
+        self.rx[r.ticket] = r
+        return {"ticket": r.ticket}
+
+    def wait(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Poll a ticket to its end (or ``timeout_s``); its state, result and, with
+        ``verify``, the digest and the pools changed outside the reservation."""
+        r = self.rx[cmd["ticket"]]
+        t_end = time.monotonic() + float(cmd.get("timeout_s", 30.0))
+        while not r.poll().terminal and time.monotonic() < t_end:
+            time.sleep(0.0005)
+        if r.state == KVPoll.FAILED:  # give a pending release its chance
+            while not r.released and time.monotonic() < t_end:
+                r.poll()
+                time.sleep(0.01)
+        out: dict[str, Any] = {
+            "state": r.state.name,
+            "error": r.error,
+            "released": r.released,
+            "releases": self.releases.get(r.ticket, 0),
+            "layers": r.layers_received,
+            "staging": self.engine.staging is not None,
+            "stage_in_s": self.stage_in_s[-1] if self.stage_in_s else 0.0,
+        }
+        if r.state == KVPoll.SUCCESS and r.result is not None:
+            res = r.result
+            out["result"] = {
+                "metadata": res.metadata.model_dump(mode="json"),
+                "layer_bytes": res.layer_bytes,
+                "total_bytes": res.total_bytes,
+                "num_runs": res.num_runs,
+                "attempts": res.attempts,
+                "seconds": res.seconds,
+                "sender_seconds": res.sender_seconds,
+            }
+            if cmd.get("verify", True):
+                out["digest"] = request_digest(self.pools, r.ref)
+                out["changed_elsewhere"] = _changed_outside(self.pools, self.snap, r.ref)
+                self.snap = {k: v.clone() for k, v in self.pools.items()}
+        return out
+
+
+def _reply(d: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(d) + "\n")
+    sys.stdout.flush()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="k3-tiny", choices=sorted(PRESETS))
@@ -156,108 +266,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     if not args.no_fill:
         fill_pools(pools, args.seed)
-    snap = {k: v.clone() for k, v in pools.items()}
-    engine = KVEngine(EngineConfig())
-    layout = register_pools(engine, cfg, pools, args.staging)
-    server = KVBootstrapServer(engine, layout, release_grace_s=args.release_grace_s).start()
-    stage_in_s: list[float] = []  # seconds of each mirror → device copy (host staging)
-    if server.on_landed is not None:
-        landed = server.on_landed
-
-        def timed(ref: CacheRef) -> None:
-            t = time.perf_counter()
-            landed(ref)
-            stage_in_s.append(time.perf_counter() - t)
-
-        server.on_landed = timed
-    rx: dict[str, KVReceiver] = {}
-    releases: dict[str, int] = {}
-
-    def reply(d: dict[str, Any]) -> None:
-        sys.stdout.write(json.dumps(d) + "\n")
-        sys.stdout.flush()
-
-    reply(
-        {
-            "ready": True,
-            "bootstrap": server.address,
-            "session": engine.session_id,
-            "pid": os.getpid(),
-        }
-    )
+    peer = LoopbackPeer(cfg, pools, args.staging, args.release_grace_s)
+    _reply(peer.ready())
     for line in sys.stdin:
         if not line.strip():
             continue
         cmd = json.loads(line)
-        op = cmd.get("op")
         try:
-            if op == "register":
-                ref = CacheRef(int(cmd["slot"]), tuple(cmd["pages"]), int(cmd["num_tokens"]))
-                key: dict[str, str] = {}
-
-                def on_release(key: dict[str, str] = key) -> None:
-                    releases[key["t"]] = releases.get(key["t"], 0) + 1
-
-                r = KVReceiver(
-                    server, ref, timeout_s=float(cmd.get("timeout_s", 30.0)), on_release=on_release
-                )
-                key["t"] = r.ticket
-                rx[r.ticket] = r
-                reply({"ticket": r.ticket})
-            elif op == "wait":
-                r = rx[cmd["ticket"]]
-                t_end = time.monotonic() + float(cmd.get("timeout_s", 30.0))
-                while not r.poll().terminal and time.monotonic() < t_end:
-                    time.sleep(0.0005)
-                if r.state == KVPoll.FAILED:  # give a pending release its chance
-                    while not r.released and time.monotonic() < t_end:
-                        r.poll()
-                        time.sleep(0.01)
-                out: dict[str, Any] = {
-                    "state": r.state.name,
-                    "error": r.error,
-                    "released": r.released,
-                    "releases": releases.get(r.ticket, 0),
-                    "layers": r.layers_received,
-                    "staging": engine.staging is not None,
-                    "stage_in_s": stage_in_s[-1] if stage_in_s else 0.0,
-                }
-                if r.state == KVPoll.SUCCESS and r.result is not None:
-                    res = r.result
-                    out["result"] = {
-                        "metadata": res.metadata.model_dump(mode="json"),
-                        "layer_bytes": res.layer_bytes,
-                        "total_bytes": res.total_bytes,
-                        "num_runs": res.num_runs,
-                        "attempts": res.attempts,
-                        "seconds": res.seconds,
-                        "sender_seconds": res.sender_seconds,
-                    }
-                    if cmd.get("verify", True):
-                        out["digest"] = request_digest(pools, r.ref)
-                        out["changed_elsewhere"] = _changed_outside(pools, snap, r.ref)
-                        snap = {k: v.clone() for k, v in pools.items()}  # next check's baseline
-                reply(out)
-            elif op == "abort":
-                rx[cmd["ticket"]].abort(cmd.get("reason", "aborted by test"))
-                reply({"ok": True})
-            elif op == "stats":
-                server.pump()
-                reply(
-                    {
-                        "open": server.open_tickets(),
-                        "unreleased": server.unreleased(),
-                        "releases": sum(releases.values()),
-                    }
-                )
-            elif op == "exit":
-                reply({"ok": True})
-                break
-            else:
-                reply({"error": f"unknown op {op!r}"})
+            _reply(peer.handle(cmd))
         except Exception as e:  # noqa: BLE001 - report to the driver, keep serving
-            reply({"error": repr(e)})
-    server.stop()
+            _reply({"error": repr(e)})
+            continue
+        if cmd.get("op") == "exit":
+            break
+    peer.server.stop()
 
 
 if __name__ == "__main__":

@@ -6,14 +6,14 @@ Lifecycle steps 4–7 of :mod:`k3serve.protocol` (the numbered walkthrough); her
 ``POST /internal/prefill`` (:class:`~k3serve.messages.PrefillRequest`) goes through the
 phases of :class:`PrefillPhase`::
 
-    WAITING    engine.add_prefill_request(rid, ids, params, on_admit, layer_hook)
+    WAITING    disagg.add_prefill_request(rid, ids, params, on_admit, layer_hook)
     COMPUTING  admission: on_admit(handle) → KVSender(ticket, bootstrap_addr, layout, handle)
                (pairing with the decode worker starts now); forward: layer_hook(layer, upto)
                → sender.layer_ready — writes of layer l go out while layer l+1 computes
     SAMPLED    token #1 sampled (the engine holds slot + pages); held while the sender is still
                pairing (at most PAIR_WAIT_S), so a refused pairing is answered as an error
     ANSWERED   sender.finish(TransferMetadata); PrefillResponse (token #1) to the router
-    ENDED      sender terminal and released → engine.release(rid) (cached blocks stay cached)
+    ENDED      sender terminal and released → disagg.release(rid) (cached blocks stay cached)
     ABORTING   from any phase before ENDED: the error is answered (unless token #1 was), the
                sender aborted; once it no longer reads the pages → engine.abort_request → ENDED
 
@@ -116,7 +116,7 @@ class PrefillWorker(BaseWorker):
             raise ValueError(f"request_id: {rid!r} is already live")
         r = PrefillState(rid, list(body.prompt_token_ids), params, body.ticket, body.bootstrap_addr,
                      fut, body.debug_fail_transfer_n, events_after=body.events_after)
-        self.engine.add_prefill_request(
+        self.disagg.add_prefill_request(
             rid, r.ids, params, cache_salt=body.cache_salt, snapshot_at=body.snapshot_at,
             on_admit=lambda h: self._on_admit(r, h),
             layer_hook=lambda layer, upto: self._layer_hook(r, layer, upto))
@@ -253,7 +253,7 @@ class PrefillWorker(BaseWorker):
                 self.engine.abort_request(r.rid)
                 r.to(PrefillPhase.ENDED)
             elif r.phase is PrefillPhase.ANSWERED and (r.sender is None or r.sender.state.terminal):
-                self.engine.release(r.rid)
+                self.disagg.release(r.rid)
                 r.to(PrefillPhase.ENDED)
         if r.phase is PrefillPhase.ENDED:
             self.reqs.pop(r.rid, None)

@@ -5,7 +5,7 @@ store tier, a cost model (:mod:`simulate.calibration`) and reports:
 
 * :mod:`simulate.engine` — the discrete-event replay (:func:`replay`), one policy at
   a time, with the real ``GlobalIndex``, ``place`` and one ``CacheManager`` per worker;
-* :mod:`simulate.store` — the shared store (LRU over blocks and snapshots);
+* :mod:`kvstore.store.sim` — the shared store (LRU over blocks and snapshots);
 * :mod:`simulate.report` — the table, the JSON document and the hit-rate plot;
 * :func:`run` — every requested policy over one trace (in parallel processes), with a
   progress bar.

@@ -12,7 +12,7 @@ usable-hit rule, the event log). The simulator adds only time and the store tier
   queued work evicts what it counted on); its service time comes from the
   :class:`~simulate.calibration.Calibration` (uncached tokens at the prefill rate, a
   store load priced by latency + bytes).
-* The store (``store_fraction`` > 0, :class:`~simulate.store.SimStore`) receives every
+* The store (``store_fraction`` > 0, :class:`~kvstore.store.sim.SimStore`) receives every
   computed block and snapshot when the prefill finishes; a worker whose own usable hit is
   shallower than what the store can complete loads the difference (and the snapshot).
   ``store_snapshot_interval`` adds store-only KDA snapshots every k blocks (written through
@@ -44,6 +44,7 @@ from k3serve.traces import (
     token_oracle,
     working_set,
 )
+from kvstore.store.sim import STORE_ID, SimStore
 from router.index import GlobalIndex
 from router.placement import (
     DecodeWorkerState,
@@ -54,7 +55,6 @@ from router.placement import (
 from router.policies import RouterView, WorkerView
 from router.policies.load import UTIL_HORIZON_S, RecentLoad
 from simulate.calibration import Calibration
-from simulate.store import STORE_ID, SimStore
 
 STORE_INTERVALS = (1, 2, 4, 8, 16, 32, 64, 128)
 

@@ -90,7 +90,7 @@ class StackShape:
 
     def cache_config(self) -> CacheConfig:
         """One worker's :class:`CacheConfig`, the dense-snapshot rule resolved as the engine
-        resolves it (``LLMEngine._dense_snapshot_blocks``)."""
+        resolves it (``k3serve.engine.memory.dense_snapshot_blocks``)."""
         from k3serve.config import load_config
 
         dense = self.dense_snapshot_blocks

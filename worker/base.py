@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+from k3serve.engine.connector import DisaggConnector
 from k3serve.messages import (
     CacheEvents,
     Capacity,
@@ -80,6 +81,7 @@ class BaseWorker(abc.ABC):
     def __init__(self, config: WorkerConfig, engine: Any = None) -> None:
         self.config = config
         self.engine = engine if engine is not None else build_engine(config)
+        self.disagg = DisaggConnector.of(self.engine)  # prefill hand-off / decode reservations
         self.block_size = self.engine.config.block_size
         self.worker_id = config.name
         self.url = config.url
@@ -98,10 +100,10 @@ class BaseWorker(abc.ABC):
         self.store = self._store_tier()
 
     def _store_tier(self) -> Any:
-        """The shared-store tier (:mod:`worker.store`), or ``None`` without ``--store-url``."""
+        """The shared-store tier (:mod:`kvstore.store.tier`), or ``None`` without ``--store-url``."""
         if not self.config.store.enabled:
             return None
-        from worker.store import StoreTier
+        from kvstore.store.tier import StoreTier
 
         tier = StoreTier(self.config.store, self.engine, self.loop, self.metrics.labels)
         self.metrics.registry.register(_Collector(tier.collect))
@@ -215,7 +217,7 @@ class BaseWorker(abc.ABC):
             snapshots_used=u.snapshots_used, snapshots_cached=u.snapshots_cached,
             num_running=len(self.engine.scheduler.running), num_waiting=self.num_waiting(),
             num_engine_requests=len(self.engine.requests),
-            num_reserved=self.engine.num_reserved)
+            num_reserved=self.disagg.num_reserved)
 
     def info(self) -> WorkerInfo:  # engine thread
         """``GET /internal/info`` body."""
@@ -239,7 +241,7 @@ class BaseWorker(abc.ABC):
         queued = sum(max(0, s.num_prompt_tokens - s.num_computed)
                      for s in (*sched.waiting, *sched.running))
         return WorkerLoad(queued_prefill_tokens=queued,
-                          running=len(sched.running) + self.engine.num_reserved,
+                          running=len(sched.running) + self.disagg.num_reserved,
                           free_pages=max(0, u.num_pages - u.pages_used),
                           free_slots=max(0, u.num_slots - u.slots_used),
                           prefills=self.prefills, prefill_tokens=self.prefill_tokens)

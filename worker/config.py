@@ -7,7 +7,7 @@
     K3SERVE_WORKER_THREADS   torch intra-op threads (default 1: processes share the CPU)
     K3SERVE_TEST_HOOKS       ``1``/``true`` accepts per-request test hooks
     K3SERVE_KV_*             kvstore's transfer settings (:meth:`kvstore.KVConfig.from_env`)
-    K3SERVE_STORE_*          the shared Mooncake Store client (:class:`kvstore.store.StoreConfig`)
+    K3SERVE_STORE_*          the shared Mooncake Store client (:class:`kvstore.store.client.StoreConfig`)
 
 Components receive the config (or the narrowest part of it) and never mutate it.
 """
@@ -23,7 +23,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from k3serve.protocol import CLUSTER_TOKEN_ENV
 from kvstore import KVConfig
-from kvstore.store import StoreConfig
+from kvstore.store.client import StoreConfig
 
 Role = Literal["prefill", "decode"]
 

@@ -110,7 +110,8 @@ def build_parallel_engine(config: WorkerConfig) -> Any:
     import torch
 
     from k3serve.config import PRESETS
-    from k3serve.engine.engine import EngineConfig, LLMEngine
+    from k3serve.engine.config import EngineConfig
+    from k3serve.engine.engine import LLMEngine
     from k3serve.model.checkpoint import checkpoint_identity, random_init_identity
     from k3serve.parallel.runner import start_instance
     from k3serve.tokenizer import get_tokenizer

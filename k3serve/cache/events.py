@@ -35,6 +35,10 @@ class EventLog:
             sees a gap and reloads the dump).
         epoch: log identity; a new uuid4 hex when ``None``.
 
+    Attributes:
+        epoch, last_seq: as above; ``last_seq`` is the newest event's ``seq`` (0: none yet).
+        events: the kept events, oldest first (their ``seq`` runs up to ``last_seq``).
+
     Raises:
         ValueError: ``max_events`` < 1.
     """
@@ -44,7 +48,7 @@ class EventLog:
             raise ValueError(f"max_events: must be ≥ 1, got {max_events}")
         self.epoch = epoch or uuid.uuid4().hex
         self.last_seq = 0
-        self._events: deque[dict[str, Any]] = deque(maxlen=max_events)
+        self.events: deque[dict[str, Any]] = deque(maxlen=max_events)
 
     def append(
         self, type_: str, block_hashes: Sequence[str], snapshot: bool, source: str = "local"
@@ -74,7 +78,7 @@ class EventLog:
         }
         if source == "store":
             ev["source"] = "store"
-        self._events.append(ev)
+        self.events.append(ev)
         return self.last_seq
 
     def since(self, after: int = 0, limit: int | None = None) -> dict[str, Any]:
@@ -89,11 +93,11 @@ class EventLog:
             may follow ``events`` when ``limit`` cut them). When ``after`` is older than the
             oldest kept event, the events start later than ``after + 1``: the reader sees the gap.
         """
-        first = self.last_seq - len(self._events) + 1  # seq of _events[0]
+        first = self.last_seq - len(self.events) + 1  # seq of events[0]
         start = max(0, after + 1 - first)
-        stop = len(self._events) if limit is None else min(len(self._events), start + max(0, limit))
+        stop = len(self.events) if limit is None else min(len(self.events), start + max(0, limit))
         events = (
-            [dict(self._events[i]) for i in range(start, stop)] if start < len(self._events) else []
+            [dict(self.events[i]) for i in range(start, stop)] if start < len(self.events) else []
         )
         return {"epoch": self.epoch, "last_seq": self.last_seq, "events": events}
 

@@ -36,170 +36,19 @@ Life of a sequence: ``add`` → (``match`` → ``can_admit`` → ``admit``) → 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
-from k3serve.cache.allocator import CacheFullError, RefPool, SlotPool
-from k3serve.cache.events import EventLog, make_state
+from k3serve.cache.allocator import CacheFullError
+from k3serve.cache.events import EventLog
 from k3serve.cache.hashing import block_hashes, make_salt
-from k3serve.cache.prefix import PrefixIndex, log_snapshot_points, max_hit_blocks
+from k3serve.cache.imports import PrefixImporter
+from k3serve.cache.reader import CacheReader, SeqCache
 from k3serve.cache.specs import CacheConfig
+from k3serve.cache.types import Admission, ForkPlan, PrefixHit, SnapshotSave
 
 
-@dataclass(frozen=True)
-class PrefixHit:
-    """A usable prefix hit for a waiting sequence (from :meth:`CacheManager.match`).
-
-    Attributes:
-        num_tokens: reused tokens, a multiple of ``B`` (0: none).
-        pages: pages of the reused blocks, ``num_tokens / B`` of them.
-        snapshot: snapshot id to load into the slot (``None`` when ``num_tokens == 0``).
-        hashes: hashes of the reused blocks (re-checked by :meth:`CacheManager.admit`).
-        chunk_end: the first chunk must end at or before this position (a snapshot point or
-            the prompt's end).
-    """
-
-    num_tokens: int
-    pages: tuple[int, ...] = ()
-    snapshot: int | None = None
-    hashes: tuple[str, ...] = ()
-    chunk_end: int = 0
-
-
-@dataclass(frozen=True)
-class Admission:
-    """What the engine must do before the sequence's first forward.
-
-    Attributes:
-        slot: the sequence's KDA/conv state slot.
-        load_snapshot: copy this snapshot into ``slot``; ``None``: zero the slot.
-        num_cached: tokens reused (``num_computed`` starts here).
-    """
-
-    slot: int
-    load_snapshot: int | None
-    num_cached: int
-
-
-@dataclass(frozen=True)
-class SnapshotSave:
-    """Copy the state in ``slot`` into ``snapshot`` now (it is the state at ``position``).
-
-    Apply saves in the order returned, right after the forward that reached ``position``.
-    """
-
-    slot: int
-    snapshot: int
-    position: int
-
-
-@dataclass(frozen=True)
-class ForkPlan:
-    """Tensor copies for a forked choice (``n > 1``).
-
-    Attributes:
-        src_slot: the parent's state slot (copy all KDA layers' state + conv state).
-        dst_slot: the child's slot.
-        page_copies: ``(src_page, dst_page)`` for the partial last block (its first
-            ``num_computed % B`` rows matter); full blocks are shared, not copied.
-    """
-
-    src_slot: int
-    dst_slot: int
-    page_copies: tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True)
-class ImportPlan:
-    """Ids taken for a prefix fetched from the shared store (:meth:`CacheManager.begin_import`).
-
-    The engine copies the fetched bytes into ``pages`` / ``snapshot``, then calls
-    :meth:`CacheManager.end_import` (index them) or :meth:`CacheManager.abort_import`.
-
-    Attributes:
-        pages: ``(block hash, page)`` to fill, in prefix order.
-        snapshot: ``(boundary hash, snapshot id)`` to fill, or ``None`` (held locally).
-        pinned: local pages of the same prefix, referenced meanwhile so that taking the new
-            ids cannot evict them.
-        pinned_snapshot: the local snapshot at the boundary, if one exists (pinned likewise).
-    """
-
-    pages: tuple[tuple[str, int], ...]
-    snapshot: tuple[str, int] | None
-    pinned: tuple[int, ...] = ()
-    pinned_snapshot: int | None = None
-    order: tuple[int, ...] = ()  # every page above, in prefix order (released deepest first)
-
-
-@dataclass(frozen=True)
-class CacheUsage:
-    """Pool occupancy. ``*_used`` = referenced; ``*_cached`` = unreferenced but indexed."""
-
-    num_pages: int
-    pages_used: int
-    pages_cached: int
-    num_slots: int
-    slots_used: int
-    num_snapshots: int
-    snapshots_used: int
-    snapshots_cached: int
-
-    @property
-    def usage_ratio(self) -> float:
-        """Referenced pages / all pages (``k3serve:cache_usage_ratio``)."""
-        return self.pages_used / self.num_pages if self.num_pages else 0.0
-
-
-@dataclass
-class CacheStats:
-    """Counters (monotonic) for metrics.
-
-    Attributes:
-        num_queries: prefix-cache lookups: a sequence's first admission (not a decode-side
-            reservation, whose cache arrives by transfer, nor a re-admission after preemption,
-            which recomputes a prompt already counted).
-        query_tokens: prompt tokens of those lookups.
-        hit_tokens: tokens they reused (``k3serve:prefix_cache_hits_total``).
-        snapshots_saved: snapshots taken at planned points.
-        snapshots_skipped: planned snapshots not taken (no evictable snapshot).
-        snapshots_missed: planned points a chunk jumped over (scheduler bug indicator).
-        end_snapshots: end-of-request snapshots indexed by :meth:`CacheManager.finish`.
-        rolling_skipped: boundaries where a decoding sequence took no rolling snapshot because
-            ``max_rolling_snapshots`` were pinned already.
-    """
-
-    num_queries: int = 0
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    snapshots_saved: int = 0
-    snapshots_skipped: int = 0
-    snapshots_missed: int = 0
-    end_snapshots: int = 0
-    rolling_skipped: int = 0
-
-
-@dataclass
-class _Seq:
-    salt: str
-    num_prompt: int  # L: tokens known at (re)admission; caps the hit, sets p0
-    snapshot_at: tuple[int, ...]
-    snapshot_on_finish: bool
-    plan_snapshots: bool = True
-    lookup: bool = True  # its first admission counts as a prefix-cache query
-    hashes: list[str] = field(default_factory=list)  # full blocks known so far
-    block_table: list[int] = field(default_factory=list)
-    slot: int | None = None
-    num_computed: int = 0
-    num_cached: int = 0
-    num_registered: int = 0  # leading blocks already offered to the index
-    load_snapshot: int | None = None  # pinned until the first commit
-    plan: list[int] = field(default_factory=list)  # pending snapshot positions, ascending
-    rolling: int | None = None
-    rolling_pos: int = 0
-
-
-class CacheManager:
-    """Allocator + prefix index + per-sequence bookkeeping of one worker.
+class CacheManager(CacheReader):
+    """Allocator + prefix index + per-sequence bookkeeping of one worker: the writes over the
+    state and queries of :class:`~k3serve.cache.reader.CacheReader`.
 
     Args:
         config: capacities and policy.
@@ -207,24 +56,13 @@ class CacheManager:
         log: event log (a fresh one when ``None``).
 
     Attributes:
-        log: the :class:`EventLog` (``/internal/cache_events``).
-        stats: :class:`CacheStats`.
+        importer: :class:`~k3serve.cache.imports.PrefixImporter` (prefixes fetched from the
+            shared store).
     """
 
     def __init__(self, config: CacheConfig, fingerprint: str, log: EventLog | None = None):
-        make_salt(fingerprint)  # validates
-        self.config = config
-        self.block_size = config.block_size
-        self.fingerprint = fingerprint
-        self.caching = config.enable_prefix_caching
-        self.pages = RefPool(config.num_pages, "page")
-        self.snapshots = RefPool(config.num_snapshots, "snapshot")
-        self.slots = SlotPool(config.num_slots)
-        self.log = log if log is not None else EventLog()
-        self.index = PrefixIndex(self.pages, self.snapshots, self.log)
-        self.stats = CacheStats()
-        self._seqs: dict[Hashable, _Seq] = {}
-        self._num_rolling = 0  # sequences holding a rolling snapshot
+        super().__init__(config, fingerprint, log)
+        self.importer = PrefixImporter(self.pages, self.snapshots, self.index)
 
     # ================================================================== registry
     def add(
@@ -263,7 +101,7 @@ class CacheManager:
         pts = tuple(snapshot_at)
         if any(not isinstance(p, int) or isinstance(p, bool) or p < 0 for p in pts):
             raise ValueError(f"snapshot_at: positions must be ints ≥ 0, got {list(pts)}")
-        s = _Seq(
+        s = SeqCache(
             make_salt(self.fingerprint, cache_salt),
             len(token_ids),
             pts,
@@ -288,16 +126,7 @@ class CacheManager:
         s.num_prompt = len(token_ids)
         self._extend_hashes(s, token_ids, len(token_ids) // self.block_size)
 
-    def has(self, seq_id: Hashable) -> bool:
-        return seq_id in self._seqs
-
-    def _seq(self, seq_id: Hashable) -> _Seq:
-        try:
-            return self._seqs[seq_id]
-        except KeyError:
-            raise ValueError(f"seq_id: {seq_id!r} is not registered") from None
-
-    def _extend_hashes(self, s: _Seq, token_ids: Sequence[int], num_blocks: int) -> None:
+    def _extend_hashes(self, s: SeqCache, token_ids: Sequence[int], num_blocks: int) -> None:
         if not self.caching or num_blocks <= len(s.hashes):
             return
         B = self.block_size
@@ -306,67 +135,6 @@ class CacheManager:
         s.hashes.extend(block_hashes(token_ids[start : num_blocks * B], B, s.salt, parent=parent))
 
     # ================================================================== admission
-    def match(self, seq_id: Hashable) -> PrefixHit:
-        """The usable prefix hit for a waiting sequence now (read-only).
-
-        Returns:
-            :class:`PrefixHit`; ``num_tokens ≤ ⌊(L-1)/B⌋·B``.
-        """
-        s = self._seq(seq_id)
-        if s.slot is not None:
-            raise ValueError(f"seq {seq_id!r}: already admitted")
-        j, pages, snap = 0, [], None
-        if self.caching:
-            j, pages, snap = self.index.match(
-                s.hashes, max_hit_blocks(s.num_prompt, self.block_size)
-            )
-        hit = j * self.block_size
-        plan = self._plan(s, hit)
-        return PrefixHit(
-            hit, tuple(pages), snap, tuple(s.hashes[:j]), plan[0] if plan else s.num_prompt
-        )
-
-    def lookup(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-        """Reusable tokens for a prompt that is not registered (read-only; metrics, tests)."""
-        if not self.caching or len(token_ids) == 0:
-            return 0
-        cap = max_hit_blocks(len(token_ids), self.block_size)
-        hashes = block_hashes(
-            token_ids[: cap * self.block_size],
-            self.block_size,
-            make_salt(self.fingerprint, cache_salt),
-        )
-        return self.index.match(hashes, cap)[0] * self.block_size
-
-    def _plan(self, s: _Seq, hit: int) -> list[int]:
-        """Snapshot positions in ``(hit, L]`` for this admission, ascending."""
-        if not self.caching or self.config.num_snapshots == 0 or not s.plan_snapshots:
-            return []
-        B, L = self.block_size, s.num_prompt
-        p0 = (L - 1) // B * B
-        pts = {p0} if p0 > 0 else set()
-        pts.update(q for q in (p // B * B for p in s.snapshot_at) if 0 < q <= L)
-        k = self.config.snapshot_interval_blocks
-        if k:
-            pts.update(range(k * B, p0 + 1, k * B))
-        pts.update(log_snapshot_points(p0, B, self.config.dense_snapshot_blocks))
-        return sorted(q for q in pts if q > hit)
-
-    def _pages_needed(self, s: _Seq, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.block_size) - len(s.block_table))
-
-    def can_admit(self, seq_id: Hashable, hit: PrefixHit, num_new: int) -> bool:
-        """Whether :meth:`admit` would find a slot and pages for ``hit + num_new`` tokens.
-
-        Hit pages that now sit in the LRU stop being evictable once taken: not counted free.
-        """
-        s = self._seq(seq_id)
-        if not self.slots.can_allocate():
-            return False
-        need = max(0, -(-(hit.num_tokens + num_new) // self.block_size) - len(hit.pages))
-        reclaimed = sum(1 for p in hit.pages if self.pages.in_lru(p))
-        return s.slot is None and need <= self.pages.num_free - reclaimed
-
     def admit(self, seq_id: Hashable, hit: PrefixHit, num_new: int) -> Admission:
         """Take a slot, the hit's pages and snapshot, and pages for ``num_new`` more tokens.
 
@@ -415,97 +183,7 @@ class CacheManager:
             self.stats.hit_tokens += hit.num_tokens
         return Admission(s.slot, hit.snapshot, hit.num_tokens)
 
-    # ================================================================== shared store
-    def prefix_hashes(
-        self, token_ids: Sequence[int], cache_salt: str | None = None
-    ) -> tuple[list[str], int]:
-        """Hashes of a prompt's reusable blocks and the cap (read-only; store lookups).
-
-        Returns:
-            ``(hashes of the first ⌊(L-1)/B⌋ blocks, that cap)``; ``([], 0)`` without caching.
-        """
-        if not self.caching or len(token_ids) == 0:
-            return [], 0
-        cap = max_hit_blocks(len(token_ids), self.block_size)
-        salt = make_salt(self.fingerprint, cache_salt)
-        return block_hashes(token_ids[: cap * self.block_size], self.block_size, salt), cap
-
-    def begin_import(
-        self, prefix: Sequence[str], blocks: Sequence[str], snapshot: str | None
-    ) -> ImportPlan | None:
-        """Take pages (and a snapshot id) for blocks fetched from the store.
-
-        Args:
-            prefix: hashes of the whole prefix ``[0, j)`` the import completes.
-            blocks: the hashes of ``prefix`` fetched (not indexed here).
-            snapshot: boundary hash of the fetched snapshot (``prefix[-1]``), or ``None``.
-
-        Returns:
-            :class:`ImportPlan`, or ``None`` when the pools cannot take it now (nothing taken;
-            the prefix is then computed as usual) or a needed local entry went missing.
-        """
-        idx = self.index
-        fetched = set(blocks)
-        if not prefix or any(h not in fetched and not idx.has_block(h) for h in prefix):
-            return None
-        if snapshot is None and not idx.has_snapshot(prefix[-1]):
-            return None
-        pinned = tuple(idx.page_of(h) for h in prefix if idx.has_block(h))  # type: ignore[misc]
-        new_blocks = [h for h in prefix if not idx.has_block(h)]
-        want_snap = snapshot is not None and not idx.has_snapshot(snapshot)
-        pinned_snap = None if want_snap else idx.snapshot_of(prefix[-1])
-        # ids about to be pinned leave the LRU: count only what stays free
-        free_pages = self.pages.num_free - sum(1 for p in pinned if self.pages.in_lru(p))
-        free_snaps = self.snapshots.num_free - (
-            1 if pinned_snap is not None and self.snapshots.in_lru(pinned_snap) else 0)
-        if len(new_blocks) > free_pages or (want_snap and free_snaps < 1):
-            return None
-        for p in pinned:
-            self.pages.incref(p)
-        if pinned_snap is not None:
-            self.snapshots.incref(pinned_snap)
-        pages = tuple((h, self.pages.allocate()) for h in new_blocks)
-        snap = (snapshot, self.snapshots.allocate()) if want_snap else None  # type: ignore[arg-type]
-        new = dict(pages)
-        order = tuple(new[h] if h in new else idx.page_of(h) for h in prefix)
-        return ImportPlan(pages, snap, pinned, pinned_snap, order)  # type: ignore[arg-type]
-
-    def end_import(self, plan: ImportPlan) -> None:
-        """Index an import whose bytes the engine has written (``stored`` events follow); the
-        new entries become unreferenced cached (LRU), deepest first to go."""
-        if plan.pages:
-            self.index.register_blocks([h for h, _ in plan.pages], [p for _, p in plan.pages])
-        if plan.snapshot is not None:
-            self.index.register_snapshot(*plan.snapshot)
-        self._unpin(plan)
-
-    def abort_import(self, plan: ImportPlan) -> None:
-        """Give an import's ids back without indexing them (a fetch failed)."""
-        self._unpin(plan)
-
-    def _unpin(self, plan: ImportPlan) -> None:
-        for p in reversed(plan.order):
-            self.pages.decref(p)
-        if plan.snapshot is not None:
-            self.snapshots.decref(plan.snapshot[1])
-        if plan.pinned_snapshot is not None:
-            self.snapshots.decref(plan.pinned_snapshot)
-
     # ================================================================== running
-    def chunk_end(self, seq_id: Hashable) -> int:
-        """The next prefill chunk must end at or before this position.
-
-        Returns:
-            The next pending snapshot point, else the prompt length ``L``.
-        """
-        s = self._seq(seq_id)
-        return s.plan[0] if s.plan else s.num_prompt
-
-    def can_allocate(self, seq_id: Hashable, num_new: int) -> bool:
-        """Whether pages for ``num_new`` more tokens (past ``num_computed``) are available."""
-        s = self._seq(seq_id)
-        return self._pages_needed(s, s.num_computed + num_new) <= self.pages.num_free
-
     def allocate(self, seq_id: Hashable, num_new: int) -> None:
         """Grow the block table to cover ``num_computed + num_new`` tokens.
 
@@ -518,7 +196,7 @@ class CacheManager:
             raise ValueError(f"seq {seq_id!r}: not admitted")
         self._grow(s, s.num_computed + num_new)
 
-    def _grow(self, s: _Seq, num_tokens: int) -> None:
+    def _grow(self, s: SeqCache, num_tokens: int) -> None:
         need = self._pages_needed(s, num_tokens)
         if need > self.pages.num_free:
             raise CacheFullError(f"need {need} pages, {self.pages.num_free} free")
@@ -591,7 +269,7 @@ class CacheManager:
                 saves.append(SnapshotSave(s.slot, s.rolling, nc))
         return saves
 
-    def _save(self, s: _Seq, pos: int, saves: list[SnapshotSave]) -> None:
+    def _save(self, s: SeqCache, pos: int, saves: list[SnapshotSave]) -> None:
         h = s.hashes[pos // self.block_size - 1]
         if self.index.has_snapshot(h):
             return
@@ -605,12 +283,6 @@ class CacheManager:
         self.stats.snapshots_saved += 1
 
     # ================================================================== n > 1
-    def can_fork(self, seq_id: Hashable) -> bool:
-        """Whether a slot (and a page for a partial last block) are available for a child."""
-        s = self._seq(seq_id)
-        partial = 1 if s.num_computed % self.block_size else 0
-        return self.slots.can_allocate() and self.pages.can_allocate(partial)
-
     def fork(self, parent_id: Hashable, child_id: Hashable) -> ForkPlan:
         """Register ``child_id`` as a copy of an admitted parent (another choice, ``n > 1``).
 
@@ -633,7 +305,7 @@ class CacheManager:
             raise CacheFullError(f"seq {parent_id!r}: no slot/page to fork")
         B, nc = self.block_size, s.num_computed
         full = nc // B
-        c = _Seq(
+        c = SeqCache(
             s.salt, s.num_prompt, (), s.snapshot_on_finish, False, False, hashes=list(s.hashes)
         )
         c.block_table = s.block_table[:full]
@@ -743,99 +415,5 @@ class CacheManager:
         """
         return self.index.clear()
 
-    # ================================================================== views
-    def block_table(self, seq_id: Hashable) -> tuple[int, ...]:
-        """Pages of the sequence, ``block_table[i]`` covers positions ``[i·B, (i+1)·B)``."""
-        return tuple(self._seq(seq_id).block_table)
 
-    def slot(self, seq_id: Hashable) -> int | None:
-        return self._seq(seq_id).slot
-
-    def num_computed(self, seq_id: Hashable) -> int:
-        """Tokens whose latents and state are in the cache."""
-        return self._seq(seq_id).num_computed
-
-    def num_cached(self, seq_id: Hashable) -> int:
-        """Tokens reused from the prefix cache at the last admission."""
-        return self._seq(seq_id).num_cached
-
-    def num_prompt(self, seq_id: Hashable) -> int:
-        return self._seq(seq_id).num_prompt
-
-    def seq_ids(self) -> list[Hashable]:
-        return list(self._seqs)
-
-    def usage(self) -> CacheUsage:
-        return CacheUsage(
-            self.pages.num_ids,
-            self.pages.num_used,
-            self.pages.num_cached_free,
-            self.slots.num_slots,
-            self.slots.num_used,
-            self.snapshots.num_ids,
-            self.snapshots.num_used,
-            self.snapshots.num_cached_free,
-        )
-
-    def cache_state(self) -> dict[str, Any]:
-        """``/internal/cache_state`` body: epoch, last_seq, indexed blocks and snapshots."""
-        return make_state(
-            self.log.epoch,
-            self.log.last_seq,
-            self.index.block_hashes(),
-            self.index.snapshot_hashes(),
-        )
-
-    def events_since(self, after: int = 0, limit: int | None = None) -> dict[str, Any]:
-        """``/internal/cache_events`` body (see :meth:`EventLog.since`)."""
-        return self.log.since(after, limit)
-
-    def check(self) -> None:
-        """Full consistency check (tests): pools, index, and ref counts == references held.
-
-        Raises:
-            AssertionError: a bookkeeping bug.
-        """
-        self.pages.check()
-        self.snapshots.check()
-        self.index.check()
-        rolling = sum(1 for s in self._seqs.values() if s.rolling is not None)
-        if rolling != self._num_rolling or rolling > self.config.max_rolling_snapshots:
-            raise AssertionError(
-                f"rolling snapshots: {rolling} held, {self._num_rolling} counted, "
-                f"cap {self.config.max_rolling_snapshots}"
-            )
-        page_refs = [0] * self.pages.num_ids
-        snap_refs = [0] * self.snapshots.num_ids
-        slots = set()
-        for s in self._seqs.values():
-            for p in s.block_table:
-                page_refs[p] += 1
-            for x in (s.load_snapshot, s.rolling):
-                if x is not None:
-                    snap_refs[x] += 1
-            if s.slot is not None:
-                if s.slot in slots:
-                    raise AssertionError(f"slot {s.slot} held twice")
-                slots.add(s.slot)
-        for i, r in enumerate(page_refs):
-            if self.pages.ref_count(i) != r:
-                raise AssertionError(f"page {i}: ref {self.pages.ref_count(i)} != {r} held")
-        for i, r in enumerate(snap_refs):
-            if self.snapshots.ref_count(i) != r:
-                raise AssertionError(f"snapshot {i}: ref {self.snapshots.ref_count(i)} != {r} held")
-        if slots != {i for i in range(self.slots.num_slots) if self.slots.is_used(i)}:
-            raise AssertionError("slots in use differ from slots held")
-
-
-__all__ = [
-    "Admission",
-    "CacheFullError",
-    "CacheManager",
-    "CacheStats",
-    "CacheUsage",
-    "ForkPlan",
-    "ImportPlan",
-    "PrefixHit",
-    "SnapshotSave",
-]
+__all__ = ["CacheFullError", "CacheManager"]

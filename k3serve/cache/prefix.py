@@ -23,12 +23,17 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from k3serve.cache.allocator import RefPool
 
-if TYPE_CHECKING:
-    from k3serve.cache.events import EventLog
+
+class EventSink(Protocol):
+    """Where the index logs its changes (:class:`k3serve.cache.events.EventLog`)."""
+
+    def append(self, type_: str, block_hashes: Sequence[str], snapshot: bool) -> int:
+        """Log one ``stored`` / ``removed`` event; returns its ``seq``."""
+        ...
 
 
 def max_hit_blocks(prompt_len: int, block_size: int) -> int:
@@ -142,7 +147,7 @@ class PrefixIndex:
         log: where ``stored`` / ``removed`` events go (``None``: no events).
     """
 
-    def __init__(self, pages: RefPool, snapshots: RefPool, log: EventLog | None = None):
+    def __init__(self, pages: RefPool, snapshots: RefPool, log: EventSink | None = None):
         self.pages = pages
         self.snapshots = snapshots
         self.log = log
@@ -279,6 +284,7 @@ class PrefixIndex:
 
 
 __all__ = [
+    "EventSink",
     "PrefixIndex",
     "fetch_plan",
     "log_snapshot_points",

@@ -17,7 +17,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from k3serve.config import _DTYPE_BYTES, ModelConfig
+from k3serve.config import DTYPE_BYTES, ModelConfig
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -27,9 +27,9 @@ def dtype_bytes(dtype: str) -> int:
         ValueError: unknown dtype name.
     """
     try:
-        return _DTYPE_BYTES[dtype]
+        return DTYPE_BYTES[dtype]
     except KeyError:
-        raise ValueError(f"dtype: {dtype!r} is not one of {sorted(_DTYPE_BYTES)}") from None
+        raise ValueError(f"dtype: {dtype!r} is not one of {sorted(DTYPE_BYTES)}") from None
 
 
 @dataclass(frozen=True)

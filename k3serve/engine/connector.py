@@ -13,9 +13,15 @@ engine calls it at six points of a step and the scheduler at two; with no connec
                         token sampled       → on_sampled(seq, result)  True: HELD, not decoded
     add / abort         a live id?          → has_request(rid);  abort → on_abort(rid)
 
-:class:`DisaggConnector` is the prefill/decode implementation the workers use through the
-``LLMEngine`` facade (``add_prefill_request`` / ``release`` on a prefill worker, ``reserve`` /
-``admit`` on a decode worker); the lifecycle they take part in is in :mod:`k3serve.protocol`:
+A connector calls back only through :class:`EngineAPI` (``LLMEngine`` implements it): submit a
+request (with given outputs), reserve / resume / free a cache that arrives from elsewhere,
+hold / release a sampled request, and the cache manager's read side; what it learns of a
+sequence comes as :class:`~k3serve.engine.sequence.Sequence` metadata in the calls above.
+
+:class:`DisaggConnector` is the prefill/decode implementation the workers use
+(``DisaggConnector.of(engine)``: ``add_prefill_request`` / ``release`` on a prefill worker,
+``reserve`` / ``admit`` on a decode worker); the lifecycle they take part in is in
+:mod:`k3serve.protocol`::
 
     prefill worker: add_prefill_request ─▶ admitted: on_admit(handle)  (pages of the WHOLE
         prompt: a sender's source must not move, and the request is never preempted)
@@ -29,19 +35,106 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from k3serve.cache.allocator import CacheFullError
-from k3serve.cache.manager import PrefixHit
-from k3serve.engine.sequence import Request, SeqStatus, as_token_ids
+from k3serve.cache.reader import CacheReader
+from k3serve.engine.sequence import SeqStatus
 from k3serve.engine.sequence import Sequence as Seq
 from k3serve.protocol import CacheHandle, FirstToken, RequestOutput
 from k3serve.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from k3serve.engine.engine import LLMEngine
     from k3serve.engine.sampler import SampleResult
     from k3serve.engine.scheduler import ScheduledSeq
+
+
+@dataclass(frozen=True)
+class CacheReservation:
+    """A slot and pages taken for a cache that arrives from elsewhere
+    (``EngineAPI.reserve_cache``); the request is not in the engine until ``resume``.
+
+    Attributes:
+        seq_id: the cache manager's id of the reserved sequence.
+        prompt: the checked prompt ``[L]``.
+        num_tokens: tokens whose cache arrives (``≥ L``).
+        cache_salt: the request's tenant salt.
+        slot: its KDA/conv state slot (zeroed). pages: pages covering ``[0, num_tokens)``.
+    """
+
+    seq_id: int
+    prompt: tuple[int, ...]
+    num_tokens: int
+    cache_salt: str | None
+    slot: int
+    pages: tuple[int, ...]
+
+
+class EngineAPI(Protocol):
+    """What a connector may use of the engine (``LLMEngine`` implements it; its methods'
+    docstrings have Args / Returns / Raises); nothing else. Engine thread only."""
+
+    connector: KVConnector | None
+
+    @property
+    def cache(self) -> CacheReader:
+        """The cache manager's read side (no call on it changes the cache)."""
+        ...
+
+    def attach(self, connector: KVConnector) -> None:
+        """Mutates: puts ``connector`` at the engine's edge (ValueError if another is there)."""
+        ...
+
+    def check_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> list[int]:
+        """Read-only: the checked prompt of a new request (ValueError naming the field)."""
+        ...
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        snapshot_at: Iterable[int] = (),
+        output_token_ids: Sequence[int] = (),
+        output_logprobs: Sequence[float] | None = None,
+        snapshot_on_finish: bool = True,
+    ) -> RequestOutput | None:
+        """Mutates: queues a request (after ``output_token_ids`` sampled elsewhere)."""
+        ...
+
+    def reserve_cache(
+        self, request_id: str, token_ids: list[int], num_tokens: int | None, cache_salt: str | None
+    ) -> CacheReservation:
+        """Mutates: takes a zeroed slot and pages for a cache that arrives (CacheFullError)."""
+        ...
+
+    def free_cache(self, reservation: CacheReservation) -> None:
+        """Mutates: gives a reservation's slot and pages back."""
+        ...
+
+    def resume(
+        self,
+        request_id: str,
+        reservation: CacheReservation,
+        output_token_ids: Sequence[int],
+        params: SamplingParams,
+        output_logprobs: Sequence[float] | None = None,
+    ) -> RequestOutput | None:
+        """Mutates: runs the request on its landed cache after the given outputs."""
+        ...
+
+    def hold(self, seq: Seq, handle: CacheHandle) -> None:
+        """Mutates: takes a sampled sequence off the scheduler, ``HELD`` with ``handle``."""
+        ...
+
+    def release_held(self, request_id: str) -> bool:
+        """Mutates: frees a held request (False: it is not held, nothing done)."""
+        ...
+
+    def abort_request(self, request_id: str) -> bool:
+        """Mutates: stops a request anywhere (True when it was live)."""
+        ...
 
 
 class KVConnector:
@@ -104,14 +197,6 @@ class _PrefillHooks:
     layer_hook: Callable[[int, int], None] | None
 
 
-@dataclass(frozen=True)
-class _Reservation:
-    seq_id: int
-    prompt: list[int]
-    num_tokens: int
-    cache_salt: str | None
-
-
 class DisaggConnector(KVConnector):
     """Prefill/decode disaggregation for one engine (module docstring).
 
@@ -120,68 +205,90 @@ class DisaggConnector(KVConnector):
     reservations (a slot and pages taken before the request exists in the engine).
 
     Args:
-        engine: the engine it is attached to (``LLMEngine.connector``); the connector uses
-            its cache manager, scheduler, runner and request table.
+        engine: the engine it is attached to (through :class:`EngineAPI` only).
     """
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: EngineAPI):
         self.engine = engine
         self._prefill: dict[str, _PrefillHooks] = {}
-        self._reserved: dict[str, _Reservation] = {}
+        self._reserved: dict[str, CacheReservation] = {}
+
+    @classmethod
+    def of(cls, engine: EngineAPI) -> DisaggConnector:
+        """The engine's disaggregation connector, attached now if the engine has none.
+
+        Raises:
+            TypeError: the engine's connector is not a :class:`DisaggConnector`.
+        """
+        if engine.connector is None:
+            engine.attach(cls(engine))
+        conn = engine.connector
+        if not isinstance(conn, DisaggConnector):
+            raise TypeError(
+                f"connector: {type(conn).__name__} does not serve the disaggregation "
+                "API (reserve / admit / add_prefill_request / release)"
+            )
+        return conn
 
     # ================================================================== prefill side
     def add_prefill_request(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
-        params: SamplingParams | None,
-        cache_salt: str | None,
-        snapshot_at: Iterable[int],
-        on_admit: Callable[[CacheHandle], None] | None,
-        layer_hook: Callable[[int, int], None] | None,
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        snapshot_at: Iterable[int] = (),
+        on_admit: Callable[[CacheHandle], None] | None = None,
+        layer_hook: Callable[[int, int], None] | None = None,
     ) -> None:
-        """``LLMEngine.add_prefill_request`` (its docstring has the contract)."""
+        """Queue a prefill-only request; it stops after token #1 and holds its cache.
+
+        Args:
+            on_admit: called once with the :class:`CacheHandle` (slot, pages of the whole
+                prompt) before its first forward.
+            layer_hook: ``hook(layer_idx, upto_tokens)`` after each layer of each forward that
+                computed its tokens: that layer's cache holds tokens ``[0, upto_tokens)``; the
+                KDA state is final when ``upto_tokens == L`` (``KVSender.layer_ready``).
+            Others as ``LLMEngine.add_request``.
+
+        The step that samples token #1 returns a :class:`RequestOutput` with ``handle`` (with
+        :class:`~k3serve.protocol.FirstToken`); the slot and pages stay until :meth:`release`.
+
+        Raises:
+            ValueError: as ``LLMEngine.add_request``; ``params.n != 1``.
+        """
         if isinstance(params, SamplingParams) and params.n != 1:
             raise ValueError(
                 f"SamplingParams.n: must be 1 for a disaggregated request, got {params.n}"
             )
-        self.engine._add(
-            request_id, prompt_token_ids, params, cache_salt, snapshot_at, snapshot_on_finish=False
-        )
+        self.engine.add_request(request_id, prompt_token_ids, params, cache_salt=cache_salt,
+                                snapshot_at=snapshot_at, snapshot_on_finish=False)
         self._prefill[request_id] = _PrefillHooks(on_admit, layer_hook)
 
     def release(self, request_id: str) -> None:
-        """``LLMEngine.release``: free a HELD prefill request's slot and pages.
+        """The transfer is done: free a held prefill request's slot and pages.
 
         Raises:
-            ValueError: not a held prefill request.
+            ValueError: not a held prefill-only request.
         """
-        eng = self.engine
-        req = eng.requests.get(request_id)
-        if (
-            req is None
-            or request_id not in self._prefill
-            or req.seqs[0].status is not (SeqStatus.HELD)
-        ):
+        if request_id not in self._prefill or not self.engine.release_held(request_id):
             raise ValueError(f"request_id: {request_id!r} is not a held prefill request")
-        del eng.requests[request_id], self._prefill[request_id]
-        seq = req.seqs[0]
-        eng.cm.remove(seq.seq_id)
-        seq.status = SeqStatus.FINISHED
+        del self._prefill[request_id]
 
     def _handle(self, seq: Seq, res: SampleResult | None) -> CacheHandle:
-        eng, req = self.engine, seq.request
+        cache, req = self.engine.cache, seq.request
         L = len(req.prompt_token_ids)
         first = None
         if res is not None:
             first = FirstToken(res.token_id, res.logprob, res.top_logprobs, L, req.seed)
-        pages = eng.cm.block_table(seq.seq_id)[: -(-L // eng.config.block_size)]
+        pages = cache.block_table(seq.seq_id)[: -(-L // cache.block_size)]
         return CacheHandle(
             req.request_id,
-            eng.cm.slot(seq.seq_id),  # type: ignore[arg-type]
+            cache.slot(seq.seq_id),  # type: ignore[arg-type]
             pages,
             L,
-            eng.config.block_size,
+            cache.block_size,
             req.num_cached_tokens or 0,
             first,
         )
@@ -231,9 +338,7 @@ class DisaggConnector(KVConnector):
     def on_sampled(self, seq: Seq, result: SampleResult) -> bool:
         if seq.request.request_id not in self._prefill:
             return False
-        self.engine.scheduler.remove(seq)
-        seq.status = SeqStatus.HELD
-        seq.request.handle = self._handle(seq, result)
+        self.engine.hold(seq, self._handle(seq, result))
         return True
 
     def has_request(self, request_id: str) -> bool:
@@ -244,232 +349,81 @@ class DisaggConnector(KVConnector):
         r = self._reserved.pop(request_id, None)
         if r is None:
             return False
-        self.engine.cm.remove(r.seq_id)
+        self.engine.free_cache(r)
         return True
 
     # ================================================================== decode side
     @property
     def num_reserved(self) -> int:
+        """Reservations waiting for their cache (:meth:`reserve` not yet admitted or aborted)."""
         return len(self._reserved)
 
     def can_reserve(self, num_tokens: int) -> bool:
-        """``LLMEngine.can_reserve``."""
-        cm = self.engine.cm
-        return cm.slots.can_allocate() and cm.pages.can_allocate(
-            -(-num_tokens // self.engine.config.block_size)
-        )
+        """Whether a slot and pages for ``num_tokens`` tokens are free now."""
+        return self.engine.cache.can_reserve(num_tokens)
 
     def reserve(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
-        num_tokens: int | None,
-        cache_salt: str | None,
+        *,
+        num_tokens: int | None = None,
+        cache_salt: str | None = None,
     ) -> CacheHandle:
-        """``LLMEngine.reserve`` (its docstring has the contract)."""
+        """Take a slot and pages for a request whose cache will arrive.
+
+        Args:
+            request_id: the request.
+            prompt_token_ids: its prompt (indexed in this worker's cache once admitted).
+            num_tokens: tokens whose cache arrives (default ``L``).
+            cache_salt: the request's tenant salt.
+
+        Returns:
+            :class:`CacheHandle` (slot, pages covering ``[0, num_tokens)``).
+
+        Raises:
+            ValueError: as ``LLMEngine.add_request``; ``num_tokens`` outside
+                ``[L, max_model_len)``.
+            CacheFullError: no slot or pages now (try later / elsewhere).
+        """
         eng = self.engine
-        ids = eng._check_new(request_id, prompt_token_ids)
-        n = len(ids) if num_tokens is None else num_tokens
-        # admit() continues after ≥ 1 output token: the cache covers at least the prompt
-        if not isinstance(n, int) or not len(ids) <= n < eng.max_model_len:
-            raise ValueError(
-                f"num_tokens: must lie in [len(prompt_token_ids) = {len(ids)}, "
-                f"{eng.max_model_len}), got {n!r}"
-            )
-        sid = eng._next_seq_id()
-        eng.cm.add(sid, ids, cache_salt, plan_snapshots=False, lookup=False)
-        if not eng.cm.can_admit(sid, PrefixHit(0), n):
-            eng.cm.remove(sid)
-            raise CacheFullError(f"reserve {request_id!r}: no slot or pages for {n} tokens")
-        adm = eng.cm.admit(sid, PrefixHit(0), n)
-        eng.pools.zero_slot(adm.slot)
-        self._reserved[request_id] = _Reservation(sid, ids, n, cache_salt)
-        pages = eng.cm.block_table(sid)[: -(-n // eng.config.block_size)]
-        return CacheHandle(request_id, adm.slot, pages, n, eng.config.block_size)
+        ids = eng.check_request(request_id, prompt_token_ids)
+        r = eng.reserve_cache(request_id, ids, num_tokens, cache_salt)
+        self._reserved[request_id] = r
+        return CacheHandle(request_id, r.slot, r.pages, r.num_tokens, eng.cache.block_size)
 
     def admit(
         self,
         request_id: str,
         output_token_ids: Sequence[int],
         params: SamplingParams,
-        output_logprobs: Sequence[float] | None,
+        *,
+        output_logprobs: Sequence[float] | None = None,
     ) -> RequestOutput | None:
-        """``LLMEngine.admit`` (its docstring has the contract)."""
-        eng = self.engine
+        """The cache arrived; continue the request after ``output_token_ids``.
+
+        Args:
+            request_id: a reserved request.
+            output_token_ids: tokens sampled elsewhere (token #1, …); the reservation covers
+                ``prompt + output_token_ids[:-1]`` (``num_tokens`` at :meth:`reserve`).
+            params: the request's params with its seed (the sampler continues at position
+                ``num_tokens + 1``).
+            output_logprobs: their logprobs (for the outputs; NaN when absent).
+
+        Returns:
+            The request's output if it is already finished (a stop in the given tokens or
+            ``max_tokens`` reached), else ``None`` (it streams from ``LLMEngine.step``).
+
+        Raises:
+            ValueError: not reserved, token count disagreeing with the reservation, bad ids or
+                params, ``params.n != 1`` (the reservation stays until aborted).
+        """
         r = self._reserved.get(request_id)
         if r is None:
             raise ValueError(f"request_id: {request_id!r} is not reserved")
-        outs = as_token_ids(output_token_ids, eng.model_config.vocab_size, "output_token_ids")
-        if not outs:
-            raise ValueError("output_token_ids: need ≥ 1 token")
-        if len(r.prompt) + len(outs) - 1 != r.num_tokens:
-            raise ValueError(
-                f"output_token_ids: {len(outs)} tokens do not follow the {r.num_tokens} reserved"
-            )
-        params = eng._check_params(params)
-        if params.n != 1:
-            raise ValueError(
-                f"SamplingParams.n: must be 1 for a disaggregated request, got {params.n}"
-            )
+        out = self.engine.resume(request_id, r, output_token_ids, params, output_logprobs)
         del self._reserved[request_id]
-        req = Request(request_id, r.prompt, params, params.seed, cache_salt=r.cache_salt)  # type: ignore[arg-type]
-        req.num_cached_tokens = 0
-        seq = eng._new_seq(req, 0, r.prompt + outs, seq_id=r.seq_id)
-        eng.requests[request_id] = req
-        seq.num_computed = seq.target = r.num_tokens
-        eng.runner.save_snapshots(eng.cm.commit(r.seq_id, seq.token_ids, r.num_tokens))
-        eng._feed_outputs(seq, outs, output_logprobs)
-        if seq.detok.finished:
-            eng._finish_seq(seq)
-            del eng.requests[request_id]
-            return eng._output(req)
-        eng.scheduler.add_running(seq)
-        return None
+        return out
 
 
-class StoreSink(Protocol):
-    """Where :meth:`StoreBridge.export_new` hands bytes (``kvstore.store.KVStore``); both
-    calls must return at once (enqueue)."""
-
-    def put_block(self, h: str, data: Any) -> bool: ...
-
-    def put_snapshot(self, h: str, data: Any) -> bool: ...
-
-
-@dataclass(frozen=True)
-class LocalView:
-    """What a worker's cache holds of one prompt's reusable prefix (:meth:`StoreBridge.view`).
-
-    Attributes:
-        hashes: hashes of the first ``cap = ⌊(L-1)/B⌋`` blocks.
-        blocks: those of ``hashes`` indexed here; snapshots: boundaries with a snapshot here.
-        num_tokens: the usable local hit now (tokens).
-    """
-
-    hashes: tuple[str, ...]
-    blocks: frozenset[str]
-    snapshots: frozenset[str]
-    num_tokens: int
-
-
-class StoreBridge:
-    """Engine-thread side of the shared store (DESIGN.md §3, kvstore/store.py): moves bytes
-    between the engine's pools and the store client, through the cache manager's ids.
-
-    * write-through: :meth:`export_new` replays the cache manager's ``stored`` events since the
-      last call (blocks indexed at commit, snapshots saved at planned points, a decode side's
-      end-of-answer snapshot at finish) and hands each entry's bytes to the sink — called
-      from the worker's tick, after the step that wrote them; the sink only enqueues.
-    * read: :meth:`view` (what is local) → the worker fetches the rest off the engine thread →
-      :meth:`import_prefix` writes it into fresh pages / a snapshot and indexes it, so the
-      request's ordinary prefix match finds a deeper hit.
-
-    Entries it imported are not exported again. Tensor copies go through
-    :class:`~k3serve.cache.pools.KVPools` (``block_bytes`` / ``load_block`` / …); the cache
-    manager only hands out ids.
-
-    Args:
-        engine: the engine (its ``cm`` and ``pools``).
-    """
-
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self._epoch: str | None = None
-        self._after = 0
-        self._imported: set[tuple[str, bool]] = set()
-        self.num_exported = 0
-        self.num_imported_blocks = 0
-        self.num_imported_snapshots = 0
-
-    def export_new(self, sink: StoreSink | None) -> int:
-        """Hand every block / snapshot stored since the last call to ``sink`` (``None``: skip
-        them — the store is down; nothing is copied).
-
-        Returns:
-            Entries handed over.
-        """
-        cm, pools = self.engine.cm, self.engine.pools
-        batch = cm.events_since(self._after)
-        if batch["epoch"] != self._epoch:  # first call: from the start of the log
-            self._epoch, self._after = batch["epoch"], 0
-            batch = cm.events_since(0)
-        n = 0
-        if sink is None:
-            self._after = batch["events"][-1]["seq"] if batch["events"] else self._after
-            return 0
-        for ev in batch["events"]:
-            self._after = ev["seq"]
-            if ev["type"] != "stored" or ev.get("source") == "store":  # not ours to put again
-                continue
-            snap = bool(ev["snapshot"])
-            for h in ev["block_hashes"]:
-                if (h, snap) in self._imported:
-                    self._imported.discard((h, snap))
-                    continue
-                if snap:
-                    sid = cm.index.snapshot_of(h)
-                    if sid is not None:  # evicted since: nothing to send
-                        sink.put_snapshot(h, pools.snapshot_bytes(sid).numpy())
-                        n += 1
-                else:
-                    page = cm.index.page_of(h)
-                    if page is not None:
-                        sink.put_block(h, pools.block_bytes(page).numpy())
-                        n += 1
-        self.num_exported += n
-        return n
-
-    def view(self, token_ids: Sequence[int], cache_salt: str | None) -> LocalView:
-        """The local part of a prompt's reusable prefix (read-only)."""
-        cm = self.engine.cm
-        hashes, _cap = cm.prefix_hashes(token_ids, cache_salt)
-        idx = cm.index
-        return LocalView(
-            tuple(hashes),
-            frozenset(h for h in hashes if idx.has_block(h)),
-            frozenset(h for h in hashes if idx.has_snapshot(h)),
-            cm.lookup(token_ids, cache_salt) if hashes else 0,
-        )
-
-    def import_prefix(
-        self,
-        prefix: Sequence[str],
-        blocks: dict[str, bytes],
-        snapshot: tuple[str, bytes] | None,
-    ) -> bool:
-        """Write fetched blocks / a snapshot into the pools and index them.
-
-        Args:
-            prefix: the prefix hashes ``[0, j)`` the fetch completes.
-            blocks: fetched latents by block hash (``KVPools.block_bytes`` layout).
-            snapshot: ``(prefix[-1], bytes)`` or ``None`` when the snapshot is local.
-
-        Returns:
-            True when the prefix is now usable here; False (nothing changed) when the pools
-            could not take it or a local part went missing meanwhile.
-
-        Raises:
-            ValueError: bytes of the wrong size (a layout mismatch behind equal keys).
-        """
-        cm, pools = self.engine.cm, self.engine.pools
-        plan = cm.begin_import(prefix, list(blocks), snapshot[0] if snapshot else None)
-        if plan is None:
-            return False
-        try:
-            for h, page in plan.pages:
-                pools.load_block(page, blocks[h])
-            if plan.snapshot is not None and snapshot is not None:
-                pools.load_snapshot_bytes(plan.snapshot[1], snapshot[1])
-        except BaseException:
-            cm.abort_import(plan)
-            raise
-        self._imported.update((h, False) for h, _ in plan.pages)
-        if plan.snapshot is not None:
-            self._imported.add((plan.snapshot[0], True))
-        cm.end_import(plan)
-        self.num_imported_blocks += len(plan.pages)
-        self.num_imported_snapshots += plan.snapshot is not None
-        return True
-
-
-__all__ = ["DisaggConnector", "KVConnector", "LocalView", "StoreBridge", "StoreSink"]
+__all__ = ["CacheReservation", "DisaggConnector", "EngineAPI", "KVConnector"]

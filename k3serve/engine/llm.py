@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from k3serve.config import PRESETS, ModelConfig
-from k3serve.engine.engine import EngineConfig, LLMEngine
+from k3serve.engine.config import EngineConfig
+from k3serve.engine.engine import LLMEngine
 from k3serve.model.checkpoint import checkpoint_identity, load_model, random_init_identity
 from k3serve.protocol import RequestOutput
 from k3serve.sampling import SamplingParams

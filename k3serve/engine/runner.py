@@ -4,7 +4,7 @@ The only engine module that touches tensors. What the cache manager decides in i
 runner carries out on :class:`~k3serve.cache.pools.KVPools`:
 
 * admission: zero the slot (fresh sequence) or load a snapshot into it (prefix hit);
-* after a forward: copy slots into snapshots (:class:`~k3serve.cache.manager.SnapshotSave`);
+* after a forward: copy slots into snapshots (:class:`~k3serve.cache.types.SnapshotSave`);
 * ``n > 1``: copy the parent's slot and its partial last page (:class:`ForkPlan`).
 
 Packing of one forward (``T`` new tokens of ``N`` sequences)::
@@ -15,10 +15,10 @@ Packing of one forward (``T`` new tokens of ``N`` sequences)::
 
 The run seam: the engine hands every forward to :meth:`ModelRunner.execute` as one
 :class:`RunBatch` (rows + an optional per-layer hook) and gets ``[N, V]`` logits back; it never
-calls the model itself. A CUDA-graph runner (issue 11) plugs in there: a subclass whose
-``execute`` replays a captured graph for batches it has one for (decode-only, a captured
-size, ``layer_hook is None``: a Python hook cannot run inside a graph) and falls back to
-:meth:`ModelRunner.forward` otherwise. Slot preparation, snapshot saves and forks stay plain
+calls the model itself. A CUDA-graph runner (:mod:`k3serve.engine.cuda_graphs`) plugs in there:
+a subclass whose ``execute`` replays a captured graph for batches it has one for (decode-only,
+a captured size, ``layer_hook is None``: a Python hook cannot run inside a graph) and falls back
+to :meth:`ModelRunner.forward` otherwise. Slot preparation, snapshot saves and forks stay plain
 tensor copies outside the graph.
 """
 
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from k3serve.cache.manager import Admission, ForkPlan, SnapshotSave
 from k3serve.cache.pools import KVPools
+from k3serve.cache.types import Admission, ForkPlan, SnapshotSave
 from k3serve.model.batch import make_batch
 
 

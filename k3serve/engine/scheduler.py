@@ -37,7 +37,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from k3serve.cache.manager import Admission, CacheManager
+from k3serve.cache.manager import CacheManager
+from k3serve.cache.types import Admission
 from k3serve.engine.sequence import SeqStatus, Sequence
 
 

@@ -17,7 +17,7 @@ import pytest
 from k3serve.cache.allocator import CacheFullError, RefPool, SlotPool
 from k3serve.cache.events import EventIndex, EventLog
 from k3serve.cache.hashing import block_hashes, hash_block, make_salt, root_hash
-from k3serve.cache.manager import CacheManager, PrefixHit
+from k3serve.cache.manager import CacheManager
 from k3serve.cache.prefix import max_hit_blocks, usable_prefix_blocks
 from k3serve.cache.specs import (
     CacheConfig,
@@ -26,6 +26,7 @@ from k3serve.cache.specs import (
     MLALatentSpec,
     layout_fingerprint,
 )
+from k3serve.cache.types import PrefixHit
 from k3serve.config import PRESETS
 
 FP = "0123456789abcdef0123456789abcdef"

@@ -14,6 +14,7 @@ import torch
 
 from k3serve.cache.pools import KVPools
 from k3serve.config import PRESETS
+from k3serve.engine.config import EngineConfig
 from k3serve.engine.cuda_graphs import (
     CUDAGraphRunner,
     StaticDecodeBuffers,
@@ -21,7 +22,7 @@ from k3serve.engine.cuda_graphs import (
     default_buckets,
     graph_eligible,
 )
-from k3serve.engine.engine import EngineConfig, pool_bytes, size_pools_from_memory
+from k3serve.engine.memory import pool_bytes, size_pools_from_memory
 from k3serve.engine.runner import ModelRunner, Row, RunBatch
 from k3serve.model.batch import make_batch
 from k3serve.model.model import K3ForCausalLM

@@ -17,8 +17,9 @@ from k3serve.cache.allocator import CacheFullError
 from k3serve.cache.events import EventIndex
 from k3serve.cache.pools import KVPools
 from k3serve.config import PRESETS
-from k3serve.engine.connector import KVConnector
-from k3serve.engine.engine import EngineConfig, LLMEngine
+from k3serve.engine.config import EngineConfig
+from k3serve.engine.connector import DisaggConnector, KVConnector
+from k3serve.engine.engine import LLMEngine
 from k3serve.engine.llm import LLM, load_model
 from k3serve.engine.runner import RunBatch
 from k3serve.engine.sampler import SamplingRow, sample
@@ -55,7 +56,7 @@ B = 4
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
-def _llm(**kw) -> LLM:
+def tiny_llm(**kw) -> LLM:
     base = {
         "block_size": B,
         "num_pages": 96,
@@ -108,7 +109,7 @@ def test_batched_engine_equals_alone(model):
     rng = random.Random(0)
     prompts = _prompts(rng, 16, 1, 41)
     lens = [rng.randrange(2, 10) for _ in prompts]
-    llm = _llm(num_slots=16, max_num_batched_tokens=12, record_logits=True)
+    llm = tiny_llm(num_slots=16, max_num_batched_tokens=12, record_logits=True)
     outs = llm.generate(prompts, [SamplingParams(max_tokens=m, **GREEDY) for m in lens])
     for p, m, o in zip(prompts, lens, outs):
         toks, lgs = alone(model, p, m, with_logits=True)
@@ -125,7 +126,7 @@ def test_n_choices_fork_match_alone(model):
     """n > 1: the prompt is computed once, the state forked; each choice equals choice c alone."""
     prompt = list(range(30, 47))  # 17 tokens: a partial last block is copied
     sp = SamplingParams(n=3, temperature=0.8, max_tokens=6, seed=7, ignore_eos=True)
-    llm = _llm(record_logits=True)
+    llm = tiny_llm(record_logits=True)
     out = llm.generate([prompt, list(range(5, 25))], [sp, SamplingParams(max_tokens=3, **GREEDY)])[
         0
     ]
@@ -142,7 +143,7 @@ def test_n_choices_fork_match_alone(model):
 def test_stop_token_logprobs_and_text(model):
     prompt = list(range(70, 85))
     ref = alone(model, prompt, 6)
-    llm = _llm()
+    llm = tiny_llm()
     stop_at = next(i for i, t in enumerate(ref) if t not in ref[:i])  # first occurrence
     sp = SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[ref[stop_at]], logprobs=3)
     o = llm.generate([prompt], sp)[0]
@@ -159,8 +160,8 @@ def test_stop_token_logprobs_and_text(model):
 # ================================================ prefix caching changes nothing but speed
 def _both(calls, **kw):
     """Run the same generate calls with and without prefix caching; compare tokens and logits."""
-    on = _llm(record_logits=True, **kw)
-    off = _llm(record_logits=True, enable_prefix_caching=False)
+    on = tiny_llm(record_logits=True, **kw)
+    off = tiny_llm(record_logits=True, enable_prefix_caching=False)
     cached = []
     for prompts, snaps, m in calls:
         sp = SamplingParams(max_tokens=m, **GREEDY)
@@ -228,7 +229,7 @@ def test_prefix_caching_random_workload_with_eviction():
 
 # ====================================================== multi-turn: end-of-request snapshots
 def test_multi_turn_hits_end_of_request_snapshot():
-    llm = _llm()
+    llm = tiny_llm()
     p1 = list(range(40, 53))  # 13 tokens
     o1 = llm.generate([p1], SamplingParams(max_tokens=6, **GREEDY))[0]
     assert o1.num_cached_tokens == 0 and len(o1.token_ids) == 6
@@ -257,7 +258,7 @@ def test_multi_turn_hits_end_of_request_snapshot():
 # ====================================== no leaked page / slot / snapshot after 1000 requests
 def test_no_leaks_after_1000_random_requests_with_aborts():
     rng = random.Random(3)
-    llm = _llm(num_pages=24, num_slots=10, num_snapshots=6, max_num_batched_tokens=24)
+    llm = tiny_llm(num_pages=24, num_slots=10, num_snapshots=6, max_num_batched_tokens=24)
     eng = llm.engine
     stems = _prompts(rng, 5, 2, 12)
     aborted = {"waiting": 0, "prefill": 0, "decode": 0}
@@ -305,7 +306,7 @@ def test_no_leaks_after_1000_random_requests_with_aborts():
 
 # ==================================================== bad input: a ValueError naming the field
 def test_bad_input_raises_value_error_naming_the_field():
-    llm = _llm(num_pages=16)  # 64 tokens of cache → max_model_len 64
+    llm = tiny_llm(num_pages=16)  # 64 tokens of cache → max_model_len 64
     eng = llm.engine
     assert eng.max_model_len == 64
     cases = [
@@ -320,7 +321,8 @@ def test_bad_input_raises_value_error_naming_the_field():
         (lambda: llm.generate([[1, 2]], SamplingParams(stop_token_ids=[999])), "stop_token_ids"),
         (lambda: llm.generate([[1, 2]], cache_salt=""), "cache_salt"),
         (lambda: llm.generate([[1, 2]], snapshot_at=[-4]), "snapshot_at"),
-        (lambda: eng.add_prefill_request("x", [1, 2], SamplingParams(n=2)), "SamplingParams.n"),
+        (lambda: DisaggConnector.of(eng).add_prefill_request("x", [1, 2], SamplingParams(n=2)),
+         "SamplingParams.n"),
         (lambda: LLM(MICRO, block_sise=4), "block_sise"),
     ]
     for fn, field in cases:
@@ -334,7 +336,7 @@ def test_requests_that_do_not_fit_wait_or_are_preempted(model):
     other (recompute), never crash, and still give the tokens they give alone."""
     rng = random.Random(4)
     prompts = _prompts(rng, 6, 20, 30)
-    llm = _llm(num_pages=12, num_slots=4, num_snapshots=2, max_num_batched_tokens=16)
+    llm = tiny_llm(num_pages=12, num_slots=4, num_snapshots=2, max_num_batched_tokens=16)
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, **GREEDY))
     assert llm.engine.scheduler.num_preemptions > 0
     for p, o in zip(prompts, outs):
@@ -349,6 +351,7 @@ def test_prefill_handle_to_decode_engine_gives_same_tokens(model):
     )
     P = LLMEngine(model, MICRO, None, cfg)
     D = LLMEngine(model, MICRO, None, EngineConfig(**{**cfg.__dict__, "record_logits": True}))
+    Pk, Dk = DisaggConnector.of(P), DisaggConnector.of(D)
     prompt = list(range(60, 79))  # 19 tokens
     sp = SamplingParams(max_tokens=8, **GREEDY)
     expect, expect_logits = alone(model, prompt, 8, with_logits=True)
@@ -356,7 +359,7 @@ def test_prefill_handle_to_decode_engine_gives_same_tokens(model):
         rid = f"req{rnd}"
         admitted: list = []
         layers: list = []
-        P.add_prefill_request(
+        Pk.add_prefill_request(
             rid,
             prompt,
             sp,
@@ -373,18 +376,19 @@ def test_prefill_handle_to_decode_engine_gives_same_tokens(model):
         assert {l for l, u in layers if u == 19} == set(
             range(MICRO.num_layers)
         )  # every layer final
-        dh = D.reserve(rid, prompt)
+        dh = Dk.reserve(rid, prompt)
         assert dh.num_tokens == 19 and len(dh.pages) == 5
         with torch.no_grad():  # the transfer, by hand
             D.pools.kda_state[:, dh.slot] = P.pools.kda_state[:, handle.slot]
             D.pools.conv_state[:, dh.slot] = P.pools.conv_state[:, handle.slot]
             for sp_, dp in zip(handle.pages, dh.pages):
                 D.pools.mla_latent[:, dp] = P.pools.mla_latent[:, sp_]
-        P.release(rid)
+        Pk.release(rid)
         ft = handle.first_token
         assert ft.position == 19
         assert (
-            D.admit(rid, [ft.token_id], sp.with_seed(ft.seed), output_logprobs=[ft.logprob]) is None
+            Dk.admit(rid, [ft.token_id], sp.with_seed(ft.seed), output_logprobs=[ft.logprob])
+            is None
         )
         final = None
         while final is None:
@@ -395,16 +399,17 @@ def test_prefill_handle_to_decode_engine_gives_same_tokens(model):
     # D indexed the prompt blocks it received (decode workers are indexed too)
     assert len(D.cache_state()["blocks"]) >= 4
     # a reservation can be aborted; a full decode worker says so
-    D.reserve("x", prompt)
+    Dk.reserve("x", prompt)
     assert D.abort_request("x") and D.cm.usage().slots_used == 0
     small = LLMEngine(model, MICRO, None, EngineConfig(block_size=B, num_pages=4, num_slots=1))
-    assert small.can_reserve(4 * B) and not small.can_reserve(4 * B + 1)  # 4 pages, 1 slot
-    small.reserve("a", [1, 2, 3])
-    assert not small.can_reserve(1)  # the one slot is taken
+    sk = DisaggConnector.of(small)
+    assert sk.can_reserve(4 * B) and not sk.can_reserve(4 * B + 1)  # 4 pages, 1 slot
+    sk.reserve("a", [1, 2, 3])
+    assert not sk.can_reserve(1)  # the one slot is taken
     with pytest.raises(CacheFullError):
-        small.reserve("b", [1, 2, 3])
+        sk.reserve("b", [1, 2, 3])
     with pytest.raises(ValueError, match="output_token_ids"):
-        small.admit("a", [5, 6], SamplingParams())
+        sk.admit("a", [5, 6], SamplingParams())
 
 
 def test_llm_loads_a_checkpoint_folder(tmp_path):
@@ -545,25 +550,25 @@ def test_engine_without_a_connector_never_calls_one(model, monkeypatch):
         monkeypatch.setattr(conn.KVConnector, name, boom)
         if name in vars(conn.DisaggConnector):
             monkeypatch.setattr(conn.DisaggConnector, name, boom)
-    llm = _llm(num_pages=12, num_slots=4, num_snapshots=2, max_num_batched_tokens=16)
+    llm = tiny_llm(num_pages=12, num_slots=4, num_snapshots=2, max_num_batched_tokens=16)
     eng = llm.engine
     rng = random.Random(5)
     prompts = _prompts(rng, 6, 20, 30)
     sp = [SamplingParams(max_tokens=6, n=1 + i % 2, seed=i, ignore_eos=True) for i in range(6)]
     eng.add_request("gone", [1, 2, 3], SamplingParams(max_tokens=3))
-    assert eng.abort_request("gone") and eng.num_reserved == 0
+    assert eng.abort_request("gone") and eng.connector is None
     outs = llm.generate(prompts, sp)
     assert all(len(o.outputs) == s.n for o, s in zip(outs, sp))
     assert eng.scheduler.num_preemptions > 0
     assert eng.connector is None and eng.scheduler.hook is None
     monkeypatch.undo()
-    eng.reserve("r", [1, 2, 3])
-    assert isinstance(eng.connector, conn.DisaggConnector) and eng.num_reserved == 1
-    assert eng.scheduler.hook is eng.connector
+    conn.DisaggConnector.of(eng).reserve("r", [1, 2, 3])
+    assert isinstance(eng.connector, conn.DisaggConnector) and eng.connector.num_reserved == 1
+    assert eng.scheduler.hook is eng.connector and conn.DisaggConnector.of(eng) is eng.connector
     other = LLMEngine(llm.engine.runner.model, MICRO, None, EngineConfig(block_size=B),
                       connector=_Recorder())  # fmt: skip
     with pytest.raises(TypeError, match="_Recorder"):
-        other.reserve("r", [1, 2, 3])
+        conn.DisaggConnector.of(other)
     with pytest.raises(ValueError, match="connector"):
         other.attach(_Recorder())
 
@@ -575,10 +580,11 @@ def test_disaggregation_callbacks_come_in_lifecycle_order(model):
     cfg = EngineConfig(block_size=B, num_pages=64, num_slots=4, num_snapshots=4,
                        max_num_batched_tokens=8)  # fmt: skip
     P, D = LLMEngine(model, MICRO, None, cfg), LLMEngine(model, MICRO, None, cfg)
+    Pk, Dk = DisaggConnector.of(P), DisaggConnector.of(D)
     prompt = list(range(60, 79))  # 19 tokens: forwards of 8, 8, 3
     sp = SamplingParams(max_tokens=4, **GREEDY)
     events: list[tuple] = []
-    P.add_prefill_request(
+    Pk.add_prefill_request(
         "x", prompt, sp,
         on_admit=lambda h: events.append(("admit", h.slot, tuple(h.pages))),
         layer_hook=lambda layer, upto: events.append(("layer", layer, upto)),
@@ -595,7 +601,7 @@ def test_disaggregation_callbacks_come_in_lifecycle_order(model):
     assert P.has_unfinished_requests() is False  # held: off the scheduler, still live
     with pytest.raises(ValueError, match="already live"):
         P.add_request("x", prompt)
-    dh = D.reserve("x", prompt)
+    dh = Dk.reserve("x", prompt)
     with pytest.raises(ValueError, match="already live"):
         D.add_request("x", prompt)
     with torch.no_grad():
@@ -603,11 +609,11 @@ def test_disaggregation_callbacks_come_in_lifecycle_order(model):
         D.pools.conv_state[:, dh.slot] = P.pools.conv_state[:, held.handle.slot]
         for s_, d_ in zip(held.handle.pages, dh.pages):
             D.pools.mla_latent[:, d_] = P.pools.mla_latent[:, s_]
-    P.release("x")
+    Pk.release("x")
     with pytest.raises(ValueError, match="not a held prefill request"):
-        P.release("x")
+        Pk.release("x")
     ft = held.handle.first_token
-    assert D.admit("x", [ft.token_id], sp.with_seed(ft.seed)) is None and D.num_reserved == 0
+    assert Dk.admit("x", [ft.token_id], sp.with_seed(ft.seed)) is None and Dk.num_reserved == 0
     final = None
     while final is None:
         final = next((o for o in D.step() if o.finished), None)
@@ -621,7 +627,7 @@ def test_runner_execute_is_the_run_seam(model):
     """Every forward goes through ``runner.execute(RunBatch)`` (where a CUDA-graph runner
     plugs in): prefill chunks and decode batches arrive as such, with no layer hook when no
     connector asks for one."""
-    llm = _llm(max_num_batched_tokens=8)
+    llm = tiny_llm(max_num_batched_tokens=8)
     seen: list[RunBatch] = []
     orig = llm.engine.runner.execute
 
@@ -640,7 +646,7 @@ def test_runner_execute_is_the_run_seam(model):
 
 
 def test_prefill_backlog_cap_admits_prompts_fcfs(model):
-    """Issue 15 (soak): uncapped, chunks ending on snapshot points leave budget that admits
+    """Uncapped, chunks ending on snapshot points leave budget that admits
     every waiting prompt, and all of them share the steps; with ``max_prefill_backlog`` a
     prompt is admitted only while fewer tokens than the cap are left to prefill, so prompts
     are computed nearly one after another, each finishing in about (cap + its length) of
@@ -650,7 +656,7 @@ def test_prefill_backlog_cap_admits_prompts_fcfs(model):
     params = SamplingParams(max_tokens=2, **GREEDY)
 
     def run(cap):
-        llm = _llm(max_num_batched_tokens=16, dense_snapshot_blocks=4)  # 4-token chunks first
+        llm = tiny_llm(max_num_batched_tokens=16, dense_snapshot_blocks=4)  # 4-token chunks first
         e = llm.engine
         e.scheduler.max_prefill_backlog = cap
         for i, p in enumerate(prompts):
@@ -669,4 +675,4 @@ def test_prefill_backlog_cap_admits_prompts_fcfs(model):
     assert most_capped <= 2  # one prompt, plus the next once fewer than 8 tokens are left
     assert outs_capped == outs_uncapped == [alone(model, p, 2) for p in prompts]
     with pytest.raises(ValueError, match="max_prefill_backlog"):
-        Scheduler(_llm().engine.cm, 16, 4, max_prefill_backlog=0)
+        Scheduler(tiny_llm().engine.cm, 16, 4, max_prefill_backlog=0)

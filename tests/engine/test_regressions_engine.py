@@ -1,4 +1,4 @@
-"""Regressions found by review of issues 2–3 (engine, cache, offline API).
+"""Regressions of the engine, the cache and the offline API.
 
 Each test names the bug it pins; the micro model and helpers come from ``test_engine``.
 """
@@ -10,9 +10,11 @@ import random
 import numpy as np
 import pytest
 import torch
-from test_engine import GREEDY, MICRO, _llm, alone
+from test_engine import GREEDY, MICRO, alone, tiny_llm
 
-from k3serve.engine.engine import EngineConfig, LLMEngine
+from k3serve.engine.config import EngineConfig
+from k3serve.engine.connector import DisaggConnector
+from k3serve.engine.engine import LLMEngine
 from k3serve.engine.llm import LLM, load_model
 from k3serve.sampling import SamplingParams
 
@@ -60,7 +62,7 @@ def test_failed_forward_neither_corrupts_the_request_nor_poisons_the_prefix_cach
     and snapshot it indexed (under the right hashes) served wrong latents to later hits."""
     prompt = list(range(60, 79))  # 19 tokens; chunks of 8: [0,8) [8,16) (snapshot at 16) [16,19)
     expect = alone(model, prompt, 4)
-    llm = _llm(max_num_batched_tokens=8)
+    llm = tiny_llm(max_num_batched_tokens=8)
     eng = llm.engine
     _fail_once_mid_forward(eng, which=2)  # the chunk [8, 16): two full blocks + the snapshot
     sp = SamplingParams(max_tokens=4, **GREEDY)
@@ -84,7 +86,7 @@ def test_failed_decode_forward_keeps_the_prefills_of_the_same_step(model):
     """The prefill group's rows were sampled only after the decode group's forward: when that
     one raised, a finished prefill was never sampled and the sequence stalled forever."""
     p1, p2 = list(range(10, 17)), [30, 31, 32]  # b: one chunk, sampled this step
-    llm = _llm(max_num_batched_tokens=16)
+    llm = tiny_llm(max_num_batched_tokens=16)
     eng = llm.engine
     sp = SamplingParams(max_tokens=3, **GREEDY)
     eng.add_request("a", p1, sp)
@@ -110,7 +112,7 @@ def test_failed_decode_forward_keeps_the_prefills_of_the_same_step(model):
 def test_interrupted_generate_leaves_no_orphan_requests():
     """LLM.generate interrupted mid-way left its requests queued in the engine: later calls
     kept computing them (and their half-done state) for nobody."""
-    llm = _llm(max_num_batched_tokens=8)
+    llm = tiny_llm(max_num_batched_tokens=8)
     eng = llm.engine
     _fail_once_mid_forward(eng, which=2)
     with pytest.raises(_Boom):
@@ -123,7 +125,7 @@ def test_interrupted_generate_leaves_no_orphan_requests():
 
 
 def test_generate_rejects_malformed_prompts_with_value_error_naming_prompts():
-    llm = _llm()
+    llm = tiny_llm()
     for bad in (None, 5, [None], [3.5], ["ok", 7], "a\ud800b", [["x"]]):
         with pytest.raises(ValueError, match="prompt"):
             llm.generate(bad, SamplingParams(max_tokens=1))
@@ -164,10 +166,11 @@ def test_reserve_for_fewer_tokens_than_the_prompt_is_refused(model):
     """A reservation of num_tokens < L could never be admitted (admit needs L + outputs - 1
     tokens): it held a slot and pages until someone aborted it."""
     eng = LLMEngine(model, MICRO, None, EngineConfig(block_size=4, num_pages=16, num_slots=2))
+    dk = DisaggConnector.of(eng)
     with pytest.raises(ValueError, match="num_tokens"):
-        eng.reserve("r", [1, 2, 3, 4, 5], num_tokens=3)
+        dk.reserve("r", [1, 2, 3, 4, 5], num_tokens=3)
     assert eng.cm.usage().slots_used == 0 and eng.cm.seq_ids() == []
-    h = eng.reserve("r", [1, 2, 3, 4, 5], num_tokens=6)  # prompt + token #1 + token #2
+    h = dk.reserve("r", [1, 2, 3, 4, 5], num_tokens=6)  # prompt + token #1 + token #2
     assert h.num_tokens == 6
     assert eng.abort_request("r") and eng.cm.usage().pages_used == 0
 
@@ -183,15 +186,16 @@ def test_on_admit_may_abort_requests(model):
         EngineConfig(block_size=4, num_pages=32, num_slots=4, num_snapshots=4),
     )
     sp = SamplingParams(max_tokens=3, **GREEDY)
+    pk = DisaggConnector.of(eng)
     eng.add_request("g", [1, 2, 3, 4, 5], sp)
-    eng.add_prefill_request("p", list(range(20, 31)), sp, on_admit=lambda h: eng.abort_request("p"))
-    eng.add_prefill_request("q", list(range(40, 46)), sp, on_admit=lambda h: eng.abort_request("g"))
+    pk.add_prefill_request("p", list(range(20, 31)), sp, on_admit=lambda h: eng.abort_request("p"))
+    pk.add_prefill_request("q", list(range(40, 46)), sp, on_admit=lambda h: eng.abort_request("g"))
     outs = []
     while eng.has_unfinished_requests():
         outs += eng.step()
     assert {o.request_id for o in outs} == {"q"} and outs[-1].handle.first_token is not None
     assert outs[-1].handle.first_token.token_id == alone(model, list(range(40, 46)), 1)[0]
-    eng.release("q")
+    pk.release("q")
     eng.cm.check()
     u = eng.cm.usage()
     assert (u.pages_used, u.slots_used, u.snapshots_used) == (0, 0, 0) and eng.requests == {}
@@ -213,7 +217,7 @@ def test_layer_hook_may_abort_requests(model):
         if layer == 1:
             assert eng.abort_request("p")
 
-    eng.add_prefill_request("p", list(range(20, 23)), sp, layer_hook=hook)
+    DisaggConnector.of(eng).add_prefill_request("p", list(range(20, 23)), sp, layer_hook=hook)
     outs = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
@@ -285,15 +289,16 @@ def test_prefix_queries_count_lookups_only():
     preemption as a prefix-cache query (its prompt tokens again)."""
     rng = random.Random(4)
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(20, 30))] for _ in range(6)]
-    llm = _llm(num_pages=12, num_slots=4, num_snapshots=2, max_num_batched_tokens=16)
+    llm = tiny_llm(num_pages=12, num_slots=4, num_snapshots=2, max_num_batched_tokens=16)
     eng = llm.engine
     llm.generate(prompts, SamplingParams(max_tokens=10, **GREEDY))
     assert eng.scheduler.num_preemptions > 0
     st = eng.cm.stats
     assert st.num_queries == 6 and st.query_tokens == sum(map(len, prompts))
-    eng.reserve("r", prompts[0])
-    assert eng.num_reserved == 1 and st.num_queries == 6
-    assert eng.abort_request("r") and eng.num_reserved == 0
+    dk = DisaggConnector.of(eng)
+    dk.reserve("r", prompts[0])
+    assert dk.num_reserved == 1 and st.num_queries == 6
+    assert eng.abort_request("r") and dk.num_reserved == 0
 
 
 def test_fingerprint_tells_checkpoints_of_the_same_shape_apart(tmp_path):
@@ -340,7 +345,7 @@ def test_failed_forward_aborts_a_prefill_only_request_instead_of_recomputing_it(
             raise _Boom("transfer failed")
 
     eng.add_request("g", [1, 2, 3], sp)
-    eng.add_prefill_request("p", list(range(20, 27)), sp, layer_hook=hook)
+    DisaggConnector.of(eng).add_prefill_request("p", list(range(20, 27)), sp, layer_hook=hook)
     with pytest.raises(_Boom):
         eng.step()
     assert calls == [0, 1] and "p" not in eng.requests

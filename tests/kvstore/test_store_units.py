@@ -13,11 +13,11 @@ from k3serve.cache.events import EventLog, make_state
 from k3serve.cache.manager import CacheManager
 from k3serve.cache.prefix import fetch_plan, log_snapshot_points
 from k3serve.cache.specs import CacheConfig
-from kvstore.store import KVStore, StoreConfig, StoreState, block_key, snapshot_key
+from kvstore.store.client import KVStore, StoreConfig, StoreState, block_key, snapshot_key
+from kvstore.store.tier import store_events
 from router.index import STORE, GlobalIndex
 from router.placement import PlacementParams, PlacementRequest, PrefillWorkerState, cache_aware
 from router.policies import RecentLoad, WorkerView, live_view
-from worker.store import store_events
 
 
 def test_log_snapshot_points_are_dense_then_doubling():
@@ -61,19 +61,19 @@ def test_import_pins_local_part_and_indexes_fetched_entries():
     ids = list(range(13))
     hs, cap = cm.prefix_hashes(ids)
     assert cap == 3 and len(hs) == 3
-    plan = cm.begin_import(hs, hs, hs[-1])
+    plan = cm.importer.begin(hs, hs, hs[-1])
     assert plan is not None and len(plan.pages) == 3 and plan.snapshot is not None
-    cm.end_import(plan)
+    cm.importer.end(plan)
     assert cm.lookup(ids) == 12
     cm.check()
     # a second import needing more pages than free (all 3 held by the first prefix? no: LRU)
     other = [100 + i for i in range(13)]
     ho, _ = cm.prefix_hashes(other)
-    plan2 = cm.begin_import(ho, ho, ho[-1])  # 3 pages: 1 free + LRU ones evicted
+    plan2 = cm.importer.begin(ho, ho, ho[-1])  # 3 pages: 1 free + LRU ones evicted
     assert plan2 is not None
-    cm.abort_import(plan2)
+    cm.importer.abort(plan2)
     cm.check()
-    assert cm.begin_import(ho, ho[:1], ho[-1]) is None  # blocks 1-2 neither local nor fetched
+    assert cm.importer.begin(ho, ho[:1], ho[-1]) is None  # blocks 1-2 neither local nor fetched
 
 
 def test_pool_bytes_round_trip():

@@ -222,7 +222,7 @@ def test_index_replay_equals_worker_caches_random():
             if rng.random() < 0.05:  # a worker restarted: new epoch, forced resync
                 workers[i] = cm = CacheManager(cfg, FINGERPRINT)
             if rng.random() < 0.1:  # events after a gap: seen as one, resync
-                cm.log._events.popleft() if cm.log._events else None
+                cm.log.events.popleft() if cm.log.events else None
             try:
                 idx.apply_events(f"w{i}", cm.events_since(idx.cursor(f"w{i}")[1]))
             except ResyncNeeded:

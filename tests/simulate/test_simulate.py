@@ -16,7 +16,7 @@ from k3serve.cache.hashing import block_hashes, make_salt
 from simulate import SimConfig, load_calibration, replay, run, trace_facts
 from simulate.calibration import SCHEMA, Calibration
 from simulate.engine import auto_store_interval, snapshot_blocks
-from simulate.store import SimStore
+from kvstore.store.sim import SimStore
 from k3serve.traces import (
     DEFAULT_FINGERPRINT,
     agent_trace,

@@ -4,8 +4,8 @@ Where it sits (DESIGN.md §3, the last bullet): every prefill and decode worker 
 of one ``mooncake_master`` (``deploy`` starts it, bound to loopback on one machine). Workers put
 what they write into their own pools — MLA blocks and KDA snapshots — under their block hashes;
 a prefill worker that holds less of a prompt's prefix than the store fetches the difference
-before computing (:mod:`k3serve.engine.connector`'s :class:`~k3serve.engine.connector.StoreBridge`
-moves the bytes in and out of the pools; this module moves them to and from the store)::
+before computing (:class:`~kvstore.store.bridge.StoreBridge` moves the bytes in and out of the
+pools; this module moves them to and from the store)::
 
     engine thread                         writer thread (this module)        mooncake_master
     ─────────────                         ───────────────────────────        ───────────────

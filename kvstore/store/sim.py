@@ -1,6 +1,6 @@
-"""The shared store tier of the simulator: one LRU pool of MLA blocks and KDA snapshots.
+"""The shared store as the simulator models it: one LRU pool of MLA blocks and KDA snapshots.
 
-Models Mooncake Store as a DRAM pool below the prefill workers (issue 12): workers write
+Models Mooncake Store as a DRAM pool below the prefill workers: workers write
 through every full block they compute and every snapshot they take, keyed by block hash; a
 worker whose own cache holds less of a prompt than the store loads the deeper usable prefix
 from it. Capacity is in *block units* (one MLA block = 1; one snapshot =

@@ -1,4 +1,4 @@
-"""The worker's shared-store tier: write-through after each step, fetch before a prefill.
+"""A worker's use of the shared store: write-through after each step, fetch before a prefill.
 
 ::
 
@@ -8,7 +8,8 @@
        added to the engine)        3. engine thread: StoreBridge.import_prefix → the request's
                                       ordinary prefix match finds the deeper hit
 
-A store that is down or full only costs misses (:mod:`kvstore.store` logs the change once).
+A store that is down or full only costs misses (:mod:`kvstore.store.client` logs the change
+once).
 What the store takes and what this worker learns has gone from it (evicted, lost) reach the
 router as this worker's cache events with ``source: "store"`` (:func:`store_events`), so the
 router's index stops pricing an evicted prefix as a store hit.
@@ -25,8 +26,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from k3serve.cache.prefix import fetch_plan
-from k3serve.engine.connector import LocalView, StoreBridge
-from kvstore.store import KVStore, StoreConfig
+from kvstore.store.bridge import LocalView, StoreBridge
+from kvstore.store.client import KVStore, StoreConfig
 
 log = logging.getLogger("k3serve.worker")
 
@@ -51,7 +52,8 @@ class StoreTier:
     Args:
         config: the store client settings (``url`` set).
         engine: the worker's engine (touched on the engine thread only).
-        loop: the worker's :class:`~worker.loop.EngineLoop`.
+        loop: the worker's engine loop (``worker.loop.EngineLoop``: ``await loop.call(fn, ...)``
+            runs ``fn`` on the engine thread).
         labels: metric labels (``worker``, ``role``).
     """
 
@@ -60,7 +62,7 @@ class StoreTier:
         self.loop = loop
         self.block_size = engine.config.block_size
         self.store = KVStore(config, engine.fingerprint)
-        self.bridge = StoreBridge(engine)
+        self.bridge = StoreBridge(engine.cm, engine.pools)
         self.labels = labels
         #: request id → tokens held locally before its import (engine thread)
         self.local_before: dict[str, int] = {}
