@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simulate.engine import SimConfig, replay, trace_facts
-from k3serve.traces import load_trace
+from simulate.traces import load_trace
 from router.policies.home import HomeParams
 
 _T: dict = {}

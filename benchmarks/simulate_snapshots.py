@@ -26,7 +26,7 @@ from simulate.engine import (
     replay,
     trace_facts,
 )
-from k3serve.traces import load_trace, snapshot_rule_ceiling
+from simulate.traces import load_trace, snapshot_rule_ceiling
 from router.placement import DEFAULT_POLICY
 from router.policies.home import HomeParams
 

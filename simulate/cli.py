@@ -24,7 +24,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from simulate.live import cmd_live
 
         return cmd_live(args)
-    from k3serve.traces import load_trace
+    from simulate.traces import load_trace
     from router.placement import DEFAULT_POLICY, POLICIES
     from router.policies.home import HomeParams
     from simulate import SimConfig, load_calibration, run, trace_facts

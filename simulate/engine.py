@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 
 from k3serve.cache.manager import CacheManager
 from k3serve.cache.specs import CacheConfig
-from k3serve.traces import (
+from simulate.traces import (
     DEFAULT_FINGERPRINT,
     TRACE_BLOCK,
     TraceRequest,
@@ -139,8 +139,8 @@ class TraceFacts:
         num_requests, total_tokens: rows and prompt tokens.
         block_size: tokens per block.
         working_blocks, working_snapshots: distinct full blocks, prompt-end boundaries.
-        oracle_hit_rate: :func:`k3serve.traces.token_oracle`.
-        snapshot_ceiling: :func:`k3serve.traces.snapshot_rule_ceiling` (no interval).
+        oracle_hit_rate: :func:`simulate.traces.token_oracle`.
+        snapshot_ceiling: :func:`simulate.traces.snapshot_rule_ceiling` (no interval).
         oracle_hits: per-request oracle reuse in tokens (arrival order).
         span_s: the trace's arrival span in seconds before rescaling.
     """
@@ -291,7 +291,7 @@ def replay(reqs: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig
     """Replay ``reqs`` (arrival order) under ``policy``; deterministic for a given input.
 
     Args:
-        reqs: a scaled trace (:func:`k3serve.traces.load_trace`), hashed with
+        reqs: a scaled trace (:func:`simulate.traces.load_trace`), hashed with
             ``cfg.fingerprint``.
         policy: a name in ``router.placement.POLICIES``.
         cfg: the deployment.

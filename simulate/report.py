@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from k3serve.traces import TraceRequest
+from simulate.traces import TraceRequest
 from simulate.engine import PolicyResult, SimConfig, TraceFacts
 
 COLUMNS = ("policy", "hit", "/oracle", "store", "oracle", "ceiling", "TTFT p50 ms",

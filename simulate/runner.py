@@ -8,7 +8,7 @@ import queue as _queue
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 
-from k3serve.traces import TraceRequest
+from simulate.traces import TraceRequest
 from simulate.engine import PolicyResult, SimConfig, TraceFacts, replay, trace_facts
 
 _JOB: dict = {}

@@ -106,27 +106,30 @@ def prefix_home(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
     dl = [depths(w, cap) for w in workers]
     depth = [e for e, _ in dl]
     best = max(depth)
-    queued = [w.queued_tokens / w.prefill_rate for w in workers]
+    rate = [w.rate for w in workers]
+    queued = [w.queued_tokens / r for w, r in zip(workers, rate, strict=True)]
     least = min(queued)
     qbound = params.guard_factor * least + params.guard_seconds
     util = [getattr(w, "util", None) for w in workers]
     bounded = all(u is not None for u in util)
-    total_util = sum(util) if bounded else 0.0  # type: ignore[arg-type]
     H = hp.util_horizon_s
+    total_util = sum(util) if bounded else 0.0  # type: ignore[arg-type]
+    own = [max(0.0, util[i] - getattr(w, "chain_tokens", 0.0) / (rate[i] * H))  # type: ignore
+           for i, w in enumerate(workers)] if bounded else util
     tie = tie_breaks(req, [w.worker_id for w in workers])
     best_i, best_key = -1, None
     for i, w in enumerate(workers):
-        q = queued[i]
-        c = depth[i]
-        if q > qbound and not (best > 0 and c == best and q < hp.overload_seconds):
+        q, c, r = queued[i], depth[i], rate[i]
+        if q > qbound and not (best > 0 and c == best
+                               and q < max(hp.overload_seconds, c * B / r)):
             continue
-        compute = (L - c * B) / w.prefill_rate
-        cost = (1 + hp.queue_weight) * q + compute + hp.dup_weight * (best - c) * B / w.prefill_rate
+        compute = (L - c * B) / r
+        cost = (1 + hp.queue_weight) * q + compute + hp.dup_weight * (best - c) * B / r
         cost += hp.ext_weight * getattr(w, "request_rate", 0.0) * compute * compute / 2
         if bounded:
             x = compute / H
             bound = max((1 + hp.balance_slack) * (total_util + x) / n, hp.balance_floor)
-            excess = util[i] + x - bound  # type: ignore
+            excess = own[i] + x - bound  # type: ignore[operator]
             if excess > 0:
                 if not hp.balance_weight:
                     continue
@@ -134,13 +137,12 @@ def prefix_home(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
         loc = dl[i][1]
         if c > loc:  # the store supplies (c − loc) blocks: their load time
             sr = getattr(w, "store_tokens_per_s", 0.0)
-            cost += (c - loc) * B * (1 / sr if sr > 0 else params.store_token_cost
-                                     / w.prefill_rate)
+            cost += (c - loc) * B * (1 / sr if sr > 0 else params.store_token_cost / r)
         key = (cost, q, tie[i])
         if best_key is None or key < best_key:
             best_i, best_key = i, key
     if best_i < 0:  # nobody within the bounds: the least loaded
-        key_of = (lambda i: (util[i], queued[i], tie[i])) if bounded else \
+        key_of = (lambda i: (own[i], queued[i], tie[i])) if bounded else \
             (lambda i: (queued[i], tie[i]))
         best_i = min(range(n), key=key_of)
     return best_i

@@ -17,11 +17,10 @@ from simulate import SimConfig, load_calibration, replay, run, trace_facts
 from simulate.calibration import SCHEMA, Calibration
 from simulate.engine import auto_store_interval, snapshot_blocks
 from simulate.store import SimStore
-from k3serve.traces import (
+from simulate.tracegen import agent_trace, conversation_trace, write_trace
+from simulate.traces import (
     DEFAULT_FINGERPRINT,
-    agent_trace,
     block_tokens,
-    conversation_trace,
     load_trace,
     parse_row,
     prompt_tokens,
@@ -30,7 +29,6 @@ from k3serve.traces import (
     snapshot_rule_ceiling,
     token_oracle,
     working_set,
-    write_trace,
 )
 from router.placement import DEFAULT_POLICY, POLICIES, PlacementRequest, place
 from router.policies import RouterView, WorkerView
