@@ -20,12 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simulate.calibration import Calibration
-from simulate.engine import (
-    SimConfig,
-    auto_store_interval,
-    replay,
-    trace_facts,
-)
+from simulate.config import SimConfig, auto_store_interval, trace_facts
+from simulate.engine import replay
 from simulate.traces import load_trace, snapshot_rule_ceiling
 from router.placement import DEFAULT_POLICY
 from router.policies.home import HomeParams

@@ -13,7 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simulate.engine import SimConfig, replay, trace_facts
+from simulate.config import SimConfig, trace_facts
+from simulate.engine import replay
 from simulate.traces import load_trace
 from router.policies.home import HomeParams
 

@@ -39,7 +39,8 @@ system prompt went to one worker: in the simulator ``cache_aware``'s balance on 
 conversation trace went from 1.04 to 4.8 with the store.) Without a key: a rotation by
 ``seq``.
 
-``snapshot_at``: when the prompt shares MLA blocks with earlier prompts (any worker) up to a
+``snapshot_at``: with ``PlacementParams.snapshot_interval_blocks`` = k, every multiple of k
+blocks past the chosen worker's hit and before the prompt end. And when the prompt shares MLA blocks with earlier prompts (any worker) up to a
 boundary deeper than what the chosen prefill worker can reuse, and the prompt diverges there,
 that boundary is a branch point: the chosen worker is asked to keep a KDA snapshot at it
 (DESIGN.md §3), so the next prompt diverging there hits. The prompt-end boundary
@@ -164,6 +165,11 @@ class PlacementParams:
             computing it (a store hit is priced below a local one, above a miss). Measured on
             one CPU box (benchmarks/store.py): a k3-tiny block of 64 tokens (41 kB) arrives in
             well under 1 ms against ~8 ms to prefill it; 0.1 leaves room for a cluster.
+        snapshot_interval_blocks: ask the chosen prefill worker to keep a KDA snapshot at every
+            multiple of this many blocks in the part of the prompt it computes (0: none), so
+            the first prompt to diverge from it inside that part still reuses up to the last
+            multiple before the divergence. The snapshots share the worker's LRU snapshot
+            budget.
     """
 
     guard_factor: float = 1.5
@@ -171,6 +177,7 @@ class PlacementParams:
     seed: int = 0
     snapshot_branch_points: bool = True
     store_token_cost: float = 0.1
+    snapshot_interval_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -366,6 +373,10 @@ def place(req: PlacementRequest, prefill: Sequence[PrefillWorkerState],
     if params.snapshot_branch_points:
         shared = max(w.mla_blocks for w in prefill)
         snaps = branch_snapshot(req, chosen, shared)
+    k = params.snapshot_interval_blocks
+    if k > 0:
+        grid = range((chosen.cached_blocks // k + 1) * k, req.max_cached_blocks, k)
+        snaps = tuple(sorted({*snaps, *(j * req.block_size for j in grid)}))
     return Placement(chosen.worker_id, dec, cached, snaps, policy)
 
 

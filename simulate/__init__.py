@@ -14,15 +14,15 @@ store tier, a cost model (:mod:`simulate.calibration`) and reports:
 from __future__ import annotations
 
 from simulate.calibration import Calibration, load_calibration
-from simulate.engine import (
+from simulate.config import (
     PolicyResult,
     SimConfig,
     TraceFacts,
     auto_store_interval,
-    replay,
     snapshot_blocks,
     trace_facts,
 )
+from simulate.engine import replay
 from simulate.runner import run
 
 __all__ = [

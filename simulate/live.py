@@ -34,10 +34,11 @@ from k3serve.cache.specs import (
     MLALatentSpec,
     auto_dense_snapshot_blocks,
 )
-from simulate.traces import TraceRequest, replay_slice
 from router.config import RouterConfig
 from simulate.calibration import Calibration
-from simulate.engine import PolicyResult, SimConfig, replay, trace_facts
+from simulate.config import PolicyResult, SimConfig, trace_facts
+from simulate.engine import replay
+from simulate.traces import TraceRequest, replay_slice
 
 LIVE_CALIBRATION = Path(__file__).with_name("calibration_cpu_k3-tiny_live.json")
 """k3-tiny on this machine's CPU, measured against a live stack (``benchmarks/calibrate_live.py``)."""
@@ -194,10 +195,10 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_live(args: argparse.Namespace) -> int:
     """Run the live-stack simulation of ``args`` (:func:`add_live_arguments`): print the table
     (and ``--json`` / ``--plot``), one row per policy."""
-    from simulate.traces import block_size_of
     from simulate.calibration import load_calibration
     from simulate.report import plot, table, to_json, write_json
     from simulate.runner import run
+    from simulate.traces import block_size_of
 
     cal = load_calibration(args.calibration or LIVE_CALIBRATION).with_rate(args.rate)
     p, d = args.workers

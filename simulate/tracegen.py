@@ -20,8 +20,23 @@ def _row(ts_ms: float, ids: list[int], last_tokens: int, out_len: int) -> dict:
             "output_length": out_len, "hash_ids": list(ids)}
 
 
+def _followup(events: list, rng: random.Random, fresh, t: float, ids: list[int], last: int,
+              prob: float) -> None:
+    """With probability ``prob``, add the same prompt extended by 1–16 trace tokens, sent
+    0.05–0.5 s after it (a client that amends a prompt right after it was computed: the
+    extension reuses the whole prompt only where the first one was placed). ``rng`` is the
+    follow-ups' own stream, so ``prob`` = 0 leaves the rest of a trace unchanged."""
+    if prob <= 0 or rng.random() >= prob:
+        return
+    ext = rng.randint(1, 16)
+    ids2, last2 = (list(ids), last + ext) if last + ext <= TRACE_BLOCK else \
+        (ids + fresh(1), last + ext - TRACE_BLOCK)
+    events.append((t + rng.uniform(0.05, 0.5), len(events), ids2, last2, rng.randint(10, 200)))
+
+
 def conversation_trace(num_requests: int = 4000, seed: int = 0, *, num_orgs: int = 8,
-                       apps_per_org: int = 16, rate_per_s: float = 4.0) -> list[dict]:
+                       apps_per_org: int = 16, rate_per_s: float = 4.0,
+                       followup_prob: float = 0.0) -> list[dict]:
     """A conversation-shaped trace: multi-turn chats over a hierarchy of shared system prompts.
 
     ``num_orgs`` organisation preambles (4–16 blocks) each carry ``apps_per_org`` app prompts
@@ -31,12 +46,14 @@ def conversation_trace(num_requests: int = 4000, seed: int = 0, *, num_orgs: int
     answer (1–3 blocks) + a new message (1–4 blocks). One turn in ten is a regeneration: the
     user edits the last message, so the prompt forks right after the previous answer (where no
     prompt-end snapshot exists). Conversations arrive Poisson (``rate_per_s`` turns/s overall),
-    think time 5–60 s, 1–12 turns each.
+    think time 5–60 s, 1–12 turns each. With ``followup_prob`` > 0, that share of turns is
+    followed 0.05–0.5 s later by the same prompt extended by a few tokens (:func:`_followup`).
 
     Returns:
         Rows (dicts of the trace's JSONL kind), timestamps non-decreasing.
     """
     rng = random.Random(seed)
+    frng = random.Random(seed * 7_919 + 1)
     next_id = 0
 
     def fresh(k: int) -> list[int]:
@@ -61,6 +78,7 @@ def conversation_trace(num_requests: int = 4000, seed: int = 0, *, num_orgs: int
             ids = base + msg
             last = rng.randint(1, TRACE_BLOCK)
             events.append((tt, len(events), ids, last, rng.randint(20, 1200)))
+            _followup(events, frng, fresh, tt, ids, last, followup_prob)
             tt += rng.uniform(5.0, 60.0)
             if rng.random() < 0.1:  # regenerate: same history, edited message
                 msg = fresh(rng.randint(1, 4))
@@ -74,7 +92,7 @@ def conversation_trace(num_requests: int = 4000, seed: int = 0, *, num_orgs: int
 
 
 def agent_trace(num_requests: int = 4000, seed: int = 0, *, num_tools: int = 8,
-                rate_per_s: float = 6.0) -> list[dict]:
+                rate_per_s: float = 6.0, followup_prob: float = 0.0) -> list[dict]:
     """A tool-and-agent trace: long shared tool preambles, agent loops that grow fast.
 
     ``num_tools`` tool/agent preambles (16–48 blocks, Zipf-popular) are shared by many tasks,
@@ -82,12 +100,15 @@ def agent_trace(num_requests: int = 4000, seed: int = 0, *, num_tools: int = 8,
     each step's prompt = the previous one (last block completed: new id) + a tool result
     (1–10 blocks) + the model's call (1 block). One step in twelve retries from an earlier
     step (the agent backtracks: the prompt forks mid-context), and 5 % of steps fork a
-    parallel branch. Tasks arrive Poisson (``rate_per_s`` steps/s overall).
+    parallel branch. Tasks arrive Poisson (``rate_per_s`` steps/s overall). With
+    ``followup_prob`` > 0, that share of steps is followed 0.05–0.5 s later by the same prompt
+    extended by a few tokens (:func:`_followup`).
 
     Returns:
         Rows (dicts of the trace's JSONL kind), timestamps non-decreasing.
     """
     rng = random.Random(seed + 7919)
+    frng = random.Random(seed * 7_919 + 2)
     next_id = 0
 
     def fresh(k: int) -> list[int]:
@@ -107,8 +128,9 @@ def agent_trace(num_requests: int = 4000, seed: int = 0, *, num_tools: int = 8,
         for _ in range(rng.randint(2, 20)):
             nxt = []
             for tt, ids, marks in branches:
-                events.append((tt, len(events), list(ids), rng.randint(1, TRACE_BLOCK),
-                               rng.randint(10, 200)))
+                last = rng.randint(1, TRACE_BLOCK)
+                events.append((tt, len(events), list(ids), last, rng.randint(10, 200)))
+                _followup(events, frng, fresh, tt, ids, last, followup_prob)
                 if rng.random() < 1 / 12 and len(marks) > 1:  # backtrack to an earlier step
                     cut = rng.choice(marks[:-1])
                     grown = ids[:cut] + fresh(rng.randint(1, 10)) + fresh(1)

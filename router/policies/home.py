@@ -92,6 +92,8 @@ class HomeParams(PlacementParams):
     ext_weight: float = 1.0
     queue_weight: float = 0.5
     balance_floor: float = 0.01
+    snapshot_interval_blocks: int = 16
+    chain_idle_seconds: float = 0.05
 
 
 _DEFAULT = HomeParams()
@@ -115,6 +117,7 @@ def prefix_home(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
     H = hp.util_horizon_s
     total_util = sum(util) if bounded else 0.0  # type: ignore[arg-type]
     own = [max(0.0, util[i] - getattr(w, "chain_tokens", 0.0) / (rate[i] * H))  # type: ignore
+           if queued[i] <= hp.chain_idle_seconds else util[i]
            for i, w in enumerate(workers)] if bounded else util
     tie = tie_breaks(req, [w.worker_id for w in workers])
     best_i, best_key = -1, None

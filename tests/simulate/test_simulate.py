@@ -15,7 +15,7 @@ import pytest
 from k3serve.cache.hashing import block_hashes, make_salt
 from simulate import SimConfig, load_calibration, replay, run, trace_facts
 from simulate.calibration import SCHEMA, Calibration
-from simulate.engine import auto_store_interval, snapshot_blocks
+from simulate.config import auto_store_interval, snapshot_blocks
 from simulate.store import SimStore
 from simulate.tracegen import agent_trace, conversation_trace, write_trace
 from simulate.traces import (
