@@ -74,6 +74,7 @@ class RecentPlacements:
         self._blocks: dict[str, dict[str, int]] = {}  # hash → worker → records holding it
         self._snaps: dict[str, dict[str, int]] = {}  # hash before a boundary → same
         self._ends: dict[str, list[RecentPlacement]] = {}  # last full block's hash → records
+        self._latest: dict[str, RecentPlacement] = {}  # worker → the last record sent there
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -91,7 +92,8 @@ class RecentPlacements:
             now: Seconds, non-decreasing across calls.
         """
         self.expire(now)
-        if not hashes:
+        if not hashes:  # nothing to reuse; still the worker's latest work
+            self._latest.pop(worker_id, None)
             return
         hs = tuple(hashes)
         snaps = tuple(sorted({b for b in snapshot_blocks if 1 <= b <= len(hs)}))
@@ -102,6 +104,7 @@ class RecentPlacements:
         for b in snaps:
             _count(self._snaps, hs[b - 1], worker_id, 1)
         self._ends.setdefault(hs[-1], []).append(e)
+        self._latest[worker_id] = e
 
     def expire(self, now: float) -> None:
         """Drop the entries sent more than ``ttl_s`` before ``now``."""
@@ -124,6 +127,8 @@ class RecentPlacements:
             _count(self._blocks, h, e.worker_id, -1)
         for b in e.snapshot_blocks:
             _count(self._snaps, e.hashes[b - 1], e.worker_id, -1)
+        if self._latest.get(e.worker_id) is e:
+            del self._latest[e.worker_id]
         ends = self._ends[e.hashes[-1]]
         ends.remove(e)
         if not ends:
@@ -160,12 +165,15 @@ class RecentPlacements:
         return {w: PrefixMatch(d, usable.get(w, 0)) for w, d in mla.items()}
 
     def extended(self, hashes: Sequence[str], now: float, horizon_s: float) -> dict[str, float]:
-        """Per worker, the decayed uncached tokens of recent prompts that this one extends.
+        """Per worker, the decayed uncached tokens of the recent prompt this one extends.
 
         A record is extended when its whole chain is a prefix of ``hashes`` (equal included:
-        a repeat). Its tokens decay as ``tokens · exp(−(now − at) / horizon_s)``, the decay of
-        :class:`router.policies.load.RecentLoad`, so the sum is the part of that account
-        (``util`` · rate · H) this prompt's own history put there.
+        a repeat). A worker answers only when the last prompt the router sent it is such a
+        record (P, then P + a few tokens; an agent's previous step with nothing sent there
+        since): then the work it did last is the prefix this prompt reuses.
+        Its tokens decay as ``tokens · exp(−(now − at) / horizon_s)``, the decay of
+        :class:`router.policies.load.RecentLoad`, so the figure is the part of that account
+        (``util`` · rate · H) the computation of that prompt put there.
 
         Args:
             hashes: The prompt's chained block hashes.
@@ -176,8 +184,8 @@ class RecentPlacements:
         out: dict[str, float] = {}
         for h in hashes:
             for e in self._ends.get(h, ()):
-                out[e.worker_id] = (out.get(e.worker_id, 0.0)
-                                    + e.tokens * math.exp(-max(0.0, now - e.at) / horizon_s))
+                if self._latest.get(e.worker_id) is e:
+                    out[e.worker_id] = e.tokens * math.exp(-max(0.0, now - e.at) / horizon_s)
         return out
 
 

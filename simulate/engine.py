@@ -169,8 +169,8 @@ class Replay:
         if h_store:
             store.load(r.hashes, h_local // B, store_depth)  # type: ignore[union-attr]
         secs = self.cal.prefill_seconds(work, h_store)
-        if work > 0:
-            w.timed.append((work, secs))
+        if work > 0:  # the worker's measurement: compute time, not the store load
+            w.timed.append((work, self.cal.prefill_seconds(work)))
         self.ttft[rid] = t + secs - self.arrivals[rid]
         w.busy = True
         payload = None

@@ -31,13 +31,14 @@ their load needs, cold ones stay single. Requests whose move would waste the mos
 small compute) stay; cold-ish ones move first.
 
 The own chain is not load: ``util_w`` is what w computed recently, and part of it may be the
-very prompt this request extends (P just computed, then P + a few tokens; an agent's last
-step). That work built the prefix this request reuses and delays nothing now, so where w is
-idle (queued ≤ ``chain_idle_seconds``) and holds the prefix deeper in its own cache than any
-other worker can reach (own cache or store), the bound reads
-``util_w − chain_tokens_w / (rate · H)`` (``WorkerView.chain_tokens``, from the router's
-record of where it sent each prompt, :class:`router.recent.RecentPlacements`). A busy worker,
-or a prefix others can also reach, keeps the full account, so hot chains still spill.
+very prompt this request extends (P just computed or still computing, then P + a few tokens;
+an agent's last step). Where the last prompt sent to w is the one this request extends
+(``WorkerView.chain_tokens``, from the router's record of where it sent each prompt,
+:class:`router.recent.RecentPlacements`) and w holds the prefix deeper in its own cache than
+any other worker can reach (own cache or store), the bound reads
+``util_w − chain_tokens_w / (rate · H)``: that work built the prefix this request reuses,
+and whatever of it is still queued is in the wait term already. A worker that took other work
+since, or a prefix others can also reach, keeps the full account, so hot homes still spill.
 
 Queue guard (never remove every holder of the best prefix unless truly overloaded): a worker
 whose queued work exceeds ``guard_factor × least + guard_seconds`` (the ``cache_aware``
@@ -102,8 +103,6 @@ class HomeParams(PlacementParams):
             blocks, where prompt-end and branch-point snapshots alone would give it nothing
             (on the Mooncake trace the snapshot rule without it stops below 0.90 of the token
             oracle, ``simulate.traces.snapshot_rule_ceiling``).
-        chain_idle_seconds: a worker whose queued work is at most this many seconds counts as
-            idle for the own-chain rule (module docstring).
     """
 
     dup_weight: float = 1.0
@@ -115,7 +114,6 @@ class HomeParams(PlacementParams):
     queue_weight: float = 0.5
     balance_floor: float = 0.01
     snapshot_interval_blocks: int = 16
-    chain_idle_seconds: float = 0.05
 
 
 _DEFAULT = HomeParams()
@@ -142,8 +140,7 @@ def prefix_home(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
     if bounded:  # the own chain's past work is not load where only this worker holds it
         first, second = (sorted(depth, reverse=True) + [0])[:2]
         own = [max(0.0, util[i] - getattr(w, "chain_tokens", 0.0) / (rate[i] * H))  # type: ignore
-               if queued[i] <= hp.chain_idle_seconds
-               and dl[i][1] > (second if depth[i] == first else first)
+               if dl[i][1] > (second if depth[i] == first else first)
                else util[i] for i, w in enumerate(workers)]
     tie = tie_breaks(req, [w.worker_id for w in workers])
     best_i, best_key = -1, None

@@ -105,9 +105,12 @@ def test_recent_placements_match_expire_and_forget():
     other = _hashes(640, "t")
     assert rec.match(other, 9) == {} and rec.extended(other, 1.0, H) == {}
     assert set(rec.extended(h[:5], 1.0, H)) == {"b"}  # a's chain (6 blocks) is not a prefix
-    assert len(rec) == 2
+    assert set(rec.extended(h, 1.0, H)) == {"a", "b"}  # each the last sent to its worker
+    rec.record("b", _hashes(640, "u")[:2], [2], 128, now=1.5)
+    assert set(rec.extended(h, 1.5, H)) == {"a"}  # b worked on something else since
+    assert len(rec) == 3
     rec.expire(5.5)  # a sent at 0.0 is past its 5 s
-    assert set(rec.match(h, 9)) == {"b"} and len(rec) == 1
+    assert set(rec.match(h, 9)) == {"b"} and len(rec) == 2
     rec.forget("b")
     assert rec.match(h, 9) == {} and len(rec) == 0
     with pytest.raises(ValueError, match="ttl_s"):
@@ -121,3 +124,26 @@ def test_interval_snapshots_past_the_hit():
     assert p.snapshot_at == (24 * B, 32 * B)  # 40 = the prompt end, snapshotted anyway
     p0 = place(req, ws, policy="prefix_home", params=HomeParams(snapshot_interval_blocks=0))
     assert p0.snapshot_at == ()
+
+
+def test_simulated_follow_ups_hit_their_prompt_while_it_is_still_computing():
+    """Eight prompts of 40 trace blocks, each followed 0.1 s later (before its prefill of
+    0.32 s has finished, so before any cache event) by itself plus 5 trace tokens: every
+    follow-up goes where its prompt went and reuses all of it."""
+    from simulate import SimConfig, replay
+    from simulate.traces import TRACE_BLOCK, parse_row, scale_rows
+
+    rows = []
+    for k in range(8):
+        ids = list(range(100 * k, 100 * k + 40))
+        for dt, extra in ((0, 0), (100, 5)):
+            rows.append({"timestamp": 1000 * k + dt, "input_length": 39 * TRACE_BLOCK + 100
+                         + extra, "output_length": 4, "hash_ids": ids})
+    reqs = scale_rows([parse_row(r) for r in rows])
+    cfg = SimConfig(prefill_workers=4, decode_workers=1, cache_fraction=1.0, load=None,
+                    params=HomeParams())
+    res = replay(reqs, "prefix_home", cfg)
+    for first, follow in zip(reqs[::2], range(1, len(reqs), 2), strict=True):
+        assert res.hits[follow] == first.max_cached_blocks * B == 39 * B
+    blind = replay(reqs, "prefix_home", SimConfig(**{**cfg.__dict__, "recent_ttl_s": 1e-9}))
+    assert sum(blind.hits[1::2]) < sum(res.hits[1::2])  # without the record: misses
