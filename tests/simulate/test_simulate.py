@@ -309,3 +309,21 @@ def test_calibration_file_schema(tmp_path):
 def test_scale_rows_rejects_empty():
     with pytest.raises(ValueError, match="rows"):
         scale_rows([])
+
+
+def test_generators_add_follow_ups_that_extend_a_prompt_right_after_it():
+    for gen in (conversation_trace, agent_trace):
+        assert gen(200, seed=1) == gen(200, seed=1, followup_prob=0.0)
+        rows = gen(400, seed=1, followup_prob=0.3)
+        assert rows == gen(400, seed=1, followup_prob=0.3)
+        # a follow-up: the same blocks (or one more), a few tokens longer, < 0.5 s later
+        ext = 0
+        for r in rows:
+            for q in rows:
+                dt = q["timestamp"] - r["timestamp"]
+                dn = q["input_length"] - r["input_length"]
+                if 0 <= dt <= 500 and 1 <= dn <= 16 and \
+                        q["hash_ids"][:len(r["hash_ids"])] == r["hash_ids"]:
+                    ext += 1
+                    break
+        assert ext >= 0.15 * len(rows)
