@@ -24,11 +24,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from simulate.live import cmd_live
 
         return cmd_live(args)
-    from k3serve.traces import load_trace
     from router.placement import DEFAULT_POLICY, POLICIES
     from router.policies.home import HomeParams
     from simulate import SimConfig, load_calibration, run, trace_facts
     from simulate.report import plot, table, to_json, write_json
+    from simulate.traces import load_trace
 
     cal = load_calibration(args.calibration).with_rate(args.rate)
     p, d = args.workers

@@ -3,7 +3,7 @@ through its OpenAI API and report latency, throughput, goodput and cache hit rat
 
 ::
 
-    workload.py   trace rows → requests (k3serve.traces' ONE block-id → tokens mapping), the
+    workload.py   trace rows → requests (simulate.traces' ONE block-id → tokens mapping), the
                   oracle and snapshot-rule ceilings; or a random prompt-length/rate load
     client.py     send each request at its arrival time (streaming /v1/completions over
                   httpx), time token #1 and every chunk; poll the router's /metrics

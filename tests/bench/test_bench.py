@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from k3serve import traces
+from simulate import traces
 from k3serve.bench.client import parse_prometheus
 from k3serve.bench.workload import random_load, trace_load
 
