@@ -96,7 +96,7 @@ class TransferPump:
             for it in items:
                 try:
                     p = it.advance()
-                except Exception:  # noqa: BLE001 - one broken item must not stop the rest
+                except Exception:
                     log.exception("transfer pump: advance() of %r raised", it)
                     p = Progress.DONE
                 busy |= p is Progress.BUSY

@@ -42,12 +42,13 @@ from typing import Any
 from k3serve.messages import PairRequest, PairResponse, StatusMessage, TransferMetadata
 from kvstore.client import BootstrapClient
 from kvstore.config import P2PHANDSHAKE
+from kvstore.control import PeerChannel
 from kvstore.descriptors import CacheRef, PoolLayout, check_fingerprints, plan_runs
-from kvstore.engine import MAX_NOTIFY_BYTES, KVEngine
-from kvstore.errors import BootstrapError, KVStoreError
+from kvstore.engine import KVEngine
+from kvstore.errors import KVStoreError
 from kvstore.pump import Progress
 from kvstore.retry import RetryBudget
-from kvstore.states import NOTIFY_NAME, KVPoll
+from kvstore.states import KVPoll
 from kvstore.writes import LayerWrites
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,6 @@ class KVSender:
             src_layout, self.src, engine, self._budget, fail_first_n, f"KVSender {ticket}"
         )
         self._metadata: TransferMetadata | None = None
-        self._peer, self._notify_addr = "", 0  # the destination's TE session, scratch address
         self._dst: CacheRef | None = None
         self._dst_layout: PoolLayout | None = None
         self._pair_job: Future | None = None
@@ -146,6 +146,7 @@ class KVSender:
         self._give_up_jobs_at = float("inf")  # set when failing: stop waiting for jobs
         self._lock = threading.RLock()  # the worker's thread and the transfer thread
         self._pump = pump if pump is not None else getattr(engine, "pump", None)
+        self._ch = PeerChannel(self.client, bootstrap_addr, engine, notify, self._kick)
         if fault == "pair":
             self._fail(KVStoreError("injected pairing failure (K3SERVE_KV_FAULT_PAIR_FRACTION)"))
         else:
@@ -285,16 +286,10 @@ class KVSender:
         def pair() -> PairResponse:
             return self.client.pair(self.bootstrap_addr, self._pair_request(), self._fp)
 
-        self._pair_job = self._submit_job(self._retrying, pair, "pairing")
-
-    def _submit_job(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """``fn(*args)`` on the decode peer's control executor; its end wakes the pump."""
-        fut = self.client.submit(fn, *args, peer=self.bootstrap_addr)
-        fut.add_done_callback(lambda _: self._kick())
-        return fut
+        self._pair_job = self._ch.submit(self._retrying, pair, "pairing")
 
     def _take_peer(self, resp: PairResponse) -> None:
-        self._peer, self._notify_addr = resp.session_id, int(resp.notify_addr)
+        self._ch.session, self._ch.notify_addr = resp.session_id, int(resp.notify_addr)
         self._dst = CacheRef.from_msg(resp.dst)
 
     def _on_paired(self, resp: PairResponse, now: float) -> None:
@@ -321,7 +316,7 @@ class KVSender:
         if self._dst is not None and not self._failing and self.fault != "hang":
             self._submit_ready(now)
         self.engine.progress()
-        done_layers, err = self._writes.check(now, self._peer, self._failing)
+        done_layers, err = self._writes.check(now, self._ch.session, self._failing)
         if err is not None:
             self._fail(err)
         if self.progress and not self._failing:
@@ -337,8 +332,10 @@ class KVSender:
             self._done_queued = self._done_due = True
             self.stats["t_written"] = now - self._t0
         self._step_outbox(now)
-        if self._failing and now > self._give_up_jobs_at:
-            self._abandon_jobs()
+        if self._failing and now > self._give_up_jobs_at:  # their peer does not answer
+            self._ch.abandon([self._pair_job, self._job[1] if self._job else None],
+                             f"KVSender {self.ticket}", self.job_grace_s)
+            self._pair_job = self._job = None
         if (
             self._failing
             and self._writes.settled()
@@ -347,17 +344,6 @@ class KVSender:
         ):
             self._report_failure()
             self._state = KVPoll.FAILED
-
-    def _abandon_jobs(self) -> None:
-        """Stop waiting for control messages that did not end within ``job_grace_s`` of the
-        failure (their peer does not answer): queued ones are cancelled, running ones left to
-        their thread (an abandoned pairing never learnt a destination: nothing was written)."""
-        for fut in filter(None, (self._pair_job, self._job[1] if self._job else None)):
-            if not fut.done():
-                fut.cancel()
-                log.info("KVSender %s: abandoning a control message to %s after %.1f s",
-                         self.ticket, self.bootstrap_addr, self.job_grace_s)
-        self._pair_job = self._job = None
 
     def _step_pairing(self, now: float) -> None:
         if self._pair_job is None or not self._pair_job.done():
@@ -378,7 +364,7 @@ class KVSender:
 
     def _submit_ready(self, now: float) -> None:
         assert self._dst is not None and self._dst_layout is not None
-        if self._writes.submit_ready(self._peer, self._dst_layout, self._dst):
+        if self._writes.submit_ready(self._ch.session, self._dst_layout, self._dst):
             self.stats.setdefault("t_first_write", now - self._t0)
             if self._state == KVPoll.WAITING_FOR_INPUT:
                 self._state = KVPoll.TRANSFERRING
@@ -395,15 +381,6 @@ class KVSender:
             elapsed_s=self.elapsed_s,
             **kw,
         )
-
-    def _deliver(self, msg: StatusMessage) -> None:
-        """Send ``msg`` (blocking): as a TE notification, or over HTTP when asked or when it is
-        too large for one."""
-        text = msg.model_dump_json()
-        if self.notify_mode == "te" and len(text.encode()) <= MAX_NOTIFY_BYTES:
-            self.engine.notify(self._peer, self._notify_addr, text, name=NOTIFY_NAME)
-        else:
-            self.client.post_status(self.bootstrap_addr, msg)
 
     def _step_outbox(self, now: float) -> None:
         """One message in flight at a time, in order: progress (every layer completed since
@@ -432,13 +409,13 @@ class KVSender:
             meta = self._metadata
 
             def done() -> None:  # rebuilt per attempt: attempts and elapsed_s stay current
-                self._deliver(self._status("done", metadata=meta))
+                self._ch.deliver(self._status("done", metadata=meta))
 
-            self._job = ("done", self._submit_job(self._retrying, done, "completion message"))
+            self._job = ("done", self._ch.submit(self._retrying, done, "completion message"))
         elif self._progress_pending:
             msg = self._status("layer", self._progress_pending)
             self._progress_pending.clear()
-            self._job = ("layer", self._submit_job(self._deliver, msg))
+            self._job = ("layer", self._ch.submit(self._ch.deliver, msg))
 
     # ------------------------------------------------------------------ failure / release
     def _fail(self, err: KVStoreError, kind: str = "failed") -> None:
@@ -452,22 +429,8 @@ class KVSender:
         self._progress_pending.clear()
 
     def _report_failure(self) -> None:
-        """Tell the decode side (best effort, on its peer's executor: over HTTP, then as a TE
-        notification when HTTP fails); dropped when that peer has a backlog."""
-        if self._dst is None:  # never paired: the decode side has nothing to learn from us
-            return
-        msg = self._status(self._fail_kind, error=str(self.error), quiesced=True)
-
-        def report() -> None:
-            try:
-                self.client.post_status(self.bootstrap_addr, msg)
-            except BootstrapError:
-                if self._peer:  # HTTP gone: try the TE channel
-                    self.engine.notify(
-                        self._peer, self._notify_addr, msg.model_dump_json(), name=NOTIFY_NAME
-                    )
-
-        self.client.submit_best_effort(report, peer=self.bootstrap_addr)
+        if self._dst is not None:  # never paired: the decode side has nothing to learn from us
+            self._ch.report(self._status(self._fail_kind, error=str(self.error), quiesced=True))
 
     def _maybe_release(self) -> None:
         if self._released or not self._state.terminal or not self._writes.settled():

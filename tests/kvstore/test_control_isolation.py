@@ -16,8 +16,15 @@ import pytest
 
 from k3serve.config import PRESETS
 from k3serve.messages import SamplingSpec, StatusMessage, TransferMetadata
-from kvstore import BootstrapClient, CacheRef, KVBootstrapServer, KVEngine, KVPoll, KVReceiver
-from kvstore import KVSender
+from kvstore import (
+    BootstrapClient,
+    CacheRef,
+    KVBootstrapServer,
+    KVEngine,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+)
 from kvstore.listen import bound_device, interface_of, listening_sockets
 from kvstore.loopback import fill_pools, make_pools, pool_layout, request_digest
 
@@ -133,7 +140,7 @@ def test_engine_ports_listen_on_the_hostname_interface_only():
         assert e.rpc_port in ports and len(ports) >= 2  # handshake RPC + tcp data port
         assert e.listen_interface == "lo" and e.open_ports == []
         assert all(bound_device(fd) == "lo" for fd, _ in new.values())
-        ss = subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout
+        ss = subprocess.run(["ss", "-ltn"], check=True, capture_output=True, text=True).stdout
         for p in ports:  # `ss -ltn`: 0.0.0.0%lo:PORT / *%lo:PORT, never a bare wildcard
             rows = [l for l in ss.splitlines() if l.split()[3:4] and
                     l.split()[3].endswith(f":{p}")]
@@ -149,7 +156,7 @@ def test_mooncake_start_up_log_stays_off_stderr(tmp_path):
             "e = KVEngine()\nprint('ok', e.session_id)\ne.close()\n")
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "MC_LOG_LEVEL"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
                          timeout=60, cwd=tmp_path, env={**env, "PYTHONPATH": str(root)})
     assert out.returncode == 0 and out.stdout.startswith("ok "), out.stderr[-2000:]
     noisy = [l for l in out.stderr.splitlines() if l[:1] in "IWE" and l[1:5].isdigit()]
