@@ -198,8 +198,8 @@ class KVSender:
         :attr:`error` when FAILED."""
         with self._lock:
             self._advance()
+            self._published = self._state  # before on_release: it may read the state
             self._maybe_release()
-            self._published = self._state
             return self._state
 
     def advance(self) -> Progress:

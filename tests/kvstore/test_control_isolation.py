@@ -114,8 +114,10 @@ def test_transfer_thread_finishes_without_polling(side):
     """Writes, completion and SUCCESS happen on the engine's transfer thread."""
     n = 2 * B
     rx = KVReceiver(side["server"], CacheRef(3, (30, 31), n), timeout_s=20)
+    seen: list[KVPoll] = []
     tx = KVSender(rx.ticket, side["server"].address, side["slay"], CacheRef(0, (40, 41), n),
-                  engine=side["src_e"], client=side["client"])
+                  engine=side["src_e"], client=side["client"],
+                  on_release=lambda: seen.append(tx.state))
     for layer in range(TINY.num_layers):
         tx.layer_ready(layer)
     tx.finish(meta(n))
@@ -127,6 +129,7 @@ def test_transfer_thread_finishes_without_polling(side):
     # what the caller sees (and on_release) changes only when it polls
     assert tx.state == KVPoll.BOOTSTRAPPING and not tx.released
     assert tx.poll() == KVPoll.SUCCESS and tx.released
+    assert seen == [KVPoll.SUCCESS]  # on_release reads the state it was released in
     while rx.poll() != KVPoll.SUCCESS:
         assert time.monotonic() < t_end
         time.sleep(0.005)
