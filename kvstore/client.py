@@ -57,6 +57,7 @@ class BootstrapClient:
         self._backlog: dict[str, int] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._sessions: set[str] = set()
 
     def pair(self, addr: str, req: PairRequest, local_fingerprint: dict[str, Any]) -> PairResponse:
         """Ask ``addr``'s bootstrap server for the destination of ``req.ticket``.
@@ -142,6 +143,13 @@ class BootstrapClient:
                         f"{self.max_backlog} jobs already pending: the peer does not answer")
             return None
         return self.submit(fn, *args, peer=peer)
+
+    def first_contact(self, session: str) -> bool:
+        """True the first time ``session`` (a peer's TE session) is named here, else False."""
+        with self._lock:
+            new = session not in self._sessions
+            self._sessions.add(session)
+            return new
 
     def backlog(self, peer: str) -> int:
         """Jobs queued or running for ``peer``."""

@@ -17,7 +17,7 @@ from typing import Any
 from k3serve.messages import StatusMessage
 from kvstore.client import BootstrapClient
 from kvstore.engine import MAX_NOTIFY_BYTES, KVEngine
-from kvstore.errors import BootstrapError
+from kvstore.errors import BootstrapError, TransferError
 from kvstore.states import NOTIFY_NAME
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,18 @@ class PeerChannel:
         fut = self.client.submit(fn, *args, peer=self.addr)
         fut.add_done_callback(lambda _: self._on_job_end())
         return fut
+
+    def open_session(self, session: str, notify_addr: int) -> None:
+        """On the first pairing with ``session`` in this process, open the Transfer Engine's
+        connection to it now, on this control thread (an 8-byte write into the peer's
+        notification scratch buffer): the first layer's writes then do not pay TE's segment
+        handshake. Later pairings with the same peer reuse the connection."""
+        if not self.client.first_contact(session):
+            return
+        try:
+            self.engine.write(session, [(self.engine.scratch_addr, notify_addr, 8)])
+        except TransferError as e:  # the writes will try (and report) again
+            log.info("opening the transfer engine session %s failed: %s", session, e)
 
     def deliver(self, msg: StatusMessage) -> None:
         """Send ``msg`` (blocking): as a TE notification, or over HTTP when asked or when it

@@ -284,7 +284,9 @@ class KVSender:
 
     def _start_pairing(self) -> None:
         def pair() -> PairResponse:
-            return self.client.pair(self.bootstrap_addr, self._pair_request(), self._fp)
+            resp = self.client.pair(self.bootstrap_addr, self._pair_request(), self._fp)
+            self._ch.open_session(resp.session_id, int(resp.notify_addr))
+            return resp
 
         self._pair_job = self._ch.submit(self._retrying, pair, "pairing")
 

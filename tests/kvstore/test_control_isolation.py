@@ -101,6 +101,8 @@ def test_hung_peer_does_not_delay_a_healthy_peer(side):
     assert request_digest(side["dpools"], rx.ref) == request_digest(side["spools"], src)
     assert all(s.state == KVPoll.BOOTSTRAPPING for s in stuck)  # still blocked meanwhile
     assert healthy_s < 5.0
+    # the first pairing opened the TE session to this peer; later ones reuse it
+    assert not client.first_contact(side["server"].engine.session_id)
 
     # the stuck senders fail at their deadline + job_grace_s, not at the HTTP timeout
     while not all(s.poll().terminal for s in stuck):
