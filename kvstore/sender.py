@@ -21,9 +21,9 @@ Use from the prefill worker::
 Failures: a failed write (or pairing that could not reach the server, or a lost completion
 message) is retried up to ``max_retries`` times in total, with exponential backoff
 (:class:`kvstore.retry.RetryBudget`); then the sender drains (waits until none of its writes
-is in flight), reports ``failed`` to the decode side (best effort: dropped when that peer has a backlog of
-unanswered messages) and becomes FAILED. A fingerprint mismatch or a refused ticket is not
-retried. Control messages run on the decode peer's own executor of the
+is in flight), reports ``failed`` to the decode side (best effort: dropped when that peer has
+a backlog of unanswered messages) and becomes FAILED. A fingerprint mismatch or a refused
+ticket is not retried. Control messages run on the decode peer's own executor of the
 :class:`~kvstore.client.BootstrapClient`; a failing sender waits at most ``job_grace_s`` for
 one still running (a peer that does not answer) before it gives up on it.
 ``on_release`` runs once the sender is terminal *and* no write reads its source any more.
@@ -164,8 +164,10 @@ class KVSender:
 
     def layer_ready(self, layer: int, upto_tokens: int | None = None) -> None:
         """Layer ``layer`` (global index) has written its cache for tokens ``[0, upto_tokens)``
-        (default: the whole prompt, which also makes its KDA/conv state final). Submits the
-        writes at once if paired; cheap; never blocks on the network.
+        (default: the whole prompt, which also makes its KDA/conv state final). Call it on the
+        thread (and CUDA stream) that computed the layer, right after its kernels: with host
+        staging the device → mirror copy is enqueued here. The transfer thread submits the
+        writes as soon as the sender is paired and the copy landed; cheap; never blocks.
 
         Raises:
             ValueError: the layer has no cache in the layout; ``upto_tokens`` out of range.
