@@ -78,10 +78,10 @@ def run_list(shapes: list[tuple[int, int]], conc: list[int], rate: float,
     out = []
     for i, (il, ol) in enumerate(shapes):
         for c in conc:
-            out.append(dict(input_len=il, output_len=ol, concurrency=c, rate=math.inf, num=c))
+            out.append({"input_len": il, "output_len": ol, "concurrency": c, "rate": math.inf, "num": c})
         if rate > 0:
-            out.append(dict(input_len=il, output_len=ol, concurrency=None, rate=rate,
-                            num=rate_num))
+            out.append({"input_len": il, "output_len": ol, "concurrency": None, "rate": rate,
+                            "num": rate_num})
     for j, r in enumerate(out):
         r["seed"] = 1000 + j
     return out
@@ -94,7 +94,7 @@ def pcts(prefix: str, xs: list[float]) -> dict:
 
 
 # ---------------------------------------------------------------------------- offline
-def offline_run(engine, reqs: list, params_of) -> dict:  # noqa: ANN001
+def offline_run(engine, reqs: list, params_of) -> dict:
     """Drive ``engine`` over ``reqs`` (added at their arrival times); the figures of one run."""
     t0 = time.perf_counter()
     pending = list(enumerate(reqs))
@@ -152,7 +152,7 @@ def offline_child(args: argparse.Namespace) -> None:
                        "max_num_seqs": cfg.max_num_seqs, "num_slots": engine.config.num_slots,
                        "num_pages": engine.config.num_pages,
                        "gpu_memory_utilization": cfg.gpu_memory_utilization}}
-    params = lambda q: SamplingParams(  # noqa: E731
+    params = lambda q: SamplingParams(
         temperature=0.0, max_tokens=q.max_tokens, ignore_eos=True)
     first = json.loads(args.runs)[0]
     for i in range(10):  # as the stacks get ten single requests before their runs
@@ -303,12 +303,12 @@ def write(path: Path, args: argparse.Namespace, off: dict, served: dict, te: dic
 
 
 def table(doc: dict) -> str:
-    def f(x, nd=2):  # noqa: ANN001
+    def f(x, nd=2):
         return "–" if x is None else f"{x:.{nd}f}"
 
-    lines = ["| shape | load | offline tok/s | mono tok/s | ratio | PD tok/s | ratio | "
+    lines = [("| shape | load | offline tok/s | mono tok/s | ratio | PD tok/s | ratio | "
              "TTFT p50/p99 mono (s) | TTFT p50/p99 PD (s) | ITL p99 mono/PD (ms) | "
-             "transfer GB/s | raw TE GB/s |", "|" + "---|" * 12]
+             "transfer GB/s | raw TE GB/s |"), "|" + "---|" * 12]
     for r in doc["runs"]:
         load = f"{r['concurrency']} at once" if r["concurrency"] else f"Poisson {r['rate']}/s"
         lines.append(
@@ -420,11 +420,11 @@ def model_for(args: argparse.Namespace) -> str:
         return "k3-tiny"
     folder = Path(args.folder)
     if not (folder / "tokenizer.json").exists():
-        subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
+        subprocess.run([sys.executable, "-c", ("import sys; from pathlib import Path; "
                         f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
                         f"sys.path.insert(0, {str(ROOT)!r}); "
                         "from gpu_serve import write_checkpoint; "
-                        f"write_checkpoint(Path({str(folder)!r}))"], check=True)
+                        f"write_checkpoint(Path({str(folder)!r}))")], check=True)
     return str(folder)
 
 

@@ -95,7 +95,7 @@ def _rows(batch: Sequence[tuple[int, int]], block_size: int, num_slots: int,
     return tuple(rows)
 
 
-def warm_up(engine, force: bool = False) -> WarmupReport:  # noqa: ANN001 - an LLMEngine
+def warm_up(engine, force: bool = False) -> WarmupReport:
     """Run the shapes of :func:`warmup_shapes` through ``engine.runner.execute`` once.
 
     Call it after the engine is built and before it takes a request (it uses slots and pages

@@ -25,7 +25,7 @@ def test_cpu_skips_with_a_reason() -> None:
 
 
 def test_warm_up_leaves_no_trace() -> None:
-    kw = dict(num_pages=64, num_slots=4, max_num_batched_tokens=128)
+    kw = {"num_pages": 64, "num_slots": 4, "max_num_batched_tokens": 128}
     prompts = [list(range(5, 90)), list(range(200, 230))]
     sp = SamplingParams(temperature=0, max_tokens=8)
     fresh = LLM("k3-tiny", **kw)
