@@ -59,7 +59,7 @@ class ChannelRequest(Message):
     :class:`StreamEvent`, or ``[DONE]``) with the request id as its SSE ``event:`` field, and
     the events ready together, of any requests, go out in one write. One router process
     opens one per decode worker: the router reads one connection per worker instead of one
-    per request (issue 19). Opening a channel of an id that is open replaces it."""
+    per request. Opening a channel of an id that is open replaces it."""
 
     channel: ChannelId
 
