@@ -346,7 +346,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--log-dir", default="/tmp/served_vs_offline_logs")
     ap.add_argument("--out", default=None,
-                    help="JSON path (default docs/results/served_vs_offline-<date>-<card>.json)")
+                    help="JSON path (default OUT_DIR/served_vs_offline-<date>-<card>.json)")
+    ap.add_argument("--out-dir", default=str(ROOT / "docs" / "results"),
+                    help="folder of the default JSON path")
     ap.add_argument("--offline-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--runs", default="[]", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -390,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     date = dt.date.today().isoformat()
     card = off["card"].replace("NVIDIA ", "").split()[0].lower() if off["card"] != "cpu" \
         else "cpu"
-    out = Path(args.out or ROOT / "docs" / "results" / f"served_vs_offline-{date}-{card}.json")
+    out = Path(args.out or Path(args.out_dir) / f"served_vs_offline-{date}-{card}.json")
     served: dict = {}
     te: dict = {}
     write(out, args, off, served, te)
