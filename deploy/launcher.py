@@ -147,7 +147,7 @@ def start_stack(
     api_key: str | None = None,
     policy: str = "prefix_home",
     block_size: int = 64,
-    device: str = "cpu",
+    device: str | None = "cpu",
     extra_worker_args: list[str] | None = None,
     extra_router_args: list[str] | None = None,
     ready_timeout: float = 180.0,
@@ -165,6 +165,8 @@ def start_stack(
     Args:
         model: preset name or checkpoint folder.
         port: router port; 0 picks a free one.
+        device: the workers' ``--device`` (``None``: each worker picks CUDA when present);
+            off the CPU the workers split the card (``--workers-per-gpu``, worker/device.py).
         ready_timeout: seconds to wait for all workers to register.
         log_dir: per-component log files (local backend; ``launch`` given: ignored).
         launch: the backend (default: local processes).
@@ -234,7 +236,8 @@ def start_stack(
             spawn(Spec(name, f"{role}.worker", [
                 "--host", ihost, "--port", str(wport), "--model", model,
                 "--router-url", f"http://127.0.0.1:{port}", "--block-size", str(block_size),
-                "--device", device, "--worker-id", name, *(extra_worker_args or [])],
+                *gpu_args(device, len(workers)), "--worker-id", name,
+                *(extra_worker_args or [])],
                 env, "worker", url_index=len(stack.worker_urls) - 1))
         wait_ready(stack, num_prefill + num_decode, ready_timeout, launch=launch)
         if supervise:
@@ -250,6 +253,14 @@ def start_stack(
         stack.stop()
         raise
     return stack
+
+
+def gpu_args(device: str | None, num_workers: int) -> list[str]:
+    """The device flags of each of ``num_workers`` workers placed on one machine: its
+    ``--device`` when given, and off the CPU ``--workers-per-gpu`` so that each worker's
+    default memory share is its part of the card (:func:`worker.device.default_share`)."""
+    dev = ["--device", device] if device else []
+    return dev if device == "cpu" else [*dev, "--workers-per-gpu", str(num_workers)]
 
 
 def _store_args(stack: Stack, store: bool, log_dir: str | None) -> list[str]:
@@ -391,7 +402,8 @@ def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
                    help="placement policy: prefix_home | cache_aware | approx_radix | "
                         "round_robin | least_load | random")
     p.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
-    p.add_argument("--device", default="cpu", help="worker device (cpu or cuda)")
+    p.add_argument("--device", default=None,
+                   help="worker device, cpu or cuda (default: cuda when torch sees a GPU)")
     p.add_argument("--ray", action="store_true",
                    help="run every instance as a Ray actor (needs --config; `pip install -e .[ray]`)")
     p.add_argument("--config", default=None,
@@ -414,7 +426,7 @@ def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
 #: Flags of ``router.app`` / ``{prefill,decode}.worker`` the launcher sets itself.
 _LAUNCHER_OWNS = {"help", "host", "port", "model", "policy", "api_key", "replicas",
                   "replica_index", "fd", "advertise_host", "router_url", "worker_id",
-                  "block_size", "device", "store_url"}
+                  "block_size", "device", "store_url", "workers_per_gpu"}
 
 
 def _component_parsers() -> dict[str, argparse.ArgumentParser]:
