@@ -38,6 +38,16 @@ CASES = [
     pytest.param(f"x{S}{call('f', 0, '{}')}{CB}functions.g:1{AB}{{\"a\": 1", "x",
                  [ToolCall("functions.f:0", "f", "{}"),
                   ToolCall("functions.g:1", "g", '{"a": 1')], id="cut-off"),
+    # cut off while the arguments end in what may become <|tool_call_end|>: the held-back
+    # text is still the call's argument text
+    pytest.param(f"{S}{CB}functions.f:0{AB}{{\"s\": \"a<|tool_c", "",
+                 [ToolCall("functions.f:0", "f", '{"s": "a<|tool_c')], id="cut-off-held-tail"),
+    pytest.param(f"{S}{CB}functions.f:0{AB}{{\"s\": \"<", "",
+                 [ToolCall("functions.f:0", "f", '{"s": "<')], id="cut-off-held-lt"),
+    # whitespace around the header (vLLM's kimi_k2 pattern allows it): id and name stripped
+    pytest.param(f"{S}\n{CB} functions.get_weather:0 \n{AB}{CITY}{CE}\n{E}", "",
+                 [ToolCall("functions.get_weather:0", "get_weather", CITY)],
+                 id="header-whitespace"),
     pytest.param(f"{S}{call('f', 0, '{}')}{E}mid{S}{call('g', 1, '[]')}{E}", "mid",
                  [ToolCall("functions.f:0", "f", "{}"), ToolCall("functions.g:1", "g", "[]")],
                  id="two-sections"),
