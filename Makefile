@@ -51,14 +51,14 @@ test: install
 # The inner-loop tier, ≤ 3 minutes on 2 cores: the unit files of the invariants, selected by
 # path — cache (hashing, allocation, prefix hits), sampler, placement, hit-rate metrics,
 # detokenizer and tokenizer, tool-call parser, grammar masks, store units, the simulator, the
-# KDA and MLA kernels against their references at small shapes, model shapes, the memory plan
-# and the package import rules. Tests marked `slow` in these files are left out (pytest -m).
+# KDA and MLA kernels against their references at small shapes, the parallel layout, the memory
+# plan and the package import rules. Tests marked `slow` in these files are left out (pytest -m).
 # No live stacks, no Triton interpreter; `make test` runs everything.
 FAST_TESTS := tests/cache tests/engine/test_sampler.py tests/router/test_placement.py \
 	tests/router/test_placement_load.py tests/router/test_router_metrics.py \
 	tests/router/test_tools_parser.py tests/tokenizer tests/structured \
 	tests/kvstore/test_store_units.py tests/simulate tests/kernels/test_kda.py \
-	tests/kernels/test_mla_prefill_sdpa.py tests/model/test_model_shapes.py \
+	tests/kernels/test_mla_prefill_sdpa.py \
 	tests/parallel/test_parallel_layout.py tests/deploy/test_plan.py tests/test_package_imports.py
 test-fast: install
 	$(PY) -m pytest -q -ra -m "not slow and not gpu" $(FAST_TESTS)
