@@ -245,8 +245,8 @@ def test_grad_chunk_matches_recurrence():
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("C", [16, 64], ids=["C16", "C64-sub16"])
 def test_grad_chunk_large_decays(C, dtype):
-    """Kimi Linear's softplus gate with a large rate (g down to ≈ −100 per step): within a
-    chunk the decay differences reach e^±1000s. The masked-out (i > t) entries' exponents are
+    """Kimi Linear's softplus gate with a large rate (g down to about −70 per step): in a chunk
+    the decay differences reach e^±1000s. The masked-out (i > t) entries' exponents are
     positive; exponentiating them and masking afterwards gives a finite output but inf · 0 =
     NaN gradients. Gradients of every input must stay finite and match the recurrence's."""
     B, T, H, K, V = 1, 70, 2, 8, 8
@@ -266,7 +266,7 @@ def test_grad_chunk_large_decays(C, dtype):
     g_chk = grads(chunk_kda, dtype, chunk_size=C)
     for name, a, b in zip(["q", "k", "v", "g", "beta", "h0"], g_chk, g_ref):
         assert a is not None and torch.isfinite(a).all(), name
-        assert rel_err(a, b) <= TOL[dtype] * 10, name
+        assert rel_err(a, b) <= TOL[dtype], name
 
 
 # ---------------------------------------------------------------- gate
