@@ -152,7 +152,7 @@ def test_chunk_triton_knobs(knobs, monkeypatch):
 
 
 K3_SETS = [
-    {},  # the committed defaults (run 7's 16-row strips, plain mode's cap and K steps)
+    {},  # the committed defaults (16-row strips, plain mode's register cap and K steps)
     {"k3_diag32": 1, "k3_bk": 16},  # 32-row Aqk / β·Akk blocks, 16 K columns per step
     {"k3_diag32": 1, "k3_bk": None, "k3_fuse_gate": 0},  # … intra_bk's K steps, the gate apart
     {"k3_diag32": 0, "k3_bk": None, "k3_maxnreg": 0},  # the 16-row strips (a_tri) in K3 mode

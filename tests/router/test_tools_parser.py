@@ -1,7 +1,8 @@
-"""The Kimi K2/K3 tool-call parser on recorded texts (issue 18, must-show 2): single,
-parallel, interleaved with text, cut off; streaming split at every byte boundary (through an
-incremental UTF-8 decoder, as the detokenizer delivers text) gives exactly the same calls and
-content as the non-streaming parse."""
+"""The Kimi K2/K3 tool-call parser on recorded texts: single, parallel, interleaved with text,
+cut off (argument text held back as a possible end marker included), whitespace around a
+header; streaming split at every byte boundary (through an incremental UTF-8 decoder, as the
+detokenizer delivers text) gives exactly the same calls and content as the non-streaming
+parse."""
 
 from __future__ import annotations
 
