@@ -202,7 +202,7 @@ def mla_prefill_paged(q, latent_pool, block_table, cu_seqlens, num_cached, kv_b_
 
 
 def rms_norm(x, weight, eps, gate=None):
-    """RMSNorm (× ``σ(gate)`` when given): :func:`k3serve.model.layers.rms_norm` contract, in
+    """RMSNorm (× ``σ(gate)`` when given): :func:`k3serve.kernels.naive.rms_norm` contract, in
     ``x.dtype``. One fused Triton launch (:mod:`k3serve.kernels.fused_triton`) when
     :func:`use_triton` allows and no gradient is needed, else the torch reference."""
     if (
@@ -214,7 +214,7 @@ def rms_norm(x, weight, eps, gate=None):
         from k3serve.kernels.fused_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, gate)
-    from k3serve.model.layers import rms_norm as ref
+    from k3serve.kernels.naive import rms_norm as ref
 
     if gate is None:
         return ref(x, weight, eps)
@@ -228,7 +228,7 @@ def glu(gate, up, act, beta=4.0, beta_l=25.0):
         from k3serve.kernels.fused_triton import glu_triton
 
         return glu_triton(gate, up, act, beta, beta_l)
-    from k3serve.model.layers import situ_glu, swiglu
+    from k3serve.kernels.naive import situ_glu, swiglu
 
     if act == "situ":
         return situ_glu(gate, up, beta, beta_l)
@@ -238,7 +238,7 @@ def glu(gate, up, act, beta=4.0, beta_l=25.0):
 
 
 def l2norm_heads(x, eps=1e-6, dtype=None):
-    """``k3serve.model.kda.l2norm`` of ``x [T, G, H, K]`` regrouped to ``[G, T, H, K]``
+    """:func:`k3serve.kernels.naive.l2norm` of ``x [T, G, H, K]`` regrouped to ``[G, T, H, K]``
     (contiguous, ``dtype`` or ``x.dtype``): one Triton launch
     (:func:`k3serve.kernels.prefill_triton.l2norm_heads_triton`) when :func:`use_triton`
     allows and no gradient is needed, else the torch reference."""
@@ -246,29 +246,31 @@ def l2norm_heads(x, eps=1e-6, dtype=None):
         from k3serve.kernels.prefill_triton import l2norm_heads_triton
 
         return l2norm_heads_triton(x, eps, dtype)
-    from k3serve.model.kda import l2norm
+    from k3serve.kernels.naive import l2norm
 
     return l2norm(x, eps).to(dtype or x.dtype).transpose(0, 1).contiguous()
 
 
 def conv_varlen(x, weight, cu_seqlens, history):
-    """:func:`k3serve.model.kda.causal_conv_varlen` contract (the KDA prefill conv): one
-    Triton launch (:func:`k3serve.kernels.prefill_triton.conv_varlen_triton`, no host sync)
-    when :func:`use_triton` allows and no gradient is needed, else ``None`` (the caller runs
-    the torch reference)."""
+    """The KDA prefill conv (:func:`k3serve.kernels.kda.naive.causal_conv_varlen` contract):
+    one Triton launch (:func:`k3serve.kernels.prefill_triton.conv_varlen_triton`, no host
+    sync) when :func:`use_triton` allows and no gradient is needed, else the torch
+    reference."""
     if use_triton(x.device) and x.dtype != torch.float64 and not _needs_grad(x, weight, history):
         from k3serve.kernels.prefill_triton import conv_varlen_triton
 
         return conv_varlen_triton(x, weight, cu_seqlens, history)
-    return None
+    from k3serve.kernels.kda.naive import causal_conv_varlen
+
+    return causal_conv_varlen(x, weight, cu_seqlens, history)
 
 
 def attn_res_mix_prefill(sources, norm_weight, query, eps):
-    """:func:`k3serve.model.attn_res.attn_res_mix` contract for prefill-sized inputs: one Triton
+    """:func:`k3serve.kernels.naive.attn_res_mix` contract for prefill-sized inputs: one Triton
     launch (:func:`k3serve.kernels.prefill_triton.attn_res_mix_triton`) when :func:`use_triton`
     allows, no gradient is needed and there are at most ``ATTN_RES_MAX_SOURCES`` sources, else
     the torch reference. The decode step does not come here."""
-    from k3serve.model.attn_res import attn_res_mix as ref
+    from k3serve.kernels.naive import attn_res_mix as ref
 
     if (
         len(sources) > 1
@@ -304,13 +306,13 @@ def routed_experts(z, w13, w2, topk_ids, topk_weights, act, beta=4.0, beta_l=25.
     """
     if use_triton(z.device) and z.dtype in (torch.bfloat16, torch.float16, torch.float32):
         from k3serve.kernels.moe import grouped_triton as gt
-        from k3serve.kernels.moe.grouped import _has_grouped_mm
+        from k3serve.kernels.moe.grouped import has_grouped_mm
         from k3serve.kernels.moe.grouped_triton import TritonExperts, routed_experts_triton
 
         if (
             z.shape[0] * topk_ids.shape[1] >= gt.LARGE_M_ROWS_PER_EXPERT * w13.shape[0]
             and w13.dtype == z.dtype == w2.dtype
-            and _has_grouped_mm(z.device.type, z.dtype)
+            and has_grouped_mm(z.device.type, z.dtype)
         ):  # prefill-sized: the dense weights (= the dequantised MXFP4 bytes), grouped GEMM
             return gt.routed_experts_large_m(z, w13, w2, topk_ids, topk_weights, act, beta, beta_l)
         if packed is not None:
@@ -319,7 +321,7 @@ def routed_experts(z, w13, w2, topk_ids, topk_weights, act, beta=4.0, beta_l=25.
             experts = TritonExperts(w13.to(z.dtype), w2.to(z.dtype))
         return routed_experts_triton(z, experts, topk_ids, topk_weights, act, beta, beta_l)
     from k3serve.kernels.moe.grouped import routed_experts_grouped
-    from k3serve.model.layers import situ_glu, swiglu
+    from k3serve.kernels.naive import situ_glu, swiglu
 
     if act == "situ":
         fn = functools.partial(situ_glu, beta=beta, beta_l=beta_l)
