@@ -80,7 +80,7 @@ def instance_spec(config: WorkerConfig) -> Any:
         plan = doc.get("placement", doc) if isinstance(doc, dict) else None
         if not isinstance(plan, dict):
             raise ValueError(f"expert_plan: {config.expert_plan} holds no placement object")
-        from k3serve.parallel.planner import Plan
+        from k3serve.parallel.expert_plan import Plan
 
         try:
             ranks = Plan.from_dict(plan).layers[0].num_ranks

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from k3serve import traces
-from k3serve.bench.client import parse_prometheus
-from k3serve.bench.workload import random_load, trace_load
+from cli.bench.client import parse_prometheus
+from cli.bench.workload import random_load, trace_load
 
 ROOT = Path(__file__).resolve().parents[2]
 SLICE = ROOT / "traces" / "mooncake_ci_slice_3940_3963.jsonl"

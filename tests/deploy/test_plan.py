@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.plan import PlanError, load_deploy_config, make_plan, parse_deploy_config
+from deploy.config import load_deploy_config, parse_deploy_config
+from deploy.plan import PlanError, make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "deploy" / "configs"

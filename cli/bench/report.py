@@ -1,4 +1,4 @@
-"""Figures of a finished run (:class:`~k3serve.bench.client.RunOutcome`) as one flat dict.
+"""Figures of a finished run (:class:`~cli.bench.client.RunOutcome`) as one flat dict.
 
 * latency: TTFT (send → token #1), ITL (gap between successive chunks; one engine step each),
   TPOT (a request's (e2e − TTFT) / (tokens − 1)), e2e; p50 / p90 / p99 in seconds;
@@ -20,8 +20,8 @@ import itertools
 
 import numpy as np
 
-from k3serve.bench.client import RunOutcome
-from k3serve.bench.workload import Workload
+from cli.bench.client import RunOutcome
+from cli.bench.workload import Workload
 
 COUNTERS = {
     "server_prompt_tokens": "k3serve:request_prompt_tokens_total",

@@ -45,7 +45,7 @@ def build_workload(args: argparse.Namespace):
     Raises:
         ValueError: neither or both of ``--trace`` / ``--rate``, or a bad value (named).
     """
-    from k3serve.bench.workload import random_load, trace_load
+    from cli.bench.workload import random_load, trace_load
     from k3serve.config import load_config
 
     if (args.trace is None) == (args.rate is None):
@@ -63,8 +63,8 @@ def build_workload(args: argparse.Namespace):
 def main(args: argparse.Namespace) -> int:
     """Run the bench of ``args``; print a summary, write JSON / PNGs. Exit status 0, or 1 when
     a request failed."""
-    from k3serve.bench.client import run_load
-    from k3serve.bench.report import summarize
+    from cli.bench.client import run_load
+    from cli.bench.report import summarize
 
     work = build_workload(args)
     run = run_load(args.url, work.requests, model=args.model, api_key=args.api_key,
@@ -79,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rep, indent=2) + "\n")
     if args.plots:
-        from k3serve.bench.plots import write_plots
+        from cli.bench.plots import write_plots
 
         for f in write_plots(run, args.plots):
             print(f"wrote {f}", file=sys.stderr)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from k3serve.bench.client import RunOutcome
+from cli.bench.client import RunOutcome
 
 
 def _cdf(ax, xs: list[float], label: str) -> None:
