@@ -1,6 +1,6 @@
 """k3serve command line: info, generate, serve, bench, plan, simulate, experts plan.
 
-``serve`` runs :func:`deploy.launcher.run`, ``plan`` :func:`deploy.plan.run` and ``simulate``
+``serve`` runs :func:`deploy.serve.run`, ``plan`` :func:`deploy.plan.run` and ``simulate``
 :func:`simulate.cli.run` in this process, each with its own flags. Heavy modules (torch, the
 model, the engine, the servers) are imported inside the commands, so ``k3serve info`` answers
 without loading torch.
@@ -76,10 +76,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(argv: list[str]) -> int:
-    """``k3serve serve [flags]``: the launcher (``deploy/launcher.py``) in this process."""
-    from deploy import launcher
+    """``k3serve serve [flags]``: the launcher (``deploy/serve.py``) in this process."""
+    from deploy import serve
 
-    return launcher.run(use_formatter(launcher.build_parser()).parse_args(argv))
+    return serve.run(use_formatter(serve.build_parser()).parse_args(argv))
 
 
 def cmd_plan(argv: list[str]) -> int:

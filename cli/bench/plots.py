@@ -17,9 +17,10 @@ def _cdf(ax, xs: list[float], label: str) -> None:
 
 def write_plots(run: RunOutcome, out_dir: str | Path, title: str = "k3serve bench",
                 others: dict[str, RunOutcome] | None = None,
-                label: str = "this run") -> list[Path]:
+                label: str = "this run", oracle: bool = True) -> list[Path]:
     """Write ``ttft_cdf.png``, ``itl_cdf.png``, ``hit_rate.png``, ``queue_depth.png`` into
-    ``out_dir`` (created); ``others``: more runs drawn on the CDFs beside this one.
+    ``out_dir`` (created); ``others``: more runs drawn on the CDFs beside this one; ``oracle``:
+    draw the trace's token oracle on the hit-rate plot (a random load has none).
 
     Returns:
         The files written.
@@ -40,8 +41,8 @@ def write_plots(run: RunOutcome, out_dir: str | Path, title: str = "k3serve benc
             ("itl_cdf.png", lambda r: [g for x in r.results if x.ok for g in x.itls],
              "inter-token latency (ms)")):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for label, r in runs.items():
-            _cdf(ax, fn(r), label or None)
+        for name_of_run, r in runs.items():
+            _cdf(ax, fn(r), name_of_run or None)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("fraction of " + ("requests" if "ttft" in name else "token gaps"))
         ax.set_title(f"{title}: {xlabel.split(' (')[0]} CDF")
@@ -60,8 +61,9 @@ def write_plots(run: RunOutcome, out_dir: str | Path, title: str = "k3serve benc
         p = np.cumsum([x.prompt_tokens for x in ok])
         ax.plot(t, 100 * np.cumsum([x.cached_tokens for x in ok]) / p,
                 label="actual (cached_tokens)")
-        ax.plot(t, 100 * np.cumsum([x.oracle_cached for x in ok]) / p, "--",
-                label="token oracle (infinite cache)")
+        if oracle:
+            ax.plot(t, 100 * np.cumsum([x.oracle_cached for x in ok]) / p, "--",
+                    label="token oracle (infinite cache)")
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("cumulative token hit rate (%)")
     ax.set_ylim(0, 100)

@@ -104,7 +104,7 @@ def live(request, tmp_path_factory):
     """A stack (``monolithic`` = param), the bench's JSON of the CI slice against it, and the
     simulator's result for the same slice and shape. The stack stays up for the module."""
     from deploy.launcher import start_stack
-    from k3serve.cli import main
+    from cli.main import main
     from router.config import RouterConfig
     from simulate.calibration import load_calibration
     from simulate.live import LIVE_CALIBRATION, StackShape, simulate_slice

@@ -93,7 +93,7 @@ def test_cli_plan_and_replan(tmp_path) -> None:
     counts.write_text(json.dumps([c, c[::-1]]))
     out = tmp_path / "p.json"
     env = dict(os.environ, PYTHONPATH=ROOT)
-    cmd = [sys.executable, "-m", "k3serve.cli", "experts", "plan", "--counts", str(counts),
+    cmd = [sys.executable, "-m", "cli", "experts", "plan", "--counts", str(counts),
            "--ranks", "4", "--redundant", "4"]
     res = subprocess.run(cmd + ["--json", str(out)], env=env, capture_output=True, text=True,
                          check=True)

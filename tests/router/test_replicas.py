@@ -510,8 +510,9 @@ def test_placement_util_is_the_larger_of_own_account_and_the_pools():
 
 
 def test_launcher_and_ray_config_take_the_router_count():
-    from deploy.launcher import StartupError, build_parser, start_stack
     from deploy.config import load_deploy_config
+    from deploy.launcher import StartupError, start_stack
+    from deploy.serve import build_parser
 
     assert build_parser().parse_args(["--routers", "4"]).routers == 4
     assert load_deploy_config(ROOT / "deploy/configs/supernode-64.yaml").router.replicas == 4
