@@ -111,7 +111,7 @@ def build_parallel_engine(config: WorkerConfig) -> Any:
 
     from k3serve.config import PRESETS
     from k3serve.engine.engine import EngineConfig, LLMEngine
-    from k3serve.model.checkpoint import checkpoint_identity, random_init_identity
+    from k3serve.model.checkpoint_files import checkpoint_identity, random_init_identity
     from k3serve.parallel.runner import start_instance
     from k3serve.tokenizer import get_tokenizer
 
