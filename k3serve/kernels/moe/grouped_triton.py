@@ -79,9 +79,9 @@ def align_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Bloc
     """
     m = topk_ids.numel()
     if m <= ALIGN_TRITON_MAX and m > 0:
-        from k3serve.kernels import dispatch
+        from k3serve.kernels.backend import fused_decode
 
-        if dispatch.fused_decode(topk_ids.device):
+        if fused_decode(topk_ids.device):
             from k3serve.kernels.moe.route_triton import align_blocks_triton
 
             p_len = triton.cdiv(m + min(num_experts, m) * (block_m - 1), block_m) * block_m
