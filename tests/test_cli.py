@@ -129,8 +129,7 @@ def test_bench_summary_without_a_finished_request_says_why():
 def test_bench_prints_the_summary(monkeypatch, capsys, tmp_path):
     """``k3serve bench --rate`` end to end with the client replaced: the printed summary is
     :func:`format_summary`'s, and the hit-rate plot is written without an oracle line."""
-    import cli.bench.client as client
-    import cli.bench.plots as plots
+    from cli.bench import client, plots
 
     monkeypatch.setattr(client, "run_load", lambda *a, **k: _run(0))
     drawn: list[bool] = []
