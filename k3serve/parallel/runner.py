@@ -258,7 +258,7 @@ class ParallelModelRunner(RankRunner):
     Same constructor as ``RankRunner`` (``rank`` must be 0); the process group must exist.
     Ops' arguments must be picklable (``layer_hook`` is run on rank 0 only).
 
-    Disaggregated transfer (issue 16 wiring; the gather design): the kvstore sees one pool
+    Disaggregated transfer (the gather design): the kvstore sees one pool
     layout per instance — :attr:`transfer_pools`, the whole model's layout, byte for byte
     what a TP-1 worker registers. On the prefill side a forward with a ``layer_hook`` runs
     without it, then ``gather_slots`` assembles the batch's KDA / conv states on rank 0 and
