@@ -349,6 +349,11 @@ class ParallelModelRunner(RankRunner):
         """Release the followers (their ``follow`` loops return)."""
         self._bcast("stop")
 
+    def own_followers(self, procs: list[Any], tmp: Any) -> None:
+        """Take the follower processes (ranks 1 … W−1) and the rendezvous folder ``tmp``
+        (a ``TemporaryDirectory``) that :meth:`close` stops and removes."""
+        self._procs, self._tmp = list(procs), tmp
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the follower processes ``start_instance`` started (idempotent; the ones that do
         not leave within ``timeout`` seconds are killed) and leave the process group. Call it
@@ -467,7 +472,7 @@ def start_instance(spec: InstanceSpec, timeout_s: float = 300.0) -> ParallelMode
             f"instance tp={spec.tp} ep={spec.ep}: rank 0 could not start ({e!r}; follower exit "
             f"codes {[p.exitcode for p in procs]})"
         ) from e
-    runner._procs, runner._tmp = procs, tmp
+    runner.own_followers(procs, tmp)
     return runner
 
 
