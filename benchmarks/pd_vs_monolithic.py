@@ -20,10 +20,10 @@ import json
 import tempfile
 from pathlib import Path
 
-from deploy.launcher import start_stack
 from cli.bench.client import run_load
 from cli.bench.report import summarize
 from cli.bench.workload import trace_load
+from deploy.launcher import start_stack
 from k3serve.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
