@@ -87,9 +87,13 @@ def build_parser(prog: str = "k3serve simulate") -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command; bad input ends in one line on stderr (exit status 2)."""
     from k3serve.cache.allocator import CacheFullError
 
-    args = build_parser().parse_args(argv)
     try:
         return int(cmd_simulate(args) or 0)
     except (ValueError, OSError) as e:  # bad input, a missing or unwritable file

@@ -173,7 +173,8 @@ class WorkerConfig:
         return replace(self, port=port)
 
 
-def _parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
+def build_parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
+    """The flags of ``python -m {role}.worker`` (defaults from ``env``)."""
     ap = argparse.ArgumentParser(prog=f"python -m {role}.worker",
                                  description=f"k3serve {role} worker")
     ap.add_argument("--host", default="127.0.0.1", help="bind address")
@@ -283,7 +284,7 @@ def parse_config(role: Role, argv: list[str] | None = None,
         ValueError: a ``K3SERVE_KV_*`` variable that does not parse.
     """
     env = env if env is not None else WorkerEnv()
-    a = _parser(role, env).parse_args(argv)
+    a = build_parser(role, env).parse_args(argv)
     sizes = _sizes(a, seen)
     return WorkerConfig(
         role=role, host=a.host, port=a.port, advertise_host=a.advertise_host, model=a.model,
@@ -328,4 +329,11 @@ def _parallel_flags(a: argparse.Namespace) -> dict:
     return {"tp": a.tp, "ep": a.ep, "expert_plan": a.expert_plan}
 
 
-__all__ = ["TEST_HOOKS_ENV", "THREADS_ENV", "WorkerConfig", "WorkerEnv", "parse_config"]
+__all__ = [
+    "TEST_HOOKS_ENV",
+    "THREADS_ENV",
+    "WorkerConfig",
+    "WorkerEnv",
+    "build_parser",
+    "parse_config",
+]

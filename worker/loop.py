@@ -94,7 +94,7 @@ def instance_spec(config: WorkerConfig) -> Any:
         plan = doc.get("placement", doc) if isinstance(doc, dict) else None
         if not isinstance(plan, dict):
             raise ValueError(f"expert_plan: {config.expert_plan} holds no placement object")
-        from k3serve.parallel.planner import Plan
+        from k3serve.parallel.expert_plan import Plan
 
         try:
             ranks = Plan.from_dict(plan).layers[0].num_ranks
@@ -126,7 +126,7 @@ def build_parallel_engine(config: WorkerConfig) -> Any:
     from k3serve.config import PRESETS
     from k3serve.engine.config import EngineConfig
     from k3serve.engine.engine import LLMEngine
-    from k3serve.model.checkpoint import checkpoint_identity, random_init_identity
+    from k3serve.model.checkpoint_files import checkpoint_identity, random_init_identity
     from k3serve.parallel.runner import start_instance
     from k3serve.tokenizer import get_tokenizer
 

@@ -202,7 +202,7 @@ def test_decode_step_strided_pool_view():
 def test_conv_step_equals_varlen_conv_one_token():
     """The torch decode conv step == the model's packed conv with one new token per sequence,
     on one layer's slice of ``conv_state [L, S, W-1, C]`` with shuffled slots."""
-    from k3serve.model.kda import causal_conv_varlen
+    from k3serve.kernels.kda.naive import causal_conv_varlen
 
     N, W, C, S = 3, 4, 12, 6
     gen = torch.Generator().manual_seed(8)

@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from k3serve.parallel import planner
-from k3serve.parallel.runner import InstanceSpec, RankRunner, greedy_generate, spawn_instance
+from deploy import experts as planner
+from k3serve.parallel.runner import InstanceSpec, RankRunner
+from tests.parallel.helpers import greedy_generate, spawn_instance
 from worker.config import parse_config
 from worker.loop import instance_spec
 

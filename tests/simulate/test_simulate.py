@@ -274,7 +274,7 @@ def test_k3serve_simulate_is_the_simulator_cli():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "k3serve.cli", "simulate", "--help"],
+    r = subprocess.run([sys.executable, "-m", "cli", "simulate", "--help"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "usage: k3serve simulate" in r.stdout and "--store-fraction" in r.stdout

@@ -15,9 +15,9 @@ Client only: it imports no server package (httpx, tqdm, matplotlib, numpy).
 
 from __future__ import annotations
 
-from k3serve.bench.client import RequestResult, run_load
-from k3serve.bench.report import summarize
-from k3serve.bench.workload import BenchRequest, random_load, trace_load
+from cli.bench.client import RequestResult, run_load
+from cli.bench.report import summarize
+from cli.bench.workload import BenchRequest, random_load, trace_load
 
 __all__ = ["BenchRequest", "RequestResult", "random_load", "run_load", "summarize",
            "trace_load"]
