@@ -2,7 +2,7 @@
 libraries costs per stream, to set beside ``benchmarks/router_relay.py``'s router figures.
 
 Processes: an SSE source (``--tokens`` one-token events per ``POST``, written by sse-starlette
-with one loop turn between events, as the fake decode workers of tests/router_fakes.py do; its
+with one loop turn between events, as the fake decode workers of deploy/fake_workers.py do; its
 own process, uvicorn h11 on asyncio's loop); a relay (uvicorn httptools on uvloop, the router's
 settings: router/config.py) that, per client ``POST /v1/completions``, opens the source's stream
 with aiohttp, splits the SSE body, decodes each event with msgspec and writes one client chunk

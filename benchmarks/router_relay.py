@@ -1,7 +1,8 @@
 """Router CPU per request and per relayed token, and tokens/s through 1, 2, 4 replicas (issue 19).
 
-The router runs in its own process (``python -m router.app``, ``--replicas N`` for N > 1);
-the fake workers of ``tests/router_fakes.py`` (toy model, no delay) run in another; this
+The router runs in its own process (``python -m router``, or ``router.app`` in a tree without
+``router/__main__.py``; ``--replicas N`` for N > 1);
+the fake workers of ``deploy/fake_workers.py`` (toy model, no delay) run in another; this
 process is the client. Router CPU = user + system time of the router process and its children
 (the replicas) over one load phase, from psutil, minus the router's idle rate (its cache-event
 polls and liveness probes: the mean of 5 s measured before and 5 s after the rounds) times the
@@ -66,7 +67,7 @@ def serve_fakes(num_prefill: int, num_decode: int, token: str, coalesce: bool) -
     """Child: start the fake workers (this checkout's), print their URLs as one JSON line,
     serve until stdin closes. ``coalesce``: decode streams merge the tokens ready together
     into one event (decode/stream.py); off: one event per token, as before issue 19."""
-    from tests.router_fakes import start_worker
+    from deploy.fake_workers import start_worker
 
     servers = [start_worker("prefill", token) for _ in range(num_prefill)]
     servers += [start_worker("decode", token) for _ in range(num_decode)]
@@ -130,7 +131,8 @@ def start_router(src: Path, token: str, replicas: int, port: int, hide_uvloop: b
     as the tree reads decode streams)."""
     # cache-event polls once a second (not 10/s): their CPU is not the relay's (the prompts are
     # distinct, the index does not matter here); what is left is measured idle and subtracted
-    args = [sys.executable, "-m", "router.app", "--host", "127.0.0.1", "--port", str(port),
+    module = "router" if (src / "router" / "__main__.py").exists() else "router.app"
+    args = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port),
             "--model", MODEL, "--log-level", "warning", "--poll-interval", "1.0"]
     if replicas > 1:
         args += ["--replicas", str(replicas)]

@@ -27,7 +27,7 @@ from simulate.engine import (
     trace_facts,
 )
 from k3serve.traces import load_trace, snapshot_rule_ceiling
-from router.placement import DEFAULT_POLICY
+from router.policies.table import DEFAULT_POLICY
 from router.policies.home import HomeParams
 
 MODELS = {"k3-tiny": (320, 420_864), "k3-mini": (6_912, 19_537_920),

@@ -1,7 +1,7 @@
 """``k3serve serve``: start the router and the prefill/decode workers, one launcher for every
 backend.
 
-A backend (:class:`LaunchBackend`) starts one component — ``python -m router.app``,
+A backend (:class:`LaunchBackend`) starts one component — ``python -m router``,
 ``python -m prefill.worker``, ``python -m decode.worker`` with their flags and environment — and
 hands back something to poll and stop. :mod:`deploy.local` runs them as child processes of
 this one (the only backend today; Ray actors are the next one, behind the same interface).
@@ -215,7 +215,7 @@ def start_stack(
         stack.specs.append(spec)
 
     try:
-        spawn(Spec("router", "router.app", [
+        spawn(Spec("router", "router", [
             "--host", host, "--port", str(port), "--policy", policy, "--model", model,
             *(["--replicas", str(routers)] if routers > 1 else []),
             *(extra_router_args or [])], env, "router"))
@@ -411,7 +411,7 @@ def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
     return p
 
 
-#: Flags of ``router.app`` / ``{prefill,decode}.worker`` the launcher sets itself.
+#: Flags of ``router`` / ``{prefill,decode}.worker`` the launcher sets itself.
 _LAUNCHER_OWNS = {"help", "host", "port", "model", "policy", "api_key", "replicas",
                   "replica_index", "fd", "advertise_host", "router_url", "worker_id",
                   "block_size", "device", "store_url"}

@@ -16,9 +16,9 @@ from router.placement import (
     Placement,
     PlacementParams,
     PlacementRequest,
-    place,
 )
 from router.policies import live_view
+from router.policies.table import place
 from router.preprocess import prompt_hashes
 from router.workers import Worker
 

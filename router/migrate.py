@@ -23,8 +23,8 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from k3serve.messages import StreamEvent, StreamRequest
-from router.metrics import HistogramBuffer, RouterMetrics
 from router.decode_stream import DecodeStreams
+from router.metrics import HistogramBuffer, RouterMetrics
 from router.workers import Worker, WorkerError
 
 log = logging.getLogger("k3serve.router")

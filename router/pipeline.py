@@ -15,9 +15,9 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import httpx
 from tenacity import (
@@ -32,31 +32,31 @@ from tenacity import (
 from k3serve.messages import (
     GenerateRequest,
     PrefillRequest,
-    PrefillResponse,
     ReserveRequest,
     ResumeRequest,
     SamplingSpec,
 )
 from router.admission import Admission
-from router.config import RouterConfig
-from router.errors import APIError
 from router.choose import choose
+from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.placement import NoWorkerAvailable, Placement
 from router.pool import WorkerPool
+from router.preprocess import Preprocessor, PromptJob
 from router.retries import (
     BUSY_RETRY_S,
     FIRST_TOKEN_ATTEMPTS,
     RESUME_WAIT_S,
+    BusyGate,
     busy,
     failover,
     first_then_retrying,
+    no_room,
     refused,
 )
-from router.preprocess import Preprocessor, PromptJob
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.stream import END, Placed, stream_choice
-from router.workers import PoolBusy, Worker, WorkerError
+from router.workers import Worker, WorkerError
 
 if TYPE_CHECKING:
     from k3serve.sampling import SamplingParams
@@ -78,16 +78,8 @@ class Router:
 
         self.config = config
         self.metrics = RouterMetrics(multiprocess_dir=config.metrics_dir)
-        self.pool = WorkerPool(config.model, config.cluster_token, config.poll_interval_s,
-                               config.unhealthy_after, config.timeout_s, transport,
-                               on_worker=lambda w: self.metrics.add_worker(w.name, w.role),
-                               poll_timeout_s=config.poll_timeout_s,
-                               deadline_s=config.deadline_s,
-                               pool_timeout_s=config.pool_timeout_s,
-                               max_connections=config.max_connections,
-                               breaker_fail_max=config.breaker_fail_max,
-                               breaker_reset_s=config.breaker_reset_s,
-                               channels=config.decode_channels)
+        self.pool = WorkerPool.of(config, transport,
+                                  lambda w: self.metrics.add_worker(w.name, w.role))
         self.registry, self.client = self.pool.registry, self.pool.client
         self.admission = Admission(
             lambda: sum(w.info.capacity.num_slots for w in self.registry.live("decode")),
@@ -100,9 +92,7 @@ class Router:
         self._background: set[asyncio.Task] = set()
         self._model_len: int | None = None
         self._pd = False  # a prefill worker has registered: the stack is PD from then on
-        # Choices waiting for decode room retry one at a time, in turn (FIFO): a crowd of them
-        # must not flood the decode workers with reservation attempts.
-        self._busy_gate = asyncio.Lock()
+        self._busy_gate = BusyGate()
 
     async def close(self) -> None:
         for t in list(self._background):
@@ -167,20 +157,6 @@ class Router:
                       next(self._seq), cfg.policy, cfg.placement, cfg.prefill_rate)
 
     # ------------------------------------------------------------------ token #1
-    async def _busy_turn(self, seconds: float, deadline: float) -> None:
-        """Wait for this choice's turn to retry a reservation that found no decode room
-        (the turn lasts ``seconds``; never past ``deadline``, monotonic seconds)."""
-        async def turn() -> None:
-            async with self._busy_gate:
-                await asyncio.sleep(seconds)
-
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(turn(), max(0.0, deadline - time.monotonic()))
-
-    def _no_room(self, _: RetryCallState) -> None:
-        raise NoWorkerAvailable(f"no decode worker had room for the request within "
-                                f"{self.config.busy_wait_s:g} s")
-
     async def _reserve(self, job: PromptJob, spec: SamplingSpec, cache_salt: str | None,
                        sub: str, exclude: frozenset[str]
                        ) -> tuple[Placement, Worker, Worker, str, str, ExitStack]:
@@ -206,8 +182,8 @@ class Router:
             return AsyncRetrying(
                 retry=retry_if_exception(busy),
                 stop=stop_after_delay(max(0.0, deadline - time.monotonic())),
-                wait=wait_fixed(BUSY_RETRY_S), retry_error_callback=self._no_room,
-                sleep=lambda s: self._busy_turn(s, deadline))
+                wait=wait_fixed(BUSY_RETRY_S), retry_error_callback=no_room(self.config.busy_wait_s),
+                sleep=lambda s: self._busy_gate.turn(s, deadline))
 
         return await first_then_retrying(attempt, busy, retrying)
 
@@ -243,9 +219,8 @@ class Router:
     def monolithic(self) -> bool:
         """True when the stack has no prefill worker at all (``k3serve serve --monolithic N``):
         every choice then runs on one worker that prefills and decodes it
-        (:meth:`_first_token_monolithic`). A PD stack whose prefill workers are down stays PD
-        — also when the last one drained and deregistered (it used to turn monolithic then,
-        the decode workers prefilling, while ``/health`` said ok with no prefill worker)."""
+        (:meth:`_first_token_monolithic`). A stack where a prefill worker ever registered
+        stays PD, also with every prefill worker down or deregistered."""
         ws = self.registry.workers.values()
         self._pd = self._pd or any(w.role == "prefill" for w in ws)
         return bool(ws) and not self._pd
@@ -409,7 +384,7 @@ class Router:
                     await self.client.resume(D, body)
                 except WorkerError as e:
                     if e.busy and time.monotonic() < deadline:
-                        await self._busy_turn(BUSY_RETRY_S, deadline)
+                        await self._busy_gate.turn(BUSY_RETRY_S, deadline)
                         continue
                     log.warning("request %s: resume on %s failed: %s", sub, D.name, e)
                     if e.retryable and not e.busy:

@@ -23,6 +23,7 @@ import httpx
 
 from router.channel import DecodeChannels
 from router.client import WorkerClient
+from router.config import RouterConfig
 from router.decode_stream import DecodeStreams
 from router.index import GlobalIndex
 from router.index_sync import IndexSync
@@ -82,6 +83,18 @@ class WorkerPool:
         self.registry.on_remove = self.index_sync.stop
         self.streams = DecodeStreams(self.client, DecodeChannels(self.client, self.workers),
                                      use_channels=channels)
+
+    @classmethod
+    def of(cls, config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None,
+           on_worker: Callable[[Worker], None] | None = None) -> WorkerPool:
+        """The worker layer a router configuration asks for."""
+        return cls(config.model, config.cluster_token, config.poll_interval_s,
+                   config.unhealthy_after, config.timeout_s, transport, on_worker=on_worker,
+                   poll_timeout_s=config.poll_timeout_s, deadline_s=config.deadline_s,
+                   pool_timeout_s=config.pool_timeout_s,
+                   max_connections=config.max_connections,
+                   breaker_fail_max=config.breaker_fail_max,
+                   breaker_reset_s=config.breaker_reset_s, channels=config.decode_channels)
 
     async def close(self) -> None:
         """Stop every poller and probe, end the decode streams' tasks, close the clients."""

@@ -5,12 +5,16 @@ failure).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from tenacity import AsyncRetrying
+from tenacity import AsyncRetrying, RetryCallState
 
 from router.errors import APIError
+from router.placement import NoWorkerAvailable
 from router.workers import PoolBusy, WorkerError
 
 T = TypeVar("T")
@@ -80,3 +84,31 @@ async def first_then_retrying(attempt: Callable[[int], Awaitable[T]],
                 raise e
             result = await attempt(n)
     return result
+
+
+class BusyGate:
+    """Choices waiting for decode room retry one at a time, in turn (FIFO): a crowd of them
+    must not flood the decode workers with reservation attempts."""
+
+    def __init__(self) -> None:
+        self._lock = asyncio.Lock()
+
+    async def turn(self, seconds: float, deadline: float) -> None:
+        """Wait for this choice's turn to retry a reservation that found no decode room
+        (the turn lasts ``seconds``; never past ``deadline``, monotonic seconds)."""
+        async def turn() -> None:
+            async with self._lock:
+                await asyncio.sleep(seconds)
+
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(turn(), max(0.0, deadline - time.monotonic()))
+
+
+def no_room(busy_wait_s: float) -> Callable[[RetryCallState], None]:
+    """The busy loop's ``retry_error_callback``: raises ``NoWorkerAvailable`` naming the
+    wait (``busy_wait_s`` seconds)."""
+    def fail(_: RetryCallState) -> None:
+        raise NoWorkerAvailable(f"no decode worker had room for the request within "
+                                f"{busy_wait_s:g} s")
+
+    return fail

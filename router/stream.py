@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from k3serve.messages import PrefillResponse, StreamEvent, finite
+from router.decode_stream import DecodeStreams
 from router.metrics import RouterMetrics
 from router.migrate import DecodeEvents, Resume, ServedBy
 from router.placement import Placement
-from router.decode_stream import DecodeStreams
 from router.workers import Worker, WorkerError
 
 if TYPE_CHECKING:

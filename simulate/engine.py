@@ -2,7 +2,7 @@
 
 What runs is the product's code, imported (issue 12): ``router.index.GlobalIndex`` fed by
 the INTERFACES.md §4 cache events of every simulated worker (and of the store), the
-registered placement policies through ``router.placement.place``, and one real
+registered placement policies through ``router.policies.table.place``, and one real
 ``k3serve.cache.manager.CacheManager`` per prefill worker (paged MLA blocks with LRU
 eviction, a KDA snapshot budget, snapshots at ``⌊(L−1)/B⌋·B`` and at ``snapshot_at``, the
 usable-hit rule, the event log). The simulator adds only time and the store tier:
@@ -49,10 +49,10 @@ from router.placement import (
     DecodeWorkerState,
     PlacementParams,
     PlacementRequest,
-    place,
 )
 from router.policies import RouterView, WorkerView
 from router.policies.load import UTIL_HORIZON_S, RecentLoad
+from router.policies.table import place
 from simulate.calibration import Calibration
 from simulate.store import STORE_ID, SimStore
 
@@ -293,7 +293,7 @@ def replay(reqs: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig
     Args:
         reqs: a scaled trace (:func:`k3serve.traces.load_trace`), hashed with
             ``cfg.fingerprint``.
-        policy: a name in ``router.placement.POLICIES``.
+        policy: a name in ``router.policies.table.POLICIES``.
         cfg: the deployment.
         facts: :func:`trace_facts` of ``reqs`` (computed when ``None``).
         progress: called with the number of requests placed since the last call.
