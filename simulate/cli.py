@@ -25,8 +25,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
         return cmd_live(args)
     from k3serve.traces import load_trace
-    from router.policies.table import DEFAULT_POLICY, POLICIES
     from router.policies.home import HomeParams
+    from router.policies.table import DEFAULT_POLICY, POLICIES
     from simulate import SimConfig, load_calibration, run, trace_facts
     from simulate.report import plot, table, to_json, write_json
 

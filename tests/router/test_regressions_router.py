@@ -451,7 +451,7 @@ def test_stream_gives_its_admission_back_before_the_end_of_the_body(monkeypatch,
     request on seeing ``[DONE]`` must find the capacity free (no spurious 429)."""
     import httpx
 
-    import router.app as app_mod
+    import router.sse_response as app_mod
     from deploy.fake_stack import Stack
 
     s = Stack(num_prefill=1, num_decode=1, api_key=None)
