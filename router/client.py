@@ -229,7 +229,7 @@ class WorkerClient:
         """A request-path call: ``body`` posted to ``w``, the answer validated as ``answer``.
 
         Raises:
-            WorkerError: as :meth:`_call`; a non-2xx status (``busy`` for a 503 ``busy``),
+            WorkerError: as :meth:`call`; a non-2xx status (``busy`` for a 503 ``busy``),
                 an answer that is not a valid ``answer``.
         """
         with self.calling(w, path):

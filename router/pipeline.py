@@ -69,7 +69,7 @@ class Router:
     Args:
         config: The router's configuration.
         transport: httpx transport for registration reads and cache-event polls (the request
-            path always goes over the network: ``WorkerPool.session``).
+            path always goes over the network: ``WorkerClient.session``).
     """
 
     def __init__(self, config: RouterConfig,
