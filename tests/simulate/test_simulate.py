@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 
 from k3serve.cache.hashing import block_hashes, make_salt
+from simulate import SimConfig, load_calibration, replay, run, trace_facts
+from simulate.calibration import SCHEMA, Calibration
+from simulate.engine import auto_store_interval, snapshot_blocks
+from simulate.store import SimStore
 from k3serve.traces import (
     DEFAULT_FINGERPRINT,
     agent_trace,
@@ -29,13 +33,9 @@ from k3serve.traces import (
     write_trace,
 )
 from router.placement import PlacementRequest
+from router.policies.table import DEFAULT_POLICY, POLICIES, place
 from router.policies import RouterView, WorkerView
 from router.policies.home import HomeParams
-from router.policies.table import DEFAULT_POLICY, POLICIES, place
-from simulate import SimConfig, load_calibration, replay, run, trace_facts
-from simulate.calibration import SCHEMA, Calibration
-from simulate.engine import auto_store_interval, snapshot_blocks
-from simulate.store import SimStore
 
 DATA = Path(__file__).parents[1] / "data"
 SLICE = DATA / "trace_3000_3399.jsonl"
