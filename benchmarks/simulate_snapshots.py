@@ -27,8 +27,8 @@ from simulate.engine import (
     trace_facts,
 )
 from k3serve.traces import load_trace, snapshot_rule_ceiling
-from router.policies.table import DEFAULT_POLICY
 from router.policies.home import HomeParams
+from router.policies.table import DEFAULT_POLICY
 
 MODELS = {"k3-tiny": (320, 420_864), "k3-mini": (6_912, 19_537_920),
           "k3": (27_648, 16_000 * 27_648)}
