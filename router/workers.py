@@ -163,16 +163,13 @@ class Worker:
     def placement_queued(self, rate: float, now: float | None = None) -> int:
         """Prefill tokens queued on the worker: the own account, or what is left of the
         reported queue plus what this router sent since the report and is still waiting for,
-        the larger (a prefill sent after the report and already answered is no longer queued:
-        counting it made a worker look busy until the next poll, and a repeat prompt then
-        went to a worker without its prefix).
+        the larger (a prefill sent after the report and already answered is not queued).
 
         What is left of the report: its tokens less those the worker computed since at
         ``rate`` (a work-conserving worker, the fluid model: ``max(0, Q − rate · age)``), less
         this router's prefills that were running when it came (it may count them) and were
-        answered since. A report up to a poll old often still shows a prefill answered
-        since; read as is it priced that worker ~1.5 × Q / rate seconds higher (prefix_home's
-        queue weight), which decided near-ties differently in each router replica.
+        answered since: a report up to a poll old may still count a prefill answered since,
+        which every router replica would price differently.
 
         Args:
             rate: the worker's prefill rate, tokens/s (> 0; the one placement prices it at).
