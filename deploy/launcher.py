@@ -91,7 +91,7 @@ class StartupError(RuntimeError):
     """A component exited during startup, or the stack was not ready in time."""
 
 
-class StartupCancelled(Exception):  # noqa: N818 - a request, not an error
+class StartupCancelled(Exception):
     """The start was called off (``cancelled()`` turned true: a stop signal)."""
 
 

@@ -25,11 +25,11 @@ stopping (``stack.stopping``, set before any component is signalled).
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import sys
 import threading
-import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
