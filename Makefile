@@ -24,7 +24,7 @@ sysdeps:
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[cpu,dev,ray]'
+	$(PIP) install -q -e '.[cpu,dev,ray,otel]'
 	@touch $@
 
 install: sysdeps $(VENV)/.installed

@@ -2,7 +2,7 @@
 
 Pure Python (no torch): the router and the simulator read configs without the model.
 
-The shapes follow the published K3 checkpoint (``shared/k3_tensors.md``).
+The shapes follow the published K3 checkpoint (``docs/k3_tensor_names.md``).
 Every architectural choice that differs between Kimi Linear and K3 is a field here, so one
 model code path runs both:
 

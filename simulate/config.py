@@ -30,7 +30,7 @@ STORE_INTERVALS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 @dataclass(frozen=True)
 class SimConfig:
-    """One simulated deployment (defaults: the setup of benchmarks/RESULTS_simulate.md).
+    """One simulated deployment (defaults: the setup of docs/results/simulate.md).
 
     Attributes:
         prefill_workers: prefill workers ``P`` (≥ 1).

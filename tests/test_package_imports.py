@@ -1,4 +1,4 @@
-"""The import direction between the top-level packages (STYLE.md), read from the source.
+"""The import direction between the top-level packages (docs/CONTRIBUTING.md), read from the source.
 
 Every ``import`` / ``from … import`` of every ``.py`` file of k3serve, router, worker, prefill,
 decode, kvstore, deploy, simulate and cli counts — at module level or inside a function (a lazy import is a

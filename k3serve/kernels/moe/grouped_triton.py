@@ -41,7 +41,7 @@ from k3serve.kernels.moe.grouped import sort_by_expert
 
 MX_SPLIT = False
 """Default MXFP4 tile form (see ``routed_experts_triton``'s ``mx_split``), set from
-``benchmarks/RESULTS_gpu_moe.md``."""
+``docs/results/gpu_moe.md``."""
 
 ALIGN_TRITON_MAX = 4096
 """Up to this many assignments ``T·k`` (decode batches), :func:`align_blocks` runs as one Triton

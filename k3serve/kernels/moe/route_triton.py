@@ -9,7 +9,7 @@ which produces the same layout bit for bit: within an expert's run, assignments 
 index order, as the stable sort does.
 
 Both kernels have static grids and read nothing back to the host (CUDA-graph safe). They replace
-~30 small launches per MoE layer (a decode step is launch-bound, ``benchmarks/RESULTS_gpu_e2e.md``).
+~30 small launches per MoE layer (a decode step is launch-bound, ``docs/results/gpu_e2e.md``).
 """
 
 from __future__ import annotations
