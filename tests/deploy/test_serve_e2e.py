@@ -26,6 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from k3serve.protocol import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER
+
 ROOT = Path(__file__).resolve().parents[2]
 B = 16
 KEY = "sk-e2e-test"
@@ -303,10 +305,19 @@ def test_k3serve_serve_prints_url_and_sigterm_stops_every_child(tmp_path):
         r = httpx.post(url + "/v1/completions", timeout=10, json={
             "model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_prompts"
-        argvs = {k: open(f"/proc/{k}/cmdline").read().split("\0") for k in kids}
-        workers = [a for a in argvs.values() if any(x.endswith(".worker") for x in a)]
-        assert len(workers) == 2 and all(
-            a[a.index("--num-pages") + 1] == "96" for a in workers), argvs
+        # `ps` names each process by its role (setproctitle); the workers got --num-pages 96
+        titles = {k: open(f"/proc/{k}/cmdline").read().replace("\0", " ").strip() for k in kids}
+        assert open(f"/proc/{p.pid}/cmdline").read().strip("\0 ") == "k3serve serve"
+        assert sorted(t.split()[1] for t in titles.values()) == [
+            "decode-worker", "prefill-worker", "router"], titles
+        assert all(t.startswith("k3serve ") for t in titles.values()), titles
+        for k, t in titles.items():
+            if t.split()[1].endswith("-worker"):
+                env = dict(x.split("=", 1) for x in open(f"/proc/{k}/environ").read().split(
+                    "\0") if "=" in x)
+                info = httpx.get(f"http://127.0.0.1{t.split()[2]}/internal/info", timeout=10,
+                                 headers={CLUSTER_TOKEN_HEADER: env[CLUSTER_TOKEN_ENV]}).json()
+                assert info["capacity"]["num_pages"] == 96, (t, info["capacity"])
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
     finally:
