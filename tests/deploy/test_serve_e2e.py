@@ -306,14 +306,15 @@ def test_k3serve_serve_prints_url_and_sigterm_stops_every_child(tmp_path):
             "model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_prompts"
         # `ps` names each process by its role (setproctitle); the workers got --num-pages 96
-        titles = {k: open(f"/proc/{k}/cmdline").read().replace("\0", " ").strip() for k in kids}
-        assert open(f"/proc/{p.pid}/cmdline").read().strip("\0 ") == "k3serve serve"
+        titles = {k: Path(f"/proc/{k}/cmdline").read_text().replace("\0", " ").strip()
+                  for k in kids}
+        assert Path(f"/proc/{p.pid}/cmdline").read_text().strip("\0 ") == "k3serve serve"
         assert sorted(t.split()[1] for t in titles.values()) == [
             "decode-worker", "prefill-worker", "router"], titles
         assert all(t.startswith("k3serve ") for t in titles.values()), titles
         for k, t in titles.items():
             if t.split()[1].endswith("-worker"):
-                env = dict(x.split("=", 1) for x in open(f"/proc/{k}/environ").read().split(
+                env = dict(x.split("=", 1) for x in Path(f"/proc/{k}/environ").read_text().split(
                     "\0") if "=" in x)
                 info = httpx.get(f"http://127.0.0.1{t.split()[2]}/internal/info", timeout=10,
                                  headers={CLUSTER_TOKEN_HEADER: env[CLUSTER_TOKEN_ENV]}).json()

@@ -31,7 +31,7 @@ def _accepts(url: str) -> bool:
 
 def _store_up(worker_url: str) -> float | None:
     text = httpx.get(worker_url + "/metrics", timeout=10).text
-    m = re.search(r"^k3serve:store_up\{[^}]*\} (\S+)$", text, re.M)
+    m = re.search(r"^k3serve:store_up\{[^}]*\} (\S+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else None
 
 
