@@ -23,7 +23,7 @@ import sys
 import time
 from types import FrameType
 
-from setproctitle import setproctitle
+from k3serve.proctitle import set_title
 
 from deploy.launcher import PortInUseError, Stack, StartupCancelled, StartupError, start_stack
 
@@ -254,7 +254,7 @@ def serve(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """:func:`serve` ``args``; a taken port, a component that exits during startup or a bad
     flag value end with one line on stderr (exit status 1, 2)."""
-    setproctitle("k3serve serve")
+    set_title("k3serve serve")
     try:
         return serve(args)
     except (PortInUseError, StartupError) as e:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from types import FrameType
 
 import uvicorn
-from setproctitle import setproctitle
+from k3serve.proctitle import set_title
 
 from router.app import create_app
 from router.config import (
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args)
     if args.fd is not None:  # a replica: the supervisor's socket
         sock = socket.socket(fileno=args.fd)
-        setproctitle(f"k3serve router replica {args.replica_index} :{sock.getsockname()[1]}")
+        set_title(f"k3serve router replica {args.replica_index} :{sock.getsockname()[1]}")
     else:
         try:
             sock = listen(args.host, args.port)
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"k3serve router: cannot listen on {args.host}:{args.port}: {why}",
                   file=sys.stderr)
             return 1
-        setproctitle(f"k3serve router :{sock.getsockname()[1]}")
+        set_title(f"k3serve router :{sock.getsockname()[1]}")
         if args.replicas > 1:
             try:
                 return supervise(without_replicas(argv), args.replicas, sock)

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-from setproctitle import setproctitle
+from k3serve.proctitle import set_title
 
 from worker.base import BaseWorker
 from worker.config import Role, WorkerConfig, parse_config
@@ -175,7 +175,7 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
         print(f"k3serve {role} worker: error: {e.strerror}", file=sys.stderr, flush=True)
         return EXIT_PORT_IN_USE
     config = config.bound_to(sock.getsockname()[1])
-    setproctitle(f"k3serve {role}-worker :{config.port}")
+    set_title(f"k3serve {role}-worker :{config.port}")
     if not config.cluster_token:
         log.warning("no cluster token (K3SERVE_CLUSTER_TOKEN): every internal endpoint of this "
                     "worker and its kvstore is open to anyone who can reach it")
