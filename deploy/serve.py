@@ -23,7 +23,7 @@ import sys
 import time
 from types import FrameType
 
-from k3serve.proctitle import set_title
+from k3serve.process import FlagParser, set_title
 
 from deploy.launcher import PortInUseError, Stack, StartupCancelled, StartupError, start_stack
 
@@ -114,7 +114,7 @@ _LAUNCHER_OWNS = {"help", "host", "port", "model", "policy", "api_key", "replica
                   "block_size", "device", "store_url", "workers_per_gpu"}
 
 
-def _component_parsers() -> dict[str, argparse.ArgumentParser]:
+def _component_parsers() -> dict[str, FlagParser]:
     from router.config import build_parser as router_parser
     from worker.config import WorkerEnv
     from worker.config import build_parser as worker_parser
@@ -133,7 +133,7 @@ def _passthrough_specs() -> list[tuple[str, argparse.Action, str, list[str]]]:
     own) is ``--worker-NAME`` in ``k3serve serve``; those in ``_BOTH`` are one flag."""
     out, taken = [], set()
     for name, parser in _component_parsers().items():
-        for a in parser._actions:
+        for a in parser.flags:
             if a.dest in _LAUNCHER_OWNS or a.help == argparse.SUPPRESS:
                 continue
             dest, flags = a.dest, list(a.option_strings)

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from types import FrameType
 
 import uvicorn
-from k3serve.proctitle import set_title
+from k3serve.process import set_title
 
 from router.app import create_app
 from router.config import (

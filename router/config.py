@@ -13,6 +13,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from k3serve.process import FlagParser
 from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
 from router.placement import PlacementParams
 from router.policies.home import HomeParams
@@ -119,7 +120,7 @@ class RouterConfig:
 def build_parser() -> argparse.ArgumentParser:
     """The flags of ``python -m router`` (the launcher passes ``--host --port --model
     --policy`` and optionally ``--api-key --poll-timeout``)."""
-    ap = argparse.ArgumentParser(prog="python -m router",
+    ap = FlagParser(prog="python -m router",
                                  description="k3serve router: OpenAI-compatible front of the "
                                              "prefill/decode cluster")
     ap.add_argument("--host", default="127.0.0.1")

@@ -21,6 +21,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from k3serve.process import FlagParser
 from k3serve.protocol import CLUSTER_TOKEN_ENV
 from kvstore import KVConfig
 from kvstore.store.client import StoreConfig
@@ -175,7 +176,7 @@ class WorkerConfig:
 
 def build_parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
     """The flags of ``python -m {role}.worker`` (defaults from ``env``)."""
-    ap = argparse.ArgumentParser(prog=f"python -m {role}.worker",
+    ap = FlagParser(prog=f"python -m {role}.worker",
                                  description=f"k3serve {role} worker")
     ap.add_argument("--host", default="127.0.0.1", help="bind address")
     ap.add_argument("--port", type=int, default=0, help="HTTP port (0: any free port)")

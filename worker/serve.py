@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-from k3serve.proctitle import set_title
+from k3serve.process import set_title
 
 from worker.base import BaseWorker
 from worker.config import Role, WorkerConfig, parse_config
