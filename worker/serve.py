@@ -22,6 +22,7 @@ import time
 from types import FrameType
 from typing import Any
 
+from k3serve import tracing
 from worker.base import BaseWorker
 from worker.config import Role, WorkerConfig, parse_config
 
@@ -127,6 +128,7 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
         print(f"k3serve {role} worker: error: {e.strerror}", file=sys.stderr, flush=True)
         return EXIT_PORT_IN_USE
     config = config.bound_to(sock.getsockname()[1])
+    tracing.configure(f"k3serve-{role}", config.otlp_traces_endpoint)
     if not config.cluster_token:
         log.warning("no cluster token (K3SERVE_CLUSTER_TOKEN): every internal endpoint of this "
                     "worker and its kvstore is open to anyone who can reach it")
@@ -138,7 +140,10 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
                                           timeout_graceful_shutdown=3, http="h11",
                                           loop="asyncio"), worker, app)
     print(f"k3serve {role} worker {worker.worker_id} listening on {worker.url}", flush=True)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        tracing.shutdown()  # flushes the spans not yet exported
     return 0
 
 
