@@ -31,7 +31,7 @@ REQUEST: ContextVar[Any] = ContextVar("k3serve_request_span", default=None)
 #: Span names of the internal calls, by path.
 CALL_SPANS = {"/internal/reserve": "router.reserve", "/internal/prefill": "router.prefill",
               "/internal/generate": "router.generate", "/internal/resume": "router.resume",
-              "/internal/attach": "router.attach", "/internal/stream": "router.decode_stream"}
+              "/internal/attach": "router.attach"}
 
 
 def child(name: str, attributes: dict[str, Any] | None = None) -> Any:
