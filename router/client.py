@@ -32,6 +32,7 @@ import pybreaker
 import yarl
 from pydantic import BaseModel, ValidationError
 
+from k3serve import tracing
 from k3serve.messages import (
     AbortRequest,
     AttachRequest,
@@ -43,7 +44,6 @@ from k3serve.messages import (
     ResumeRequest,
     ResumeResponse,
 )
-from k3serve import tracing
 from k3serve.protocol import CLUSTER_TOKEN_HEADER
 from router import trace
 from router.workers import PoolBusy, Worker, WorkerError
