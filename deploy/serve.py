@@ -123,7 +123,7 @@ def _component_parsers() -> dict[str, FlagParser]:
 
 
 #: Flags the router and the workers both have that mean the same there: one flag, both get it.
-_BOTH = {"log_level"}
+_BOTH = {"log_level", "otlp_traces_endpoint"}
 
 
 def _passthrough_specs() -> list[tuple[str, argparse.Action, str, list[str]]]:

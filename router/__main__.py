@@ -25,6 +25,7 @@ from types import FrameType
 import uvicorn
 from k3serve.process import set_title
 
+from k3serve import tracing
 from router.app import create_app
 from router.config import (
     ROUTER_HTTP,
@@ -130,10 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     server = StoppingServer(uvicorn.Config(
         create_app(config), log_level=args.log_level, http=ROUTER_HTTP, loop=ROUTER_LOOP,
         access_log=not isinstance(level, int) or level <= logging.INFO))
+    tracing.configure("k3serve-router", config.otlp_traces_endpoint)
     tune_gc()
     try:
         server.run(sockets=[sock])
     finally:
+        tracing.shutdown()  # flushes the spans not yet exported
         sock.close()
         for sig in STOP_SIGNALS:  # the process is ending: a late signal changes nothing
             signal.signal(sig, signal.SIG_IGN)

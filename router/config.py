@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from k3serve.process import FlagParser
 from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
+from k3serve.tracing import ENDPOINT_ENV
 from router.placement import PlacementParams
 from router.policies.home import HomeParams
 from router.policies.table import DEFAULT_POLICY, POLICIES
@@ -69,6 +70,8 @@ class RouterConfig:
         decode_channels: Read a decode worker's token streams on one decode channel per
             worker (when the worker serves them: ``WorkerInfo.channels``); False: one stream
             per request (``--no-decode-channels``).
+        otlp_traces_endpoint: OTLP/HTTP URL the request spans are exported to
+            (:mod:`k3serve.tracing`); ``None``: tracing off.
 
     Raises:
         ValueError: an unknown policy or a non-positive poll interval / timeout (named).
@@ -101,6 +104,7 @@ class RouterConfig:
     registry_dir: str | None = None
     metrics_dir: str | None = None
     decode_channels: bool = True
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -146,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-level", default="warning")
     ap.add_argument("--no-decode-channels", action="store_true",
                     help="one decode stream per request, not one channel per decode worker")
+    ap.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                    help=f"export request spans over OTLP/HTTP to URL (default: "
+                         f"${ENDPOINT_ENV}, else tracing off)")
     ap.add_argument("--replicas", type=int, default=1,
                     help="router processes behind the one address (router/replicas.py)")
     ap.add_argument("--replica-index", type=int, default=None, help=argparse.SUPPRESS)
@@ -165,6 +172,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_queued=args.max_queued,
         max_model_len=args.max_model_len, prefill_rate=args.prefill_rate,
         replica=args.replica_index, decode_channels=not args.no_decode_channels,
+        otlp_traces_endpoint=args.otlp_traces_endpoint or os.environ.get(ENDPOINT_ENV) or None,
         registry_dir=os.environ.get(REGISTRY_ENV) if args.replica_index is not None else None,
         metrics_dir=os.environ.get(METRICS_ENV) if args.replica_index is not None else None)
 

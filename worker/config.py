@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from k3serve.process import FlagParser
 from k3serve.protocol import CLUSTER_TOKEN_ENV
+from k3serve.tracing import ENDPOINT_ENV
 from kvstore import KVConfig
 from kvstore.store.client import StoreConfig
 from worker.device import DeviceProbe, Sizes, probe, resolve_sizes
@@ -50,6 +51,7 @@ class WorkerEnv(BaseSettings):
                                       repr=False)
     worker_threads: int = Field(default=1, ge=1, validation_alias=THREADS_ENV)
     test_hooks: bool = Field(default=False, validation_alias=TEST_HOOKS_ENV)
+    otlp_traces_endpoint: str | None = Field(default=None, validation_alias=ENDPOINT_ENV)
 
     @field_validator("cluster_token")
     @classmethod
@@ -101,6 +103,8 @@ class WorkerConfig:
             ``resume``) this worker holds unanswered at once — its queue; one more is answered
             503 ``busy`` with ``Retry-After`` (:mod:`worker.http`) and the router places it
             elsewhere. 0: no bound.
+        otlp_traces_endpoint: OTLP/HTTP URL the request spans are exported to
+            (:mod:`k3serve.tracing`); ``None``: tracing off.
     """
 
     role: Role
@@ -144,6 +148,7 @@ class WorkerConfig:
     drain_timeout_s: float = 60.0
     max_prefill_backlog: int | None = None
     max_queued: int = 256
+    otlp_traces_endpoint: str | None = None
 
     @property
     def url_host(self) -> str:
@@ -231,6 +236,9 @@ def build_parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
     ap.add_argument("--max-queued", type=int, default=256, metavar="N",
                     help="most admission calls (reserve/prefill/generate/resume) held "
                          "unanswered at once; more: 503 busy + Retry-After (0: no bound)")
+    ap.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                    help=f"export request spans over OTLP/HTTP to URL (default: "
+                         f"${ENDPOINT_ENV}, else tracing off)")
     return ap
 
 
@@ -300,7 +308,8 @@ def parse_config(role: Role, argv: list[str] | None = None,
         **_parallel_flags(a),
         gpu_memory_utilization=sizes.gpu_memory_utilization, max_num_seqs=sizes.max_num_seqs,
         cuda_graphs=a.cuda_graphs, drain_timeout_s=a.drain_timeout,
-        max_prefill_backlog=a.max_prefill_backlog, max_queued=_max_queued(a.max_queued))
+        max_prefill_backlog=a.max_prefill_backlog, max_queued=_max_queued(a.max_queued),
+        otlp_traces_endpoint=a.otlp_traces_endpoint or env.otlp_traces_endpoint or None)
 
 
 def _max_queued(n: int) -> int:

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
+from k3serve import tracing
 from k3serve.process import set_title
 
 from worker.base import BaseWorker
@@ -176,6 +177,7 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
         return EXIT_PORT_IN_USE
     config = config.bound_to(sock.getsockname()[1])
     set_title(f"k3serve {role}-worker :{config.port}")
+    tracing.configure(f"k3serve-{role}", config.otlp_traces_endpoint)
     if not config.cluster_token:
         log.warning("no cluster token (K3SERVE_CLUSTER_TOKEN): every internal endpoint of this "
                     "worker and its kvstore is open to anyone who can reach it")
@@ -187,7 +189,10 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
                                           timeout_graceful_shutdown=3, http="h11",
                                           loop="asyncio"), worker, app)
     print(f"k3serve {role} worker {worker.worker_id} listening on {worker.url}", flush=True)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        tracing.shutdown()  # flushes the spans not yet exported
     for sig in DRAIN_SIGNALS:  # the process is ending: a late signal changes nothing
         signal.signal(sig, signal.SIG_IGN)
     return 0
