@@ -50,8 +50,9 @@ def choose(index: GlobalIndex, layout: tuple[str, int], prefill: Sequence[Worker
     (:attr:`Worker.measured_rate`), else the rate its info states, else ``prefill_rate``.
     A prompt the router sent to a worker and whose cache events have not arrived counts as
     held there (``recent.match``), and the work of the last prompt sent to a worker that this
-    one extends is named as such (``recent.extended``: placement does not read it as load that
-    pushes the extension away). The chosen worker is recorded in ``recent`` right away, before
+    one extends is named as such (``recent.extended``, decayed from when that prompt's compute
+    ended at the worker's rate: placement does not read it as load that pushes the extension
+    away). The chosen worker is recorded in ``recent`` right away, before
     the caller sends the prompt, with its predicted uncached tokens and the boundaries it
     snapshots (the prompt end and ``snapshot_at``).
 
@@ -83,12 +84,13 @@ def choose(index: GlobalIndex, layout: tuple[str, int], prefill: Sequence[Worker
     store = match.get(STORE) if decode else None  # the shared store's content, if reported
     t = time.monotonic() if now is None else now
     pending = recent.match(hashes, req.max_cached_blocks, t) if recent is not None else {}
-    chain = (recent.extended(hashes, t, prefill[0].recent.horizon_s)
+    rates = {w.url: w.measured_rate or w.info.prefill_rate or prefill_rate for w in prefill}
+    chain = (recent.extended(hashes, t, prefill[0].recent.horizon_s, rates)
              if recent is not None and prefill else {})
     pstates = []
     for w in prefill:
         static = w.info.prefill_rate or prefill_rate
-        rate = w.measured_rate or static
+        rate = rates[w.url]
         pstates.append(live_view(w.url, match.get(w.url), store, w.placement_queued(rate, now),
                                  static, w.placement_load, now, pending=pending.get(w.url),
                                  measured_rate=w.measured_rate,
