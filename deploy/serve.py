@@ -101,9 +101,12 @@ def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=5,
                    help="restarts allowed per crashed component (exponential backoff between "
                         "failed starts); 0: none")
-    p.add_argument("--store", action="store_true",
+    p.add_argument("--store", action=argparse.BooleanOptionalAction, default=None,
                    help="start a mooncake_master on loopback: a shared DRAM store below the "
-                        "workers (prefixes cross workers; turn 2 hits after PD)")
+                        "workers (prefixes cross workers; a chat's next turn reuses the "
+                        "decode side's state at the end of the previous answer). Default: on "
+                        "when mooncake_master is installed (a warning and no store when it is "
+                        "not); --store without it is an error; --no-store: off")
     _add_passthrough(p)
     return p
 
@@ -190,6 +193,24 @@ def passthrough_args(args: argparse.Namespace) -> dict[str, list[str]]:
     return out
 
 
+def use_store(flag: bool | None) -> bool:
+    """Whether the stack gets the shared store: ``--store`` / ``--no-store`` as given; by
+    default (``None``) on when ``mooncake_master`` is installed, else off with one warning
+    (an explicit ``--store`` without it fails at the master's start)."""
+    if flag is not None:
+        return flag
+    from deploy.local import mooncake_master_path
+
+    try:
+        mooncake_master_path()
+    except FileNotFoundError as e:
+        print(f"warning: no shared store ({e}): a chat's next turn reuses only its prompt, "
+              "not the previous answer; install the Mooncake wheel (`pip install -e .[cpu]` or "
+              "`.[gpu]`) or pass --no-store to silence this", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the stack of ``args`` (:func:`build_parser`) until Ctrl-C / SIGTERM, restarting
     crashed components (exit status 1 when the router cannot be restarted); returns the exit
@@ -220,7 +241,7 @@ def serve(args: argparse.Namespace) -> int:
             model=args.model, host=args.host, port=args.port, num_prefill=args.prefill,
             num_decode=args.decode, api_key=args.api_key, policy=args.policy,
             block_size=args.block_size, device=args.device, sd_dir=args.sd_dir,
-            store=args.store, monolithic=args.monolithic, supervise=True,
+            store=use_store(args.store), monolithic=args.monolithic, supervise=True,
             max_restarts=args.max_restarts, routers=args.routers,
             extra_router_args=extra["router"], extra_worker_args=extra["worker"],
             cancelled=stopper.cancelled)

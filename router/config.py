@@ -42,7 +42,8 @@ class RouterConfig:
         timeout_s: Timeout of one internal call, seconds (a stream: between two events).
         max_model_len: Longest prompt + output in tokens; ``None`` = the workers' (or the
             model config's) value.
-        prefill_rate: Prefill tokens/s assumed for workers that do not report one.
+        prefill_rate: Prefill tokens/s assumed for a worker until it reports a measured rate
+            (``WorkerLoad.prefill_rate``).
         busy_wait_s: How long a request waits for room while every decode worker answers
             ``busy`` (no free slot or pages) before it fails with 503, seconds.
         deadline_s: Seconds a request-path call (reserve, prefill, the wait between two
@@ -146,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-queued", type=int, default=64,
                     help="choices admitted beyond the decode slots (then 429)")
     ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--prefill-rate", type=float, default=10_000.0, help="tokens/s")
+    ap.add_argument("--prefill-rate", type=float, default=10_000.0,
+                    help="prefill tokens/s assumed for a worker until it reports its measured "
+                         "rate with its cache events (then the measured rate prices its queue)")
     ap.add_argument("--log-level", default="warning")
     ap.add_argument("--no-decode-channels", action="store_true",
                     help="one decode stream per request, not one channel per decode worker")

@@ -156,7 +156,8 @@ class Router:
         """:func:`router.choose.choose` with this router's index, policy and sequence."""
         cfg = self.config
         return choose(self.pool.index, layout, prefill, decode, ids, cache_salt, max_new,
-                      next(self._seq), cfg.policy, cfg.placement, cfg.prefill_rate)
+                      next(self._seq), cfg.policy, cfg.placement, cfg.prefill_rate,
+                      self.pool.recent)
 
     # ------------------------------------------------------------------ token #1
     async def _reserve(self, job: PromptJob, spec: SamplingSpec, cache_salt: str | None,

@@ -21,6 +21,8 @@ import contextlib
 import logging
 import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -156,6 +158,46 @@ def parallel_info(engine: Any) -> dict[str, int]:
     return {"tp": getattr(spec, "tp", 1), "ep": getattr(spec, "ep", 1)}
 
 
+class PrefillMeter:
+    """The worker's measured prefill rate: prompt tokens computed per second of the engine
+    steps that computed them, over the last ``window`` such steps::
+
+        rate = Σ prompt tokens / Σ step seconds   (steps with prompt tokens > 0 only)
+
+    A step that prefilled and decoded together counts whole (its decode rows are part of the
+    cost of that prefill); decode-only steps are left out, so the figure does not drift with
+    the decode batch. Engine thread only (steps are timed there, reports are built there).
+
+    Args:
+        window: Steps kept (≥ 1).
+    """
+
+    def __init__(self, window: int = 64) -> None:
+        if window < 1:
+            raise ValueError(f"window: must be >= 1, got {window!r}")
+        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self._tokens, self._seconds = 0, 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        """Count one step that computed ``tokens`` prompt tokens in ``seconds`` (steps with
+        no prompt tokens, or no measurable time, are ignored)."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        if len(self._steps) == self._steps.maxlen:
+            t0, s0 = self._steps[0]
+            self._tokens, self._seconds = self._tokens - t0, self._seconds - s0
+        self._steps.append((tokens, seconds))
+        self._tokens += tokens
+        self._seconds += seconds
+
+    @property
+    def rate(self) -> float | None:
+        """Tokens per second over the kept steps; ``None`` before the first."""
+        if not self._steps or self._seconds <= 0:
+            return None
+        return self._tokens / self._seconds
+
+
 class EngineLoop:
     """Runs ``engine.step()`` in a thread; everything else reaches the engine through it.
 
@@ -179,6 +221,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.error: BaseException | None = None
         self.num_step_errors = 0
+        self.prefill_meter = PrefillMeter()
 
     def start(self) -> EngineLoop:
         """Start the thread; returns self."""
@@ -230,6 +273,17 @@ class EngineLoop:
             except queue.Empty:
                 return
 
+    def _timed_step(self) -> list:
+        """``engine.step()``, its prompt tokens (``EngineStats.prompt_tokens_computed``'s
+        increase) and seconds into :attr:`prefill_meter`."""
+        stats = getattr(self.engine, "stats", None)
+        before = getattr(stats, "prompt_tokens_computed", 0)
+        t0 = time.perf_counter()
+        outs = self.engine.step()
+        seconds = time.perf_counter() - t0
+        self.prefill_meter.add(getattr(stats, "prompt_tokens_computed", 0) - before, seconds)
+        return outs
+
     def _run(self) -> None:
         active = False
         while not self._stop.is_set():
@@ -240,7 +294,7 @@ class EngineLoop:
             try:
                 active = self._tick()
                 if self.engine.has_unfinished_requests():
-                    outs = self.engine.step()
+                    outs = self._timed_step()
                     self._on_outputs(outs)
                     active = self._tick() or active
             except Exception as e:
@@ -260,4 +314,4 @@ class EngineLoop:
                     item[0].set_exception(RuntimeError("worker is stopping"))
 
 
-__all__ = ["EngineLoop", "build_engine", "build_parallel_engine", "instance_spec", "parallel_info"]
+__all__ = ["EngineLoop", "PrefillMeter", "build_engine", "build_parallel_engine", "instance_spec", "parallel_info"]

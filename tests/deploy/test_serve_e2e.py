@@ -283,7 +283,8 @@ def test_k3serve_serve_prints_url_and_sigterm_stops_every_child(tmp_path):
 
     port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", str(port), "--prefill", "1", "--decode", "1",
-                          "--block-size", str(B), "--max-prompts", "2", "--num-pages", "96"],
+                          "--block-size", str(B), "--max-prompts", "2", "--num-pages", "96",
+                          "--no-store"],
                          cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True,
                          # setproctitle leaves /proc/PID/environ readable (the cluster token)
