@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
@@ -193,7 +194,7 @@ def api_keys_of(keys: list[str], path: str | None) -> list[str]:
     out = [k.strip() for k in keys if k.strip()]
     if path:
         try:
-            text = open(path, encoding="utf-8").read()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
             raise ValueError(f"--api-key-file: cannot read {path}: {e.strerror}") from None
         out += [ln.strip() for ln in text.splitlines()

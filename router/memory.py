@@ -13,13 +13,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from typing import Any
 
 #: Bodies of at least this many bytes are followed by :func:`trim`.
 TRIM_AFTER_BYTES = 1 << 20
 
 
 @functools.cache
-def _malloc_trim():  # noqa: ANN202 - a ctypes function or None
+def _malloc_trim() -> Any:  # a ctypes function or None
     name = ctypes.util.find_library("c")
     if not name:
         return None
