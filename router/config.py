@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
 from router.placement import PlacementParams
