@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -51,7 +52,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from k3serve.messages import ResumeRequest, ResumeResponse  # noqa: E402 - after the path
+from k3serve.messages import ResumeRequest, ResumeResponse
 
 TOKEN = "sigstop-secret"
 
@@ -92,10 +93,9 @@ class FakeSetup:
     worker in a child process (so that it can be stopped)."""
 
     def __init__(self, token_delay_s: float) -> None:
-        from deploy.fake_workers import start_worker
+        from deploy.fake_workers import MODEL, ServerThread, start_worker
         from router.app import RouterConfig, create_app
         from router.config import ROUTER_HTTP, ROUTER_LOOP
-        from deploy.fake_workers import MODEL, ServerThread
 
         self.model = MODEL
         self.app = create_app(RouterConfig(model=MODEL, cluster_token=TOKEN,
@@ -222,7 +222,7 @@ def scenario(url: str, model: str, victim_pid: int, victim_url: str, duration_s:
     per_stream = []
     for o in outs:
         ts = o.get("times", [])
-        gaps = [(b - a, a, b) for a, b in zip(ts, ts[1:]) if a >= stopped_at - 1.0]
+        gaps = [(b - a, a, b) for a, b in itertools.pairwise(ts) if a >= stopped_at - 1.0]
         gap = max(gaps, default=(0.0, 0.0, 0.0))
         victim = gap[0] > 1.0 and gap[1] < (left or stopped_at) + 1.0
         per_stream.append({
