@@ -21,7 +21,6 @@ from k3serve.messages import same_secret
 from router.admission import Ticket, current_key, overloaded
 from router.config import RouterConfig
 from router.errors import APIError, unavailable
-from router.memory import trim
 from router.pipeline import Router, cancel
 from router.placement import NoWorkerAvailable
 from router.preprocess import PromptJob, parse_request
@@ -86,13 +85,9 @@ class Completions:
         router, config = self.router, self.config
         key = self.check_api_key(request)
         current_key.set(key)  # the choices' tasks are made in this context: their seats' key
-        raw = await read_body(request, config.max_body_bytes)
-        try:
-            req = parse_request(raw, ChatCompletionRequest if chat else CompletionRequest,
-                                config.model, max_prompts=config.max_prompts)
-        finally:
-            size, raw = len(raw), b""
-            trim(size)  # a large body: its memory back to the OS (router/memory.py)
+        req = parse_request(await read_body(request, config.max_body_bytes),
+                            ChatCompletionRequest if chat else CompletionRequest, config.model,
+                            max_prompts=config.max_prompts)
         limit = router.max_model_len
         jobs = (router.pre.chat_jobs(req, limit) if chat
                 else router.pre.completion_jobs(req, limit))
