@@ -209,6 +209,8 @@ def test_a_restarted_replica_answers_no_503():
                 new = s.replica_pids().get(1)
                 if r.headers.get(REPLICA_HEADER) == "1" and new not in (None, old[1]):
                     served_by_new += 1
+        print(f"after the kill: {len(codes)} requests, {codes.count(503)} × 503, "
+              f"{served_by_new} served by the restarted replica")
         assert codes and set(codes) == {200}, codes
     finally:
         s.close()
