@@ -340,7 +340,7 @@ PORT_RETRIES = 3
 def wait_ready(stack: Stack, num_workers: int, timeout: float, poll_s: float = 0.3,
                launch: LaunchBackend | None = None,
                cancelled: Callable[[], bool] | None = None) -> None:
-    """Poll the router's ``/health?detail=1`` until ``num_workers`` are healthy.
+    """Poll the router's ``/health`` until ``num_workers`` are healthy.
 
     A worker that exits with :data:`worker.serve.EXIT_PORT_IN_USE` (the port picked for it was
     taken before it could bind it) is started again on a fresh port, at most
@@ -373,7 +373,7 @@ def wait_ready(stack: Stack, num_workers: int, timeout: float, poll_s: float = 0
             raise StartupError(f"a k3serve process exited during startup: {name} (code {rc})"
                                f"{_log_tail(launch, name)}")
         try:
-            r = httpx.get(f"{stack.url}/health", params={"detail": 1}, timeout=2.0)
+            r = httpx.get(f"{stack.url}/health", timeout=2.0)  # the counts: no API key
             if r.status_code == 200:
                 health = RouterHealth.model_validate_json(r.content)
                 if health.num_workers_healthy >= num_workers:

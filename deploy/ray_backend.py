@@ -292,7 +292,8 @@ def _wait_registered(stack: RayStack, timeout: float) -> None:
     while time.monotonic() < deadline:
         try:
             body = httpx.get(f"{stack.url}/health", params={"detail": 1}, timeout=2.0,
-                             trust_env=False).json()
+                             trust_env=False, headers={"Authorization": f"Bearer {stack.api_key}"}
+                             if stack.api_key else None).json()
             healthy = {w["url"] for w in body.get("workers", ()) if w.get("healthy")}
             if set(stack.urls.values()) <= healthy:
                 return

@@ -104,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.replicas < 1:
         print("k3serve router: --replicas: must be >= 1", file=sys.stderr)
         return 2
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"k3serve router: {e}", file=sys.stderr)
+        return 2
     if args.fd is not None:  # a replica: the supervisor's socket
         sock = socket.socket(fileno=args.fd)
         set_title(f"k3serve router replica {args.replica_index} :{sock.getsockname()[1]}")

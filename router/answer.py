@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from k3serve import tracing
 from k3serve.messages import same_secret
 from router import trace
-from router.admission import Ticket, overloaded
+from router.admission import Ticket, current_key, overloaded
 from router.config import RouterConfig
 from router.errors import APIError, unavailable
 from router.pipeline import Router, cancel
@@ -57,14 +57,24 @@ class Completions:
                  headers: dict[str, str] | None) -> None:
         self.router, self.config, self.headers = router, config, headers
 
-    def check_api_key(self, request: Request) -> None:
-        """Raises ``APIError`` 401 when an API key is configured and the request's bearer
-        token is not it."""
+    def check_api_key(self, request: Request) -> str:
+        """The name of the request's API key (``"key0"``, ``"key1"``, … in the configured
+        order; ``""`` when the router has no key): admission's fair shares go by it.
+
+        Raises:
+            APIError: 401 when API keys are configured and the bearer token is none of them.
+        """
         if not self.config.api_key:
-            return
+            return ""
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not same_secret(token.strip(), self.config.api_key):
+        token = token.strip()
+        found = ""
+        for i, key in enumerate((self.config.api_key, *self.config.api_keys)):
+            if same_secret(token, key) and not found:  # every key compared: constant time
+                found = f"key{i}"
+        if scheme.lower() != "bearer" or not found:
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return found
 
     async def serve(self, request: Request, chat: bool) -> Response:
         """Answer one ``/v1/completions`` (``chat`` False) or ``/v1/chat/completions``; with
@@ -72,7 +82,8 @@ class Completions:
         that :class:`Answer` ends with the response.
 
         Raises:
-            APIError: 401, 400, 413, 429 (past capacity), 503 (no worker, a failed one).
+            APIError: 401, 400 (bad input, more choices than the server runs at once), 413,
+                429 (past capacity or the key's share), 503 (no worker, a failed one).
         """
         if not tracing.enabled():
             return await self.answer(request, chat)
@@ -90,7 +101,8 @@ class Completions:
         """:meth:`serve` (under the request's span, when tracing is on)."""
         arrival = time.monotonic()
         router, config = self.router, self.config
-        self.check_api_key(request)
+        key = self.check_api_key(request)
+        current_key.set(key)  # the choices' tasks are made in this context: their seats' key
         req = parse_request(await read_body(request, config.max_body_bytes),
                             ChatCompletionRequest if chat else CompletionRequest, config.model,
                             max_prompts=config.max_prompts)
@@ -99,7 +111,7 @@ class Completions:
                 else router.pre.completion_jobs(req, limit))
         span = trace.child("router.admission")
         try:
-            ticket = router.admission.admit(len(jobs) * req.n)  # 429 + Retry-After past capacity
+            ticket = router.admission.admit(len(jobs) * req.n, key)  # 400 / 429 past capacity
         finally:
             tracing.end_span(span)
         try:

@@ -261,7 +261,8 @@ class WorkerClient:
     async def bounded(self, w: Worker, call: Any) -> Any:
         """Await an internal call in a task of its own; give up once it has waited
         ``deadline_s`` while ``w`` does not answer (:attr:`Worker.alive` or
-        :attr:`Worker.healthy` false: hung or dead). A worker that answers is busy, not hung:
+        :attr:`Worker.healthy` false: hung or dead), or 1 s once its liveness probes took it
+        out of placement (:attr:`Worker.alive` false: a stopped or wedged process). A worker that answers is busy, not hung:
         it is waited for up to the call timeout, whatever its breaker says.
 
         The task is cancelled at most once, here: a second cancellation of the caller
@@ -277,8 +278,9 @@ class WorkerClient:
                 done, _ = await asyncio.wait([t], timeout=min(1.0, self.deadline_s))
                 if done:
                     return t.result()
-                if (time.monotonic() - started >= self.deadline_s
-                        and not (w.alive and w.healthy)):
+                waited = time.monotonic() - started
+                if (waited >= self.deadline_s and not (w.alive and w.healthy)
+                        or waited >= min(self.deadline_s, 1.0) and not w.alive):
                     t.cancel()
                     raise WorkerError(w.url, f"no answer within {self.deadline_s:g} s from a "
                                              f"worker that stopped answering", hung=True)

@@ -12,6 +12,7 @@ import argparse
 import os
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from k3serve.process import FlagParser
 from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
@@ -29,7 +30,12 @@ class RouterConfig:
     Attributes:
         model: Served model name (preset or checkpoint folder); requests must name it.
         policy: Prefill placement policy, a key of ``router.policies.table.POLICIES``.
-        api_key: Bearer token required on ``/v1/*``; ``None`` leaves the API open.
+        api_key: Bearer token required on ``/v1/*`` (and on ``/metrics``,
+            ``/health?detail=1``, ``/openapi.json``, ``/docs``, ``/redoc``); ``None`` leaves
+            the API open.
+        api_keys: Further accepted bearer tokens (``--api-key K1 K2``, ``--api-key-file``):
+            each key is a client of its own for admission's fair shares
+            (:mod:`router.admission`).
         cluster_token: Token exchanged with workers on every internal call.
         tokenizer: Tokenizer name or folder; ``None`` = the model's.
         add_bos: Prepend BOS to text prompts of ``/v1/completions`` (token-id prompts and
@@ -81,6 +87,7 @@ class RouterConfig:
     model: str = "k3-tiny"
     policy: str = DEFAULT_POLICY
     api_key: str | None = field(default=None, repr=False)  # secrets never in a log line
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     cluster_token: str | None = field(default=None, repr=False)
     tokenizer: str | None = None
     add_bos: bool = True
@@ -118,6 +125,10 @@ class RouterConfig:
         for name in ("max_connections", "breaker_fail_max", "max_prompts", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
+        if self.api_keys and not self.api_key:
+            raise ValueError("api_keys: set api_key too (the first key)")
+        if any(not k for k in self.api_keys):
+            raise ValueError("api_keys: an empty key")
         if self.max_queued < 0 or self.retry_after_s < 0:
             raise ValueError("max_queued, retry_after_s: must be >= 0")
 
@@ -132,8 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--model", default="k3-tiny")
     ap.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
-    ap.add_argument("--api-key", default=None,
-                    help=f"bearer token for /v1/* (default: ${API_KEY_ENV}, else open)")
+    ap.add_argument("--api-key", default=None, nargs="+", action="extend",
+                    help=f"bearer token(s) for /v1/*, /metrics, /health?detail=1 and the API "
+                         f"docs; repeat or list several (default: ${API_KEY_ENV}, else open)")
+    ap.add_argument("--api-key-file", default=None,
+                    help="a file of further API keys, one a line (# comments, blank lines)")
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--no-bos", action="store_true", help="do not prepend BOS to text prompts")
     ap.add_argument("--poll-interval", type=float, default=0.1, help="seconds")
@@ -165,9 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The :class:`RouterConfig` of parsed flags and the two environment variables."""
+    keys = api_keys_of(args.api_key or [], args.api_key_file) or [
+        k for k in [os.environ.get(API_KEY_ENV)] if k]
     return RouterConfig(
         model=args.model, policy=args.policy,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=keys[0] if keys else None, api_keys=tuple(keys[1:]),
         cluster_token=os.environ.get(CLUSTER_TOKEN_ENV) or None, tokenizer=args.tokenizer,
         add_bos=not args.no_bos, poll_interval_s=args.poll_interval,
         poll_timeout_s=args.poll_timeout, deadline_s=args.deadline,
@@ -178,6 +194,24 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         otlp_traces_endpoint=args.otlp_traces_endpoint or os.environ.get(ENDPOINT_ENV) or None,
         registry_dir=os.environ.get(REGISTRY_ENV) if args.replica_index is not None else None,
         metrics_dir=os.environ.get(METRICS_ENV) if args.replica_index is not None else None)
+
+
+def api_keys_of(keys: list[str], path: str | None) -> list[str]:
+    """The API keys of ``--api-key`` and of the ``--api-key-file`` at ``path`` (one a line;
+    blank lines and ``#`` comments skipped), in that order, duplicates dropped.
+
+    Raises:
+        ValueError: the file cannot be read (named).
+    """
+    out = [k.strip() for k in keys if k.strip()]
+    if path:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"--api-key-file: cannot read {path}: {e.strerror}") from None
+        out += [ln.strip() for ln in text.splitlines()
+                if ln.strip() and not ln.strip().startswith("#")]
+    return list(dict.fromkeys(out))
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -155,7 +155,8 @@ def test_local_ray_serves_restarts_and_cleans_up(tmp_path):
             # the restarted worker came back on a fresh port and registered itself again
             import httpx
             while time.monotonic() < deadline:
-                body = httpx.get(f"{stack.url}/health", params={"detail": 1}, timeout=5).json()
+                body = httpx.get(f"{stack.url}/health", params={"detail": 1}, timeout=5,
+                                 headers={"Authorization": "Bearer k"}).json()
                 state = {w["url"]: w["healthy"] for w in body["workers"]}
                 if state.get(new) and not state.get(old):
                     break

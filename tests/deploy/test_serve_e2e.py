@@ -31,6 +31,7 @@ from k3serve.protocol import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER
 ROOT = Path(__file__).resolve().parents[2]
 B = 16
 KEY = "sk-e2e-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}  # the router's /metrics, /health?detail=1
 MODEL = "k3-tiny"
 
 
@@ -59,7 +60,8 @@ def _wait_indexed(stack, min_blocks: int, timeout: float = 5.0) -> None:
     """Let the router pull the workers' cache events (it polls every 0.1 s)."""
     t_end = time.monotonic() + timeout
     while time.monotonic() < t_end:
-        ws = httpx.get(stack.url + "/health", params={"detail": 1}, timeout=5).json()["workers"]
+        ws = httpx.get(stack.url + "/health", params={"detail": 1}, headers=AUTH,
+                       timeout=5).json()["workers"]
         if sum(w["blocks"] for w in ws if w["role"] == "prefill") >= min_blocks:
             return
         time.sleep(0.1)
@@ -133,7 +135,7 @@ def test_stop_string_cuts_the_text(client):
 
 def test_metrics_have_the_design_names(stack, client):
     client.completions.create(model=MODEL, prompt="metrics " * 8, max_tokens=2, temperature=0)
-    text = httpx.get(stack.url + "/metrics", timeout=10).text
+    text = httpx.get(stack.url + "/metrics", headers=AUTH, timeout=10).text
     for name in ("k3serve:request_prompt_tokens_total", "k3serve:request_cached_tokens_total",
                  "k3serve:router_predicted_cached_tokens_total", "k3serve:cache_hit_rate",
                  "k3serve:time_to_first_token_seconds", "k3serve:inter_token_latency_seconds",
@@ -208,7 +210,8 @@ def test_bad_input_sweep(stack, path, body, status):
 # ============================================================================ failures
 def _health(stack) -> dict:
     try:
-        return httpx.get(stack.url + "/health", params={"detail": 1}, timeout=5).json()
+        return httpx.get(stack.url + "/health", params={"detail": 1}, headers=AUTH,
+                         timeout=5).json()
     except httpx.HTTPError:
         return {}
 
