@@ -183,6 +183,20 @@ class RayStack:
             self.sd.clear()
 
 
+def check_runnable(dc: DeployConfig) -> None:
+    """Refuse a pool shape the parallel engine cannot run, before anything starts.
+
+    Raises:
+        ValueError: ``tp`` > 1 with ``ep`` ≠ ``tp`` (several attention groups of ``tp``
+            ranks each: the engine runs one group of ranks for both), naming the field.
+    """
+    for role, pool in dc.pools.items():
+        if pool.tp > 1 and pool.ep != pool.tp:
+            raise ValueError(
+                f"pools.{role}.ep: {pool.ep} ranks in {pool.ep // pool.tp} attention groups of "
+                f"tp {pool.tp}: the parallel engine runs one group (ep = tp, or tp = 1)")
+
+
 def worker_argv(dc: DeployConfig, inst: InstancePlan, router_url: str) -> list[str]:
     """Rank 0's command (after ``python``): the role's worker; for ``ranks`` > 1 with the
     instance's ``--tp`` / ``--ep`` and ``--remote-ranks`` (the rank actors start the rest)."""
@@ -217,6 +231,7 @@ def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
 
     Raises:
         deploy.plan.PlanError: the config does not fit (before anything starts).
+        ValueError: a pool shape the engine cannot run (:func:`check_runnable`).
         TimeoutError: the cluster cannot hold the placement groups within ``ready_timeout``.
     """
     import ray
@@ -225,6 +240,8 @@ def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
 
     dc = config if isinstance(config, DeployConfig) else load_deploy_config(config)
     plan = make_plan(dc)
+    if not placeholders:
+        check_runnable(dc)
     groups, slots = placement_layout(plan)
     pgs = [placement_group(b, strategy=s, name=f"k3serve-{dc.name}-{i}")
            for i, (b, s) in enumerate(groups)]
@@ -391,5 +408,6 @@ def serve_ray(args: Any) -> int:
     return 0
 
 
-__all__ = ["ProcessActor", "RankActor", "RankSlot", "RayStack", "deploy", "init_local_ray",
+__all__ = ["ProcessActor", "RankActor", "RankSlot", "RayStack", "check_runnable", "deploy",
+           "init_local_ray",
            "placement_layout", "serve_ray"]
