@@ -405,9 +405,10 @@ class ParallelModelRunner(RankRunner):
 
 _CTL_GROUP: Any = None
 """The gloo group of the op broadcasts (Python values): a follower waits there for rank 0's
-next op as long as the instance lives, so its timeout is :data:`CTL_TIMEOUT`; the model's
-collectives run on the default group (gloo on CPU, NCCL on GPU) with the spec's
-``collective_timeout_s``."""
+next op as long as the instance lives, so its timeout there is :data:`CTL_TIMEOUT`; rank 0's
+broadcast completes when every follower received it, so rank 0's timeout there is the spec's
+``collective_timeout_s``, as for the model's collectives on the default group (gloo on CPU,
+NCCL on GPU)."""
 CTL_TIMEOUT = timedelta(days=30)
 
 
@@ -442,7 +443,9 @@ def init_dist(spec: InstanceSpec, rank: int, store: str | dist.Store,
         world_size=spec.world,
         timeout=timedelta(seconds=spec.collective_timeout_s),
     )
-    _CTL_GROUP = dist.new_group(backend="gloo", timeout=CTL_TIMEOUT)
+    # rank 0's broadcast waits until every follower received it: bounded like a collective
+    ctl_timeout = CTL_TIMEOUT if rank else timedelta(seconds=spec.collective_timeout_s)
+    _CTL_GROUP = dist.new_group(backend="gloo", timeout=ctl_timeout)
     return store
 
 
