@@ -181,7 +181,7 @@ class ProcessActor:
             try:
                 polled = ray.get([p.poll.remote() for p in self.peers], timeout=30)
                 for r, (want, (gen, rc)) in enumerate(zip(gens, polled, strict=True), 1):
-                    if gen == want and rc is not None:
+                    if gen == want and rc:  # 0: rank 0 stopped it (a drained worker)
                         why = f"rank {r} exited with {rc}"
                         break
             except ray.exceptions.GetTimeoutError:

@@ -45,6 +45,17 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
+def _die_with_parent() -> None:
+    """``prctl(PR_SET_PDEATHSIG, SIGKILL)`` where libc has it (Linux); else nothing."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))
+    except OSError:
+        pass
+
+
 def run_follower(spec: InstanceSpec, rank: int, store: str | dist.Store,
                  timeout_s: float = 300.0) -> None:
     """Rank ``rank`` ≥ 1: join, build the shard, follow rank 0, leave the group."""
@@ -59,9 +70,11 @@ def run_follower(spec: InstanceSpec, rank: int, store: str | dist.Store,
 
 
 def _follower_entry(rank: int, spec: InstanceSpec, store_path: str) -> None:
-    """Process target of a worker's rank ≥ 1 on its host; the exit code says how it ended."""
+    """Process target of a worker's rank ≥ 1 on its host; the exit code says how it ended.
+    The kernel kills it when rank 0's process ends (``PR_SET_PDEATHSIG``)."""
     code = 0
     try:
+        _die_with_parent()
         run_follower(spec, rank, store_path)
     except BaseException:  # noqa: BLE001 — printed (the worker's log), then the exit code
         traceback.print_exc()

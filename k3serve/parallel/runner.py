@@ -306,10 +306,13 @@ class ParallelModelRunner(RankRunner):
 
     def instance_failed(self, op: str, exc: BaseException) -> None:
         """An op raised: its peers are mid-collective or gone, so the instance cannot go on.
-        Logs and ends this process with :data:`INSTANCE_FAILED_EXIT` (its supervisor restarts
-        the instance whole; the followers' collectives fail within ``collective_timeout_s``)."""
+        Kills the followers this process started, logs, and ends this process with
+        :data:`INSTANCE_FAILED_EXIT` (its supervisor restarts the instance whole; followers
+        placed elsewhere fail in their next collective)."""
         import sys
 
+        for p in self._procs:  # followers of this host: a stopped one would never leave
+            p.kill()
         _log.critical("instance failed in %s: %r", op, exc, exc_info=exc)
         print(f"k3serve: instance failed in {op}: {exc!r}", file=sys.stderr, flush=True)
         sys.stdout.flush()
@@ -377,12 +380,18 @@ class ParallelModelRunner(RankRunner):
         (a ``TemporaryDirectory``) that :meth:`close` stops and removes."""
         self._procs, self._tmp = list(procs), tmp
 
+    def follower_pids(self) -> list[int]:
+        """Process ids of the followers this process started (ranks 1 …; empty when another
+        launcher started them)."""
+        return [p.pid for p in self._procs]
+
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the follower processes ``start_instance`` started (idempotent; the ones that do
-        not leave within ``timeout`` seconds are killed) and leave the process group. Call it
-        when no other thread drives this runner any more."""
+        """Stop the followers (``stop``; the processes ``start_instance`` started and do not
+        leave within ``timeout`` seconds are killed; idempotent) and leave the process group.
+        Call it when no other thread drives this runner any more."""
         procs, self._procs = self._procs, []
-        if procs:
+        remote, self.rendezvous = self.rendezvous is not None, None
+        if procs or remote:
             try:
                 if all(p.is_alive() for p in procs):
                     self.stop()

@@ -24,7 +24,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopba
 ray = pytest.importorskip("ray", reason="Ray is an extra: pip install -e '.[ray]'")
 
 from deploy.config import load_deploy_config
-from deploy.ray_backend import deploy
+from deploy.ray_actors import argv_port
+from deploy.ray_backend import check_runnable, deploy
 from k3serve.protocol import CLUSTER_TOKEN_HEADER
 from tests.parallel.ray_cluster import alive, free_port, local_cluster
 
@@ -172,3 +173,19 @@ def test_a_config_the_engine_cannot_run_is_refused_before_any_actor(tmp_path):
                              cluster=dataclasses.replace(dc.cluster, nodes=8))
     with pytest.raises(ValueError, match=r"pools\.decode\.ep"):
         deploy(dc)  # no ray.init here: refused before Ray is touched
+
+
+def test_supernode_64_plans_but_its_attention_groups_are_refused_naming_the_field():
+    from deploy.plan import make_plan
+
+    dc = load_deploy_config(Path(__file__).resolve().parents[2] / "deploy" / "configs"
+                            / "supernode-64.yaml")
+    assert [i.ranks for i in make_plan(dc).instances] == [16] * 4
+    with pytest.raises(ValueError, match=r"pools\.prefill\.ep: 16 ranks in 2 attention groups"):
+        check_runnable(dc)
+
+
+def test_the_router_program_port_is_read_from_its_argv():
+    assert argv_port(["-m", "router.app", "--host", "h", "--port", "8123"]) == 8123
+    assert argv_port(["-m", "router.app", "--port", "{port}"]) == 0
+    assert argv_port(["-m", "x"]) == 0
