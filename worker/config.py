@@ -87,6 +87,9 @@ class WorkerConfig:
             arithmetic, ``k3serve.cache.specs.auto_dense_snapshot_blocks``; 0: off).
         tp, ep: tensor- / expert-parallel ranks of the instance (``--tp`` / ``--ep``; 1: one
             process). This process is rank 0 and starts the others (``k3serve.parallel``).
+        remote_ranks: ranks 1 … W−1 are started by another launcher (Ray rank actors on
+            other nodes): this process hosts their rendezvous and prints its address
+            (``k3serve.parallel.ranks``) instead of starting them.
         expert_plan: a planner placement file (``k3serve experts plan --json OUT``) for EP,
             or ``None`` (experts split contiguously).
         gpu_memory_utilization: CUDA: this worker's share of the card's total memory, counted
@@ -133,6 +136,7 @@ class WorkerConfig:
     tp: int = 1
     ep: int = 1
     expert_plan: str | None = None
+    remote_ranks: bool = False
 
     def __post_init__(self) -> None:
         for f in ("tp", "ep"):
@@ -214,6 +218,8 @@ def build_parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
                     help="tensor-parallel ranks (KDA / MLA heads split; this process is rank 0)")
     ap.add_argument("--ep", type=int, default=1,
                     help="expert-parallel ranks (1 or the same as --tp when both are > 1)")
+    ap.add_argument("--remote-ranks", action="store_true",
+                    help="ranks 1.. are started elsewhere (Ray): host their rendezvous")
     ap.add_argument("--expert-plan", default=None, metavar="PLAN.json",
                     help="expert placement from `k3serve experts plan --json` (with --ep)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -336,7 +342,9 @@ def _parallel_flags(a: argparse.Namespace) -> dict:
         raise SystemExit(f"--ep: {a.ep} != --tp {a.tp} (one group of ranks serves both)")
     if a.expert_plan is not None and a.ep == 1:
         raise SystemExit("--expert-plan: needs --ep > 1")
-    return {"tp": a.tp, "ep": a.ep, "expert_plan": a.expert_plan}
+    if a.remote_ranks and max(a.tp, a.ep) == 1:
+        raise SystemExit("--remote-ranks: needs --tp or --ep > 1")
+    return {"tp": a.tp, "ep": a.ep, "expert_plan": a.expert_plan, "remote_ranks": a.remote_ranks}
 
 
 __all__ = [

@@ -117,7 +117,8 @@ def instance_spec(config: WorkerConfig) -> Any:
 
 def build_parallel_engine(config: WorkerConfig) -> Any:
     """The engine of a multi-rank instance: this process becomes rank 0 and starts ranks
-    1 … W−1 (:func:`k3serve.parallel.runner.start_instance`); the engine drives rank 0's
+    1 … W−1 (:func:`k3serve.parallel.ranks.start_instance`), or, with ``remote_ranks``, waits
+    for the ranks another launcher starts (``start_remote_instance``); the engine drives rank 0's
     :class:`~k3serve.parallel.runner.ParallelModelRunner`, which broadcasts every op.
 
     Raises:
@@ -129,11 +130,12 @@ def build_parallel_engine(config: WorkerConfig) -> Any:
     from k3serve.engine.config import EngineConfig
     from k3serve.engine.engine import LLMEngine
     from k3serve.model.checkpoint_files import checkpoint_identity, random_init_identity
-    from k3serve.parallel.runner import start_instance
+    from k3serve.parallel.ranks import start_instance, start_remote_instance
     from k3serve.tokenizer import get_tokenizer
 
     spec = instance_spec(config)
-    runner = start_instance(spec)
+    runner = (start_remote_instance(spec, config.url_host) if config.remote_ranks
+              else start_instance(spec))
     try:
         cfg = runner.cfg
         tok = get_tokenizer(runner.folder if runner.folder else
