@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from k3serve.messages import CacheEvents
 from router.client import WorkerClient
@@ -45,6 +45,10 @@ class IndexSync:
         self.poll_timeout_s = poll_timeout_s
         self.unhealthy_after = unhealthy_after
         self.closed = False
+        #: Called with a worker's URL after its state was loaded anew (a new epoch: the
+        #: worker restarted with an empty cache, or a gap): what the router recorded of
+        #: prompts it sent there is void (:meth:`router.recent.RecentPlacements.forget`).
+        self.on_resync: Callable[[str], None] | None = None
 
     async def close(self) -> None:
         """Stop every poller and kick."""
@@ -100,6 +104,8 @@ class IndexSync:
                 except ValueError as e2:
                     raise WorkerError(w.url, str(e2)) from None
                 w.resyncs += 1
+                if self.on_resync:
+                    self.on_resync(w.url)
                 return
             if self.index.cursor(w.url)[1] >= events.last_seq:
                 return

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import secrets
@@ -65,6 +66,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("k3serve.router")
 
+
+@functools.lru_cache(maxsize=8)
+def model_positions(model: str) -> int:
+    """``max_position_embeddings`` of ``model``'s config (2²⁰ when it cannot be read)."""
+    from k3serve.config import load_config
+
+    try:
+        return load_config(model).max_position_embeddings
+    except (ValueError, OSError):
+        return 1 << 20
+
 class Router:
     """Request pipeline, worker pool and metrics of one router process.
 
@@ -92,7 +104,6 @@ class Router:
         # router.placement.tie_breaks); replicas start those rotations apart
         self._seq = itertools.count(0 if config.replica is None else secrets.randbits(16))
         self._background: set[asyncio.Task] = set()
-        self._model_len: int | None = None
         self._pd = False  # a prefill worker has registered: the stack is PD from then on
         self._busy_gate = BusyGate()
 
@@ -115,20 +126,10 @@ class Router:
     def max_model_len(self) -> int:
         """Longest prompt + output, tokens: config, else the smallest an available (healthy,
         breaker closed) worker reports, else the model config's ``max_position_embeddings``."""
-        if self.config.max_model_len:
-            return self.config.max_model_len
         reported = [w.info.max_model_len for w in self.registry.workers.values()
                     if w.info.max_model_len and w.available]
-        if reported:
-            return min(reported)
-        if self._model_len is None:
-            from k3serve.config import load_config
-
-            try:
-                self._model_len = load_config(self.config.model).max_position_embeddings
-            except (ValueError, OSError):
-                self._model_len = 1 << 20
-        return self._model_len
+        return (self.config.max_model_len or (min(reported) if reported else 0)
+                or model_positions(self.config.model))
 
     # ------------------------------------------------------------------ placement
     def place(self, ids: list[int], cache_salt: str | None, max_new: int,

@@ -92,6 +92,7 @@ class WorkerPool:
         self.registry.on_register = self.index_sync.start
         self.registry.on_remove = self.index_sync.stop
         self.registry.on_forget = self.recent.forget
+        self.index_sync.on_resync = self.recent.forget
         self.streams = DecodeStreams(self.client, DecodeChannels(self.client, self.workers),
                                      use_channels=channels)
 
