@@ -5,6 +5,8 @@
   with ``SPT_NOENV`` set (the default here, unless the environment sets it) it leaves the
   environment block alone, so ``/proc/PID/environ`` stays readable and a long title is cut to
   the argv area's length.
+* :func:`handled_signals` — route signals to a handler for the length of a ``with`` block
+  (a server's run), then restore the previous handlers; nothing is re-raised afterwards.
 * :class:`FlagParser` — an ``argparse.ArgumentParser`` that lists the actions of its arguments
   in ``flags``, so ``k3serve serve`` can pass the router's and the workers' own flags through
   without reading argparse's private fields.
@@ -13,7 +15,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from types import FrameType
 
 
 def set_title(title: str) -> None:
@@ -34,3 +41,21 @@ class FlagParser(argparse.ArgumentParser):
             self.flags: list[argparse.Action] = []
         self.flags.append(action)
         return action
+
+
+@contextlib.contextmanager
+def handled_signals(handler: Callable[[int, FrameType | None], None],
+                    signals: Iterable[signal.Signals]) -> Iterator[None]:
+    """Install ``handler`` for ``signals`` while the block runs and restore the old handlers
+    after it. Off the main thread (where Python cannot set handlers) it changes nothing.
+    Unlike uvicorn's ``Server.capture_signals`` it does not re-raise a handled signal at the
+    end (which ends a process with -15, or with a KeyboardInterrupt traceback)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

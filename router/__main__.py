@@ -18,14 +18,12 @@ import logging
 import signal
 import socket
 import sys
-import threading
-from collections.abc import Iterator
 from types import FrameType
 
 import uvicorn
-from k3serve.process import set_title
 
 from k3serve import tracing
+from k3serve.process import handled_signals, set_title
 from router.app import create_app
 from router.config import (
     ROUTER_HTTP,
@@ -52,17 +50,8 @@ class StoppingServer(uvicorn.Server):
     ``capture_signals`` it does not re-raise the handled signal after the run (which ends the
     process with -15, or a KeyboardInterrupt traceback)."""
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        old = {s: signal.signal(s, self.handle_exit) for s in STOP_SIGNALS}
-        try:
-            yield
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+        return handled_signals(self.handle_exit, STOP_SIGNALS)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:

@@ -24,15 +24,12 @@ import logging
 import signal
 import socket
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
 from k3serve import tracing
-from k3serve.process import set_title
-
+from k3serve.process import handled_signals, set_title
 from worker.base import BaseWorker
 from worker.config import Role, WorkerConfig, parse_config
 
@@ -84,17 +81,8 @@ def _server_cls() -> type:
             self.worker, self.app = worker, app
             self.drain_task: asyncio.Task | None = None
 
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            old = {s: signal.signal(s, self.handle_exit) for s in DRAIN_SIGNALS}
-            try:
-                yield
-            finally:
-                for s, h in old.items():
-                    signal.signal(s, h)
+        def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+            return handled_signals(self.handle_exit, DRAIN_SIGNALS)
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             loop = self.worker.aloop
