@@ -7,7 +7,7 @@ The same prompts and the same engine flags three ways, in one run:
    drives ``engine.step()`` itself, adding each request at its arrival time; times from the
    arrival to the first token (TTFT) and between tokens (ITL) are read at each step;
 2. monolithic — ``deploy.launcher.start_stack(monolithic=1)``, the load sent through the
-   router by ``k3serve.bench`` (streaming ``/v1/completions``);
+   router by ``cli.bench`` (streaming ``/v1/completions``);
 3. prefill + decode — ``start_stack(num_prefill=1, num_decode=1)``, the same load.
 
 Per shape (``--shapes IN:OUT,…``; default ``1024:128,128:1024``; ``--input-len`` /
@@ -63,9 +63,9 @@ PCTS = (50, 90, 99)
 # ---------------------------------------------------------------------------- workloads
 def workload(input_len: int, output_len: int, num: int, rate: float, vocab: int,
              seed: int) -> list:
-    """The requests of one run (``k3serve.bench.workload.random_load``): the offline child
+    """The requests of one run (``cli.bench.workload.random_load``): the offline child
     and the load generator build the same list from the same arguments."""
-    from k3serve.bench.workload import random_load
+    from cli.bench.workload import random_load
 
     return random_load(rate=rate, input_len=input_len, output_len=output_len, num=num,
                        vocab_size=vocab, seed=seed).requests
@@ -176,7 +176,7 @@ def device_flags(args: argparse.Namespace) -> list[str]:
 def worker_metrics(url: str, token: str) -> dict[str, float]:
     import httpx
 
-    from k3serve.bench.client import parse_prometheus
+    from cli.bench.client import parse_prometheus
     from k3serve.protocol import CLUSTER_TOKEN_HEADER
 
     r = httpx.get(f"{url}/metrics", headers={CLUSTER_TOKEN_HEADER: token}, timeout=10)
@@ -192,9 +192,9 @@ def served_runs(args: argparse.Namespace, mode: str, runs: list[dict], vocab: in
     """Start the ``mode`` stack (``mono`` / ``pd``), send ten single requests then every run;
     returns ``{first_ttft_s, tenth_ttft_s, startup_s, runs: [...]}``."""
     from deploy.launcher import start_stack
-    from k3serve.bench.client import run_load
-    from k3serve.bench.report import summarize
-    from k3serve.bench.workload import Workload
+    from cli.bench.client import run_load
+    from cli.bench.report import summarize
+    from cli.bench.workload import Workload
 
     t = time.perf_counter()
     stack = start_stack(

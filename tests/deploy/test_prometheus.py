@@ -74,10 +74,14 @@ PROMPT, CACHED, PREDICTED = ("k3serve:request_prompt_tokens_total",
                              "k3serve:router_predicted_cached_tokens_total")
 
 
-def _router_counters(url: str) -> dict[tuple[str, str], float]:
-    """``{(metric, worker): value}`` summed over other labels, plus ``(metric, "")`` totals."""
+def _router_counters(url: str, key: str | None = None) -> dict[tuple[str, str], float]:
+    """``{(metric, worker): value}`` summed over other labels, plus ``(metric, "")`` totals
+    (``key``: the router's API key, which ``/metrics`` asks for when one is set)."""
     sums: dict[tuple[str, str], float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.get(f"{url}/metrics", timeout=5, headers=headers)
+    r.raise_for_status()
+    for line in r.text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in (PROMPT, CACHED, PREDICTED):
             worker = line.split('worker="', 1)[1].split('"', 1)[0]
@@ -133,7 +137,7 @@ def test_real_prometheus_records_the_routers_hit_rate(tmp_path):
                 r = httpx.post(f"{stack.url}/v1/completions", headers=headers, timeout=120,
                                json={"model": "k3-tiny", "prompt": prompt, "max_tokens": 2})
                 assert r.status_code == 200, r.text
-        want = _router_counters(stack.url)
+        want = _router_counters(stack.url, "k")
         assert want[CACHED, ""] > 0
         # until Prometheus has scraped the final counters and evaluated the rules after that
         deadline = time.monotonic() + 60
