@@ -89,7 +89,9 @@ def _public_routes(app: FastAPI, router: Router, config: RouterConfig,
     """``/v1/*``, ``/health``, ``/livez``, ``/readyz`` and ``/metrics``.
 
     With an API key set, ``/metrics`` and ``/health?detail=1`` (worker URLs and ports) ask
-    for it too (401); plain ``/health``, ``/livez`` and ``/readyz`` stay open for probes."""
+    for it too (401; ``/health?detail=1`` also takes the cluster token, which the workers show
+    when they check their registration); plain ``/health``, ``/livez`` and ``/readyz`` stay
+    open for probes."""
     check_api_key = handler.check_api_key
 
     # The bodies are parsed by hand (parse_request: caps, surrogates, the model's name); the
@@ -122,8 +124,9 @@ def _public_routes(app: FastAPI, router: Router, config: RouterConfig,
     @app.get("/health", response_model=RouterHealth, response_model_exclude_none=True,
              responses={503: {"model": RouterHealth}})
     async def health(request: Request, detail: int = 0) -> JSONResponse:
-        if detail:
-            check_api_key(request)
+        if detail and not (config.cluster_token and same_secret(
+                request.headers.get(CLUSTER_TOKEN_HEADER), config.cluster_token)):
+            check_api_key(request)  # a worker checking its registration shows the cluster token
         reg, index = router.pool.registry, router.pool.index
         live_p, live_d = reg.live("prefill"), reg.live("decode")
         ok = ready()

@@ -84,12 +84,17 @@ def choose(index: GlobalIndex, layout: tuple[str, int], prefill: Sequence[Worker
     store = match.get(STORE) if decode else None  # the shared store's content, if reported
     t = time.monotonic() if now is None else now
     pending = recent.match(hashes, req.max_cached_blocks, t) if recent is not None else {}
-    rates = {w.url: w.measured_rate or w.info.prefill_rate or prefill_rate for w in prefill}
+    # a worker that has not measured its rate yet is priced at its peers' measured rate (their
+    # median), not at the static guess: a static rate far above what the hardware computes
+    # would make every unmeasured worker look like the cheapest place to recompute a prefix
+    measured = sorted(w.measured_rate for w in prefill if w.measured_rate)
+    fallback = measured[len(measured) // 2] if measured else prefill_rate
+    rates = {w.url: w.measured_rate or w.info.prefill_rate or fallback for w in prefill}
     chain = (recent.extended(hashes, t, prefill[0].recent.horizon_s, rates)
              if recent is not None and prefill else {})
     pstates = []
     for w in prefill:
-        static = w.info.prefill_rate or prefill_rate
+        static = w.info.prefill_rate or fallback
         rate = rates[w.url]
         pstates.append(live_view(w.url, match.get(w.url), store, w.placement_queued(rate, now),
                                  static, w.placement_load, now, pending=pending.get(w.url),

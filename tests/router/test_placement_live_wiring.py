@@ -78,7 +78,8 @@ def test_choose_records_the_prompt_and_the_next_extension_meets_it():
 
 
 def test_choose_prices_the_queue_at_the_measured_rate():
-    """The measured rate, not the static --prefill-rate, reaches the views."""
+    """The measured rate, not the static --prefill-rate, reaches the views; an unmeasured
+    worker is priced at its peers' measured rate."""
     seen = []
 
     def record(req, workers, params):
@@ -93,7 +94,13 @@ def test_choose_prices_the_queue_at_the_measured_rate():
         choose(router.pool.index, (FINGERPRINT, B), wl[:2], wl[2:], list(range(1, 100)), None,
                4, 0, "_rec", router.config.placement, 10_000.0, RecentPlacements())
         v = {w.worker_id: w for w in seen[-1]}
-        assert v["http://p0"].rate == 250.0 and v["http://p1"].rate == 10_000.0
+        # p1 has measured nothing yet: priced at its peers' measured rate, not the static guess
+        assert v["http://p0"].rate == 250.0 and v["http://p1"].rate == 250.0
+        # with no measurement anywhere, the static rate
+        router.pool.workers["http://p0"].report(WorkerLoad())
+        choose(router.pool.index, (FINGERPRINT, B), wl[:2], wl[2:], list(range(1, 100)), None,
+               4, 0, "_rec", router.config.placement, 10_000.0, RecentPlacements())
+        assert {w.rate for w in seen[-1]} == {10_000.0}
     finally:
         POLICIES.pop("_rec", None)
         asyncio.run(router.close())
