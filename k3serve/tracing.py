@@ -29,6 +29,8 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 TRACEPARENT = "traceparent"
+#: Seconds one OTLP export may take (then the batch is dropped).
+EXPORT_TIMEOUT_S = 2.0
 #: The environment variable OpenTelemetry SDKs (and vLLM) read for the OTLP traces endpoint:
 #: the default of ``--otlp-traces-endpoint`` on the router and the workers.
 ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
@@ -71,8 +73,11 @@ def configure(service: str, endpoint: str | None) -> bool:
         if _provider is not None:
             _provider.shutdown()
         provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        # bounded export: a collector that accepts and never answers delays neither serving
+        # (the batch is exported off the request path) nor shutdown by more than ~2 s
         provider.add_span_processor(BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=endpoint), schedule_delay_millis=200))
+            OTLPSpanExporter(endpoint=endpoint, timeout=EXPORT_TIMEOUT_S),
+            schedule_delay_millis=200, export_timeout_millis=int(EXPORT_TIMEOUT_S * 1000)))
         _provider = provider
         _tracer = provider.get_tracer("k3serve")
         _propagator = TraceContextTextMapPropagator()

@@ -243,6 +243,10 @@ class FunctionDef(_Request):
         """``parameters`` must be a valid JSON Schema (checked against the metaschema its
         ``$schema`` names, draft 2020-12 by default), whatever ``tool_choice`` says."""
         if self.parameters is not None:
+            meta = self.parameters.get("$schema")
+            if meta is not None and not isinstance(meta, str):
+                raise ValueError(f"parameters: the tool `{self.name}` has an invalid JSON "
+                                 f"schema: `$schema` must be a URI string, got {meta!r}")
             try:
                 jsonschema.validators.validator_for(
                     self.parameters, jsonschema.Draft202012Validator).check_schema(

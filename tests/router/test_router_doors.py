@@ -25,8 +25,14 @@ def client():
 def test_keyed_routes_answer_401_without_the_key(client, path):
     for headers in [{}, {"Authorization": "Bearer wrong"}, {"X-K3serve-Cluster-Token": "tok"}]:
         r = client.get(path, headers=headers)
+        if path == "/health?detail=1" and "X-K3serve-Cluster-Token" in headers:
+            # the workers check their registration with the cluster token, not an API key
+            assert r.status_code in (200, 503) and r.json()["workers"] == [], r.text
+            continue
         assert r.status_code == 401, (path, headers, r.text)
         assert r.json()["error"]["code"] == "invalid_api_key"
+    r = client.get("/health?detail=1", headers={"X-K3serve-Cluster-Token": "wrong"})
+    assert r.status_code == 401, r.text
     for key in ("sk-a", "sk-b"):
         r = client.get(path, headers={"Authorization": f"Bearer {key}"})
         assert r.status_code in (200, 503), (path, r.text)  # 503: /health with no worker
@@ -74,6 +80,18 @@ def test_an_invalid_tool_schema_is_400_naming_the_tool(client, tool_choice):
     err = r.json()["error"]
     assert err["param"] == "tools" and "get_w" in err["message"]
     assert "invalid JSON schema" in err["message"]
+
+
+@pytest.mark.parametrize("meta", [[1], {"a": 1}, 5])
+def test_a_non_string_schema_uri_is_400_not_a_server_error(client, meta):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                "$schema": meta, "type": "object"}}}]}
+    r = client.post("/v1/chat/completions", json=body,
+                    headers={"Authorization": "Bearer sk-a"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools" and "`f`" in err["message"] and "$schema" in err["message"]
 
 
 def test_a_valid_tool_schema_passes_the_door(client):

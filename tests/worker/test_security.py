@@ -164,10 +164,15 @@ def test_every_router_route_needs_the_token_or_the_api_key():
                 r = client.request(method, path, headers=h, json={"url": "http://127.0.0.1:9"})
                 assert r.status_code in (401, 403), (method, path, h, r.text)
         for method, path in public_api:
-            for h in [{}, {"Authorization": "Bearer wrong"}, {CLUSTER_TOKEN_HEADER: TOKEN}]:
+            for h in [{}, {"Authorization": "Bearer wrong"}, {CLUSTER_TOKEN_HEADER: TOKEN},
+                      {CLUSTER_TOKEN_HEADER: "wrong"}]:
+                if path == "/health?detail=1" and h.get(CLUSTER_TOKEN_HEADER) == TOKEN:
+                    continue  # the workers read it with the cluster token (below)
                 r = client.request(method, path, headers=h, json={"model": "k3-tiny",
                                                                   "prompt": "x"})
                 assert r.status_code == 401, (method, path, h, r.text)
+        r = client.get("/health?detail=1", headers={CLUSTER_TOKEN_HEADER: TOKEN})
+        assert r.status_code == 503 and r.json()["workers"] == [], r.text
         assert app.state.router.pool.workers == {}
 
 
