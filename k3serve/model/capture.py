@@ -1,0 +1,115 @@
+"""KDA inputs kept from a verify forward, and the replay of an accepted prefix.
+
+A speculative verify forward feeds each sequence ``1 + k`` tokens (the last sampled token and
+``k`` proposed ones) but only an accepted prefix of them may enter the recurrent state. With a
+:class:`KDACapture` on the batch, every KDA layer reads its slots' states (initial state of the
+chunked kernel, conv history) and writes neither; it keeps, per new token, the inputs of the
+state update instead::
+
+    pre   [T, 3·H·K]  pre-conv q | k | v inputs (the conv state is the last W−1 of them)
+    k     [T, H, K]   L2-normalised keys        v    [T, H, V]
+    g     [T, H, K]   log-decay (≤ 0)           beta [T, H]
+
+(≈ 6·H·K values per token per layer, against ``H·K·V`` for a per-position state snapshot —
+the replay idea of SGLang's ReplaySSM and the K3 report). :func:`replay` then advances each
+slot over a chosen range of its tokens with the decode step kernel
+(:func:`k3serve.kernels.dispatch.fused_recurrent_kda_step`, Kimi Linear arXiv 2510.26692 §3:
+``S ← diag(exp g) S;  S ← S + β k (v − Sᵀk)ᵀ``) and shifts the conv history by exactly the
+accepted pre-conv inputs, so the slot ends holding the state of the accepted tokens alone.
+MLA latents need no replay: the verify forward writes every token's latent at its position,
+positions past the accepted prefix are never read (attention reads ``seq_lens``) and are
+overwritten by the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from k3serve.kernels import dispatch
+
+
+@dataclass
+class LayerInputs:
+    """One KDA layer's state-update inputs for the forward's ``T`` new tokens (shapes above)."""
+
+    pre: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+
+@dataclass
+class KDACapture:
+    """Per-layer KDA inputs of one verify forward (filled by the KDA mixers).
+
+    Attributes:
+        cu_seqlens: ``N+1`` host ints, the forward's row boundaries in the ``T`` tokens.
+        layers: KDA layer index ``j`` (into ``kda_state``) → :class:`LayerInputs`.
+    """
+
+    cu_seqlens: tuple[int, ...]
+    layers: dict[int, LayerInputs] = field(default_factory=dict)
+
+    def put(self, j: int, pre: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            g: torch.Tensor, beta: torch.Tensor) -> None:
+        """Keep layer ``j``'s inputs (tensors as documented in the module docstring)."""
+        self.layers[j] = LayerInputs(pre, k, v, g.float(), beta.float())
+
+
+@torch.inference_mode()
+def replay(
+    capture: KDACapture,
+    kda_state: torch.Tensor,
+    conv_state: torch.Tensor,
+    rows: Sequence[int],
+    slots: Sequence[int],
+    starts: Sequence[int],
+    lengths: Sequence[int],
+) -> None:
+    """Advance slots over captured tokens: for each ``i``, row ``rows[i]``'s tokens
+    ``[starts[i], starts[i] + lengths[i])`` (offsets inside the row) enter ``slots[i]``'s KDA
+    and conv states, in every KDA layer. Mutates the pools.
+
+    Args:
+        capture: the verify forward's inputs.
+        kda_state: ``[L_kda, S, H, K, V]`` float32 pool. conv_state: ``[L_kda, S, W-1, C]``.
+        rows, slots, starts, lengths: equal-length lists; ``lengths`` ≥ 0, distinct slots.
+
+    Raises:
+        ValueError: mismatched lists, or a range outside its row.
+    """
+    n = len(rows)
+    if not (len(slots) == len(starts) == len(lengths) == n):
+        raise ValueError("replay: rows, slots, starts, lengths differ in length")
+    cu = capture.cu_seqlens
+    for r, s, m in zip(rows, starts, lengths):
+        if s < 0 or m < 0 or cu[r] + s + m > cu[r + 1]:
+            raise ValueError(f"replay: tokens [{s}, {s + m}) outside row {r} ({cu[r + 1] - cu[r]})")
+    live = [i for i in range(n) if lengths[i] > 0]
+    if not live:
+        return
+    dev = kda_state.device
+    w1 = conv_state.shape[2]
+    for j, x in capture.layers.items():
+        pool = kda_state[j]
+        for t in range(max(lengths[i] for i in live)):
+            act = [i for i in live if lengths[i] > t]
+            tok = torch.tensor([cu[rows[i]] + starts[i] + t for i in act], device=dev)
+            sl = torch.tensor([slots[i] for i in act], device=dev)
+            k = x.k.index_select(0, tok)
+            dispatch.fused_recurrent_kda_step(
+                k, k, x.v.index_select(0, tok), x.g.index_select(0, tok),
+                x.beta.index_select(0, tok), pool, sl,
+            )  # fmt: skip
+        for i in live:  # conv history: the last W−1 of [history ; accepted pre-conv inputs]
+            a = cu[rows[i]] + starts[i]
+            hist = torch.cat([conv_state[j, slots[i]], x.pre[a : a + lengths[i]].to(
+                conv_state.dtype)], 0)  # fmt: skip
+            conv_state[j, slots[i]] = hist[-w1:]
+
+
+__all__ = ["KDACapture", "LayerInputs", "replay"]
