@@ -74,13 +74,20 @@ def replay(
     ``[starts[i], starts[i] + lengths[i])`` (offsets inside the row) enter ``slots[i]``'s KDA
     and conv states, in every KDA layer. Mutates the pools.
 
+    Every KDA layer is replayed at once: the pool ``[L_kda, S, H, K, V]`` is viewed as
+    ``L_kda · S`` rows and step ``t`` advances all ``(layer, slot)`` pairs whose range has a
+    ``t``-th token in one decode-step call; the index tables go to the device in one copy.
+    The conv histories are gathered from ``[history ; captured pre-conv inputs]`` in one go.
+
     Args:
         capture: the verify forward's inputs.
-        kda_state: ``[L_kda, S, H, K, V]`` float32 pool. conv_state: ``[L_kda, S, W-1, C]``.
+        kda_state: ``[L_kda, S, H, K, V]`` float32 pool (contiguous).
+        conv_state: ``[L_kda, S, W-1, C]`` pool (contiguous).
         rows, slots, starts, lengths: equal-length lists; ``lengths`` ≥ 0, distinct slots.
 
     Raises:
-        ValueError: mismatched lists, or a range outside its row.
+        ValueError: mismatched lists, a range outside its row, a capture without every KDA
+            layer.
     """
     n = len(rows)
     if not (len(slots) == len(starts) == len(lengths) == n):
@@ -90,26 +97,50 @@ def replay(
         if s < 0 or m < 0 or cu[r] + s + m > cu[r + 1]:
             raise ValueError(f"replay: tokens [{s}, {s + m}) outside row {r} ({cu[r + 1] - cu[r]})")
     live = [i for i in range(n) if lengths[i] > 0]
-    if not live:
+    if not live or not capture.layers:
         return
     dev = kda_state.device
+    layers = sorted(capture.layers)
+    nl, t_all, num_slots = len(layers), cu[-1], kda_state.shape[1]
+    xs = [capture.layers[j] for j in layers]
+    k = torch.stack([x.k for x in xs]).flatten(0, 1)  # [nl·T, H, K]
+    v = torch.stack([x.v for x in xs]).flatten(0, 1)
+    g = torch.stack([x.g for x in xs]).flatten(0, 1)
+    beta = torch.stack([x.beta for x in xs]).flatten(0, 1)
+    if layers != list(range(kda_state.shape[0])):
+        raise ValueError(f"replay: the capture holds KDA layers {layers}, not all of them")
+    pool = kda_state.view(-1, *kda_state.shape[2:])  # [L_kda·S, H, K, V], rows j·S + slot
+    # host index tables: step t → (token row in [nl·T], pool row in [nl·S]) of active pairs
+    steps, offs = [], [0]
+    for t in range(max(lengths[i] for i in live)):
+        act = [i for i in live if lengths[i] > t]
+        steps += [li * t_all + cu[rows[i]] + starts[i] + t for li in range(nl) for i in act]
+        steps += [layers[li] * num_slots + slots[i] for li in range(nl) for i in act]
+        offs.append(len(steps))
+    idx = torch.tensor(steps, dtype=torch.int64)
+    idx = idx.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else idx.to(dev)
+    for t in range(len(offs) - 1):
+        a, b = offs[t], offs[t + 1]
+        tok, sl = idx[a : (a + b) // 2], idx[(a + b) // 2 : b]
+        kt = k.index_select(0, tok)
+        dispatch.fused_recurrent_kda_step(kt, kt, v.index_select(0, tok),
+                                          g.index_select(0, tok), beta.index_select(0, tok),
+                                          pool, sl)  # fmt: skip
+    # conv: new history = the last W−1 of [history ; accepted pre-conv inputs], per slot
     w1 = conv_state.shape[2]
-    for j, x in capture.layers.items():
-        pool = kda_state[j]
-        for t in range(max(lengths[i] for i in live)):
-            act = [i for i in live if lengths[i] > t]
-            tok = torch.tensor([cu[rows[i]] + starts[i] + t for i in act], device=dev)
-            sl = torch.tensor([slots[i] for i in act], device=dev)
-            k = x.k.index_select(0, tok)
-            dispatch.fused_recurrent_kda_step(
-                k, k, x.v.index_select(0, tok), x.g.index_select(0, tok),
-                x.beta.index_select(0, tok), pool, sl,
-            )  # fmt: skip
-        for i in live:  # conv history: the last W−1 of [history ; accepted pre-conv inputs]
-            a = cu[rows[i]] + starts[i]
-            hist = torch.cat([conv_state[j, slots[i]], x.pre[a : a + lengths[i]].to(
-                conv_state.dtype)], 0)  # fmt: skip
-            conv_state[j, slots[i]] = hist[-w1:]
+    sl_live = [slots[i] for i in live]
+    ext_idx = []
+    for r_, i in enumerate(live):
+        m, base = lengths[i], cu[rows[i]] + starts[i]
+        for p in range(m, m + w1):  # position p of [history (w1) ; new (m)], the last w1
+            ext_idx.append(r_ * w1 + p if p < w1 else len(live) * w1 + base + p - w1)
+    pre = torch.stack([x.pre for x in xs]).to(conv_state.dtype)  # [nl, T, C]
+    lj = torch.tensor(layers, device=dev)
+    st = torch.tensor(sl_live, device=dev)
+    hist = conv_state[lj][:, st].flatten(1, 2)  # [nl, N·w1, C]
+    ext = torch.cat([hist, pre], 1)
+    new = ext[:, torch.tensor(ext_idx, device=dev)].view(nl, len(live), w1, -1)
+    conv_state[lj[:, None], st[None, :]] = new
 
 
 __all__ = ["KDACapture", "LayerInputs", "replay"]
