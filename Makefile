@@ -10,7 +10,7 @@ PORT ?= 8000
 # Extra flags for `k3serve serve`, e.g. make serve ARGS="--prefill 1 --decode 2 --api-key KEY"
 ARGS ?=
 
-.PHONY: install sysdeps serve test bench dashboards plan clean
+.PHONY: install sysdeps serve test test-fast bench dashboards plan clean
 
 sysdeps:
 	@missing=""; for p in $(APT_PKGS); do \
@@ -24,7 +24,7 @@ sysdeps:
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[cpu,dev,ray]'
+	$(PIP) install -q -e '.[cpu,dev,ray,otel]'
 	@touch $@
 
 install: sysdeps $(VENV)/.installed
@@ -44,8 +44,24 @@ CONFIG ?= deploy/configs/supernode-64.yaml
 plan: install
 	$(VENV)/bin/k3serve plan --config $(CONFIG)
 
+# The full suite: every test (CPU-only tests of GPU paths included; `gpu` tests skip on CPU).
 test: install
 	$(PY) -m pytest -q -ra --durations=30 tests
+
+# The inner-loop tier, ≤ 3 minutes on 2 cores: the unit files of the invariants, selected by
+# path — cache (hashing, allocation, prefix hits), sampler, placement, hit-rate metrics,
+# detokenizer and tokenizer, tool-call parser, grammar masks, store units, the simulator, the
+# KDA and MLA kernels against their references at small shapes, the parallel layout, the memory
+# plan and the package import rules. Tests marked `slow` in these files are left out (pytest -m).
+# No live stacks, no Triton interpreter; `make test` runs everything.
+FAST_TESTS := tests/cache tests/engine/test_sampler.py tests/router/test_placement.py \
+	tests/router/test_placement_load.py tests/router/test_router_metrics.py \
+	tests/router/test_tools_parser.py tests/tokenizer tests/structured \
+	tests/kvstore/test_store_units.py tests/simulate tests/kernels/test_kda.py \
+	tests/kernels/test_mla_prefill_sdpa.py \
+	tests/parallel/test_parallel_layout.py tests/deploy/test_plan.py tests/test_package_imports.py
+test-fast: install
+	$(PY) -m pytest -q -ra -m "not slow and not gpu" $(FAST_TESTS)
 
 # CPU benchmarks (speed is printed and written as JSON, never asserted); the gpu_*.py ones need a
 # CUDA GPU and are not run here. Each writes $(BENCH_OUT)/NAME.json. Sizes are modest where a

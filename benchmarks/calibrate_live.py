@@ -31,9 +31,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
+    from cli.bench.client import run_load
+    from cli.bench.workload import BenchRequest
     from deploy.launcher import start_stack
-    from k3serve.bench.client import run_load
-    from k3serve.bench.workload import BenchRequest
     from simulate.calibration import SCHEMA, Calibration
     from simulate.live import LIVE_CALIBRATION
 

@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from k3serve.parallel import planner
+from deploy import experts as planner
 
 COUNTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data",
                       "expert_load_zipf_896x12.json")

@@ -41,7 +41,7 @@ from k3serve.config import PRESETS
 from k3serve.kernels.moe import grouped_triton as gt
 from k3serve.kernels.moe.naive import routed_experts_loop
 from k3serve.kernels.mxfp4 import pack_mxfp4, unpack_mxfp4
-from k3serve.model.layers import situ_glu
+from k3serve.kernels.naive import situ_glu
 
 T = gt.Tiles
 CANDIDATES = (  # MXFP4; None (the heuristic: 16/32/128/4/4 up to 16 rows per expert) first

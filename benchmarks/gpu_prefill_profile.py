@@ -101,7 +101,7 @@ def install_labels(lab: Labels):
     layers.RMSNorm.forward = lab.wrap("rmsnorm", layers.RMSNorm.forward)
     layers.GatedRMSNorm.forward = lab.wrap("gated_norm", layers.GatedRMSNorm.forward)
     nn.Linear.forward = lab.wrap("linear", nn.Linear.forward)
-    kda.causal_conv_varlen = lab.wrap("conv", kda.causal_conv_varlen)
+    dispatch.conv_varlen = lab.wrap("conv", dispatch.conv_varlen)
     kda.l2norm = lab.wrap("l2norm", kda.l2norm)
     kda.kda_gate = lab.wrap("gate", kda.kda_gate)
     for name in ("chunk_kda", "routed_experts", "mla_prefill_paged", "attn_res_mix_prefill"):

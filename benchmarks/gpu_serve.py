@@ -87,7 +87,7 @@ def write_checkpoint(folder: Path) -> None:
     import torch
     from gpu_e2e import build
 
-    from k3serve.model.checkpoint import save_checkpoint
+    from k3serve.model.checkpoint_save import save_checkpoint
 
     folder.mkdir(parents=True, exist_ok=True)
     model, cfg, _ = build(on_gpu=True)

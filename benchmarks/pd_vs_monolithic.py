@@ -20,10 +20,10 @@ import json
 import tempfile
 from pathlib import Path
 
+from cli.bench.client import run_load
+from cli.bench.report import summarize
+from cli.bench.workload import trace_load
 from deploy.launcher import start_stack
-from k3serve.bench.client import run_load
-from k3serve.bench.report import summarize
-from k3serve.bench.workload import trace_load
 from k3serve.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def main() -> int:
     if a.out:
         Path(a.out).write_text(json.dumps(reps, indent=2) + "\n")
     if a.plots:
-        from k3serve.bench.plots import write_plots
+        from cli.bench.plots import write_plots
 
         first, second = list(runs)
         write_plots(runs[first], a.plots, title=f"{first} vs {second}",

@@ -17,9 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from k3serve.traces import load_trace
+from simulate.config import SimConfig, trace_facts
+from simulate.engine import replay
+from simulate.traces import load_trace
 from router.policies.home import HomeParams
-from simulate.engine import SimConfig, replay, trace_facts
 
 _T: dict = {}
 

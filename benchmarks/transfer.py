@@ -1,37 +1,42 @@
 """kvstore transfer benchmark: k3-tiny- and k3-mini-shaped payloads between two processes.
 
 A decode peer (``python -m kvstore.loopback``) holds the destination pools; this process is the
-prefill side. Per preset it measures, on the same pools and the same merged runs:
+prefill side. Per preset it measures, on the same pools and the same merged runs, interleaved
+repetitions in one run:
 
 * raw TE   — ``TransferEngine.batch_transfer_sync_write`` of the runs (sub-batches ≤ 32 MiB),
   addresses computed beforehand: the floor kvstore is compared to;
-* kvstore  — ``KVSender`` from construction (HTTP pairing with fingerprint check included) to
-  SUCCESS (all writes confirmed + completion notify sent), every layer ready at once;
-  ``excl. pairing`` starts the clock at pairing done;
-* descriptors per request with contiguous pages and with a random (fragmented) page list;
+* in-stack — a ``KVSender`` driven like the prefill worker drives it: ``poll()`` once per
+  simulated engine step (``--step-ms``), pairing first (the peer's TE connection already
+  open), then every layer ready at once (``finish``). ``in-stack s`` = last write confirmed −
+  last layer ready (the sender's ``t_written``), ``done s`` = until its completion message
+  was delivered (``t_done``), ``pair s`` = pairing; ``stack/raw`` = raw time ÷ in-stack time;
+* tight    — the same with the sender polled continuously (``--step-ms 0`` alone);
+* the same two on a random (fragmented) page list;
 * overlap — a simulated prefill: a sleep of ``layer_ms`` per layer, ``layer_ready(l)`` after
-  each; ``hidden`` = share of the kvstore transfer time that disappeared behind the compute:
-  (compute + transfer − measured) / transfer.
+  each, ``poll()`` once per layer; ``exposed`` = last write confirmed − last layer ready.
 
 The receiver confirms each transfer (its manifest check); the first repetition of each preset
 also compares a SHA-256 of the request's bytes on both sides.
 
 GPU pools (``--device cuda``, both processes' pools on the GPU): ``--staging host`` sends them
-through the pinned host mirrors (:mod:`kvstore.staging`: device → host copy per layer at the
-sender, TE host → host, host → device at the receiver before SUCCESS — ``stage-in ms`` is that
-last copy, timed in the peer, and ``kv+in GB/s`` counts it); ``--staging direct`` registers the
-GPU pools with the TE (Mooncake's tcp transport then moves CUDA memory itself). ``raw`` is TE on
-whatever is registered (host mirrors, or GPU memory). ``--json PATH`` writes the rows.
+through the pinned host mirrors (:mod:`kvstore.staging`); ``--staging direct`` registers the GPU
+pools with the TE. ``raw`` is TE on whatever is registered (host mirrors, or GPU memory).
 
-Usage: ``python benchmarks/transfer.py [--presets k3-tiny,k3-mini] [--reps 5]
-[--device cpu|cuda] [--staging auto|host|direct] [--json PATH]``
+Writes a JSON result (``--json``, default ``transfer.json``): the command, date, host and one
+row per preset with every median above and the per-repetition times.
+
+Usage: ``python benchmarks/transfer.py [--presets k3-tiny,k3-mini] [--tokens 1024] [--reps 5]
+[--step-ms 20] [--device cpu|cuda] [--staging auto|host|direct] [--json PATH]``
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
 import random
 import select
 import statistics
@@ -116,19 +121,38 @@ def _ref(d: dict) -> CacheRef:
     return CacheRef(d["slot"], tuple(d["pages"]), d["num_tokens"])
 
 
-def _drive(tx: KVSender, timeout_s: float = 60.0) -> None:
+def _drive(tx: KVSender, step_s: float, timeout_s: float = 60.0, until=None) -> None:
+    """Poll ``tx`` once per ``step_s`` (a worker polls once per engine step) until ``until()``
+    (default: terminal)."""
+    until = until or (lambda: tx.state.terminal)
     t_end = time.monotonic() + timeout_s
-    while not tx.poll().terminal:
+    while not until():
         if time.monotonic() > t_end:
-            raise RuntimeError("sender did not finish")
-        time.sleep(0.0002)
-    if tx.state != KVPoll.SUCCESS:
-        raise RuntimeError(f"transfer failed: {tx.error}")
+            raise RuntimeError(f"sender stuck in {tx.state.name}: {tx.error}")
+        time.sleep(step_s or 0.0002)
+        tx.poll()
 
 
-def bench_preset(name: str, reps: int, device: str = "cpu", staging: str = "auto") -> dict:
+def _meta(ticket: str, n: int) -> TransferMetadata:
+    return TransferMetadata(request_id=ticket, prompt_token_ids=list(range(n)), token_id=1,
+                            sampling=SamplingSpec(), position=n)
+
+
+def _batches(runs: list, limit: int = 32 << 20) -> list[list]:
+    out, cur, size = [], [], 0
+    for r in runs:
+        if cur and size + r.length > limit:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(r)
+        size += r.length
+    return out + [cur]
+
+
+def bench_preset(name: str, reps: int, tokens: int | None = None, step_ms: float = 20.0,
+                 device: str = "cpu", staging: str = "auto") -> dict:
     cfg = PRESETS[name]
-    n = TOKENS[name]
+    n = tokens or TOKENS[name]
     k = -(-n // BLOCK)
     pages = 2 * k + 4
     peer = Peer(name, 2, pages, device, staging)
@@ -142,6 +166,7 @@ def bench_preset(name: str, reps: int, device: str = "cpu", staging: str = "auto
     dst_contig = {"slot": 1, "pages": list(range(k + 2, 2 * k + 2)), "num_tokens": n}
     src_frag = CacheRef(1, tuple(rng.sample(range(pages), k)), n)
     dst_frag = {"slot": 0, "pages": rng.sample(range(pages), k), "num_tokens": n}
+    step_s = step_ms / 1e3
     try:
         # destination layout, as a sender learns it (pairing a throwaway ticket)
         t0 = peer.cmd(op="register", **dst_contig)["ticket"]
@@ -151,102 +176,98 @@ def bench_preset(name: str, reps: int, device: str = "cpu", staging: str = "auto
             layout.fingerprint(),
         )
         dst_layout, sid = PoolLayout.from_msg(resp.layout), resp.session_id
-        plan = plan_runs(layout, src_contig, dst_layout, CacheRef.from_msg(resp.dst))
-        runs = [r for l in sorted(plan) for r in plan[l]]
-        payload = sum(r.length for r in runs)
-        formula = cfg.kda_state_bytes_per_seq() + n * cfg.mla_latent_bytes_per_token()
-        assert payload == formula, (payload, formula)
-        frag_runs = sum(map(len, plan_runs(layout, src_frag, dst_layout, _ref(dst_frag)).values()))
         peer.cmd(op="abort", ticket=t0)
 
-        def raw_once(src: CacheRef, dst: dict) -> float:
+        def run_list(src: CacheRef, dst: dict) -> list:
+            plan = plan_runs(layout, src, dst_layout, _ref(dst))
+            return [r for l in sorted(plan) for r in plan[l]]
+
+        runs, frag = run_list(src_contig, dst_contig), run_list(src_frag, dst_frag)
+        payload = sum(r.length for r in runs)
+        formula = cfg.kda_state_bytes_per_seq() + n * cfg.mla_latent_bytes_per_token()
+        assert payload == formula == sum(r.length for r in frag), (payload, formula)
+
+        def raw_once(rl: list) -> float:
             te = eng.raw
-            rplan = plan_runs(layout, src, dst_layout, _ref(dst))
-            runs = [r for l in sorted(rplan) for r in rplan[l]]
-            batches, cur, size = [], [], 0
-            for r in runs:
-                if cur and size + r.length > (32 << 20):
-                    batches.append(cur)
-                    cur, size = [], 0
-                cur.append(r)
-                size += r.length
-            batches.append(cur)
             t = time.perf_counter()
-            for b in batches:
+            for b in _batches(rl):
                 rc = te.batch_transfer_sync_write(
-                    sid, [r.src for r in b], [r.dst for r in b], [r.length for r in b]
-                )
+                    sid, [r.src for r in b], [r.dst for r in b], [r.length for r in b])
                 if rc != 0:
                     raise RuntimeError(f"raw write failed ({rc})")
             return time.perf_counter() - t
 
-        def kv_once(src: CacheRef, dst: dict, layer_ms: float = 0.0, verify: bool = False) -> dict:
+        def stack_once(src: CacheRef, dst: dict, step: float, verify: bool = False) -> dict:
             ticket = peer.cmd(op="register", **dst)["ticket"]
-            t = time.perf_counter()
             tx = KVSender(ticket, peer.info["bootstrap"], layout, src, engine=eng, client=client)
-            if layer_ms:
-                for l in range(cfg.num_layers):
-                    time.sleep(layer_ms / 1e3)  # the "prefill" of layer l
-                    if l in tx.layout.layers:
-                        tx.layer_ready(l)
-                    tx.poll()
-            compute = time.perf_counter() - t
-            tx.finish(
-                TransferMetadata(
-                    request_id=ticket,
-                    prompt_token_ids=list(range(n)),
-                    token_id=1,
-                    sampling=SamplingSpec(),
-                    position=n,
-                )
-            )
-            _drive(tx)
-            total = time.perf_counter() - t
+            _drive(tx, step, until=lambda: tx.state != KVPoll.BOOTSTRAPPING)
+            t_ready = time.monotonic()
+            tx.finish(_meta(ticket, n))  # every layer ready at once
+            _drive(tx, step)
+            if tx.state != KVPoll.SUCCESS:
+                raise RuntimeError(f"transfer failed: {tx.error}")
+            t0_abs = time.monotonic() - tx.elapsed_s
             out = peer.cmd(op="wait", ticket=ticket, verify=verify)
             if out["state"] != "SUCCESS":
                 raise RuntimeError(f"receiver: {out}")
             if verify and out["digest"] != request_digest(pools, src):
                 raise RuntimeError("bytes differ at the destination")
-            return {"total": total, "after_pair": total - tx.stats["t_paired"], "compute": compute,
-                    "stage_in": float(out.get("stage_in_s", 0.0))}  # fmt: skip
+            return {"pair": tx.stats["t_paired"],
+                    "written": t0_abs + tx.stats["t_written"] - t_ready,
+                    "done": t0_abs + tx.stats["t_done"] - t_ready,
+                    "stage_in": float(out.get("stage_in_s", 0.0))}
 
-        raw_once(src_contig, dst_contig)  # warm the connection
-        kv_once(src_contig, dst_contig, verify=True)
-        kv_once(src_frag, dst_frag, verify=True)
-        # interleaved, so that load from other processes hits both paths alike
-        keys = ("raw", "kv", "kv_ap", "kv_in", "stage_in", "raw_f", "kv_f")
-        m: dict[str, list[float]] = {k: [] for k in keys}
+        def overlap_once(layer_ms: float) -> dict:
+            ticket = peer.cmd(op="register", **dst_contig)["ticket"]
+            tx = KVSender(ticket, peer.info["bootstrap"], layout, src_contig, engine=eng,
+                          client=client)
+            _drive(tx, step_s, until=lambda: tx.state != KVPoll.BOOTSTRAPPING)
+            t = time.monotonic()
+            for l in range(cfg.num_layers):
+                time.sleep(layer_ms / 1e3)  # the "prefill" of layer l
+                if l in tx.layout.layers:
+                    tx.layer_ready(l)
+                tx.poll()
+            t_last = time.monotonic()
+            tx.finish(_meta(ticket, n))
+            _drive(tx, step_s)
+            if tx.state != KVPoll.SUCCESS or peer.cmd(op="wait", ticket=ticket)["state"] != (
+                    "SUCCESS"):
+                raise RuntimeError(f"overlap transfer failed: {tx.error}")
+            t0_abs = time.monotonic() - tx.elapsed_s
+            return {"compute": t_last - t, "exposed": t0_abs + tx.stats["t_written"] - t_last}
+
+        raw_once(runs)  # warm the connection
+        stack_once(src_contig, dst_contig, step_s, verify=True)
+        stack_once(src_frag, dst_frag, step_s, verify=True)
+        # interleaved, so that load from other processes hits every path alike
+        m: dict[str, list[float]] = {k: [] for k in (
+            "raw", "stack", "done", "pair", "tight", "stage_in", "raw_f", "stack_f")}
         for _ in range(reps):
-            m["raw"].append(raw_once(src_contig, dst_contig))
-            x = kv_once(src_contig, dst_contig)
-            m["kv"].append(x["total"])
-            m["kv_ap"].append(x["after_pair"])
-            m["kv_in"].append(x["total"] + x["stage_in"])
+            m["raw"].append(raw_once(runs))
+            x = stack_once(src_contig, dst_contig, step_s)
+            m["stack"].append(x["written"])
+            m["done"].append(x["done"])
+            m["pair"].append(x["pair"])
             m["stage_in"].append(x["stage_in"])
-            m["raw_f"].append(raw_once(src_frag, dst_frag))
-            m["kv_f"].append(kv_once(src_frag, dst_frag)["total"])
+            m["tight"].append(stack_once(src_contig, dst_contig, 0.0)["written"])
+            m["raw_f"].append(raw_once(frag))
+            m["stack_f"].append(stack_once(src_frag, dst_frag, step_s)["written"])
         med = {k: statistics.median(v) for k, v in m.items()}
-        ratio = statistics.median(a / b for a, b in zip(m["raw"], m["kv"]))
-        ratio_f = statistics.median(a / b for a, b in zip(m["raw_f"], m["kv_f"]))
-        layer_ms = med["kv"] * 1e3 / cfg.num_layers  # compute ≈ transfer: the most overlap can hide
-        ov = [kv_once(src_contig, dst_contig, layer_ms) for _ in range(reps)]
-        exposed = statistics.median(x["total"] - x["compute"] for x in ov)
+        ratio = lambda a, b: statistics.median(x / y for x, y in zip(m[a], m[b]))
+        layer_ms = med["raw"] * 1e3 / cfg.num_layers  # compute ≈ transfer: the most to hide
+        ov = [overlap_once(layer_ms) for _ in range(reps)]
         return {
-            "preset": name,
-            "device": device,
+            "preset": name, "device": device,
             "staging": "host" if eng.staging is not None else "direct",
-            "tokens": n,
-            "payload": payload,
-            "runs": len(runs),
-            "frag_runs": frag_runs,
-            **med,
-            "ratio": ratio,
-            "ratio_f": ratio_f,
-            "layers": cfg.num_layers,
-            "layer_ms": layer_ms,
+            "tokens": n, "payload": payload, "runs": len(runs), "frag_runs": len(frag),
+            "step_ms": step_ms, **med,
+            "ratio": ratio("raw", "stack"), "ratio_tight": ratio("raw", "tight"),
+            "ratio_f": ratio("raw_f", "stack_f"),
+            "layers": cfg.num_layers, "layer_ms": layer_ms,
             "compute": statistics.median(x["compute"] for x in ov),
-            "exposed": exposed,
-            "hidden": 1 - exposed / med["kv"],
+            "exposed": statistics.median(x["exposed"] for x in ov),
+            "reps": m,
         }
     finally:
         client.close()
@@ -257,46 +278,41 @@ def bench_preset(name: str, reps: int, device: str = "cpu", staging: str = "auto
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="k3-tiny,k3-mini")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="prompt tokens (default: 1024 for k3-tiny, 4096 for k3-mini)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--step-ms", type=float, default=20.0,
+                    help="simulated engine step: the sender is polled once per step (ms)")
     ap.add_argument("--device", default="cpu", help="where both sides' pools live (cpu, cuda)")
     ap.add_argument("--staging", default="auto", choices=("auto", "host", "direct"))
-    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--json", default="transfer.json", help="write the result here")
     args = ap.parse_args()
-    rows = [bench_preset(p, args.reps, args.device, args.staging) for p in args.presets.split(",")]
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    rows = [bench_preset(p, args.reps, args.tokens, args.step_ms, args.device, args.staging)
+            for p in args.presets.split(",")]
+    result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "host": platform.node(), "cpus": os.cpu_count(), "rows": rows}
+    Path(args.json).write_text(json.dumps(result, indent=1))
     gbs = lambda r, k: r["payload"] / r[k] / 1e9
-    print(
-        "\nthroughput (payload bytes / time, median of interleaved repetitions; ratio = median of "
-        "raw time / kvstore time)"
-    )
-    print(
-        f"{'preset':8} {'pools':>5} {'staging':>7} {'tokens':>6} {'payload MB':>10} | {'runs':>5} "
-        f"{'raw GB/s':>8} {'kv GB/s':>7} {'kv/raw':>6} {'kv excl.pair':>12} {'stage-in ms':>11} "
-        f"{'kv+in GB/s':>10} | {'frag runs':>9} {'raw GB/s':>8} {'kv GB/s':>7} {'kv/raw':>6}"
-    )
+    print(f"\nthroughput (payload bytes / time, median of {args.reps} interleaved repetitions; "
+          f"in-stack: polled every {args.step_ms:g} ms, last layer ready -> last write "
+          "confirmed; ratios = median of raw time / in-stack time)")
+    print(f"{'preset':8} {'tokens':>6} {'MB':>6} {'runs':>5} | {'raw GB/s':>8} "
+          f"{'stack GB/s':>10} {'stack/raw':>9} {'done ms':>7} {'pair ms':>7} "
+          f"{'tight/raw':>9} | {'frag runs':>9} {'raw GB/s':>8} {'stack GB/s':>10} "
+          f"{'stack/raw':>9}")
     for r in rows:
-        print(
-            f"{r['preset']:8} {r['device']:>5} {r['staging']:>7} {r['tokens']:>6} "
-            f"{r['payload'] / 1e6:>10.2f} | {r['runs']:>5} "
-            f"{gbs(r, 'raw'):>8.2f} {gbs(r, 'kv'):>7.2f} {r['ratio']:>6.2f} {gbs(r, 'kv_ap'):>12.2f} "
-            f"{r['stage_in'] * 1e3:>11.2f} {gbs(r, 'kv_in'):>10.2f} | "
-            f"{r['frag_runs']:>9} {gbs(r, 'raw_f'):>8.2f} {gbs(r, 'kv_f'):>7.2f} {r['ratio_f']:>6.2f}"
-        )
+        print(f"{r['preset']:8} {r['tokens']:>6} {r['payload'] / 1e6:>6.2f} {r['runs']:>5} | "
+              f"{gbs(r, 'raw'):>8.2f} {gbs(r, 'stack'):>10.2f} {r['ratio']:>9.2f} "
+              f"{r['done'] * 1e3:>7.1f} {r['pair'] * 1e3:>7.1f} {r['ratio_tight']:>9.2f} | "
+              f"{r['frag_runs']:>9} {gbs(r, 'raw_f'):>8.2f} {gbs(r, 'stack_f'):>10.2f} "
+              f"{r['ratio_f']:>9.2f}")
     print("\noverlap with a simulated prefill (sleep `layer ms` per layer, then layer_ready)")
-    print(
-        f"{'preset':8} {'layers':>6} {'layer ms':>8} {'compute ms':>10} {'transfer ms':>11} "
-        f"{'exposed ms':>10} {'hidden %':>8}"
-    )
+    print(f"{'preset':8} {'layers':>6} {'layer ms':>8} {'compute ms':>10} {'exposed ms':>10}")
     for r in rows:
-        print(
-            f"{r['preset']:8} {r['layers']:>6} {r['layer_ms']:>8.2f} {r['compute'] * 1e3:>10.1f} "
-            f"{r['kv'] * 1e3:>11.1f} {r['exposed'] * 1e3:>10.1f} {100 * r['hidden']:>8.0f}"
-        )
-    print(
-        "\ntransfer = kvstore alone (pairing included); exposed = from the end of the last layer to "
-        "SUCCESS; hidden = 1 - exposed / transfer"
-    )
+        print(f"{r['preset']:8} {r['layers']:>6} {r['layer_ms']:>8.2f} "
+              f"{r['compute'] * 1e3:>10.1f} {r['exposed'] * 1e3:>10.1f}")
+    print(f"\nexposed = last layer ready -> last write confirmed; JSON: {args.json}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Events that are ready together (the engine stepped again while the previous even
 being written: a busy loop or a slow reader) go out as ONE event: their ``token_ids``,
 ``text`` and ``logprobs`` concatenated (:func:`merge`), so the per-event cost of the HTTP
 path and of the router's relay is paid once per write rather than once per token. A reader
-that keeps up sees one event per engine step, as before.
+that keeps up sees one event per engine step.
 
 ``error`` is written only when set: readers tell a failed request by the key.
 

@@ -45,13 +45,10 @@ import math
 import time
 from typing import Any
 
+from decode.routes import add_routes
 from decode.state import DecodePhase, DecodeState
-from decode.stream import ChannelResponse, Channels, StreamEventsResponse, events
-from k3serve.cache.allocator import CacheFullError
+from decode.stream import Channels
 from k3serve.messages import (
-    AttachRequest,
-    AttachResponse,
-    ChannelRequest,
     GenerateRequest,
     PrefillResponse,
     RequestsDebug,
@@ -70,8 +67,7 @@ from k3serve.messages import (
 )
 from k3serve.sampling import SamplingParams, draw_seed
 from kvstore import CacheRef, KVBootstrapServer, KVPoll, KVReceiver
-from worker.base import BaseWorker, Failure, sampling_params
-from worker.http import errors, json_errors
+from worker.base import BaseWorker, Failure
 from worker.serve import serve
 
 log = logging.getLogger("k3serve.worker")
@@ -83,8 +79,6 @@ STREAM_TTL_S = 60.0
 #: (s): longer than a prefill may take (``prefill.worker.PREFILL_TIMEOUT_S``, 600 s). Nothing
 #: is held meanwhile (the reservation is freed).
 FIRST_TOKEN_TTL_S = 700.0
-#: Longest a monolithic request may take from arrival to token #1 (s), queueing included.
-GENERATE_TIMEOUT_S = 600.0
 
 
 class DecodeWorker(BaseWorker):
@@ -100,7 +94,7 @@ class DecodeWorker(BaseWorker):
         self.reqs: dict[str, DecodeState] = {}
         self.by_engine: dict[str, DecodeState] = {}
         #: monolithic requests whose token #1 is not answered yet: request id → the future
-        #: ``POST /internal/generate`` awaits (:meth:`_generate`)
+        #: ``POST /internal/generate`` awaits (:meth:`generate_request`)
         self.direct: dict[str, asyncio.Future] = {}
         #: aborts that arrived before their reservation (the router's abort overtook its own
         #: cancelled reserve call): request id → when; such a reserve is refused (409)
@@ -117,7 +111,7 @@ class DecodeWorker(BaseWorker):
         self.server.stop()
 
     # ------------------------------------------------------------------ engine thread
-    def _reserve(self, body: ReserveRequest, params: SamplingParams,
+    def reserve_request(self, body: ReserveRequest, params: SamplingParams,
                  events: asyncio.Queue) -> ReserveResponse:
         rid = body.request_id
         if rid in self.reqs:
@@ -242,7 +236,7 @@ class DecodeWorker(BaseWorker):
         self._run(r, fb, out)
 
     # ------------------------------------------------------------------ monolithic (engine thread)
-    def _generate(self, body: GenerateRequest, params: SamplingParams, events: asyncio.Queue,
+    def generate_request(self, body: GenerateRequest, params: SamplingParams, events: asyncio.Queue,
                   fut: asyncio.Future) -> None:
         """Monolithic serving: prefill ``body``'s prompt HERE and decode it here (no reserve,
         no transfer). ``fut`` gets token #1 as a :class:`PrefillResponse` (with the prefix
@@ -266,7 +260,7 @@ class DecodeWorker(BaseWorker):
         self.direct[rid] = fut
         self._run(r, rid, out)
 
-    def _resume(self, body: ResumeRequest, params: SamplingParams,
+    def resume_request(self, body: ResumeRequest, params: SamplingParams,
                 events: asyncio.Queue) -> ResumeResponse:
         """Request migration: continue ``body``'s request here after ``output_token_ids`` (the
         tokens its failed decode worker already streamed; the prefill of prompt + outputs is
@@ -381,7 +375,7 @@ class DecodeWorker(BaseWorker):
         for r in list(self.reqs.values()):
             self._end(r, StreamEvent.failure(f"engine error: {err!r}"))
 
-    def _open_stream(self, body: StreamRequest) -> asyncio.Queue:
+    def open_stream(self, body: StreamRequest) -> asyncio.Queue:
         """The events of ``body.request_id``; token #1 noted (a pending fallback starts).
 
         Raises:
@@ -399,7 +393,7 @@ class DecodeWorker(BaseWorker):
             self._start_fallback(r)
         return r.events
 
-    def _close_stream(self, rid: str) -> None:
+    def close_stream(self, rid: str) -> None:
         r = self.reqs.get(rid)
         if r is not None:
             r.stream_closed = True
@@ -443,94 +437,7 @@ class DecodeWorker(BaseWorker):
 
     # ------------------------------------------------------------------ HTTP
     def routes(self, app: Any) -> None:
-        worker = self
-
-        async def engine_call(fn: Any, *args: Any) -> Any:
-            """``fn(*args)`` on the engine thread; a full cache → 503 ``busy``, bad input →
-            400 ``invalid_request``."""
-            try:
-                return await worker.loop.call(fn, *args)
-            except CacheFullError as e:
-                raise Failure(503, "busy", str(e)) from None
-            except ValueError as e:
-                raise Failure(400, "invalid_request", str(e)) from None
-
-        @app.post("/internal/reserve", response_model=ReserveResponse,
-                  responses=errors(400, 403, 503))
-        async def reserve(body: ReserveRequest) -> ReserveResponse:
-            params = sampling_params(body.sampling)
-            return await engine_call(worker._reserve, body, params, asyncio.Queue())
-
-        @app.post("/internal/generate", response_model=PrefillResponse,
-                  responses=errors(400, 403, 409, 503, 504))
-        async def generate(body: GenerateRequest) -> PrefillResponse:
-            """Monolithic serving: prefill and decode here; answers token #1."""
-            params = sampling_params(body.sampling)
-            fut = asyncio.get_running_loop().create_future()
-            await engine_call(worker._generate, body, params, asyncio.Queue(), fut)
-            try:
-                return await asyncio.wait_for(asyncio.shield(fut), GENERATE_TIMEOUT_S)
-            except TimeoutError:
-                await worker.loop.call(worker.abort, body.request_id, "generate timed out")
-                raise Failure(504, "timeout",
-                              f"no token #1 within {GENERATE_TIMEOUT_S:.0f} s") from None
-            except asyncio.CancelledError:  # the caller went away
-                worker.loop.submit(worker.abort, body.request_id, "caller disconnected")
-                raise
-
-        @app.post("/internal/resume", response_model=ResumeResponse,
-                  responses=errors(400, 403, 503))
-        async def resume(body: ResumeRequest) -> ResumeResponse:
-            """Request migration: continue a request after the tokens already streamed."""
-            params = sampling_params(body.sampling)
-            return await engine_call(worker._resume, body, params, asyncio.Queue())
-
-        def closer(rid: str) -> Any:
-            """A request stream's ``on_close``: one that ends before its finish aborts it."""
-            def on_close(finished: bool) -> None:
-                if not finished:
-                    worker.loop.submit(worker.abort, rid, "stream closed early")
-                worker.loop.submit(worker._close_stream, rid)
-
-            return on_close
-
-        @app.post("/internal/stream", response_class=StreamEventsResponse,
-                  responses={200: {"model": StreamEvent,
-                                   "description": "one StreamEvent per data: line, then "
-                                                  "data: [DONE]"},
-                             **json_errors(400, 403, 404, 409)})
-        async def stream(body: StreamRequest) -> StreamEventsResponse:
-            q = await worker.loop.call(worker._open_stream, body)
-            return StreamEventsResponse(events(q, worker.stream_idle_s,
-                                               closer(body.request_id)),
-                                        headers={"Cache-Control": "no-cache"})
-
-        @app.post("/internal/channel", response_class=ChannelResponse,
-                  responses={200: {"model": StreamEvent,
-                                   "description": "the attached requests' StreamEvents, "
-                                                  "each 'event: <request id>' and its "
-                                                  "data: line; [DONE] per request"},
-                             **json_errors(400, 403)})
-        async def channel(body: ChannelRequest) -> ChannelResponse:
-            """A decode channel: the streams of the requests attached to it, on one body."""
-            return worker.channels.response(worker.channels.open(body.channel))
-
-        @app.post("/internal/attach", response_model=AttachResponse,
-                  responses=errors(400, 403, 404, 409))
-        async def attach(body: AttachRequest) -> AttachResponse:
-            """``/internal/stream``'s events, sent on the open channel ``body.channel``."""
-            ch = worker.channels.get(body.channel)
-            if ch is None:
-                raise Failure(409, "unknown_channel", f"no channel {body.channel!r} is open")
-            rid = body.request_id
-            q = await worker.loop.call(worker._open_stream, body)
-            on_close = closer(rid)
-            if ch.closed:  # it closed while the stream opened: the router hears of it
-                on_close(False)
-                raise Failure(409, "unknown_channel", f"channel {body.channel!r} closed")
-            ch.forward(rid, events(q, worker.stream_idle_s, on_close),
-                       abandoned=lambda: on_close(False))
-            return AttachResponse(request_id=rid, channel=ch.cid)
+        add_routes(app, self)
 
 
 def main(argv: list[str] | None = None) -> int:

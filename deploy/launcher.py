@@ -1,29 +1,27 @@
-"""``k3serve serve``: start the router and the prefill/decode workers, one launcher for every
-backend.
+"""Starting a k3serve stack: the router and the prefill/decode workers, one launcher for every
+backend (:func:`start_stack`; the ``k3serve serve`` command around it is ``deploy/serve.py``).
 
 A backend (:class:`LaunchBackend`) starts one component — ``python -m router.app``,
 ``python -m prefill.worker``, ``python -m decode.worker`` with their flags and environment — and
 hands back something to poll and stop. :mod:`deploy.local` runs them as child processes of
-this one (the only backend today; Ray actors are the next one, behind the same interface).
+this one; ``deploy/ray_backend.py`` runs instances as Ray actors from a deployment config.
 
 The launcher generates a cluster token that every internal call carries (passed in the
 environment, as is the API key, so neither shows in ``ps``), waits until the router reports
-every worker healthy, prints the URL, and stops every component on Ctrl-C / SIGTERM. A
-component that crashes is restarted (:mod:`deploy.supervisor`: backoff, a restart limit, a
-worker on fresh ports); the stack stops only when the router cannot be restarted. A router
-port that is taken ends with one line, before anything starts. A worker address that is not
-private or loopback is warned about (:func:`address_warning`; README "Deployment security").
+every worker healthy and stops every component on :meth:`Stack.stop`. A component that
+crashes is restarted (:mod:`deploy.supervisor`: backoff, a restart limit, a worker on fresh
+ports). A router port that is taken ends with :class:`PortInUseError`, before anything
+starts. A worker address that is not private or loopback is warned about
+(:func:`address_warning`; README "Deployment security").
 """
 
 from __future__ import annotations
 
-import argparse
 import errno
 import importlib
 import ipaddress
 import os
 import secrets
-import signal
 import socket
 import sys
 import time
@@ -147,7 +145,7 @@ def start_stack(
     api_key: str | None = None,
     policy: str = "prefix_home",
     block_size: int = 64,
-    device: str = "cpu",
+    device: str | None = "cpu",
     extra_worker_args: list[str] | None = None,
     extra_router_args: list[str] | None = None,
     ready_timeout: float = 180.0,
@@ -165,6 +163,8 @@ def start_stack(
     Args:
         model: preset name or checkpoint folder.
         port: router port; 0 picks a free one.
+        device: the workers' ``--device`` (``None``: each worker picks CUDA when present);
+            off the CPU the workers split the card (``--workers-per-gpu``, worker/device.py).
         ready_timeout: seconds to wait for all workers to register.
         log_dir: per-component log files (local backend; ``launch`` given: ignored).
         launch: the backend (default: local processes).
@@ -234,7 +234,8 @@ def start_stack(
             spawn(Spec(name, f"{role}.worker", [
                 "--host", ihost, "--port", str(wport), "--model", model,
                 "--router-url", f"http://127.0.0.1:{port}", "--block-size", str(block_size),
-                "--device", device, "--worker-id", name, *(extra_worker_args or [])],
+                *gpu_args(device, len(workers)), "--worker-id", name,
+                *(extra_worker_args or [])],
                 env, "worker", url_index=len(stack.worker_urls) - 1))
         wait_ready(stack, num_prefill + num_decode, ready_timeout, launch=launch)
         if supervise:
@@ -250,6 +251,14 @@ def start_stack(
         stack.stop()
         raise
     return stack
+
+
+def gpu_args(device: str | None, num_workers: int) -> list[str]:
+    """The device flags of each of ``num_workers`` workers placed on one machine: its
+    ``--device`` when given, and off the CPU ``--workers-per-gpu`` so that each worker's
+    default memory share is its part of the card (:func:`worker.device.default_share`)."""
+    dev = ["--device", device] if device else []
+    return dev if device == "cpu" else [*dev, "--workers-per-gpu", str(num_workers)]
 
 
 def _store_args(stack: Stack, store: bool, log_dir: str | None) -> list[str]:
@@ -370,201 +379,17 @@ def _log_tail(launch: LaunchBackend | None, name: str, n_chars: int = 2000) -> s
     return f"; the end of its log ({os.path.join(log_dir, name + '.log')}):\n{text}"
 
 
-def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
-    """The flags of ``k3serve serve`` (= ``python -m deploy``)."""
-    p = argparse.ArgumentParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                description="start router + prefill and decode workers")
-    p.add_argument("--model", default="k3-tiny", help="preset name or checkpoint folder")
-    p.add_argument("--host", default="127.0.0.1", help="router bind address")
-    p.add_argument("--port", type=int, default=8000, help="router port")
-    p.add_argument("--prefill", type=int, default=2, help="number of prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
-    p.add_argument("--monolithic", type=int, default=0, metavar="N",
-                   help="N > 0: N workers that each prefill and decode (no disaggregation; "
-                        "--prefill / --decode ignored)")
-    p.add_argument("--routers", type=int, default=1, metavar="N",
-                   help="router processes behind the one address (each keeps its own index "
-                        "from the workers' events; router/replicas.py)")
-    p.add_argument("--api-key", default=None,
-                   help="bearer token required on the public API (or set K3SERVE_API_KEY)")
-    p.add_argument("--policy", default="prefix_home",
-                   help="placement policy: prefix_home | cache_aware | approx_radix | "
-                        "round_robin | least_load | random")
-    p.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
-    p.add_argument("--device", default="cpu", help="worker device (cpu or cuda)")
-    p.add_argument("--ray", action="store_true",
-                   help="run every instance as a Ray actor (needs --config; `pip install -e .[ray]`)")
-    p.add_argument("--config", default=None,
-                   help="deployment config for --ray (deploy/configs/*.yaml); its model, pools "
-                        "and router replace --model/--prefill/--decode/--policy")
-    p.add_argument("--ray-address", default=None,
-                   help="join this Ray cluster (default: start a local one on loopback)")
-    p.add_argument("--sd-dir", default=None,
-                   help="write Prometheus file-SD targets here (see deploy/prometheus)")
-    p.add_argument("--max-restarts", type=int, default=5,
-                   help="restarts allowed per crashed component (exponential backoff between "
-                        "failed starts); 0: none")
-    p.add_argument("--store", action="store_true",
-                   help="start a mooncake_master on loopback: a shared DRAM store below the "
-                        "workers (prefixes cross workers; turn 2 hits after PD)")
-    _add_passthrough(p)
-    return p
-
-
-#: Flags of ``router.app`` / ``{prefill,decode}.worker`` the launcher sets itself.
-_LAUNCHER_OWNS = {"help", "host", "port", "model", "policy", "api_key", "replicas",
-                  "replica_index", "fd", "advertise_host", "router_url", "worker_id",
-                  "block_size", "device", "store_url"}
-
-
-def _component_parsers() -> dict[str, argparse.ArgumentParser]:
-    from router.config import build_parser as router_parser
-    from worker.config import WorkerEnv, _parser
-
-    return {"router": router_parser(), "worker": _parser("prefill", WorkerEnv())}
-
-
-#: Flags the router and the workers both have that mean the same there: one flag, both get it.
-_BOTH = {"log_level"}
-
-
-def _passthrough_specs() -> list[tuple[str, argparse.Action, str, list[str]]]:
-    """(component, its action, dest in ``k3serve serve``, the flags there) for every router
-    and worker flag the launcher does not set. A worker flag whose name the router has too
-    with another meaning (``--max-queued``: the router's admission queue vs a worker's
-    own) is ``--worker-NAME`` in ``k3serve serve``; those in ``_BOTH`` are one flag."""
-    out, taken = [], set()
-    for name, parser in _component_parsers().items():
-        for a in parser._actions:
-            if a.dest in _LAUNCHER_OWNS or a.help == argparse.SUPPRESS:
-                continue
-            dest, flags = a.dest, list(a.option_strings)
-            if isinstance(a, argparse.BooleanOptionalAction):
-                flags = flags[:1]  # argparse adds the --no- form itself
-            if dest in taken and dest not in _BOTH:
-                dest, flags = f"worker_{dest}", ["--worker-" + flags[0][2:]]
-            out.append((name, a, dest, flags))
-            taken.add(a.dest)
-    return out
-
-
-def _add_passthrough(p: argparse.ArgumentParser) -> None:
-    """Add the router's and the workers' own flags (those the launcher does not set) to
-    ``p``, in two groups, defaulting to "not given" so only what the user typed is passed on
-    (:func:`_passthrough_specs` names them)."""
-    groups = {name: p.add_argument_group(
-        f"{name} flags", "passed to the router process(es)" if name == "router" else
-        "passed to every prefill and decode worker (python -m prefill.worker --help); a name "
-        "the router has too is --worker-NAME here") for name in ("router", "worker")}
-    added: set[str] = set()
-    for name, a, dest, flags in _passthrough_specs():
-        if dest in added:  # a flag of _BOTH: added with the router's
-            continue
-        added.add(dest)
-        shown = "" if a.default in (None, False) or "default" in (a.help or "") else (
-            f"(default: {a.default})")
-        kwargs: dict = dict(dest=dest, default=argparse.SUPPRESS, metavar=a.metavar,
-                            help=" ".join(filter(None, [a.help, shown])) or None)
-        if isinstance(a, argparse.BooleanOptionalAction):
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif a.nargs == 0:  # store_true
-            kwargs["action"] = "store_true"
-            kwargs.pop("metavar")
-        else:
-            kwargs.update(type=a.type, choices=a.choices)
-        groups[name].add_argument(*flags, **kwargs)
-
-
-def passthrough_args(args: argparse.Namespace) -> dict[str, list[str]]:
-    """The flags of ``args`` that belong to the router / the workers, as the argv lists of
-    those processes (``{"router": [...], "worker": [...]}``); empty lists when none given."""
-    out: dict[str, list[str]] = {"router": [], "worker": []}
-    for name, a, dest, _flags in _passthrough_specs():
-        if not hasattr(args, dest):
-            continue
-        value, flag = getattr(args, dest), a.option_strings[0]
-        if isinstance(a, argparse.BooleanOptionalAction):
-            out[name].append(flag if value else "--no-" + flag[2:])
-        elif a.nargs == 0:
-            out[name] += [flag] if value else []
-        else:
-            out[name] += [flag, str(value)]
-    return out
-
-
-def serve(args: argparse.Namespace) -> int:
-    """Run the stack of ``args`` (:func:`build_parser`) until Ctrl-C / SIGTERM, restarting
-    crashed components (exit status 1 when the router cannot be restarted); returns the exit
-    status. ``--ray`` runs it on the Ray backend (deploy/ray_backend.py).
-
-    Raises:
-        ValueError: ``--ray`` without ``--config``, or ``--config`` without ``--ray``.
-    """
-    extra = passthrough_args(args)
-    if args.ray:
-        if extra["router"] or extra["worker"]:
-            given = " ".join(x for x in extra["router"] + extra["worker"] if x.startswith("--"))
-            raise ValueError(f"{given}: with --ray the router and worker settings come from "
-                             "--config (deploy/configs/*.yaml)")
-        if not args.config:
-            raise ValueError("--config: `serve --ray` needs a deployment config "
-                             "(deploy/configs/*.yaml)")
-        from deploy.ray_backend import serve_ray
-
-        return serve_ray(args)
-    if args.config:
-        raise ValueError("--config: only used with --ray (the local backend takes flags)")
-    stack = start_stack(
-        model=args.model, host=args.host, port=args.port, num_prefill=args.prefill,
-        num_decode=args.decode, api_key=args.api_key, policy=args.policy,
-        block_size=args.block_size, device=args.device, sd_dir=args.sd_dir,
-        store=args.store, monolithic=args.monolithic, supervise=True,
-        max_restarts=args.max_restarts, routers=args.routers,
-        extra_router_args=extra["router"], extra_worker_args=extra["worker"],
-    )
-    stopping = False
-
-    def _stop(signum, frame):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    shape = (f"{args.monolithic} monolithic workers" if args.monolithic
-             else f"{args.prefill} prefill + {args.decode} decode workers")
-    if args.routers > 1:
-        shape += f", {args.routers} router replicas"
-    print(f"k3serve: serving {args.model} at {stack.url}/v1  ({shape}; Ctrl-C stops)",
-          flush=True)
-    try:
-        while not stopping:
-            sup = stack.supervisor
-            if sup is not None and sup.fatal:
-                print(f"k3serve: {sup.fatal}; stopping the stack", file=sys.stderr, flush=True)
-                stack.stop()
-                return 1
-            time.sleep(0.5)
-    finally:
-        stack.stop()
-    print("k3serve: stopped", flush=True)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m deploy [flags]`` / ``k3serve serve [flags]``: a taken port, a component that
-    exits during startup or a bad flag value end with one line on stderr (exit status 1, 2)."""
-    args = build_parser().parse_args(argv)
-    try:
-        return serve(args)
-    except (PortInUseError, StartupError) as e:
-        print(f"k3serve serve: error: {e}", file=sys.stderr, flush=True)
-        return 1
-    except ValueError as e:
-        print(f"k3serve serve: error: {e}", file=sys.stderr, flush=True)
-        return 2
-
-
-__all__ = ["BACKENDS", "Component", "LaunchBackend", "PortInUseError", "Stack", "StartupError",
-           "address_warning", "backend", "build_parser", "check_port_free", "main", "passthrough_args",
-           "serve", "start_stack",
-           "wait_ready"]
+__all__ = [
+    "BACKENDS",
+    "PORT_RETRIES",
+    "Component",
+    "LaunchBackend",
+    "PortInUseError",
+    "Stack",
+    "StartupError",
+    "address_warning",
+    "backend",
+    "check_port_free",
+    "start_stack",
+    "wait_ready",
+]

@@ -58,7 +58,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from deploy.plan import DeployConfig, InstancePlan, Plan, load_deploy_config, make_plan
+from deploy.config import DeployConfig, load_deploy_config
+from deploy.plan import InstancePlan, Plan, make_plan
 from deploy.ray_actors import ProcessActor, RankActor
 from deploy.service_discovery import ScrapeTarget, TargetWriter
 from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV

@@ -15,10 +15,12 @@ decode/, router/ or the worker package.
 
 Modules: ``engine`` (Transfer Engine wrapper), ``layout`` (pool regions, fingerprint),
 ``descriptors`` (slot/pages → merged runs), ``sender`` + ``writes`` + ``retry`` (prefill side),
-``client`` (its HTTP channel), ``bootstrap`` + ``tickets`` + ``receiver`` (decode side),
-``config`` (``K3SERVE_KV_*``), ``faults`` (injected failures / hangs), ``staging`` (CUDA pools
-reach the TE through a pinned host mirror, ``K3SERVE_KV_STAGING``), ``loopback`` (a stand-alone
-decode peer for tests/benchmarks).
+``pump`` (the transfer thread that advances senders off the worker's engine loop),
+``client`` + ``control`` (the control channel: per-peer executors, so one hung decode peer never
+delays another), ``bootstrap`` + ``tickets`` + ``receiver`` (decode side), ``listen`` (TE ports
+kept to the hostname's interface), ``config`` (``K3SERVE_KV_*``), ``faults`` (injected failures
+/ hangs), ``staging`` (CUDA pools reach the TE through a pinned host mirror,
+``K3SERVE_KV_STAGING``), ``loopback`` (a stand-alone decode peer for tests/benchmarks).
 
 Guarantees: a ticket succeeds only when the sender's per-layer byte manifest equals the bytes
 the decode side expects for its reservation; a fingerprint mismatch (model, block size, dtypes,

@@ -5,12 +5,22 @@ sends a ``PairRequest`` and parses the ``PairResponse`` / ``PairError``;
 :meth:`BootstrapClient.post_status` sends a ``StatusMessage`` and parses the ``StatusAck``.
 Retrying is the caller's choice (:mod:`kvstore.retry`): these calls make one attempt and say
 with :attr:`BootstrapError.retryable` whether another can help.
+
+Background jobs run per peer (:meth:`BootstrapClient.submit` with the peer's address): each
+decode peer has its own small executor, so a peer that stops answering holds only its own
+threads; pairing and completion messages to every other peer go on. Best-effort jobs (failure
+reports) are dropped when the peer already has :attr:`BootstrapClient.max_backlog` jobs queued
+or running.
 """
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import httpx
@@ -22,23 +32,32 @@ from kvstore.descriptors import fingerprint_diff
 from kvstore.errors import BootstrapError, FingerprintMismatch
 
 M = TypeVar("M", bound=Message)
+log = logging.getLogger(__name__)
 
 
 class BootstrapClient:
-    """Pairing and status messages over HTTP, plus a small thread pool for background jobs
+    """Pairing and status messages over HTTP, plus per-peer executors for background jobs
     (HTTP posts, TE notifications). One per prefill process, shared by its senders.
 
     Args:
         http_timeout_s: per HTTP request (seconds).
-        workers: background threads.
+        workers: background threads per peer.
         cluster_token: sent on every call (the decode side's server requires it).
+        max_backlog: best-effort jobs for a peer are dropped while it has this many jobs
+            queued or running.
     """
 
     def __init__(self, http_timeout_s: float = 2.0, workers: int = 2,
-                 cluster_token: str | None = None) -> None:
+                 cluster_token: str | None = None, max_backlog: int = 8) -> None:
         headers = {CLUSTER_TOKEN_HEADER: cluster_token} if cluster_token else {}
         self._http = httpx.Client(timeout=http_timeout_s, trust_env=False, headers=headers)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kv-ctl")
+        self.workers, self.max_backlog = workers, max_backlog
+        self._join_s = http_timeout_s + 1.0
+        self._peers: dict[str, PeerExecutor] = {}
+        self._backlog: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._sessions: set[str] = set()
 
     def pair(self, addr: str, req: PairRequest, local_fingerprint: dict[str, Any]) -> PairResponse:
         """Ask ``addr``'s bootstrap server for the destination of ``req.ticket``.
@@ -95,14 +114,109 @@ class BootstrapClient:
                 f"bootstrap server {addr} unreachable: {e!r}", 0, retryable=True
             ) from e
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run ``fn(*args)`` on the background pool."""
-        return self._pool.submit(fn, *args)
+    def submit(self, fn: Callable[..., Any], *args: Any, peer: str = "") -> Future:
+        """Run ``fn(*args)`` on ``peer``'s executor (``""``: one shared by peerless jobs).
 
-    def close(self) -> None:
-        """Wait for queued jobs, then close the HTTP client."""
-        self._pool.shutdown(wait=True)
+        Raises:
+            RuntimeError: the client is closed.
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("BootstrapClient is closed")
+            pool = self._peers.get(peer)
+            if pool is None:
+                pool = self._peers[peer] = PeerExecutor(f"kv-ctl-{peer or 'any'}", self.workers)
+            self._backlog[peer] = self._backlog.get(peer, 0) + 1
+        fut = pool.submit(fn, *args)
+        fut.add_done_callback(lambda _: self._job_done(peer))
+        return fut
+
+    def submit_best_effort(self, fn: Callable[..., Any], *args: Any, peer: str) -> Future | None:
+        """:meth:`submit`, unless ``peer`` already has :attr:`max_backlog` jobs queued or
+        running (a peer that does not answer) or the client is closed: then nothing runs and
+        the result is ``None``."""
+        with self._lock:
+            busy = self._closed or self._backlog.get(peer, 0) >= self.max_backlog
+        if busy:
+            log.warning("kv control: dropping a best-effort message to %s (%s)", peer,
+                        "client closed" if self._closed else
+                        f"{self.max_backlog} jobs already pending: the peer does not answer")
+            return None
+        return self.submit(fn, *args, peer=peer)
+
+    def first_contact(self, session: str) -> bool:
+        """True the first time ``session`` (a peer's TE session) is named here, else False."""
+        with self._lock:
+            new = session not in self._sessions
+            self._sessions.add(session)
+            return new
+
+    def backlog(self, peer: str) -> int:
+        """Jobs queued or running for ``peer``."""
+        with self._lock:
+            return self._backlog.get(peer, 0)
+
+    def _job_done(self, peer: str) -> None:
+        with self._lock:
+            self._backlog[peer] -= 1
+
+    def close(self, wait: bool = True) -> None:
+        """Stop taking jobs, let queued ones run and close the HTTP client. With ``wait``,
+        wait for them, at most ``http_timeout_s + 1`` seconds in all: a job stuck on a peer
+        that does not answer is left to its daemon thread."""
+        with self._lock:
+            self._closed = True
+            pools = list(self._peers.values())
+        t_end = time.monotonic() + self._join_s
+        for pool in pools:
+            pool.shutdown()
+        if wait:
+            for pool in pools:
+                pool.join(max(0.0, t_end - time.monotonic()))
         self._http.close()
+
+
+class PeerExecutor:
+    """``workers`` daemon threads running one peer's jobs in submission order (a stuck job
+    never blocks the interpreter's exit, unlike ``ThreadPoolExecutor``'s threads).
+
+    Args:
+        name: thread name prefix.
+        workers: threads.
+    """
+
+    def __init__(self, name: str, workers: int) -> None:
+        self._q: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple] | None] = (
+            queue.SimpleQueue())
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+                         for i in range(max(1, workers))]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        self._q.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Threads end once the jobs queued before this call ran."""
+        for _ in self._threads:
+            self._q.put(None)
+
+    def join(self, timeout_s: float) -> None:
+        t_end = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(0.0, t_end - time.monotonic()))
 
 
 def _parse(
@@ -127,4 +241,4 @@ def _parse(
         ) from e
 
 
-__all__ = ["BootstrapClient"]
+__all__ = ["BootstrapClient", "PeerExecutor"]

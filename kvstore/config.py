@@ -35,6 +35,8 @@ class EngineConfig:
         max_inflight_bytes: async path: bytes in flight per peer (admission control), bytes.
         max_request_bytes: async path: larger runs are split into chunks of this size, bytes.
         transfer_timeout_s: an async chunk not completed after this long fails, seconds.
+        restrict_listen: accept Transfer Engine connections only on the interface of
+            ``hostname`` (:mod:`kvstore.listen`); off: every interface, as Mooncake binds.
     """
 
     protocol: str = "tcp"
@@ -44,6 +46,7 @@ class EngineConfig:
     max_inflight_bytes: int = 32 << 20
     max_request_bytes: int = 4 << 20
     transfer_timeout_s: float = 10.0
+    restrict_listen: bool = True
 
     def __post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):

@@ -18,6 +18,11 @@ How to bring one up is :class:`kvstore.config.EngineConfig` (re-exported here).
   batch (``transfer_submit_write``) and polls it with ``transfer_check_status``: no thread, no
   spinning. A per-peer in-flight byte budget keeps the TCP transport's per-peer queue (1024
   slices of 64 KiB by default) from overflowing — an overflow fails the write outright.
+* Listening: the engine's handshake and tcp data ports are restricted to the interface of the
+  address peers dial (:mod:`kvstore.listen`); where they cannot be, a warning names them.
+* Logs: Mooncake writes its glog lines to stderr; ``MC_LOG_LEVEL`` (default here ``ERROR``,
+  ``INFO`` when the ``kvstore`` logger is at DEBUG) is set before the first engine, and what
+  ``initialize`` prints goes to the ``kvstore.mooncake`` logger at DEBUG (WARNING when it fails).
 * Notifications: ``batch_transfer_sync(..., notify=TransferNotify(name, msg))`` delivers
   ``(name, msg)`` to the peer's ``get_notifies()`` after the (tiny) write; messages of a few
   hundred KiB work, 4 MB are dropped by the receiver *while the sender sees success* — keep
@@ -27,6 +32,10 @@ How to bring one up is :class:`kvstore.config.EngineConfig` (re-exported here).
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
+import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -36,6 +45,11 @@ from typing import Any, Self
 from kvstore.config import P2PHANDSHAKE, EngineConfig
 from kvstore.descriptors import PoolLayout, Run
 from kvstore.errors import MooncakeUnavailable, TransferError
+from kvstore.listen import listening_sockets, restrict_listeners
+from kvstore.pump import TransferPump
+
+log = logging.getLogger(__name__)
+mc_log = logging.getLogger("kvstore.mooncake")
 
 #: Largest notification message we send through TE (bytes); larger ones go over HTTP.
 MAX_NOTIFY_BYTES = 256 * 1024
@@ -50,6 +64,8 @@ def import_mooncake() -> Any:
         MooncakeUnavailable: the wheel or one of its shared libraries is missing; the message
             says what to install.
     """
+    if "MC_LOG_LEVEL" not in os.environ:  # read once, when the first engine starts
+        os.environ["MC_LOG_LEVEL"] = "INFO" if mc_log.isEnabledFor(logging.DEBUG) else "ERROR"
     try:
         from mooncake import engine as mc
     except ImportError as e:  # includes missing libibverbs.so / libnuma.so
@@ -140,7 +156,11 @@ class KVEngine:
         self._mc = import_mooncake()
         self._te = self._mc.TransferEngine()
         c = self.config
-        rc = self._te.initialize(c.hostname, c.metadata_server, c.protocol, c.device_name)
+        before = listening_sockets()
+        rc, printed = _capture_stderr(
+            lambda: self._te.initialize(c.hostname, c.metadata_server, c.protocol, c.device_name))
+        for line in printed:
+            mc_log.log(logging.DEBUG if rc == 0 else logging.WARNING, "%s", line)
         if rc != 0:
             raise TransferError(
                 "initialize",
@@ -148,11 +168,29 @@ class KVEngine:
                 detail=f"hostname={c.hostname} metadata={c.metadata_server} "
                 f"protocol={c.protocol} device={c.device_name!r}",
             )
+        #: the interface the engine's ports accept connections from (None: every interface)
+        self.listen_interface, self.open_ports = None, []
+        if c.restrict_listen:
+            # P2P: peers dial the hostname; with a metadata service, the address Mooncake
+            # advertises (MC_TCP_BIND_ADDRESS, else its first non-loopback interface)
+            where = (c.hostname if c.metadata_server == P2PHANDSHAKE
+                     else os.environ.get("MC_TCP_BIND_ADDRESS", "0.0.0.0"))
+            self.listen_interface, self.open_ports = restrict_listeners(before, where)
+            if self.open_ports:
+                log.warning(
+                    "Mooncake transfer engine ports %s listen on every interface (hostname %s: "
+                    "%s): any host that reaches them can read and write this worker's cache "
+                    "memory; isolate the network (README 'Deployment security')",
+                    ", ".join(map(str, self.open_ports)), c.hostname,
+                    "no interface of this machine" if self.listen_interface is None
+                    else f"SO_BINDTODEVICE {self.listen_interface} refused")
         self.rpc_port = int(self._te.get_rpc_port())
         self.session_id = (
             f"{c.hostname}:{self.rpc_port}" if c.metadata_server == P2PHANDSHAKE else c.hostname
         )
         self._lock = threading.RLock()
+        #: the transfer thread advancing this engine's senders (:mod:`kvstore.pump`)
+        self.pump = TransferPump()
         #: host staging of device pools (:mod:`kvstore.staging`), set by :meth:`register_pools`
         self.staging: Any = None
         self._registered: dict[int, int] = {}
@@ -377,6 +415,7 @@ class KVEngine:
 
     def close(self) -> None:
         """Unregister everything and drop the engine (in-flight writes are abandoned)."""
+        self.pump.stop()
         with self._lock:
             regs = list(self._registered)
         for addr in regs:
@@ -391,6 +430,24 @@ class KVEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _capture_stderr(fn: Any) -> tuple[Any, list[str]]:
+    """``(fn(), lines written to file descriptor 2 meanwhile)``: Mooncake's start-up log goes
+    to the caller, not to the terminal."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            out = fn()
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        lines = tmp.read().decode(errors="replace").splitlines()
+    return out, [l for l in lines if l.strip()]
 
 
 __all__ = [

@@ -4,6 +4,12 @@
          │ (retry on unreachable)     │                              │ (retry failed writes)
          └──── refused / fingerprint / timeout / retries exhausted / abort ─────────────▶ FAILED
 
+Each sender registers with its engine's transfer thread (:mod:`kvstore.pump`), which advances
+it between the worker's polls: writes are submitted as soon as a layer is ready and its staging
+copy landed, completions and replies are seen when they happen, and the completion message
+goes out without waiting for the worker loop. The worker's :meth:`KVSender.poll` reads the
+state and runs ``on_release`` (always on the polling thread).
+
 Use from the prefill worker::
 
     sender = KVSender(ticket, bootstrap_addr, src_layout, CacheRef(slot, pages, n),
@@ -15,7 +21,11 @@ Use from the prefill worker::
 Failures: a failed write (or pairing that could not reach the server, or a lost completion
 message) is retried up to ``max_retries`` times in total, with exponential backoff
 (:class:`kvstore.retry.RetryBudget`); then the sender drains (waits until none of its writes
-is in flight), reports ``failed`` to the decode side over HTTP and becomes FAILED. A fingerprint mismatch or a refused ticket is not retried.
+is in flight), reports ``failed`` to the decode side (best effort: dropped when that peer has
+a backlog of unanswered messages) and becomes FAILED. A fingerprint mismatch or a refused
+ticket is not retried. Control messages run on the decode peer's own executor of the
+:class:`~kvstore.client.BootstrapClient`; a failing sender waits at most ``job_grace_s`` for
+one still running (a peer that does not answer) before it gives up on it.
 ``on_release`` runs once the sender is terminal *and* no write reads its source any more.
 """
 
@@ -32,11 +42,13 @@ from typing import Any
 from k3serve.messages import PairRequest, PairResponse, StatusMessage, TransferMetadata
 from kvstore.client import BootstrapClient
 from kvstore.config import P2PHANDSHAKE
+from kvstore.control import PeerChannel
 from kvstore.descriptors import CacheRef, PoolLayout, check_fingerprints, plan_runs
-from kvstore.engine import MAX_NOTIFY_BYTES, KVEngine
-from kvstore.errors import BootstrapError, KVStoreError
+from kvstore.engine import KVEngine
+from kvstore.errors import KVStoreError
+from kvstore.pump import Progress
 from kvstore.retry import RetryBudget
-from kvstore.states import NOTIFY_NAME, KVPoll
+from kvstore.states import KVPoll
 from kvstore.writes import LayerWrites
 
 log = logging.getLogger(__name__)
@@ -66,6 +78,10 @@ class KVSender:
         fault: an injected fault (:mod:`kvstore.faults`): ``"fail"`` once paired,
             ``"hang"`` (paired, then nothing until the deadline) or ``"pair"`` (fails before
             pairing); ``None``: none.
+        job_grace_s: once failing, how long to wait for a control message still running
+            before giving up on it (seconds).
+        pump: the transfer thread that advances this sender (default ``engine.pump``;
+            ``None`` on an engine without one: only :meth:`poll` advances it).
 
     Attributes:
         expired: FAILED because the deadline passed (``timeout_s``).
@@ -91,6 +107,8 @@ class KVSender:
         fail_first_n: int = 0,
         on_release: Callable[[], None] | None = None,
         fault: str | None = None,
+        job_grace_s: float = 1.0,
+        pump: Any = None,
     ) -> None:
         if notify not in ("te", "http"):
             raise ValueError(f"KVSender.notify: 'te' or 'http', not {notify!r}")
@@ -105,6 +123,7 @@ class KVSender:
         self._t0 = time.monotonic()
         self._deadline = self._t0 + timeout_s
         self._state = KVPoll.BOOTSTRAPPING
+        self._published = KVPoll.BOOTSTRAPPING  # the state as of the latest poll()
         self.error: KVStoreError | None = None
         self._failing = False
         self._stopping = threading.Event()  # set with _failing: background retries stop
@@ -115,7 +134,6 @@ class KVSender:
             src_layout, self.src, engine, self._budget, fail_first_n, f"KVSender {ticket}"
         )
         self._metadata: TransferMetadata | None = None
-        self._peer, self._notify_addr = "", 0  # the destination's TE session, scratch address
         self._dst: CacheRef | None = None
         self._dst_layout: PoolLayout | None = None
         self._pair_job: Future | None = None
@@ -124,28 +142,39 @@ class KVSender:
         self._job: tuple[str, Future] | None = None
         self._done_queued = False
         self.stats: dict[str, float] = {}  # t_paired, t_first_write, t_written, t_done (s)
+        self.job_grace_s = job_grace_s
+        self._give_up_jobs_at = float("inf")  # set when failing: stop waiting for jobs
+        self._lock = threading.RLock()  # the worker's thread and the transfer thread
+        self._pump = pump if pump is not None else getattr(engine, "pump", None)
+        self._ch = PeerChannel(self.client, bootstrap_addr, engine, notify, self._kick)
         if fault == "pair":
             self._fail(KVStoreError("injected pairing failure (K3SERVE_KV_FAULT_PAIR_FRACTION)"))
         else:
             self._start_pairing()
+        if self._pump is not None:
+            self._pump.add(self)
 
     # ------------------------------------------------------------------ public API
     @property
     def state(self) -> KVPoll:
-        return self._state
+        """The state as of the latest :meth:`poll` (or :meth:`abort`): the transfer thread
+        advances the machine in between, the caller sees it (and ``on_release`` runs) when it
+        polls."""
+        return self._published
 
     def layer_ready(self, layer: int, upto_tokens: int | None = None) -> None:
         """Layer ``layer`` (global index) has written its cache for tokens ``[0, upto_tokens)``
-        (default: the whole prompt, which also makes its KDA/conv state final). Submits the
-        writes at once if paired; cheap; never blocks on the network.
+        (default: the whole prompt, which also makes its KDA/conv state final). Call it on the
+        thread (and CUDA stream) that computed the layer, right after its kernels: with host
+        staging the device → mirror copy is enqueued here. The transfer thread submits the
+        writes as soon as the sender is paired and the copy landed; cheap; never blocks.
 
         Raises:
             ValueError: the layer has no cache in the layout; ``upto_tokens`` out of range.
         """
-        self._writes.mark(layer, upto_tokens)
-        if (self._dst is not None and not self._failing and not self._state.terminal
-                and self.fault != "hang"):
-            self._submit_ready(time.monotonic())
+        with self._lock:
+            self._writes.mark(layer, upto_tokens)
+        self._kick()
 
     def finish(self, metadata: TransferMetadata) -> None:
         """Every layer is final (layers not yet reported are marked ready now) and here is the
@@ -157,19 +186,37 @@ class KVSender:
             RuntimeError: called twice.
             TypeError: ``metadata`` is not a :class:`TransferMetadata`.
         """
-        if self._metadata is not None:
-            raise RuntimeError("KVSender.finish called twice")
         if not isinstance(metadata, TransferMetadata):
             raise TypeError(f"metadata: expected a TransferMetadata, got {type(metadata).__name__}")
-        self._metadata = metadata
-        self._writes.mark_all()
-        if (self._dst is not None and not self._failing and not self._state.terminal
-                and self.fault != "hang"):
-            self._submit_ready(time.monotonic())
+        with self._lock:
+            if self._metadata is not None:
+                raise RuntimeError("KVSender.finish called twice")
+            self._metadata = metadata
+            self._writes.mark_all()
+        self._kick()
 
     def poll(self) -> KVPoll:
         """Advance the state machine (non-blocking) and return the state. Never raises: see
         :attr:`error` when FAILED."""
+        with self._lock:
+            self._advance()
+            self._published = self._state  # before on_release: it may read the state
+            self._maybe_release()
+            return self._state
+
+    def advance(self) -> Progress:
+        """One step of the state machine for the transfer thread (:mod:`kvstore.pump`):
+        BUSY while writes or staging copies are in flight, DONE once terminal. Never runs
+        ``on_release``."""
+        with self._lock:
+            self._advance()
+            if self._state.terminal:
+                return Progress.DONE
+            if self._writes.in_flight() or self._writes.pending_staging():
+                return Progress.BUSY
+            return Progress.IDLE
+
+    def _advance(self) -> None:
         if not self._state.terminal:
             try:
                 self._step(time.monotonic())
@@ -177,14 +224,17 @@ class KVSender:
                 log.exception("KVSender %s: unexpected error", self.ticket)
                 self._fail(KVStoreError(f"internal error: {e!r}"))
                 self._step(time.monotonic())
-        self._maybe_release()
-        return self._state
+
+    def _kick(self) -> None:
+        if self._pump is not None:
+            self._pump.kick()
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         """Stop: no new writes; the decode side is told (``aborted``) once in-flight writes
         drained; FAILED after that (keep polling until terminal)."""
-        if not self._state.terminal and not self._failing:
-            self._fail(KVStoreError(reason), kind="aborted")
+        with self._lock:
+            if not self._state.terminal and not self._failing:
+                self._fail(KVStoreError(reason), kind="aborted")
         self.poll()
 
     @property
@@ -236,12 +286,14 @@ class KVSender:
 
     def _start_pairing(self) -> None:
         def pair() -> PairResponse:
-            return self.client.pair(self.bootstrap_addr, self._pair_request(), self._fp)
+            resp = self.client.pair(self.bootstrap_addr, self._pair_request(), self._fp)
+            self._ch.open_session(resp.session_id, int(resp.notify_addr))
+            return resp
 
-        self._pair_job = self.client.submit(self._retrying, pair, "pairing")
+        self._pair_job = self._ch.submit(self._retrying, pair, "pairing")
 
     def _take_peer(self, resp: PairResponse) -> None:
-        self._peer, self._notify_addr = resp.session_id, int(resp.notify_addr)
+        self._ch.session, self._ch.notify_addr = resp.session_id, int(resp.notify_addr)
         self._dst = CacheRef.from_msg(resp.dst)
 
     def _on_paired(self, resp: PairResponse, now: float) -> None:
@@ -268,7 +320,7 @@ class KVSender:
         if self._dst is not None and not self._failing and self.fault != "hang":
             self._submit_ready(now)
         self.engine.progress()
-        done_layers, err = self._writes.check(now, self._peer, self._failing)
+        done_layers, err = self._writes.check(now, self._ch.session, self._failing)
         if err is not None:
             self._fail(err)
         if self.progress and not self._failing:
@@ -284,6 +336,10 @@ class KVSender:
             self._done_queued = self._done_due = True
             self.stats["t_written"] = now - self._t0
         self._step_outbox(now)
+        if self._failing and now > self._give_up_jobs_at:  # their peer does not answer
+            self._ch.abandon([self._pair_job, self._job[1] if self._job else None],
+                             f"KVSender {self.ticket}", self.job_grace_s)
+            self._pair_job = self._job = None
         if (
             self._failing
             and self._writes.settled()
@@ -312,7 +368,7 @@ class KVSender:
 
     def _submit_ready(self, now: float) -> None:
         assert self._dst is not None and self._dst_layout is not None
-        if self._writes.submit_ready(self._peer, self._dst_layout, self._dst):
+        if self._writes.submit_ready(self._ch.session, self._dst_layout, self._dst):
             self.stats.setdefault("t_first_write", now - self._t0)
             if self._state == KVPoll.WAITING_FOR_INPUT:
                 self._state = KVPoll.TRANSFERRING
@@ -329,15 +385,6 @@ class KVSender:
             elapsed_s=self.elapsed_s,
             **kw,
         )
-
-    def _deliver(self, msg: StatusMessage) -> None:
-        """Send ``msg`` (blocking): as a TE notification, or over HTTP when asked or when it is
-        too large for one."""
-        text = msg.model_dump_json()
-        if self.notify_mode == "te" and len(text.encode()) <= MAX_NOTIFY_BYTES:
-            self.engine.notify(self._peer, self._notify_addr, text, name=NOTIFY_NAME)
-        else:
-            self.client.post_status(self.bootstrap_addr, msg)
 
     def _step_outbox(self, now: float) -> None:
         """One message in flight at a time, in order: progress (every layer completed since
@@ -366,13 +413,13 @@ class KVSender:
             meta = self._metadata
 
             def done() -> None:  # rebuilt per attempt: attempts and elapsed_s stay current
-                self._deliver(self._status("done", metadata=meta))
+                self._ch.deliver(self._status("done", metadata=meta))
 
-            self._job = ("done", self.client.submit(self._retrying, done, "completion message"))
+            self._job = ("done", self._ch.submit(self._retrying, done, "completion message"))
         elif self._progress_pending:
             msg = self._status("layer", self._progress_pending)
             self._progress_pending.clear()
-            self._job = ("layer", self.client.submit(self._deliver, msg))
+            self._job = ("layer", self._ch.submit(self._ch.deliver, msg))
 
     # ------------------------------------------------------------------ failure / release
     def _fail(self, err: KVStoreError, kind: str = "failed") -> None:
@@ -380,25 +427,14 @@ class KVSender:
             return
         log.info("KVSender %s: %s: %s", self.ticket, kind, err)
         self.error, self._failing, self._fail_kind = err, True, kind
+        self._give_up_jobs_at = time.monotonic() + self.job_grace_s
         self._stopping.set()
         self._done_due = False
         self._progress_pending.clear()
 
     def _report_failure(self) -> None:
-        if self._dst is None:  # never paired: the decode side has nothing to learn from us
-            return
-        msg = self._status(self._fail_kind, error=str(self.error), quiesced=True)
-
-        def report() -> None:
-            try:
-                self.client.post_status(self.bootstrap_addr, msg)
-            except BootstrapError:
-                if self._peer:  # HTTP gone: try the TE channel
-                    self.engine.notify(
-                        self._peer, self._notify_addr, msg.model_dump_json(), name=NOTIFY_NAME
-                    )
-
-        self.client.submit(report)
+        if self._dst is not None:  # never paired: the decode side has nothing to learn from us
+            self._ch.report(self._status(self._fail_kind, error=str(self.error), quiesced=True))
 
     def _maybe_release(self) -> None:
         if self._released or not self._state.terminal or not self._writes.settled():

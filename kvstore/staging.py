@@ -3,7 +3,7 @@
 Why: Mooncake's ``tcp`` transport moves CUDA memory through the host itself, one 64 KiB slice
 at a time (a ``cudaMemcpy`` per slice on each side, issued from TE's worker threads, ordered
 behind whatever the serving process has queued on the device). Between the prefill and decode
-processes of one H200 that gave 0.022 GB/s (``benchmarks/RESULTS_gpu_serve.md``, 2026-12-01).
+processes of one H200 that gave 0.022 GB/s (``docs/results/gpu_serve.md``, 2026-12-01).
 With staging, TE only ever sees host memory and CUDA does each copy once, in bulk:
 
     prefill GPU pools ──(per layer, one cudaMemcpyAsync per page run / state)──▶ pinned mirror

@@ -1,10 +1,11 @@
 """The write side of one sender: which layer's cache is ready, which runs are in flight, what
 landed — and the retries of failed writes (non-blocking; the budget is the sender's).
 
-:class:`LayerWrites` is driven by :class:`kvstore.sender.KVSender`'s ``poll()``: the sender
-marks layers ready (``mark``), submits what is ready once it knows the destination
+:class:`LayerWrites` is driven by :class:`kvstore.sender.KVSender`: the sender marks layers
+ready (``mark``: one part per newly ready token range; with host staging its copy to the
+mirror starts here), submits the parts that are ready once it knows the destination
 (``submit_ready``) and collects completions (``check``). A layer is complete when its paged
-tokens ``[0, num_tokens)`` and its slot state were submitted and every write of it landed.
+tokens ``[0, num_tokens)`` and its slot state were marked and every write of it landed.
 """
 
 from __future__ import annotations
@@ -26,12 +27,17 @@ _BAD_ADDR = 8  # never registered by anyone: a write there fails inside Mooncake
 
 @dataclass
 class _Part:
+    """Tokens ``[start, upto)`` of one layer (and its slot state when ``with_state``)."""
+
     layer: int
-    runs: list[Run]
-    handle: TransferHandle | None  # None: waiting for its staging copy (not submitted yet)
+    start: int
+    upto: int
+    with_state: bool
+    ready: Callable[[], bool] | None = None  # staging copy landed? (None: nothing to wait for)
+    runs: list[Run] | None = None  # set at submission (needs the destination)
+    handle: TransferHandle | None = None  # None: not submitted (yet)
     retry_at: float | None = None  # scheduled resubmission time (monotonic s)
     finished: bool = False
-    ready: Callable[[], bool] | None = None  # staging copy landed? (None: nothing to wait for)
 
 
 class LayerWrites:
@@ -46,8 +52,10 @@ class LayerWrites:
             fail inside Mooncake.
         tag: log prefix.
         staging: the engine's host staging (:mod:`kvstore.staging`; default
-            ``engine.staging``): each layer's bytes are copied device → pinned mirror first and
-            its writes submitted once that copy landed; ``layout`` is then the mirror's.
+            ``engine.staging``): each layer's bytes are copied device → pinned mirror when
+            the layer is marked (on the marking thread's CUDA stream, so after the kernels
+            that wrote it) and its writes are submitted once that copy landed; ``layout`` is
+            then the mirror's.
     """
 
     def __init__(
@@ -65,57 +73,62 @@ class LayerWrites:
         self.layers = layout.layers
         self._inject_left = int(fail_first_n)
         self._tag = tag
-        self._ready: dict[int, int] = {}  # layer -> tokens ready
-        self._sent_upto: dict[int, int] = {}  # layer -> tokens submitted
-        self._state_sent: set[int] = set()
+        self._marked: dict[int, int] = {}  # layer -> tokens marked ready (parts exist for them)
+        self._state_marked: set[int] = set()
         self._parts: list[_Part] = []
         self.layer_bytes: dict[int, int] = {}  # layer -> bytes landed
 
     def mark(self, layer: int, upto_tokens: int | None = None) -> None:
-        """Tokens ``[0, upto_tokens)`` of ``layer`` are final (default: all, and its state).
+        """Tokens ``[0, upto_tokens)`` of ``layer`` are final (default: all, and its state);
+        with staging their device → mirror copy is enqueued now.
 
         Raises:
             ValueError: the layer has no cache in the layout; ``upto_tokens`` out of range.
         """
         if layer not in self.layers:
             raise ValueError(f"layer {layer} has no cache in this layout")
-        n = self.src.num_tokens if upto_tokens is None else int(upto_tokens)
-        if not 0 <= n <= self.src.num_tokens:
-            raise ValueError(f"upto_tokens {n} outside [0, {self.src.num_tokens}]")
-        self._ready[layer] = max(n, self._ready.get(layer, 0))
+        n_total = self.src.num_tokens
+        n = n_total if upto_tokens is None else int(upto_tokens)
+        if not 0 <= n <= n_total:
+            raise ValueError(f"upto_tokens {n} outside [0, {n_total}]")
+        start = self._marked.get(layer, 0)
+        with_state = n == n_total and layer not in self._state_marked
+        if n <= start and not with_state:
+            return
+        upto = max(n, start)
+        self._marked[layer] = upto
+        if with_state:
+            self._state_marked.add(layer)
+        ready = None
+        if self.staging is not None:
+            ready = self.staging.stage_out(self.src, layer, start, upto, with_state)
+        self._parts.append(_Part(layer, start, upto, with_state, ready))
 
     def mark_all(self) -> None:
         for l in self.layers:
-            self._ready[l] = self.src.num_tokens
+            self.mark(l)
 
     def submit_ready(self, peer: str, dst_layout: PoolLayout, dst: CacheRef) -> bool:
-        """Submit the writes of everything marked and not yet submitted; True if any."""
-        n_total = self.src.num_tokens
+        """Submit the writes of every marked part whose staging copy (if any) landed; True if
+        any was submitted."""
         submitted = False
-        for layer in list(self._ready):
-            upto = self._ready[layer]
-            start = self._sent_upto.get(layer, 0)
-            with_state = upto == n_total and layer not in self._state_sent
-            if upto <= start and not with_state:
+        for p in self._parts:
+            if p.handle is not None or p.finished or (p.ready is not None and not p.ready()):
                 continue
-            runs = layer_runs(
-                self.layout, self.src, dst_layout, dst, layer, start, upto, with_state=with_state
-            )
-            self._sent_upto[layer] = upto
-            if with_state:
-                self._state_sent.add(layer)
-            if runs:
-                ready = None
-                if self.staging is not None:
-                    ready = self.staging.stage_out(self.src, layer, start, upto, with_state)
-                if ready is None or ready():
-                    self._parts.append(_Part(layer, runs, self._submit(peer, runs)))
-                else:  # submitted by check() once the device → host copy landed
-                    self._parts.append(_Part(layer, runs, None, ready=ready))
-                submitted = True
-            elif with_state:
-                self.layer_bytes.setdefault(layer, 0)
+            p.ready = None
+            p.runs = layer_runs(self.layout, self.src, dst_layout, dst, p.layer, p.start,
+                                p.upto, with_state=p.with_state)
+            if not p.runs:
+                p.finished = True
+                self.layer_bytes.setdefault(p.layer, 0)
+                continue
+            p.handle = self._submit(peer, p.runs)
+            submitted = True
         return submitted
+
+    def pending_staging(self) -> bool:
+        """Some marked part waits for its device → mirror copy."""
+        return any(p.ready is not None and not p.finished for p in self._parts)
 
     def _submit(self, peer: str, runs: list[Run]) -> TransferHandle:
         if self._inject_left > 0:
@@ -140,13 +153,10 @@ class LayerWrites:
         for p in self._parts:
             if p.finished:
                 continue
-            if p.handle is None:  # staging copy in flight; failing: never submitted
+            if p.handle is None:  # not submitted yet (staging copy, or not paired)
                 if failing:
                     p.finished = True
-                    continue
-                if p.ready is not None and not p.ready():
-                    continue
-                p.handle = self._submit(peer, p.runs)
+                continue
             h = p.handle
             if h.error is not None:
                 if failing:
@@ -170,7 +180,7 @@ class LayerWrites:
                         h.error,
                         self.budget.used,
                     )
-                if now >= p.retry_at and h.settled:
+                if now >= p.retry_at and h.settled and p.runs:
                     p.handle, p.retry_at = self._submit(peer, p.runs), None
                 continue
             if h.done:
@@ -181,11 +191,12 @@ class LayerWrites:
         return completed, None
 
     def complete(self, layer: int) -> bool:
+        """Every token and the state of ``layer`` were marked, submitted and landed."""
         return (
-            self._sent_upto.get(layer, 0) == self.src.num_tokens
-            and layer in self._state_sent
+            self._marked.get(layer, 0) == self.src.num_tokens
+            and layer in self._state_marked
             and all(
-                p.finished and p.handle is not None and p.handle.done
+                p.finished and (p.handle.done if p.handle is not None else not p.runs)
                 for p in self._parts
                 if p.layer == layer
             )
@@ -198,10 +209,14 @@ class LayerWrites:
         """No write of ours is queued or in flight (the source may be reused)."""
         return all(p.handle is None or p.handle.settled for p in self._parts)
 
+    def in_flight(self) -> bool:
+        """Some submitted write is not settled yet."""
+        return any(p.handle is not None and not p.handle.settled for p in self._parts)
+
     @property
     def num_runs(self) -> int:
         """Runs of the latest submission of each part (what the destination got)."""
-        return sum(len(p.runs) for p in self._parts)
+        return sum(len(p.runs or ()) for p in self._parts)
 
 
 __all__ = ["LayerWrites"]

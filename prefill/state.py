@@ -51,6 +51,7 @@ class PrefillState:
     fail_first_n: int = 0
     phase: PrefillPhase = PrefillPhase.WAITING
     sender: KVSender | None = None  # created at admission
+    sender_at: float = 0.0  # time.monotonic() just before the sender was created
     num_cached: int = 0
     first: FirstToken | None = None
     first_at: float = 0.0  # time.monotonic() when token #1 was sampled
@@ -60,6 +61,16 @@ class PrefillState:
     def answered(self) -> bool:
         """The router has its answer (token #1 or an error)."""
         return self.phase in (_P.ANSWERED, _P.ABORTING, _P.ENDED)
+
+    def write_tail_s(self) -> float | None:
+        """Seconds from the last layer ready (token #1 sampled: the prompt's last chunk has
+        written every layer) to the sender's last write confirmed; ``None`` before both, or
+        when the writes ended before the last layer (nothing left to wait for: 0)."""
+        s = self.sender
+        t_written = s.stats.get("t_written") if s is not None else None
+        if t_written is None or not self.first_at:
+            return None
+        return max(0.0, self.sender_at + t_written - self.first_at)
 
     @property
     def pages_free(self) -> bool:

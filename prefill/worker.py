@@ -135,6 +135,7 @@ class PrefillWorker(BaseWorker):
         if fault is not None:
             self.metrics.fault(fault)
         try:
+            r.sender_at = time.monotonic()
             r.sender = KVSender(
                 r.ticket, r.addr, self.layout, CacheRef(h.slot, h.pages, h.num_tokens),
                 engine=self.kv, client=self.client, timeout_s=c.sender_timeout_s,
@@ -169,7 +170,8 @@ class PrefillWorker(BaseWorker):
         s = r.sender
         if s is None:
             return
-        self.metrics.transfer(s.state == KVPoll.SUCCESS, s.bytes_sent, s.stats.get("t_done"))
+        self.metrics.transfer(s.state == KVPoll.SUCCESS, s.bytes_sent, s.stats.get("t_done"),
+                              r.write_tail_s())
         if s.expired:
             self.metrics.expiry()
         if s.state == KVPoll.FAILED:

@@ -9,7 +9,8 @@ the simulator can replay traces through the very same policies.
 Prefill choice — policies in ``POLICIES`` (a registry; ``register_policy`` adds one):
 
 * ``cache_aware``: estimated TTFT of worker *w* =
-  ``(queued_tokens_w + prompt_tokens - cached_tokens_w) / prefill_rate_w`` (seconds); the
+  ``(queued_tokens_w + prompt_tokens - cached_tokens_w) / rate_w`` (seconds; ``rate_w``:
+  the worker's measured prefill rate, else the static one, :attr:`PrefillWorkerState.rate`); the
   KV transfer delays token #2, not TTFT, so it is not in the cost. A load guard first drops
   workers whose queued work (seconds: queued tokens / rate) exceeds
   ``guard_factor × least queued + guard_seconds``, so a hot prefix cannot pile every request
@@ -32,13 +33,14 @@ random weight, Thaler & Ravishankar 1998): among the tied workers, the one whose
 ``blake2b(key, worker_id)`` is largest. The choice then depends only on the request's content
 and on the workers' states and ids — not on a counter or the order a router lists its
 workers in — so router replicas with the same view of the workers' events choose the same
-worker (issue 19); distinct prompts spread uniformly, a repeated prompt goes where its copy
+worker; distinct prompts spread uniformly, a repeated prompt goes where its copy
 went at the last tie. (Keyed on the *first* block instead, every tie of prompts that share a
 system prompt went to one worker: in the simulator ``cache_aware``'s balance on the
 conversation trace went from 1.04 to 4.8 with the store.) Without a key: a rotation by
 ``seq``.
 
-``snapshot_at``: when the prompt shares MLA blocks with earlier prompts (any worker) up to a
+``snapshot_at``: with ``PlacementParams.snapshot_interval_blocks`` = k, every multiple of k
+blocks past the chosen worker's hit and before the prompt end. And when the prompt shares MLA blocks with earlier prompts (any worker) up to a
 boundary deeper than what the chosen prefill worker can reuse, and the prompt diverges there,
 that boundary is a branch point: the chosen worker is asked to keep a KDA snapshot at it
 (DESIGN.md §3), so the next prompt diverging there hits. The prompt-end boundary
@@ -104,10 +106,14 @@ class PrefillWorkerState:
             snapshot at the boundary; ``GlobalIndex.match(...).usable_blocks``).
         mla_blocks: MLA-only prefix depth for this prompt in blocks (≥ ``cached_blocks``).
         queued_tokens: Prefill tokens sent to the worker and not finished yet.
-        prefill_rate: Prefill throughput in tokens per second (only ratios matter).
+        prefill_rate: The static prefill throughput assumed for the worker, tokens per second
+            (the router's ``--prefill-rate``); used only while ``measured_rate`` is 0.
         healthy: Whether the worker may receive requests.
         store_blocks: Usable depth (blocks) the worker can reach by fetching from the shared
             store (≥ ``cached_blocks`` when the store holds more; 0: no store / nothing).
+        measured_rate: The worker's measured prefill throughput, tokens per second (computed
+            prompt tokens over the busy seconds of its recent prefills, as it reports them
+            with its cache events); 0: no measurement yet.
     """
 
     worker_id: str
@@ -117,6 +123,13 @@ class PrefillWorkerState:
     prefill_rate: float = 10_000.0
     healthy: bool = True
     store_blocks: int = 0
+    measured_rate: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        """The prefill rate placement prices this worker at, tokens/s: ``measured_rate``
+        when measured, else the static ``prefill_rate``."""
+        return self.measured_rate if self.measured_rate > 0 else self.prefill_rate
 
 
 @dataclass(frozen=True)
@@ -152,6 +165,11 @@ class PlacementParams:
             computing it (a store hit is priced below a local one, above a miss). Measured on
             one CPU box (benchmarks/store.py): a k3-tiny block of 64 tokens (41 kB) arrives in
             well under 1 ms against ~8 ms to prefill it; 0.1 leaves room for a cluster.
+        snapshot_interval_blocks: ask the chosen prefill worker to keep a KDA snapshot at every
+            multiple of this many blocks in the part of the prompt it computes (0: none), so
+            the first prompt to diverge from it inside that part still reuses up to the last
+            multiple before the divergence. The snapshots share the worker's LRU snapshot
+            budget.
     """
 
     guard_factor: float = 1.5
@@ -159,6 +177,7 @@ class PlacementParams:
     seed: int = 0
     snapshot_branch_points: bool = True
     store_token_cost: float = 0.1
+    snapshot_interval_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -226,17 +245,17 @@ def cache_aware(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
                 params: PlacementParams) -> int:
     """Least estimated TTFT among the workers that pass the load guard.
 
-    TTFT_w = (queued_tokens_w + uncached_tokens_w) / prefill_rate_w, in seconds.
+    TTFT_w = (queued_tokens_w + uncached_tokens_w) / rate_w, in seconds.
     """
-    least = min(w.queued_tokens / w.prefill_rate for w in workers)
+    least = min(w.queued_tokens / w.rate for w in workers)
     bound = params.guard_factor * least + params.guard_seconds
     tie = tie_breaks(req, [w.worker_id for w in workers])
     best, best_key = 0, None
     for i, w in enumerate(workers):
-        queued_s = w.queued_tokens / w.prefill_rate
+        queued_s = w.queued_tokens / w.rate
         if queued_s > bound:
             continue
-        ttft = queued_s + _uncached(req, w, params.store_token_cost) / w.prefill_rate
+        ttft = queued_s + _uncached(req, w, params.store_token_cost) / w.rate
         key = (ttft, queued_s, tie[i])
         if best_key is None or key < best_key:
             best, best_key = i, key
@@ -249,7 +268,7 @@ def least_load(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
     :func:`tie_breaks`."""
     tie = tie_breaks(req, [w.worker_id for w in workers])
     return min(range(len(workers)), key=lambda i: (
-        workers[i].queued_tokens / workers[i].prefill_rate, tie[i]))
+        workers[i].queued_tokens / workers[i].rate, tie[i]))
 
 
 def round_robin(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
@@ -354,6 +373,10 @@ def place(req: PlacementRequest, prefill: Sequence[PrefillWorkerState],
     if params.snapshot_branch_points:
         shared = max(w.mla_blocks for w in prefill)
         snaps = branch_snapshot(req, chosen, shared)
+    k = params.snapshot_interval_blocks
+    if k > 0:
+        grid = range((chosen.cached_blocks // k + 1) * k, req.max_cached_blocks, k)
+        snaps = tuple(sorted({*snaps, *(j * req.block_size for j in grid)}))
     return Placement(chosen.worker_id, dec, cached, snaps, policy)
 
 
@@ -364,4 +387,5 @@ import router.policies  # noqa: F401
 
 DEFAULT_POLICY = "prefix_home"
 """The default policy of the live router (``RouterConfig.policy``, ``k3serve serve --policy``)
-and of ``k3serve simulate``: the one the simulator's comparison found best (issue 12)."""
+and of ``k3serve simulate``: the one the simulator's comparison found best
+(benchmarks/RESULTS_simulate.md)."""

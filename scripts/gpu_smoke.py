@@ -2,7 +2,7 @@
 
 Measures, in one process (no disaggregation): TTFT of one prompt (``max_tokens=1``) and the
 mean inter-token latency of 32 more greedy tokens, for each prompt length given. Prints one
-line per length. Not part of the test suite (needs CUDA); see issue 7 for the two-GPU run.
+line per length. Not part of the test suite (needs CUDA).
 
 Run: ``PYTHONPATH=. python scripts/gpu_smoke.py --lengths 8192 32768``.
 """

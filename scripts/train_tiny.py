@@ -23,7 +23,7 @@ auxiliary-loss-free balancing (arXiv 2412.19437 §2.1.2): after each step every 
 (``b_e += γ · sign(mean load − load_e)``); it is frozen at serving time, as K3's bias is.
 
 Output (``--out``): ``k3serve_config.json`` + ``model.safetensors`` in bf16 with the published
-K3 tensor names (``k3serve.model.checkpoint.save_checkpoint``; tensors K3 keeps in float32 stay
+K3 tensor names (``k3serve.model.checkpoint_save.save_checkpoint``; tensors K3 keeps in float32 stay
 float32), plus ``training.json`` (steps, tokens, time, loss and validation curves, data sizes).
 Should that module fail to import or to save, the state dict is written under our module names
 (same dtypes), which :func:`eval_bpb.load_model` also reads, so a one-shot GPU run never
@@ -202,7 +202,7 @@ def save_tiny_checkpoint(model: K3ForCausalLM, out_dir: Path, meta: dict) -> Pat
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        from k3serve.model.checkpoint import save_checkpoint  # type: ignore[attr-defined]
+        from k3serve.model.checkpoint_save import save_checkpoint  # type: ignore[attr-defined]
     except ImportError:
         save_checkpoint = None
     weights = out_dir / WEIGHTS_FILE

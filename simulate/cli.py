@@ -24,11 +24,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from simulate.live import cmd_live
 
         return cmd_live(args)
-    from k3serve.traces import load_trace
     from router.placement import DEFAULT_POLICY, POLICIES
     from router.policies.home import HomeParams
     from simulate import SimConfig, load_calibration, run, trace_facts
     from simulate.report import plot, table, to_json, write_json
+    from simulate.traces import load_trace
 
     cal = load_calibration(args.calibration).with_rate(args.rate)
     p, d = args.workers
@@ -87,9 +87,13 @@ def build_parser(prog: str = "k3serve simulate") -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command; bad input ends in one line on stderr (exit status 2)."""
     from k3serve.cache.allocator import CacheFullError
 
-    args = build_parser().parse_args(argv)
     try:
         return int(cmd_simulate(args) or 0)
     except (ValueError, OSError) as e:  # bad input, a missing or unwritable file

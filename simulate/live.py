@@ -6,7 +6,7 @@ against ``k3serve serve`` (P prefill + D decode workers, or ``--monolithic N``) 
     k3serve simulate --trace T --limit N --length-scale S --max-model-len M --time-scale X \\
         --workers P:D --num-pages … --num-snapshots … --calibration FILE --policy POLICY
 
-replay the same requests: :func:`k3serve.traces.replay_slice` maps the rows for both (ONE
+replay the same requests: :func:`simulate.traces.replay_slice` maps the rows for both (ONE
 block-id → tokens mapping; ``512 · S`` tokens per block, the server's ``--block-size``), the
 arrivals are the bench's (relative to the first kept row, times ``X``), and every simulated
 prefill worker holds exactly the live worker's cache (:class:`StackShape`: pages, state slots,
@@ -34,10 +34,11 @@ from k3serve.cache.specs import (
     MLALatentSpec,
     auto_dense_snapshot_blocks,
 )
-from k3serve.traces import TraceRequest, replay_slice
 from router.config import RouterConfig
 from simulate.calibration import Calibration
-from simulate.engine import PolicyResult, SimConfig, replay, trace_facts
+from simulate.config import PolicyResult, SimConfig, trace_facts
+from simulate.engine import replay
+from simulate.traces import TraceRequest, replay_slice
 
 LIVE_CALIBRATION = Path(__file__).with_name("calibration_cpu_k3-tiny_live.json")
 """k3-tiny on this machine's CPU, measured against a live stack (``benchmarks/calibrate_live.py``)."""
@@ -194,10 +195,10 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_live(args: argparse.Namespace) -> int:
     """Run the live-stack simulation of ``args`` (:func:`add_live_arguments`): print the table
     (and ``--json`` / ``--plot``), one row per policy."""
-    from k3serve.traces import block_size_of
     from simulate.calibration import load_calibration
     from simulate.report import plot, table, to_json, write_json
     from simulate.runner import run
+    from simulate.traces import block_size_of
 
     cal = load_calibration(args.calibration or LIVE_CALIBRATION).with_rate(args.rate)
     p, d = args.workers

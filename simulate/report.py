@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from k3serve.traces import TraceRequest
-from simulate.engine import PolicyResult, SimConfig, TraceFacts
+from simulate.config import PolicyResult, SimConfig, TraceFacts
+from simulate.traces import TraceRequest
 
 COLUMNS = ("policy", "hit", "/oracle", "store", "oracle", "ceiling", "TTFT p50 ms",
            "TTFT p99 ms", "max/mean load", "agreement")

@@ -8,8 +8,9 @@ import queue as _queue
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 
-from k3serve.traces import TraceRequest
-from simulate.engine import PolicyResult, SimConfig, TraceFacts, replay, trace_facts
+from simulate.config import PolicyResult, SimConfig, TraceFacts, trace_facts
+from simulate.engine import replay
+from simulate.traces import TraceRequest
 
 _JOB: dict = {}
 

@@ -131,7 +131,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_info_json_keys_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "from k3serve.cli import main\n"
+        "from cli.main import main\n"
         "sys.exit(main(['info', '--model', 'k3', '--json']))\n"
     )
     r = _run("-c", code)
@@ -141,9 +141,9 @@ def test_info_json_keys_without_torch():
                 "mla_latent_bytes_per_token"):
         assert isinstance(info[key], int) and info[key] > 0
     assert info["kda_state_bytes_per_seq"] == PRESETS["k3"].kda_state_bytes_per_seq()
-    r = _run("-m", "k3serve.cli", "info", "--model", "k3-mini")
+    r = _run("-m", "cli", "info", "--model", "k3-mini")
     assert r.returncode == 0 and "KDA state / sequence" in r.stdout
-    r = _run("-m", "k3serve.cli", "info", "--model", "nope")
+    r = _run("-m", "cli", "info", "--model", "nope")
     assert r.returncode == 2 and "neither a preset" in r.stderr
 
 

@@ -30,6 +30,8 @@ IMPORT_NAMES = {
     "mooncake-transfer-engine": "mooncake",
     "mooncake-transfer-engine-non-cuda": "mooncake",
     "mooncake-transfer-engine-cuda13": "mooncake",
+    "opentelemetry-sdk": "opentelemetry",
+    "opentelemetry-exporter-otlp-proto-http": "opentelemetry",
 }
 
 #: distribution → (why it is not imported, file that shows the use, text in that file)

@@ -1,10 +1,11 @@
-"""The import direction between the top-level packages (STYLE.md), read from the source.
+"""The import direction between the top-level packages (docs/CONTRIBUTING.md), read from the source.
 
 Every ``import`` / ``from … import`` of every ``.py`` file of k3serve, router, worker, prefill,
-decode, kvstore and deploy counts — at module level or inside a function (a lazy import is a
+decode, kvstore, deploy, simulate and cli counts — at module level or inside a function (a lazy import is a
 dependency all the same). The package graph must have no cycle; router/ never imports torch,
 k3serve.engine or k3serve.model; prefill/ and decode/ never import each other; the core
-(k3serve/) imports none of kvstore, worker, router, the roles or deploy.
+(k3serve/) imports none of kvstore, worker, router, the roles, deploy, simulate or cli; nothing
+imports cli (the command line sits on top).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("k3serve", "router", "worker", "prefill", "decode", "kvstore", "deploy", "simulate")
+PACKAGES = ("k3serve", "router", "worker", "prefill", "decode", "kvstore", "deploy", "simulate",
+            "cli")
 
 
 def _imports(path: Path, root: Path = ROOT) -> set[str]:
@@ -132,3 +134,9 @@ def test_the_graph_is_the_documented_one(imports):
     assert {"k3serve", "kvstore", "worker"} <= graph["prefill"]
     assert {"k3serve", "kvstore", "worker"} <= graph["decode"]
     assert "k3serve" in graph["router"] and "k3serve" in graph["deploy"]
+    assert {"k3serve", "deploy", "simulate"} <= graph["cli"]
+
+
+def test_nothing_imports_the_command_line(imports):
+    graph = _graph(imports)
+    assert not {pkg for pkg, deps in graph.items() if "cli" in deps}

@@ -46,7 +46,7 @@ class Proc:
         self.p = subprocess.Popen(
             [sys.executable, "-m", f"{role}.worker", "--host", "127.0.0.1", "--port",
              str(self.port), "--model", "k3-tiny", "--block-size", str(block_size),
-             "--num-pages", str(pages), "--num-slots", "32", "--worker-id", name,
+             "--num-pages", str(pages), "--num-slots", "32", "--worker-id", name, "--device", "cpu",
              "--log-level", "info", "--drain-timeout", "3", *extra],  # stop(): short drain
             cwd=ROOT, env=self._env, stdout=self._out, stderr=subprocess.STDOUT)
 

@@ -24,11 +24,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from k3serve.protocol import CLUSTER_TOKEN_ENV
 from kvstore import KVConfig
 from kvstore.store.client import StoreConfig
+from worker.device import DeviceProbe, Sizes, probe, resolve_sizes
 
 Role = Literal["prefill", "decode"]
 
 TEST_HOOKS_ENV = "K3SERVE_TEST_HOOKS"
 """Set to ``1`` to accept per-request test hooks (``debug_fail_transfer_n``)."""
+DEFAULT_NUM_PAGES = 1024
 THREADS_ENV = "K3SERVE_WORKER_THREADS"
 """torch intra-op threads per worker process (default 1: several processes share the CPU)."""
 
@@ -84,8 +86,10 @@ class WorkerConfig:
             process). This process is rank 0 and starts the others (``k3serve.parallel``).
         expert_plan: a planner placement file (``k3serve experts plan --json OUT``) for EP,
             or ``None`` (experts split contiguously).
-        gpu_memory_utilization: CUDA: share of the GPU's memory the engine may hold; the pools
-            are sized from it after the weights load (``None``: the explicit sizes).
+        gpu_memory_utilization: CUDA: this worker's share of the card's total memory, counted
+            against what this process holds; the pools are sized from it after the weights
+            load (``None``: the explicit sizes). :mod:`worker.device` fills it, the batch
+            sizes and the device when the flags leave them out.
         max_num_seqs: most running sequences (``None``: ``num_slots``).
         cuda_graphs: CUDA: replay captured decode graphs.
         drain_timeout_s: SIGTERM: most seconds to wait for running requests before exiting.
@@ -133,13 +137,12 @@ class WorkerConfig:
         if self.tp > 1 and self.ep > 1 and self.tp != self.ep:
             raise ValueError(f"ep: {self.ep} != tp {self.tp}; one instance uses one group of "
                              f"ranks for both")
-    # issue 11 (GPU engine): memory share, running sequences, CUDA graphs
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
     cuda_graphs: bool = True
-    drain_timeout_s: float = 60.0  # issue 15: SIGTERM drain
-    max_prefill_backlog: int | None = None  # issue 15: bounded prefill concurrency
-    max_queued: int = 256  # issue 15: bounded worker queue (then 503 busy + Retry-After)
+    drain_timeout_s: float = 60.0
+    max_prefill_backlog: int | None = None
+    max_queued: int = 256
 
     @property
     def url_host(self) -> str:
@@ -170,7 +173,8 @@ class WorkerConfig:
         return replace(self, port=port)
 
 
-def _parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
+def build_parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
+    """The flags of ``python -m {role}.worker`` (defaults from ``env``)."""
     ap = argparse.ArgumentParser(prog=f"python -m {role}.worker",
                                  description=f"k3serve {role} worker")
     ap.add_argument("--host", default="127.0.0.1", help="bind address")
@@ -181,12 +185,17 @@ def _parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
     ap.add_argument("--router-url", default=None, help="register with this router")
     ap.add_argument("--worker-id", default=None, help="name in metrics and /internal/info")
     ap.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
-    ap.add_argument("--num-pages", type=int, default=1024, help="MLA latent pages")
-    ap.add_argument("--num-slots", type=int, default=32, help="KDA state slots")
+    ap.add_argument("--num-pages", type=int, default=None,
+                    help="MLA latent pages (default 1024; CUDA: sized from the memory share)")
+    ap.add_argument("--num-slots", type=int, default=None,
+                    help="KDA state slots (default: CPU 32, CUDA --max-num-seqs)")
     ap.add_argument("--num-snapshots", type=int, default=32, help="KDA snapshot budget")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens per engine step (default: CPU 512; CUDA 8192 on a card of "
+                         "≥ 70 GiB, else 2048; worker/device.py)")
     ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default=None,
+                    help="cpu or cuda[:N] (default: cuda when torch sees a GPU, else cpu)")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                     help="compute / cache dtype (auto: float32 on CPU, bfloat16 on CUDA); "
                          "prefill and decode workers must agree")
@@ -201,12 +210,16 @@ def _parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
                     help="expert-parallel ranks (1 or the same as --tp when both are > 1)")
     ap.add_argument("--expert-plan", default=None, metavar="PLAN.json",
                     help="expert placement from `k3serve experts plan --json` (with --ep)")
-    # issue 11 (GPU engine)
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
-                    help="CUDA: share of GPU memory for weights + activations + pools; sizes the "
-                         "pools from free memory after the weights load (default: --num-pages)")
+                    help="CUDA: this worker's share of the card's total memory (weights + "
+                         "activations + pools, counted against what this process holds); sizes "
+                         "the pools after the weights load (default: 0.9 / --workers-per-gpu, "
+                         "or none with an explicit --num-pages)")
+    ap.add_argument("--workers-per-gpu", type=int, default=1, metavar="N",
+                    help="CUDA: workers sharing this GPU (the launcher sets it); splits the "
+                         "default memory share")
     ap.add_argument("--max-num-seqs", type=int, default=None,
-                    help="most running sequences (default: --num-slots)")
+                    help="most running sequences (default: CPU --num-slots; CUDA 256)")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="CUDA: replay captured decode graphs (--no-cuda-graphs: eager)")
     ap.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
@@ -234,14 +247,36 @@ def _store_config(a: argparse.Namespace) -> StoreConfig:
     return env.model_copy(update={"url": a.store_url}) if a.store_url else env
 
 
+def _sizes(a: argparse.Namespace, seen: DeviceProbe | None) -> Sizes:
+    """The device and engine sizes of the parsed flags (:func:`worker.device.resolve_sizes`).
+
+    Raises:
+        SystemExit: a bad ``--workers-per-gpu``, or ``--device cuda`` without CUDA.
+    """
+    if a.workers_per_gpu < 1:
+        raise SystemExit(f"--workers-per-gpu: must be ≥ 1, got {a.workers_per_gpu}")
+    if seen is None:
+        seen = DeviceProbe(False) if a.device == "cpu" else probe(a.device)
+    try:
+        return resolve_sizes(
+            a.device, seen, max_num_batched_tokens=a.max_num_batched_tokens,
+            max_num_seqs=a.max_num_seqs, num_slots=a.num_slots,
+            num_pages_given=a.num_pages is not None,
+            gpu_memory_utilization=a.gpu_memory_utilization, workers_per_gpu=a.workers_per_gpu)
+    except ValueError as e:
+        raise SystemExit(f"--{e}") from None
+
+
 def parse_config(role: Role, argv: list[str] | None = None,
-                 env: WorkerEnv | None = None) -> WorkerConfig:
+                 env: WorkerEnv | None = None, seen: DeviceProbe | None = None) -> WorkerConfig:
     """The :class:`WorkerConfig` of ``python -m {role}.worker [argv]``.
 
     Args:
         role: ``prefill`` or ``decode``.
         argv: the flags (default ``sys.argv[1:]``); the same flags ``deploy.launcher`` passes.
         env: the environment (default: read ``os.environ`` now).
+        seen: the machine (default: :func:`worker.device.probe`, unless ``--device cpu``);
+            flags not given are sized from it (:mod:`worker.device`).
 
     Raises:
         SystemExit: bad flags (argparse prints the usage).
@@ -249,18 +284,20 @@ def parse_config(role: Role, argv: list[str] | None = None,
         ValueError: a ``K3SERVE_KV_*`` variable that does not parse.
     """
     env = env if env is not None else WorkerEnv()
-    a = _parser(role, env).parse_args(argv)
+    a = build_parser(role, env).parse_args(argv)
+    sizes = _sizes(a, seen)
     return WorkerConfig(
         role=role, host=a.host, port=a.port, advertise_host=a.advertise_host, model=a.model,
         router_url=a.router_url.rstrip("/") if a.router_url else None, worker_id=a.worker_id,
-        block_size=a.block_size, num_pages=a.num_pages, num_slots=a.num_slots,
-        num_snapshots=a.num_snapshots, max_num_batched_tokens=a.max_num_batched_tokens,
-        enable_prefix_caching=not a.no_prefix_caching, device=a.device, dtype=a.dtype,
+        block_size=a.block_size, num_pages=a.num_pages or DEFAULT_NUM_PAGES,
+        num_slots=sizes.num_slots, num_snapshots=a.num_snapshots,
+        max_num_batched_tokens=sizes.max_num_batched_tokens,
+        enable_prefix_caching=not a.no_prefix_caching, device=sizes.device, dtype=a.dtype,
         seed=a.seed, threads=max(1, a.threads), log_level=a.log_level,
         cluster_token=env.cluster_token, test_hooks=env.test_hooks, kv=KVConfig.from_env(),
         store=_store_config(a), dense_snapshot_blocks=a.dense_snapshot_blocks,
         **_parallel_flags(a),
-        gpu_memory_utilization=a.gpu_memory_utilization, max_num_seqs=a.max_num_seqs,
+        gpu_memory_utilization=sizes.gpu_memory_utilization, max_num_seqs=sizes.max_num_seqs,
         cuda_graphs=a.cuda_graphs, drain_timeout_s=a.drain_timeout,
         max_prefill_backlog=a.max_prefill_backlog, max_queued=_max_queued(a.max_queued))
 
@@ -292,4 +329,11 @@ def _parallel_flags(a: argparse.Namespace) -> dict:
     return {"tp": a.tp, "ep": a.ep, "expert_plan": a.expert_plan}
 
 
-__all__ = ["TEST_HOOKS_ENV", "THREADS_ENV", "WorkerConfig", "WorkerEnv", "parse_config"]
+__all__ = [
+    "TEST_HOOKS_ENV",
+    "THREADS_ENV",
+    "WorkerConfig",
+    "WorkerEnv",
+    "build_parser",
+    "parse_config",
+]

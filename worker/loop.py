@@ -32,7 +32,8 @@ log = logging.getLogger("k3serve.worker")
 def build_engine(config: WorkerConfig) -> Any:
     """The worker's :class:`LLMEngine`, built exactly as the offline ``k3serve.LLM`` builds its
     own (one switch for model loading: ``k3serve.engine.llm.load_model`` — the embedded k3-tiny
-    checkpoint when present, else random init seeded by ``config.seed``).
+    checkpoint when present, else random init seeded by ``config.seed``), then warmed up
+    (:func:`warm`): no request compiles a kernel.
 
     Raises:
         ValueError: unknown model or inconsistent capacities.
@@ -55,7 +56,20 @@ def build_engine(config: WorkerConfig) -> Any:
         gpu_memory_utilization=config.gpu_memory_utilization, max_num_seqs=config.max_num_seqs,
         cuda_graphs=config.cuda_graphs,
     )
+    warm(llm.engine)
     return llm.engine
+
+
+def warm(engine: Any) -> None:
+    """Run every forward shape class once before the worker registers
+    (:func:`k3serve.engine.warmup.warm_up`; skipped on the CPU, with the reason logged)."""
+    from k3serve.engine.warmup import warm_up
+
+    rep = warm_up(engine)
+    if rep.skipped:
+        log.info("warm-up skipped: %s", rep.skipped)
+    else:
+        log.warning("warm-up: %d forwards in %.1f s", rep.num_forwards, rep.seconds)
 
 
 def instance_spec(config: WorkerConfig) -> Any:
@@ -80,7 +94,7 @@ def instance_spec(config: WorkerConfig) -> Any:
         plan = doc.get("placement", doc) if isinstance(doc, dict) else None
         if not isinstance(plan, dict):
             raise ValueError(f"expert_plan: {config.expert_plan} holds no placement object")
-        from k3serve.parallel.planner import Plan
+        from k3serve.parallel.expert_plan import Plan
 
         try:
             ranks = Plan.from_dict(plan).layers[0].num_ranks
@@ -112,7 +126,7 @@ def build_parallel_engine(config: WorkerConfig) -> Any:
     from k3serve.config import PRESETS
     from k3serve.engine.config import EngineConfig
     from k3serve.engine.engine import LLMEngine
-    from k3serve.model.checkpoint import checkpoint_identity, random_init_identity
+    from k3serve.model.checkpoint_files import checkpoint_identity, random_init_identity
     from k3serve.parallel.runner import start_instance
     from k3serve.tokenizer import get_tokenizer
 

@@ -17,6 +17,10 @@ class WorkerMetrics:
         k3serve:prefix_cache_hits_total{worker,role,source}     tokens reused (local|store)
         k3serve:kv_transfer_bytes_total{worker,role}            bytes written (prefill side)
         k3serve:kv_transfer_seconds{worker,role}                histogram, admission → done
+        k3serve:kv_transfer_write_bytes_total{worker,role}      bytes of successful transfers
+        k3serve:kv_transfer_write_seconds_total{worker,role}    their last layer ready → last
+                                                                write confirmed, summed (the
+                                                                in-stack rate is bytes / this)
         k3serve:kda_snapshots{worker,role}                      gauge, snapshots held
         k3serve:cache_usage_ratio{worker,role}                  gauge, referenced pages / all
         k3serve:num_requests_running{worker,role}               gauge
@@ -27,7 +31,7 @@ class WorkerMetrics:
                                                                 (decode: ticket; prefill: sender)
         k3serve:kv_faults_injected_total{worker,role,kind}      K3SERVE_KV_FAULT_* (fail|hang|pair)
         k3serve:requests_resumed_total{worker,role}             migrated requests resumed here
-        k3serve:expert_routed_tokens_total{worker,role,layer,expert}  routed tokens (issue 16)
+        k3serve:expert_routed_tokens_total{worker,role,layer,expert}  routed tokens
 
     Transfers are counted once, by the side that owns the figure: bytes, seconds and outcomes
     by the sender (prefill worker), fallbacks by the decode worker.
@@ -49,6 +53,13 @@ class WorkerMetrics:
             lab, registry=r,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                      10.0, 30.0, 60.0))
+        self._write_bytes = Counter("k3serve:kv_transfer_write_bytes",
+                                    "Bytes of successful transfers (prefill side).", lab,
+                                    registry=r)
+        self._write_seconds = Counter(
+            "k3serve:kv_transfer_write_seconds",
+            "Seconds from each successful transfer's last layer ready to its last write "
+            "confirmed, summed.", lab, registry=r)
         self._snapshots = Gauge("k3serve:kda_snapshots", "KDA snapshots held.", lab, registry=r)
         self._usage = Gauge("k3serve:cache_usage_ratio", "Referenced cache pages / all pages.",
                             lab, registry=r)
@@ -74,7 +85,8 @@ class WorkerMetrics:
         self._shed = Counter("k3serve:requests_shed",
                              "Admissions refused with 503 busy + Retry-After: the worker's "
                              "queue (--max-queued) was full.", lab, registry=r)
-        for fam in (self._queries, self._bytes, self._fallbacks, self._expiries, self._resumed,
+        for fam in (self._queries, self._bytes, self._write_bytes, self._write_seconds,
+                    self._fallbacks, self._expiries, self._resumed,
                     self._shed):
             fam.labels(**self.labels)
         for src in ("local", "store"):
@@ -97,11 +109,17 @@ class WorkerMetrics:
         self._queries.labels(**self.labels).inc(prompt_tokens)
         self._hits.labels(**self.labels, source=source).inc(cached_tokens)
 
-    def transfer(self, ok: bool, nbytes: int, seconds: float | None) -> None:
+    def transfer(self, ok: bool, nbytes: int, seconds: float | None,
+                 write_tail_s: float | None = None) -> None:
+        """A finished transfer: ``nbytes`` sent, ``seconds`` from admission to done, and
+        ``write_tail_s`` from its last layer ready to its last write confirmed."""
         self._bytes.labels(**self.labels).inc(nbytes)
         self._transfers.labels(**self.labels, outcome="success" if ok else "failed").inc()
         if ok and seconds is not None:
             self._seconds.labels(**self.labels).observe(seconds)
+        if ok and write_tail_s is not None:
+            self._write_bytes.labels(**self.labels).inc(nbytes)
+            self._write_seconds.labels(**self.labels).inc(write_tail_s)
 
     def fallback(self) -> None:
         self._fallbacks.labels(**self.labels).inc()

@@ -132,8 +132,8 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
                     "worker and its kvstore is open to anyone who can reach it")
     worker = worker_cls(config)
     app = create_app(worker)
-    # h11 and asyncio's loop, as before httptools and uvloop were installed for the router
-    # (router/config.py)
+    # h11 and asyncio's own loop for the worker (the router picks httptools and uvloop,
+    # router/config.py)
     server = _server_cls()(uvicorn.Config(app, log_level=config.log_level, access_log=False,
                                           timeout_graceful_shutdown=3, http="h11",
                                           loop="asyncio"), worker, app)

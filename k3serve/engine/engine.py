@@ -56,7 +56,7 @@ class LLMEngine(EngineCore):
         device: pools and inputs live here.
         dtype: latent / conv pool dtype (CPU: float32).
         weights_id: identity of the model's weights
-            (``k3serve.model.checkpoint.checkpoint_identity`` / ``random_init_identity``;
+            (``k3serve.model.checkpoint_files.checkpoint_identity`` / ``random_init_identity``;
             :class:`~k3serve.engine.llm.LLM` sets it), part of the layout fingerprint: engines
             serving different weights never share block hashes. ``None``: unknown.
         connector: a :class:`~k3serve.engine.connector.KVConnector` at the engine's edge, or

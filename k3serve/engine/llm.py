@@ -28,7 +28,8 @@ import torch
 from k3serve.config import PRESETS, ModelConfig
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
-from k3serve.model.checkpoint import checkpoint_identity, load_model, random_init_identity
+from k3serve.model.checkpoint import load_model
+from k3serve.model.checkpoint_files import checkpoint_identity, random_init_identity
 from k3serve.protocol import RequestOutput
 from k3serve.sampling import SamplingParams
 

@@ -44,13 +44,16 @@ def size_pools_from_memory(
     num_snapshots: int,
     dtype: torch.dtype,
     extra: int = 0,
+    held_bytes: int | None = None,
 ) -> int:
     """Latent pages that fit the engine's memory share (vLLM's ``gpu_memory_utilization``).
 
-    ``budget = utilization·total − (total − free) − reserve`` bytes, where ``total − free`` is
-    what is already held (the weights, other processes) and ``reserve`` the activations (a
-    profiled forward) and graph memory; the slots (``num_slots + extra``) and snapshots come
-    out of the budget first, the pages take the rest.
+    ``budget = min(utilization·total − held, free) − reserve`` bytes, where ``held`` is what
+    this process already holds (its weights; ``held_bytes``, default ``total − free``: every
+    process on the card) and ``reserve`` the activations (a profiled forward) and graph
+    memory; the slots (``num_slots + extra``) and snapshots come out of the budget first, the
+    pages take the rest. Counting only this process's bytes lets several engines share one
+    card, each with its own share of the total.
 
     Args:
         cfg: model config. total_bytes, free_bytes: the accelerator's memory (bytes), as
@@ -58,6 +61,7 @@ def size_pools_from_memory(
         utilization: share in (0, 1]. reserve_bytes: activations + graphs (bytes).
         block_size: tokens per page. num_slots, num_snapshots: the other pools' sizes.
         dtype: latent / conv dtype. extra: scratch slots / pages the engine adds (CUDA graphs).
+        held_bytes: bytes this process holds now (``torch.cuda.memory_reserved``).
 
     Returns:
         ``num_pages`` (≥ 1).
@@ -67,14 +71,15 @@ def size_pools_from_memory(
             gives the figures: lower ``max_num_seqs`` / ``num_snapshots`` or raise the share).
     """
     slot_b, snap_b, page_b = pool_bytes(cfg, block_size, dtype)
-    budget = int(utilization * total_bytes) - (total_bytes - free_bytes) - reserve_bytes
+    held = total_bytes - free_bytes if held_bytes is None else held_bytes
+    budget = min(int(utilization * total_bytes) - held, free_bytes) - reserve_bytes
     left = budget - (num_slots + extra) * slot_b - num_snapshots * snap_b - extra * page_b
     pages = left // page_b if left > 0 else 0
     if pages < 1:
         gib = 1 << 30
         raise ValueError(
             f"EngineConfig.gpu_memory_utilization: {utilization} of {total_bytes / gib:.1f} GiB "
-            f"leaves {budget / gib:.2f} GiB after {(total_bytes - free_bytes) / gib:.2f} GiB held "
+            f"leaves {budget / gib:.2f} GiB after {held / gib:.2f} GiB held "
             f"and {reserve_bytes / gib:.2f} GiB of activations; {num_slots} slots and "
             f"{num_snapshots} snapshots need {(num_slots * slot_b + num_snapshots * snap_b) / gib:.2f}"
             " GiB before any page"
@@ -133,6 +138,7 @@ def fit_to_memory(
     pages = size_pools_from_memory(
         cfg, total, free, float(c.gpu_memory_utilization), reserve,
         c.block_size, slots, c.num_snapshots, dtype, extra,
+        held_bytes=torch.cuda.memory_reserved(device),
     )  # fmt: skip
     return dataclasses.replace(c, num_slots=slots, num_pages=pages)
 

@@ -1,95 +1,25 @@
-"""The one switch between the plain-torch kernels and the Triton kernels.
+"""The dispatching wrappers: each op runs its Triton kernel where :func:`use_triton` allows
+(:mod:`k3serve.kernels.backend` reads ``K3SERVE_KERNELS`` and ``K3SERVE_FUSED_DECODE``) and
+its plain-torch reference everywhere else.
 
-``K3SERVE_KERNELS`` (read here and nowhere else):
-
-* unset or ``triton`` — Triton for CUDA tensors (when Triton imports), torch for everything else;
-* ``torch`` — torch everywhere (references; debugging a suspected kernel bug).
-
-``K3SERVE_MLA_PREFILL`` (also read here only): ``sdpa`` sends MLA prefill on the kernel path to
+``K3SERVE_MLA_PREFILL`` (read here only): ``sdpa`` sends MLA prefill on the kernel path to
 torch SDPA (:mod:`k3serve.kernels.mla.prefill_sdpa`); ``naive`` keeps the float32 reference
-loop. Unset: ``sdpa`` for CUDA tensors, ``naive`` elsewhere (CPU, also under TRITON_INTERPRET).
-SDPA became the CUDA default after a device run (2026-12-02, one H200, k3-mini): prefill 1 × 8192
-0.424 → 0.215 s, 8 × 8192 3.05 → 1.52 s, 1 × 2048 0.151 → 0.125 s, and every MLA sublayer
-within bf16 tolerance of the reference (``tests/gpu/test_k3mini_fast_path.py``).
+loop. Unset: ``sdpa`` for CUDA tensors (every MLA sublayer within bf16 tolerance of the
+reference: ``tests/gpu/test_k3mini_fast_path.py``), ``naive`` elsewhere (CPU, also under
+TRITON_INTERPRET).
 
-``K3SERVE_FUSED_DECODE`` (read here only): ``0`` turns off the fused decode-step kernels of the
-model (:func:`fused_decode`: residual + AttnRes + norm per sublayer boundary, the whole KDA step,
-the MLA decode pieces, MoE routing and tail, stacked-weight GEMMs; ``benchmarks/RESULTS_gpu_e2e.md``
-Run 3) and keeps the unfused Triton path they replace — for before/after measurements. Unset or
-``1``: on wherever :func:`use_triton` is, without gradients.
-
-CPU tensors go to Triton only under ``TRITON_INTERPRET=1`` with ``K3SERVE_KERNELS=triton`` set
-explicitly (how the CPU tests exercise the Triton code). The chunked KDA kernel is forward-only,
-so a call that needs gradients always takes the torch path.
-
-Triton modules are imported lazily: a CPU install without Triton never touches them.
+The chunked KDA kernel is forward-only, so a call that needs gradients always takes the torch
+path. Triton modules are imported lazily: a CPU install without Triton never touches them.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import Any
 
 import torch
 
-_ENV = "K3SERVE_KERNELS"
-_CHOICES = ("torch", "triton")
-
-
-def kernel_backend() -> str:
-    """The configured backend name (``"triton"`` when unset).
-
-    Raises:
-        ValueError: ``K3SERVE_KERNELS`` set to something other than ``torch`` / ``triton``.
-    """
-    val = os.environ.get(_ENV, "").strip().lower() or "triton"
-    if val not in _CHOICES:
-        raise ValueError(f"{_ENV}={val!r}: expected one of {_CHOICES}")
-    return val
-
-
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except (ImportError, RuntimeError):
-        return False
-    return True
-
-
-def use_triton(device: Any = None) -> bool:
-    """Whether kernels should run in Triton for tensors on ``device`` (a device, string or None).
-
-    True for CUDA devices unless ``K3SERVE_KERNELS=torch``; for CPU only when
-    ``K3SERVE_KERNELS=triton`` and ``TRITON_INTERPRET=1`` are both set explicitly.
-    """
-    if kernel_backend() == "torch" or device is None or not _triton_importable():
-        return False
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return True
-    return (
-        os.environ.get(_ENV, "").strip().lower() == "triton"
-        and os.environ.get("TRITON_INTERPRET", "") == "1"
-    )
-
-
-def fused_decode(device: Any = None) -> bool:
-    """Whether the model's decode step takes its fused Triton kernels (:func:`use_triton` and
-    ``K3SERVE_FUSED_DECODE`` not ``0``; gradients always take the unfused path).
-
-    Raises:
-        ValueError: ``K3SERVE_FUSED_DECODE`` other than ``0`` / ``1``.
-    """
-    val = os.environ.get("K3SERVE_FUSED_DECODE", "").strip() or "1"
-    if val not in ("0", "1"):
-        raise ValueError(f"K3SERVE_FUSED_DECODE={val!r}: expected '0' or '1'")
-    return val == "1" and use_triton(device) and not torch.is_grad_enabled()
-
-
-def _needs_grad(*xs: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+from k3serve.kernels.backend import fused_decode, kernel_backend, needs_grad, use_triton
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -105,7 +35,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         use_triton(q.device)
         and chunk_size == 64
         and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and not _needs_grad(q, k, v, g, beta, initial_state)
+        and not needs_grad(q, k, v, g, beta, initial_state)
     ):
         from k3serve.kernels.kda.chunk_triton import chunk_kda_triton
 
@@ -190,7 +120,7 @@ def mla_prefill_paged(q, latent_pool, block_table, cu_seqlens, num_cached, kv_b_
     the forward's host copy of the sequence metadata, see ``prefill_sdpa.make_host_meta``);
     else the naive float32 reference."""
     if (mla_prefill_impl(q.device) == "sdpa" and use_triton(q.device) and q.dtype != torch.float64
-            and not _needs_grad(q, kv_b_weight)):
+            and not needs_grad(q, kv_b_weight)):
         from k3serve.kernels.mla.prefill_sdpa import mla_prefill_sdpa_paged as fast
 
         return fast(q, latent_pool, block_table, cu_seqlens, num_cached, kv_b_weight, qk_nope,
@@ -202,19 +132,19 @@ def mla_prefill_paged(q, latent_pool, block_table, cu_seqlens, num_cached, kv_b_
 
 
 def rms_norm(x, weight, eps, gate=None):
-    """RMSNorm (× ``σ(gate)`` when given): :func:`k3serve.model.layers.rms_norm` contract, in
+    """RMSNorm (× ``σ(gate)`` when given): :func:`k3serve.kernels.naive.rms_norm` contract, in
     ``x.dtype``. One fused Triton launch (:mod:`k3serve.kernels.fused_triton`) when
     :func:`use_triton` allows and no gradient is needed, else the torch reference."""
     if (
         use_triton(x.device)
         and x.is_floating_point()
         and x.dtype != torch.float64
-        and not _needs_grad(x, weight, gate)
+        and not needs_grad(x, weight, gate)
     ):
         from k3serve.kernels.fused_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, gate)
-    from k3serve.model.layers import rms_norm as ref
+    from k3serve.kernels.naive import rms_norm as ref
 
     if gate is None:
         return ref(x, weight, eps)
@@ -224,11 +154,11 @@ def rms_norm(x, weight, eps, gate=None):
 def glu(gate, up, act, beta=4.0, beta_l=25.0):
     """SiTU-GLU / SwiGLU (:func:`k3serve.model.layers.glu_act` contract); one fused Triton
     launch when :func:`use_triton` allows and no gradient is needed, else the torch reference."""
-    if use_triton(gate.device) and gate.dtype != torch.float64 and not _needs_grad(gate, up):
+    if use_triton(gate.device) and gate.dtype != torch.float64 and not needs_grad(gate, up):
         from k3serve.kernels.fused_triton import glu_triton
 
         return glu_triton(gate, up, act, beta, beta_l)
-    from k3serve.model.layers import situ_glu, swiglu
+    from k3serve.kernels.naive import situ_glu, swiglu
 
     if act == "situ":
         return situ_glu(gate, up, beta, beta_l)
@@ -238,43 +168,45 @@ def glu(gate, up, act, beta=4.0, beta_l=25.0):
 
 
 def l2norm_heads(x, eps=1e-6, dtype=None):
-    """``k3serve.model.kda.l2norm`` of ``x [T, G, H, K]`` regrouped to ``[G, T, H, K]``
+    """:func:`k3serve.kernels.naive.l2norm` of ``x [T, G, H, K]`` regrouped to ``[G, T, H, K]``
     (contiguous, ``dtype`` or ``x.dtype``): one Triton launch
     (:func:`k3serve.kernels.prefill_triton.l2norm_heads_triton`) when :func:`use_triton`
     allows and no gradient is needed, else the torch reference."""
-    if use_triton(x.device) and x.dtype != torch.float64 and not _needs_grad(x):
+    if use_triton(x.device) and x.dtype != torch.float64 and not needs_grad(x):
         from k3serve.kernels.prefill_triton import l2norm_heads_triton
 
         return l2norm_heads_triton(x, eps, dtype)
-    from k3serve.model.kda import l2norm
+    from k3serve.kernels.naive import l2norm
 
     return l2norm(x, eps).to(dtype or x.dtype).transpose(0, 1).contiguous()
 
 
 def conv_varlen(x, weight, cu_seqlens, history):
-    """:func:`k3serve.model.kda.causal_conv_varlen` contract (the KDA prefill conv): one
-    Triton launch (:func:`k3serve.kernels.prefill_triton.conv_varlen_triton`, no host sync)
-    when :func:`use_triton` allows and no gradient is needed, else ``None`` (the caller runs
-    the torch reference)."""
-    if use_triton(x.device) and x.dtype != torch.float64 and not _needs_grad(x, weight, history):
+    """The KDA prefill conv (:func:`k3serve.kernels.kda.naive.causal_conv_varlen` contract):
+    one Triton launch (:func:`k3serve.kernels.prefill_triton.conv_varlen_triton`, no host
+    sync) when :func:`use_triton` allows and no gradient is needed, else the torch
+    reference."""
+    if use_triton(x.device) and x.dtype != torch.float64 and not needs_grad(x, weight, history):
         from k3serve.kernels.prefill_triton import conv_varlen_triton
 
         return conv_varlen_triton(x, weight, cu_seqlens, history)
-    return None
+    from k3serve.kernels.kda.naive import causal_conv_varlen
+
+    return causal_conv_varlen(x, weight, cu_seqlens, history)
 
 
 def attn_res_mix_prefill(sources, norm_weight, query, eps):
-    """:func:`k3serve.model.attn_res.attn_res_mix` contract for prefill-sized inputs: one Triton
+    """:func:`k3serve.kernels.naive.attn_res_mix` contract for prefill-sized inputs: one Triton
     launch (:func:`k3serve.kernels.prefill_triton.attn_res_mix_triton`) when :func:`use_triton`
     allows, no gradient is needed and there are at most ``ATTN_RES_MAX_SOURCES`` sources, else
     the torch reference. The decode step does not come here."""
-    from k3serve.model.attn_res import attn_res_mix as ref
+    from k3serve.kernels.naive import attn_res_mix as ref
 
     if (
         len(sources) > 1
         and use_triton(sources[0].device)
         and sources[0].dtype != torch.float64
-        and not _needs_grad(*sources, norm_weight, query)
+        and not needs_grad(*sources, norm_weight, query)
     ):
         from k3serve.kernels.prefill_triton import ATTN_RES_MAX_SOURCES, attn_res_mix_triton
 
@@ -304,13 +236,13 @@ def routed_experts(z, w13, w2, topk_ids, topk_weights, act, beta=4.0, beta_l=25.
     """
     if use_triton(z.device) and z.dtype in (torch.bfloat16, torch.float16, torch.float32):
         from k3serve.kernels.moe import grouped_triton as gt
-        from k3serve.kernels.moe.grouped import _has_grouped_mm
+        from k3serve.kernels.moe.grouped import has_grouped_mm
         from k3serve.kernels.moe.grouped_triton import TritonExperts, routed_experts_triton
 
         if (
             z.shape[0] * topk_ids.shape[1] >= gt.LARGE_M_ROWS_PER_EXPERT * w13.shape[0]
             and w13.dtype == z.dtype == w2.dtype
-            and _has_grouped_mm(z.device.type, z.dtype)
+            and has_grouped_mm(z.device.type, z.dtype)
         ):  # prefill-sized: the dense weights (= the dequantised MXFP4 bytes), grouped GEMM
             return gt.routed_experts_large_m(z, w13, w2, topk_ids, topk_weights, act, beta, beta_l)
         if packed is not None:
@@ -319,7 +251,7 @@ def routed_experts(z, w13, w2, topk_ids, topk_weights, act, beta=4.0, beta_l=25.
             experts = TritonExperts(w13.to(z.dtype), w2.to(z.dtype))
         return routed_experts_triton(z, experts, topk_ids, topk_weights, act, beta, beta_l)
     from k3serve.kernels.moe.grouped import routed_experts_grouped
-    from k3serve.model.layers import situ_glu, swiglu
+    from k3serve.kernels.naive import situ_glu, swiglu
 
     if act == "situ":
         fn = functools.partial(situ_glu, beta=beta, beta_l=beta_l)

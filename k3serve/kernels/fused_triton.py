@@ -1,7 +1,7 @@
 """Fused elementwise kernels in Triton: RMSNorm (optionally × σ(gate)) and the GLUs, one launch
 each instead of the 6–9 the torch expressions dispatch (a decode step is launch-bound).
 
-References (the spec, ``k3serve/model/layers.py``): ``rms_norm`` — ``x · rsqrt(mean(x²) + ε) · w``
+References (the spec, :mod:`k3serve.kernels.naive`): ``rms_norm`` — ``x · rsqrt(mean(x²) + ε) · w``
 in float32, cast back (Zhang & Sennrich 2019); ``GatedRMSNorm`` — that times ``σ(gate)`` (fla
 ``FusedRMSNormGated``); ``situ_glu`` — ``[β·tanh(g/β)·σ(g)]·[β_l·tanh(u/β_l)]`` (DESIGN.md §2);
 ``swiglu`` — ``silu(g)·u``. The kernels compute in float32 and round once at the end (the torch
@@ -234,10 +234,10 @@ def res_mix_norm_triton(
     ``P' = P + Σ deltas``, ``h = Mix(blocks ∪ {P'})`` (Block AttnRes; ``h = P'`` without
     ``res_query``), ``out = RMSNorm(h) · norm_weight``.
 
-    The reference is :func:`res_mix_norm_ref` (the torch expressions of
+    The reference is :func:`k3serve.kernels.naive.res_mix_norm_ref` (the torch expressions of
     ``K3ForCausalLM._layers``): the sums round to ``P``'s dtype as the torch adds do (two
     deltas are added to each other first, as ``routed + shared`` is), the mix runs in float32
-    (arXiv 2603.15031; ``k3serve.model.attn_res.attn_res_mix``) and rounds to ``P``'s dtype,
+    (arXiv 2603.15031; ``k3serve.kernels.naive.attn_res_mix``) and rounds to ``P``'s dtype,
     then the RMSNorm (float32, rounded once).
 
     Args:
@@ -289,23 +289,7 @@ def res_mix_norm_triton(
     return p_out, out
 
 
-def res_mix_norm_ref(p, deltas, blocks, res_norm_weight, res_query, res_eps, norm_weight, eps):
-    """Plain-torch reference of :func:`res_mix_norm_triton` (same contract): the expressions
-    ``K3ForCausalLM._layers`` runs — ``y = d1 + d2``, ``P + y``, ``attn_res_mix``, RMSNorm."""
-    from k3serve.model.attn_res import attn_res_mix
-    from k3serve.model.layers import rms_norm
-
-    if deltas:
-        y = deltas[0] if len(deltas) == 1 else deltas[0] + deltas[1]
-        p = p + y
-    if res_query is not None and blocks:
-        h = attn_res_mix(list(blocks) + [p], res_norm_weight, res_query, res_eps)
-    else:
-        h = p
-    return p, rms_norm(h, norm_weight, eps)
-
-
-__all__ += ["MAX_RES_SOURCES", "res_mix_norm_ref", "res_mix_norm_triton"]
+__all__ += ["MAX_RES_SOURCES", "res_mix_norm_triton"]
 
 
 # ---------------------------------------------------------------- MLA decode (absorbed form)

@@ -4,20 +4,20 @@ Block-AttnRes mix over many tokens, and the KDA q / k L2 norm. They replace eage
 
 References (the spec; these kernels compute the same function in float32 and round once):
 
-* :func:`conv_varlen_triton` — ``k3serve.model.kda.causal_conv_varlen``: depthwise causal conv
+* :func:`conv_varlen_triton` — ``k3serve.kernels.kda.naive.causal_conv_varlen``: depthwise causal conv
   (``W`` taps, no bias) + SiLU over packed sequences continuing a per-sequence history of the
   last ``W − 1`` pre-conv inputs. The reference builds an ``[T + N(W−1), C]`` extended copy and
   ``W`` float32 temporaries of ``[T, C]`` (≈ 6 GB of traffic per k3-mini KDA layer at 8k tokens);
   here one pass reads ``x`` (taps served by L1/L2) and writes ``y``, and no sequence length is
   read back to the host (the reference's ``repeat_interleave`` does).
-* :func:`attn_res_mix_triton` — ``k3serve.model.attn_res.attn_res_mix`` (arXiv 2603.15031):
+* :func:`attn_res_mix_triton` — ``k3serve.kernels.naive.attn_res_mix`` (arXiv 2603.15031):
   ``Σ_s softmax_s(w · (γ ⊙ RMSNorm(v_s))) · v_s``. The reference stacks the ``S`` sources in
   float32 and runs norm, product, softmax and sum as separate launches (≈ 10·S·T·d·4 bytes);
   here each program reads its rows of every source twice (scores, then the weighted sum) and
   writes the result once. ``w · (γ ⊙ RMSNorm(v))`` is computed as ``rsqrt(mean(v²) + ε) ·
   Σ_d v_d γ_d w_d`` (the same sum, another order).
 
-* :func:`l2norm_heads_triton` — ``k3serve.model.kda.l2norm`` of q and k in one launch.
+* :func:`l2norm_heads_triton` — ``k3serve.kernels.naive.l2norm`` of q and k in one launch.
 
 All are used on the prefill path only (``k3serve/model/kda.py`` varlen branch,
 ``K3ForCausalLM.forward`` when the batch is not a decode step); decode keeps its own kernels.
@@ -175,7 +175,7 @@ def _attn_res_kernel(
 def attn_res_mix_triton(
     sources: list[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """Block-AttnRes mix (``k3serve.model.attn_res.attn_res_mix`` contract) in one launch.
+    """Block-AttnRes mix (``k3serve.kernels.naive.attn_res_mix`` contract) in one launch.
 
     Args:
         sources: ``S`` (1 ≤ S ≤ :data:`ATTN_RES_MAX_SOURCES`) tensors ``[T, d]`` of one dtype on
@@ -240,7 +240,7 @@ def l2norm_heads_triton(x: torch.Tensor, eps: float = 1e-6, dtype: torch.dtype |
     """fla's L2 norm over the last dim of ``G`` groups of heads, regrouped: one launch.
 
     ``y[g, t, h] = x[t, g, h] / sqrt(Σ_k x[t, g, h, k]² + eps)`` in float32, rounded once to
-    ``dtype`` — ``k3serve.model.kda.l2norm`` of each group (the KDA prefill normalises q and k
+    ``dtype`` — ``k3serve.kernels.naive.l2norm`` of each group (the KDA prefill normalises q and k
     of the conv output, ``[T, 2, H, K]`` column slices of one tensor, so ``y[0]`` / ``y[1]``
     are contiguous q / k without extra copies).
 

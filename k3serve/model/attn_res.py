@@ -12,7 +12,9 @@ partial sum ``P`` (``P`` = embedding before layer 0); for layer l::
     P += FFN(post_norm(h))
 
 and after the last layer ``Mix(blocks ∪ {P})`` with the output weights → final norm → LM head.
-With ``block_layers == 0`` the stream is a plain residual: ``h = P``.
+With ``block_layers == 0`` the stream is a plain residual: ``h = P``. ``Mix`` itself is
+:func:`k3serve.kernels.naive.attn_res_mix` (Triton for prefill through
+:func:`k3serve.kernels.dispatch.attn_res_mix_prefill`).
 """
 
 from __future__ import annotations
@@ -20,34 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3serve.model.layers import RMSNorm, rms_norm
-
-
-def attn_res_mix(
-    sources: list[torch.Tensor], norm_weight: torch.Tensor, query: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """Softmax-weighted mix of per-token source vectors (arXiv 2603.15031, Block AttnRes).
-
-    Args:
-        sources: S tensors ``[T, d]`` (the stored block vectors, then the partial sum P).
-        norm_weight: ``[d]`` γ of the RMSNorm applied to each source before scoring.
-        query: ``[1, d]`` or ``[d]`` pseudo-query w.
-        eps: RMSNorm epsilon.
-
-    Returns:
-        ``[T, d]`` in the dtype of ``sources[0]``; scores, softmax and sum in float32.
-
-    Raises:
-        ValueError: ``sources`` is empty.
-    """
-    if not sources:
-        raise ValueError("sources: need at least one vector to mix")
-    if len(sources) == 1:
-        return sources[0]
-    v = torch.stack([s.float() for s in sources], 0)  # [S, T, d]
-    logits = rms_norm(v, norm_weight.float(), eps) @ query.float().reshape(-1)  # [S, T]
-    alpha = torch.softmax(logits, dim=0)
-    return (alpha.unsqueeze(-1) * v).sum(0).to(sources[0].dtype)
+from k3serve.model.layers import RMSNorm
 
 
 def make_res_params(d: int, eps: float, dtype: torch.dtype | None) -> tuple[RMSNorm, nn.Linear]:
@@ -59,4 +34,4 @@ def make_res_params(d: int, eps: float, dtype: torch.dtype | None) -> tuple[RMSN
     return norm, proj
 
 
-__all__ = ["attn_res_mix", "make_res_params"]
+__all__ = ["make_res_params"]

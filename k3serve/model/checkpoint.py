@@ -27,7 +27,6 @@ reported together in one :class:`CheckpointError`; on error the model is left un
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -37,16 +36,13 @@ from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from k3serve.config import PRESETS, ModelConfig, load_config
-from k3serve.kernels.mxfp4 import MXFP4_BLOCK, pack_mxfp4, unpack_mxfp4
+from k3serve.kernels.mxfp4 import MXFP4_BLOCK, unpack_mxfp4
 from k3serve.model import k3_names as names
+from k3serve.model.checkpoint_files import CONFIG_FILE, checkpoint_files, read_headers
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-CONFIG_FILE = "k3serve_config.json"
 IGNORED_PREFIXES = ("vision_tower.", "mm_projector.")
 """K3 container tensors that are not part of the language model (skipped, not 'unexpected')."""
 
@@ -56,7 +52,6 @@ ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
 MAX_LISTED = 200
 """Names listed per category in a :class:`CheckpointError` message (the attributes hold all)."""
 
-_SHARD_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 _TORCH_TO_ST = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -125,151 +120,6 @@ class LoadResult:
     num_tensors: int = 0
     packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)
-
-
-# ---------------------------------------------------------------------- files and headers
-def checkpoint_files(
-    folder_or_files: str | os.PathLike | Sequence[str | os.PathLike],
-) -> list[Path]:
-    """Resolve the safetensors files of a checkpoint.
-
-    Args:
-        folder_or_files: a folder (its ``model.safetensors.index.json`` if present, else every
-            ``*.safetensors`` in it), an index file, one ``.safetensors`` file, or a list of
-            ``.safetensors`` files.
-
-    Returns:
-        The files, sorted, deduplicated.
-
-    Raises:
-        FileNotFoundError: the path does not exist, a folder has no safetensors, or a shard the
-            index names is absent (all absent shards are named).
-    """
-    if isinstance(folder_or_files, (str, os.PathLike)):
-        p = Path(folder_or_files)
-        if p.is_dir():
-            if (p / INDEX_FILE).exists():
-                return _index_files(p / INDEX_FILE)
-            files = sorted(p.glob("*.safetensors"))
-            if not files:
-                raise FileNotFoundError(f"checkpoint: no *.safetensors file in {p}")
-            return files
-        if p.is_file():
-            return _index_files(p) if p.name.endswith(".index.json") else [p]
-        raise FileNotFoundError(f"checkpoint: {p} does not exist")
-    files = sorted({Path(f) for f in folder_or_files})
-    absent = [str(f) for f in files if not f.is_file()]
-    if absent or not files:
-        raise FileNotFoundError(f"checkpoint: missing file(s) {absent or '(none given)'}")
-    return files
-
-
-def _index_files(index: Path) -> list[Path]:
-    with open(index) as f:
-        weight_map = json.load(f)["weight_map"]
-    files = sorted({index.parent / v for v in weight_map.values()})
-    absent = [f.name for f in files if not f.is_file()]
-    if absent:
-        raise FileNotFoundError(f"checkpoint: {index} names shard(s) that are absent: {absent}")
-    return files
-
-
-def read_headers(
-    files: Sequence[Path],
-) -> tuple[dict[str, tuple[Path, tuple[int, ...], str]], list[str]]:
-    """Names, shapes and dtypes of every tensor in ``files``, from the headers only.
-
-    Returns:
-        ``({name: (file, shape, safetensors dtype)}, [descriptions of names found twice])``.
-    """
-    headers: dict[str, tuple[Path, tuple[int, ...], str]] = {}
-    dups: list[str] = []
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                sl = f.get_slice(name)
-                if name in headers:
-                    dups.append(f"{name}: stored twice ({headers[name][0].name}, {path.name})")
-                    continue
-                headers[name] = (path, tuple(sl.get_shape()), sl.get_dtype())
-    return headers, dups
-
-
-# ---------------------------------------------------------------------- identity
-#: Bytes hashed at each end of every tensor by :func:`checkpoint_identity`.
-IDENTITY_SAMPLE_BYTES = 64
-
-
-def checkpoint_identity(folder_or_files: str | os.PathLike | Sequence[str | os.PathLike]) -> str:
-    """A cheap, deterministic identity of a checkpoint's weights (part of the layout
-    fingerprint, ``k3serve.cache.specs.layout_fingerprint``), so that two checkpoints of the
-    same shape never share block hashes or exchange cache.
-
-    BLAKE2b-128 over the model config of the folder (``k3serve_config.json`` and/or
-    ``config.json``, as canonical JSON: formatting does not matter) and, per safetensors file
-    (in :func:`checkpoint_files` order, by file name): its raw header (names, dtypes, shapes,
-    offsets, ``__metadata__``) and the first and last :data:`IDENTITY_SAMPLE_BYTES` bytes of
-    every tensor's data. No paths, sizes alone or mtimes: copies of a checkpoint agree on any
-    machine. It reads ~128 bytes per tensor, not the weights; two checkpoints that differ only
-    inside tensors, away from both ends of every one, would collide (a fine-tune changes far
-    more than that).
-
-    Args:
-        folder_or_files: as :func:`checkpoint_files`.
-
-    Returns:
-        ``"ckpt:"`` + 32 lowercase hex characters.
-
-    Raises:
-        FileNotFoundError: as :func:`checkpoint_files`.
-        ValueError: a file that is not safetensors (truncated or malformed header).
-    """
-    import hashlib
-    import mmap
-
-    files = checkpoint_files(folder_or_files)
-    h = hashlib.blake2b(digest_size=16)
-    h.update(b"k3serve-weights-1")
-    folder = Path(folder_or_files) if isinstance(folder_or_files, (str, os.PathLike)) else None
-    if folder is not None and folder.is_dir():
-        for name in (CONFIG_FILE, "config.json"):
-            if (folder / name).is_file():
-                with open(folder / name) as f:
-                    canon = json.dumps(json.load(f), sort_keys=True, separators=(",", ":"))
-                h.update(f"{name}\0{canon}\0".encode())
-    k = IDENTITY_SAMPLE_BYTES
-    for path in files:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            raw_n = f.read(8)
-            n = int.from_bytes(raw_n, "little") if len(raw_n) == 8 else -1
-            if not 0 < n <= size - 8:
-                raise ValueError(f"checkpoint: {path.name} is not a safetensors file")
-            header = f.read(n)
-            try:
-                entries = json.loads(header)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise ValueError(f"checkpoint: {path.name} has a malformed header") from None
-            h.update(f"{path.name}\0".encode() + raw_n + header)
-            spans = sorted(
-                tuple(v["data_offsets"])
-                for key, v in entries.items()
-                if key != "__metadata__" and isinstance(v, dict)
-            )
-            if not spans or size == 8 + n:
-                continue
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                base = 8 + n
-                for start, end in spans:
-                    a, b = base + start, min(base + end, size)
-                    h.update(m[a : min(a + k, b)] + m[max(a, b - k) : b])
-    return "ckpt:" + h.hexdigest()
-
-
-def random_init_identity(seed: int) -> str:
-    """The weights identity of a randomly initialised model: its init seed (the same seed
-    gives the same weights on every machine: the model is initialised on the CPU)."""
-    return f"random-init:seed={int(seed)}"
 
 
 # ---------------------------------------------------------------------- load
@@ -527,107 +377,6 @@ def _apply(
     dst.copy_(src.to(dst.dtype))
 
 
-# ---------------------------------------------------------------------- save
-def save_checkpoint(
-    model: nn.Module,
-    folder: str | os.PathLike,
-    cfg: ModelConfig,
-    *,
-    dtype: torch.dtype | None = None,
-    max_shard_bytes: int | None = None,
-) -> list[Path]:
-    """Write ``model`` as a K3-layout safetensors checkpoint plus ``k3serve_config.json``.
-
-    Names are the published K3 ones (``language_model.`` prefix, ``block_sparse_moe.``);
-    ``A_log`` is zero-padded to ``max(H, K)`` and, like the other K3 float32 tensors
-    (:data:`~k3serve.model.k3_names.F32_SUFFIXES`), stored in float32. With
-    ``cfg.expert_quant == "mxfp4"`` routed experts are stored packed: the bytes attached at load
-    when they still decode to the current weight, else :func:`pack_mxfp4` of the weight (lossy
-    unless the weight is on the MXFP4 grid). Earlier ``model*.safetensors`` files and the index
-    in ``folder`` are removed first, so the folder holds exactly one checkpoint.
-
-    Args:
-        model: the model to save (tied ``lm_head`` is not written).
-        folder: output folder (created).
-        cfg: the model's config (written as ``k3serve_config.json``).
-        dtype: store the other float tensors in this dtype (default: as they are, lossless).
-        max_shard_bytes: split into ``model-0000i-of-0000n.safetensors`` + index when the
-            total exceeds this; ``None`` writes one ``model.safetensors``.
-
-    Returns:
-        The files written (safetensors, index if sharded, config).
-    """
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    for old in out.iterdir():
-        if _SHARD_RE.match(old.name) or old.name == INDEX_FILE:
-            old.unlink()
-
-    tensors: dict[str, torch.Tensor] = {}
-    for ours, t in model.state_dict().items():
-        if cfg.tie_word_embeddings and ours == "lm_head.weight":
-            continue
-        pub = names.to_published(ours, cfg)
-        t = t.detach().cpu()
-        if names.is_expert_weight(ours) and cfg.expert_quant == "mxfp4":
-            pk, sc = names.expert_weight_pair(pub)
-            tensors[pk], tensors[sc] = _packed_for(model, ours, t)
-            continue
-        if pub.endswith("self_attn.A_log"):
-            padded = torch.zeros(names.a_log_length(cfg), dtype=torch.float32)
-            padded[: t.numel()] = t.reshape(-1).float()
-            t = padded
-        if names.is_f32_tensor(pub):
-            t = t.float()
-        elif dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        tensors[pub] = t.contiguous()
-
-    written: list[Path] = []
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    if max_shard_bytes is None or total <= max_shard_bytes:
-        save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
-        written.append(out / SINGLE_FILE)
-    else:
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, t in tensors.items():
-            nbytes = t.numel() * t.element_size()
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][name] = t
-            size += nbytes
-        weight_map: dict[str, str] = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out / fname), metadata={"format": "pt"})
-            weight_map.update({n: fname for n in shard})
-            written.append(out / fname)
-        with open(out / INDEX_FILE, "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-        written.append(out / INDEX_FILE)
-    with open(out / CONFIG_FILE, "w") as f:
-        json.dump(cfg.to_dict(), f, indent=2)
-        f.write("\n")
-    written.append(out / CONFIG_FILE)
-    return written
-
-
-def _packed_for(
-    model: nn.Module, ours: str, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """MXFP4 bytes of an expert weight: the attached ones if they still decode to it."""
-    owner = model.get_submodule(ours.rsplit(".", 1)[0])
-    packed = getattr(owner, "weight_packed", None)
-    scales = getattr(owner, "weight_scale", None)
-    if isinstance(packed, torch.Tensor) and isinstance(scales, torch.Tensor):
-        packed, scales = packed.cpu(), scales.cpu()
-        if torch.equal(unpack_mxfp4(packed, scales, weight.dtype), weight):
-            return packed.contiguous(), scales.contiguous()
-    return pack_mxfp4(weight)
-
-
 # ---------------------------------------------------------------------- model loading
 class LoadedModel(NamedTuple):
     """What :func:`load_model` returns.
@@ -725,11 +474,6 @@ __all__ = [
     "CheckpointError",
     "LoadResult",
     "LoadedModel",
-    "checkpoint_files",
-    "checkpoint_identity",
     "load_checkpoint",
     "load_model",
-    "random_init_identity",
-    "read_headers",
-    "save_checkpoint",
 ]

@@ -1,6 +1,6 @@
 """Weights of several layers stacked into one tensor for the fused decode step, without a copy.
 
-A decode step is launch-bound (``benchmarks/RESULTS_gpu_e2e.md``): projections that read the
+A decode step is launch-bound (``docs/results/gpu_e2e.md``): projections that read the
 same input run as one GEMM over the concatenated weight. :class:`StackedWeights` concatenates
 the parameters once along dim 0 and re-points each parameter's ``.data`` to its row slice of
 the stack (as ``MoE.stacked_experts`` does for the experts), so memory is not doubled, an

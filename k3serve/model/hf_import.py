@@ -1,6 +1,6 @@
 """Load a Kimi Linear checkpoint (Hugging Face folder) into K3ForCausalLM.
 
-Two naming schemes reach us, and both map onto ours (the K3 names, k3_tensors.md):
+Two naming schemes reach us, and both map onto ours (the K3 names, docs/k3_tensor_names.md):
 
 =====================================================  ==========================================
 checkpoint (Moonshot format; ``save_pretrained``)      ours

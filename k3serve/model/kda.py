@@ -30,65 +30,10 @@ from torch import nn
 from k3serve.config import ModelConfig
 from k3serve.kernels import dispatch
 from k3serve.kernels.kda.naive import kda_gate
+from k3serve.kernels.naive import l2norm
 from k3serve.model.capture import KDACapture
 from k3serve.model.fused_weights import StackedWeights
 from k3serve.model.layers import GatedRMSNorm
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """fla's L2 norm over the last dim: ``x / sqrt(Σx² + eps)``, computed in float32."""
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
-
-
-def causal_conv_varlen(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    history: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv (no bias) + SiLU over packed sequences that continue a history.
-
-    Args:
-        x: ``[T, C]`` pre-conv inputs of the new tokens, sequences packed by ``cu_seqlens``.
-        weight: ``[C, W]`` taps; ``weight[:, W-1]`` multiplies the current token (F.conv1d order).
-        cu_seqlens: ``[N+1]`` int64 boundaries in ``x``.
-        history: ``[N, W-1, C]`` last W−1 pre-conv inputs of each sequence, oldest first, or None
-            (zeros: fresh sequences).
-
-    Returns:
-        ``(y [T, C] in x.dtype, new_history [N, W-1, C] in x.dtype)``.
-
-    On a Triton device (no gradient) this is one fused launch
-    (:func:`k3serve.kernels.dispatch.conv_varlen`); the code below is the reference.
-    """
-    fast = dispatch.conv_varlen(x, weight, cu_seqlens, history)
-    if fast is not None:
-        return fast
-    t, c = x.shape
-    n = cu_seqlens.shape[0] - 1
-    w = weight.shape[-1]
-    if history is None:
-        history = x.new_zeros(n, w - 1, c)
-    dev = x.device
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    seq_idx = torch.repeat_interleave(torch.arange(n, device=dev), lens)
-    # ext = [hist_0 ; x_0 ; hist_1 ; x_1 ; ...]; a new token t sits at t + (seq+1)(W-1)
-    tok_pos = torch.arange(t, device=dev) + (seq_idx + 1) * (w - 1)
-    hist_pos = (cu_seqlens[:-1] + torch.arange(n, device=dev) * (w - 1)).view(n, 1) + torch.arange(
-        w - 1, device=dev
-    )
-    ext = x.new_empty(t + n * (w - 1), c)
-    ext[hist_pos.reshape(-1)] = history.to(x.dtype).reshape(-1, c)
-    ext[tok_pos] = x
-    wf = weight.float()
-    y = torch.zeros(t, c, dtype=torch.float32, device=dev)
-    for j in range(w):
-        y = y + ext[tok_pos - (w - 1) + j].float() * wf[:, j]
-    tail = (cu_seqlens[:-1] + torch.arange(n, device=dev) * (w - 1) + lens).view(
-        n, 1
-    ) + torch.arange(w - 1, device=dev)
-    return F.silu(y).to(x.dtype), ext[tail.reshape(-1)].view(n, w - 1, c)
 
 
 class KDAMixer(nn.Module):
@@ -203,7 +148,7 @@ class KDAMixer(nn.Module):
         g_off, fa_off = 3 * hk, 4 * hk
         b_off = fa_off + cfg.kda_gate_rank
         hist = conv_pool[state_slots]
-        qkv, new_hist = causal_conv_varlen(proj[:, :g_off], conv_w, cu_seqlens, hist)
+        qkv, new_hist = dispatch.conv_varlen(proj[:, :g_off], conv_w, cu_seqlens, hist)
         if capture is None:
             conv_pool[state_slots] = new_hist.to(conv_pool.dtype)
         qk = dispatch.l2norm_heads(qkv[:, : 2 * hk].view(t, 2, h, k), dtype=x.dtype)
@@ -289,7 +234,7 @@ class KDAMixer(nn.Module):
             qkv = dispatch.causal_conv_step(qkv, conv_pool, self.conv_weight(), state_slots)
         else:
             hist = conv_pool[state_slots] if conv_pool is not None else None
-            qkv, new_hist = causal_conv_varlen(qkv, self.conv_weight(), cu_seqlens, hist)
+            qkv, new_hist = dispatch.conv_varlen(qkv, self.conv_weight(), cu_seqlens, hist)
             if conv_pool is not None and capture is None:
                 conv_pool[state_slots] = new_hist.to(conv_pool.dtype)
         q, kk, v = qkv.view(t, 3, h, k).unbind(1)
@@ -329,4 +274,4 @@ class KDAMixer(nn.Module):
         return self.o_proj(o.reshape(t, h * k))
 
 
-__all__ = ["KDAMixer", "causal_conv_varlen", "l2norm"]
+__all__ = ["KDAMixer"]

@@ -1,10 +1,9 @@
-"""Small building blocks: RMSNorm, gated RMSNorm, SiTU-GLU / SwiGLU activations, dense MLP.
+"""Small building blocks: RMSNorm, gated RMSNorm, the GLU choice, dense MLP.
 
-Math sources: RMSNorm (Zhang & Sennrich 2019); SwiGLU (Shazeer 2020); SiTU-GLU, the bounded
-SwiGLU of K3 (DESIGN.md §2): ``[β·tanh(g/β)·σ(g)] · [β_l·tanh(u/β_l)]``; gated output norm of
-KDA (Kimi Linear, arXiv 2510.26692 §3, fla ``FusedRMSNormGated`` with sigmoid).
-
-Norms compute in float32 and return the input dtype, like the reference implementations.
+The math (RMSNorm, Zhang & Sennrich 2019; SwiGLU, Shazeer 2020; SiTU-GLU, K3's bounded SwiGLU
+``[β·tanh(g/β)·σ(g)] · [β_l·tanh(u/β_l)]``) lives in :mod:`k3serve.kernels.naive` beside the
+fused kernels; the gated output norm of KDA follows Kimi Linear (arXiv 2510.26692 §3, fla
+``FusedRMSNormGated`` with sigmoid). Norms compute in float32 and return the input dtype.
 """
 
 from __future__ import annotations
@@ -15,29 +14,11 @@ from torch import nn
 
 from k3serve.config import ModelConfig
 from k3serve.kernels import dispatch
+from k3serve.kernels.naive import situ_glu, swiglu
 
 FUSED_MLP_MAX_TOKENS = 1024
 """Up to this many tokens (decode batches) a dense MLP on a fused-decode device
 (``dispatch.fused_decode``) runs gate and up as one GEMM over stacked weights."""
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension, computed in float32.
-
-    Args:
-        x: ``[..., D]`` any float dtype.
-        weight: ``[D]`` scale, or None for no scale.
-        eps: added to the mean square before the reciprocal square root.
-
-    Returns:
-        ``[..., D]`` in ``x.dtype``: ``x / sqrt(mean(x²) + eps) * weight``.
-    """
-    dt = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if weight is not None:
-        xf = xf * weight.float()
-    return xf.to(dt)
 
 
 class RMSNorm(nn.Module):
@@ -86,32 +67,6 @@ class GatedRMSNorm(nn.Module):
         if gate.shape != x.shape:
             raise ValueError(f"gate: shape {tuple(gate.shape)} != x shape {tuple(x.shape)}")
         return dispatch.rms_norm(x, self.weight, self.eps, gate)
-
-
-def situ_glu(
-    gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, beta_l: float = 25.0
-) -> torch.Tensor:
-    """SiTU-GLU, K3's bounded SwiGLU (DESIGN.md §2).
-
-    ``[β·tanh(g/β)·σ(g)] · [β_l·tanh(u/β_l)]``; for small inputs it equals ``silu(g)·u``.
-
-    Args:
-        gate: ``[..., I]`` gate pre-activation g.
-        up: ``[..., I]`` up pre-activation u.
-        beta: gate bound β (4 in K3).
-        beta_l: linear-branch bound β_l (25 in K3).
-
-    Returns:
-        ``[..., I]`` same dtype as ``gate``.
-    """
-    return (beta * torch.tanh(gate / beta) * torch.sigmoid(gate)) * (
-        beta_l * torch.tanh(up / beta_l)
-    )
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU: ``silu(g) · u`` (Shazeer 2020). Shapes ``[..., I]``."""
-    return F.silu(gate) * up
 
 
 def glu_act(cfg: ModelConfig, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -167,4 +122,4 @@ class MLP(nn.Module):
         return self.down_proj(h)
 
 
-__all__ = ["FUSED_MLP_MAX_TOKENS", "MLP", "GatedRMSNorm", "RMSNorm", "glu_act", "rms_norm", "situ_glu", "swiglu"]
+__all__ = ["FUSED_MLP_MAX_TOKENS", "MLP", "GatedRMSNorm", "RMSNorm", "glu_act"]

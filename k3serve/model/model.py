@@ -20,7 +20,7 @@ from torch import nn
 
 from k3serve.config import ModelConfig
 from k3serve.kernels import dispatch
-from k3serve.model.attn_res import attn_res_mix as _attn_res_mix
+from k3serve.kernels.naive import attn_res_mix as _attn_res_mix
 from k3serve.model.attn_res import make_res_params
 from k3serve.model.batch import ForwardBatch
 from k3serve.model.kda import KDAMixer

@@ -168,7 +168,7 @@ class MoE(nn.Module):
         no host sync; ``"loop"`` — :meth:`routed_loop`, the plain-torch reference; ``"auto"``
         (default) — grouped on CUDA; on CPU grouped for decode-sized batches
         (``T ≤ CPU_GROUPED_MAX_TOKENS``) and the loop above, as measured
-        (``benchmarks/RESULTS_gpu_moe.md``, CPU section).
+        (``docs/results/gpu_moe.md``, CPU section).
 
         Args:
             x_latent: ``[T, W]`` expert inputs (the latent ``z`` of a latent MoE, else ``x``).

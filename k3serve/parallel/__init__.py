@@ -1,8 +1,9 @@
-"""Parallelism inside one instance (issue 16): the expert placement planner (``planner``, pure
-numpy), per-layer expert load counters (``counters``), expert parallelism with static-shape
-all-to-all dispatch (``ep``), tensor parallelism for KDA / MLA / dense MLPs (``tp``), per-rank
-cache specs and the TP pairing rule (``layout``, torch-free) and the multi-process instance
-runner (``runner``) over ``torch.distributed``.
+"""Parallelism inside one instance: the expert placement a worker serves (``expert_plan``, pure
+numpy; the planner that computes one is ``deploy/experts.py``), per-layer expert load counters
+(``counters``), expert parallelism with static-shape all-to-all dispatch (``ep``), tensor
+parallelism for KDA / MLA / dense MLPs (``tp``), per-rank cache specs and the TP pairing rule
+(``layout``, torch-free) and the multi-process instance runner (``runner``) over
+``torch.distributed``.
 
-Importing this package imports no torch; ``planner`` and ``layout`` do not either.
+Importing this package imports no torch; ``expert_plan`` and ``layout`` do not either.
 """

@@ -1,4 +1,4 @@
-"""Expert load counters: routed tokens per expert per MoE layer (issue 16).
+"""Expert load counters: routed tokens per expert per MoE layer.
 
 Every ``k3serve.model.moe.MoE`` keeps ``expert_load [E]`` int64 on the model's device and adds
 each forward's top-k choices to it with ``index_add_`` (one tiny kernel, no host sync in the

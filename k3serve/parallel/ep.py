@@ -21,7 +21,7 @@ the routing (``EPExperts.last_recv_slots``). The price is bandwidth: the payload
 perfectly balanced exchange would send (an overflow second round with capacity S·K/P·α would
 trade that for a sync or an always-run second exchange; not built).
 
-Redundant copies (``k3serve.parallel.planner``): a choice of expert e goes to copy j of e with
+Redundant copies (``deploy.experts``): a choice of expert e goes to copy j of e with
 probability ``fractions[j]`` — decided without communication from a fixed hash of (global token
 index, k): ``u = frac((t·K + k)·φ)`` against the cumulative fractions, so it is deterministic,
 the same on every rank, and splits the tokens by the plan.
@@ -38,7 +38,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from k3serve.parallel.planner import LayerPlan, contiguous_plan
+from k3serve.parallel.expert_plan import LayerPlan, contiguous_plan
 
 PHI = (math.sqrt(5.0) - 1.0) / 2.0  # golden-ratio hash: successive keys spread evenly in [0, 1)
 

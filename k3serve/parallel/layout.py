@@ -11,7 +11,7 @@ Per rank r of a TP-``tp`` instance (``k3serve.parallel.tp``)::
 so one sequence's KDA bytes per rank are 1/tp of the whole, while every rank stores every
 latent page: the instance's latent memory is tp × one copy.
 
-Disaggregated pairing (issue 16, must-show 2): a prefill instance hands off to a decode
+Disaggregated pairing: a prefill instance hands off to a decode
 instance only when both have the same ``tp`` — rank r sends to rank r exactly the bytes it
 holds (same head group, same latent pages), no regrouping. A mismatched pair is refused at
 pairing with a ``ParallelMismatch`` naming the field (``tp``); resharding (KDA heads regrouped,

@@ -50,6 +50,11 @@ class WorkerView(PrefillWorkerState):
         approx_blocks: depth matched in the router's approximate tree of what it routed here
             (−1: no tree; policies take ``mla_blocks``).
         tree_blocks: size of that tree, blocks.
+        chain_tokens: the part of the ``util`` account that this prompt's own history put
+            there: decayed uncached tokens of recent prompts sent to this worker that this
+            one extends (:meth:`router.recent.RecentPlacements.extended`); placement does not
+            count them as load against the worker (the work that built the prefix this
+            request reuses does not delay it).
     """
 
     local_blocks: int = -1
@@ -60,6 +65,7 @@ class WorkerView(PrefillWorkerState):
     running: int = -1
     approx_blocks: int = -1
     tree_blocks: int = 0
+    chain_tokens: float = 0.0
 
 
 def local_depth(w: PrefillWorkerState) -> int:
@@ -155,7 +161,8 @@ class RouterView:
 
 def live_view(worker_id: str, match: PrefixMatch | None, store: PrefixMatch | None,
               queued_tokens: int, prefill_rate: float, recent: RecentLoad | PoolLoad,
-              now: float | None = None) -> WorkerView:
+              now: float | None = None, *, pending: PrefixMatch | None = None,
+              measured_rate: float = 0.0, chain_tokens: float = 0.0) -> WorkerView:
     """The live router's view of one prefill worker (``router.pipeline.Router.place``).
 
     Args:
@@ -163,16 +170,26 @@ def live_view(worker_id: str, match: PrefixMatch | None, store: PrefixMatch | No
         match: its entry of ``GlobalIndex.match`` (``None``: holds nothing of the prompt).
         store: the ``store`` holder's entry (``None``: no store / nothing there).
         queued_tokens: the router's queued prefill tokens on it (``Worker.queued_tokens``).
-        prefill_rate: its prefill tokens/s.
+        prefill_rate: the static prefill tokens/s assumed for it (``--prefill-rate``).
         recent: its :class:`RecentLoad` (``Worker.recent``) or :class:`PoolLoad`
             (``Worker.placement_load``: the larger of the own and the pool's account):
             ``util`` and ``request_rate``.
         now: the account's clock reading (``None``: read it).
+        pending: its entry of :meth:`router.recent.RecentPlacements.match` (prompts the
+            router sent there whose cache events have not arrived): counts as held, the
+            deeper of it and ``match`` per depth.
+        measured_rate: the worker's measured prefill tokens/s (``WorkerLoad.prefill_rate``;
+            0: none — ``prefill_rate`` is used, and ``util`` is computed at that rate).
+        chain_tokens: its entry of :meth:`router.recent.RecentPlacements.extended`.
     """
+    use = max(match.usable_blocks if match else 0, pending.usable_blocks if pending else 0)
+    mla = max(match.mla_blocks if match else 0, pending.mla_blocks if pending else 0)
+    rate = measured_rate if measured_rate > 0 else prefill_rate
     return WorkerView(
-        worker_id, match.usable_blocks if match else 0, match.mla_blocks if match else 0,
-        queued_tokens, prefill_rate, store_blocks=store.usable_blocks if store else 0,
-        util=recent.util(prefill_rate, now), request_rate=recent.request_rate(now))
+        worker_id, use, mla, queued_tokens, prefill_rate,
+        store_blocks=store.usable_blocks if store else 0, measured_rate=measured_rate,
+        util=recent.util(rate, now), request_rate=recent.request_rate(now),
+        chain_tokens=chain_tokens)
 
 
 def register_all() -> None:

@@ -1,7 +1,8 @@
-"""``prefix_home``: placement that values where a prefix lives (issue 12).
+"""``prefix_home``: placement that values where a prefix lives.
 
 Cost of sending request *r* (prompt ``L`` tokens, at most ``⌊(L−1)/B⌋`` blocks reusable) to
-prefill worker *w*, in seconds (``rate``: the worker's prefill tokens/s)::
+prefill worker *w*, in seconds (``rate``: the worker's measured prefill tokens/s, else the
+static one: ``PrefillWorkerState.rate``)::
 
     compute_w = (L − c_w·B) / rate                   # its own compute (c_w: usable blocks)
     cost_w = (1 + queue_weight) · queued_w / rate    # wait, and the wait it adds behind it
@@ -29,22 +30,37 @@ holding part of it — which becomes a second home: hot prefixes get replicated 
 their load needs, cold ones stay single. Requests whose move would waste the most (deep hits,
 small compute) stay; cold-ish ones move first.
 
+The own chain is not load: ``util_w`` is what w computed recently, and part of it may be the
+very prompt this request extends (P just computed or still computing, then P + a few tokens;
+an agent's last step). Where the last prompt sent to w is the one this request extends
+(``WorkerView.chain_tokens``, from the router's record of where it sent each prompt,
+:class:`router.recent.RecentPlacements`) and w holds the prefix deeper in its own cache than
+any other worker can reach (own cache or store), the bound reads
+``util_w − chain_tokens_w / (rate · H)``: that work built the prefix this request reuses,
+and whatever of it is still queued is in the wait term already. A worker that took other work
+since, or a prefix others can also reach, keeps the full account, so hot homes still spill.
+
 Queue guard (never remove every holder of the best prefix unless truly overloaded): a worker
 whose queued work exceeds ``guard_factor × least + guard_seconds`` (the ``cache_aware``
-guard) is skipped unless it holds the best prefix and its queue is below
-``overload_seconds``. Ties → less queued, then ``router.placement.tie_breaks`` (rendezvous
+guard) is skipped unless it holds the best prefix and its wait is below the larger of
+``overload_seconds`` and the time to recompute that prefix at its rate (``c*·B / rate``): a
+request leaves the holder of its prefix on the guard only when waiting there takes longer
+than computing the prefix again elsewhere. Ties → less queued, then ``router.placement.tie_breaks`` (rendezvous
 hashing of the prompt's content address with the worker id, so router replicas with the
 same view agree; without a key, a rotation by ``seq``).
 
 The live router feeds it the same figures as the simulator: ``util`` and ``request_rate``
 come from one :class:`router.policies.load.RecentLoad` per worker in ``router.workers.Worker``
-(the simulator uses the same class), and the store's depth from the index's ``store`` holder
-(a plain state's ``store_blocks``; :func:`router.policies.depths`). On plain
+(the simulator uses the same class), the store's depth from the index's ``store`` holder
+(a plain state's ``store_blocks``; :func:`router.policies.depths`), prompts sent and not yet
+reported by the worker's events from :class:`router.recent.RecentPlacements` (counted as held:
+:func:`router.policies.live_view`'s ``pending``), and ``measured_rate`` from the worker's
+reports. On plain
 ``PrefillWorkerState`` objects without ``util`` the bound and the externality are inactive:
 the policy is the cost above under the queue guard.
 
 Knobs: :class:`HomeParams`, chosen with benchmarks/simulate_grid.py over the three traces
-(Mooncake, conversation, agent), with and without the store, at the issue-12 defaults. The
+(Mooncake, conversation, agent), with and without the store, at the simulator's defaults. The
 median TTFT is set by the last partial block of deep hits (≈ 7 ms at 8,000 tokens/s) plus the
 waits of the ~2 % of short requests that land behind a long cold prefill on their home; a
 lighter queue weight (0.5) and duplication weight (1.0) than the first cut (1.0, 3.0) keep
@@ -82,6 +98,11 @@ class HomeParams(PlacementParams):
             imbalance costs nothing, so a prompt goes to the worker holding its prefix — the
             continuous form of the ``⌈(1 + ε) · m / n⌉`` capacity of bounded-load hashing, which
             never falls below one.
+        snapshot_interval_blocks: ``PlacementParams.snapshot_interval_blocks``, on here: the
+            first prompt to diverge inside a computed span reuses up to the last multiple of 16
+            blocks, where prompt-end and branch-point snapshots alone would give it nothing
+            (on the Mooncake trace the snapshot rule without it stops below 0.90 of the token
+            oracle, ``simulate.traces.snapshot_rule_ceiling``).
     """
 
     dup_weight: float = 1.0
@@ -92,6 +113,7 @@ class HomeParams(PlacementParams):
     ext_weight: float = 1.0
     queue_weight: float = 0.5
     balance_floor: float = 0.01
+    snapshot_interval_blocks: int = 16
 
 
 _DEFAULT = HomeParams()
@@ -106,27 +128,34 @@ def prefix_home(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
     dl = [depths(w, cap) for w in workers]
     depth = [e for e, _ in dl]
     best = max(depth)
-    queued = [w.queued_tokens / w.prefill_rate for w in workers]
+    rate = [w.rate for w in workers]
+    queued = [w.queued_tokens / r for w, r in zip(workers, rate, strict=True)]
     least = min(queued)
     qbound = params.guard_factor * least + params.guard_seconds
     util = [getattr(w, "util", None) for w in workers]
     bounded = all(u is not None for u in util)
-    total_util = sum(util) if bounded else 0.0  # type: ignore[arg-type]
     H = hp.util_horizon_s
+    total_util = sum(util) if bounded else 0.0  # type: ignore[arg-type]
+    own = util
+    if bounded:  # the own chain's past work is not load where only this worker holds it
+        first, second = (sorted(depth, reverse=True) + [0])[:2]
+        own = [max(0.0, util[i] - getattr(w, "chain_tokens", 0.0) / (rate[i] * H))  # type: ignore
+               if dl[i][1] > (second if depth[i] == first else first)
+               else util[i] for i, w in enumerate(workers)]
     tie = tie_breaks(req, [w.worker_id for w in workers])
     best_i, best_key = -1, None
     for i, w in enumerate(workers):
-        q = queued[i]
-        c = depth[i]
-        if q > qbound and not (best > 0 and c == best and q < hp.overload_seconds):
+        q, c, r = queued[i], depth[i], rate[i]
+        if q > qbound and not (best > 0 and c == best
+                               and q < max(hp.overload_seconds, c * B / r)):
             continue
-        compute = (L - c * B) / w.prefill_rate
-        cost = (1 + hp.queue_weight) * q + compute + hp.dup_weight * (best - c) * B / w.prefill_rate
+        compute = (L - c * B) / r
+        cost = (1 + hp.queue_weight) * q + compute + hp.dup_weight * (best - c) * B / r
         cost += hp.ext_weight * getattr(w, "request_rate", 0.0) * compute * compute / 2
         if bounded:
             x = compute / H
             bound = max((1 + hp.balance_slack) * (total_util + x) / n, hp.balance_floor)
-            excess = util[i] + x - bound  # type: ignore
+            excess = own[i] + x - bound  # type: ignore[operator]
             if excess > 0:
                 if not hp.balance_weight:
                     continue
@@ -134,13 +163,12 @@ def prefix_home(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
         loc = dl[i][1]
         if c > loc:  # the store supplies (c − loc) blocks: their load time
             sr = getattr(w, "store_tokens_per_s", 0.0)
-            cost += (c - loc) * B * (1 / sr if sr > 0 else params.store_token_cost
-                                     / w.prefill_rate)
+            cost += (c - loc) * B * (1 / sr if sr > 0 else params.store_token_cost / r)
         key = (cost, q, tie[i])
         if best_key is None or key < best_key:
             best_i, best_key = i, key
     if best_i < 0:  # nobody within the bounds: the least loaded
-        key_of = (lambda i: (util[i], queued[i], tie[i])) if bounded else \
+        key_of = (lambda i: (own[i], queued[i], tie[i])) if bounded else \
             (lambda i: (queued[i], tie[i]))
         best_i = min(range(n), key=key_of)
     return best_i

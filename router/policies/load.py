@@ -93,7 +93,7 @@ class PoolLoad:
 
     One router alone reads its own account (it counts a prefill when sent, the events a poll
     later and without the last partial block); N replicas that share nothing read the pool's,
-    so each bounds the load on the traffic of all N rather than on its own 1/N (issue 19).
+    so each bounds the load on the traffic of all N rather than on its own 1/N.
     Blocks a worker loads from the shared store are stored events too: with a store the
     pool's figure over-counts compute (placement then sees that worker busier).
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from k3serve import traces
-from k3serve.bench.client import parse_prometheus
-from k3serve.bench.workload import random_load, trace_load
+from cli.bench.client import parse_prometheus
+from cli.bench.workload import random_load, trace_load
+from simulate import traces
 
 ROOT = Path(__file__).resolve().parents[2]
 SLICE = ROOT / "traces" / "mooncake_ci_slice_3940_3963.jsonl"
@@ -103,8 +103,8 @@ def test_random_load_shape():
 def live(request, tmp_path_factory):
     """A stack (``monolithic`` = param), the bench's JSON of the CI slice against it, and the
     simulator's result for the same slice and shape. The stack stays up for the module."""
+    from cli.main import main
     from deploy.launcher import start_stack
-    from k3serve.cli import main
     from router.config import RouterConfig
     from simulate.calibration import load_calibration
     from simulate.live import LIVE_CALIBRATION, StackShape, simulate_slice

@@ -34,7 +34,7 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
 def test_a_taken_router_port_is_one_line():
     with _taken_port() as s:
         port = s.getsockname()[1]
-        r = _run(["-m", "k3serve.cli", "serve", "--port", str(port), "--prefill", "1",
+        r = _run(["-m", "cli", "serve", "--port", str(port), "--prefill", "1",
                   "--decode", "1"])
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert r.stderr.strip() == (f"k3serve serve: error: port {port} on 127.0.0.1 is already "
@@ -84,7 +84,7 @@ def test_children_exit_when_the_launcher_is_killed(tmp_path):
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
     env = dict(os.environ, K3SERVE_API_KEY="secret-key-not-on-the-command-line")
     p = subprocess.Popen(
-        [sys.executable, "-m", "k3serve.cli", "serve", "--prefill", "1", "--decode", "1",
+        [sys.executable, "-m", "cli", "serve", "--prefill", "1", "--decode", "1",
          "--port", str(port), "--block-size", "16"],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
@@ -117,7 +117,7 @@ def test_children_exit_when_the_launcher_is_killed(tmp_path):
 def test_serve_passes_router_and_worker_flags_through():
     """``k3serve serve`` takes the router's and the workers' own flags (a vLLM user expects
     ``--max-num-seqs`` there) and passes only those given; ``--log-level`` reaches both."""
-    from deploy.launcher import build_parser, passthrough_args, serve
+    from deploy.serve import build_parser, passthrough_args, serve
 
     p = build_parser()
     assert passthrough_args(p.parse_args([])) == {"router": [], "worker": []}

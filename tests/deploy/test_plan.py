@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.plan import PlanError, load_deploy_config, make_plan, parse_deploy_config
+from deploy.config import load_deploy_config, parse_deploy_config
+from deploy.plan import PlanError, make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "deploy" / "configs"
@@ -87,7 +88,7 @@ def test_bad_fields_are_named(change, field):
 def test_cli_plan_prints_and_writes_json_and_refuses(tmp_path):
     out = tmp_path / "plan.json"
     env = {"PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "k3serve.cli", "plan", "--config",
+    r = subprocess.run([sys.executable, "-m", "cli", "plan", "--config",
                         str(CONFIGS / "supernode-64.yaml"), "--json", str(out)],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=60,
                        check=False)
@@ -98,7 +99,7 @@ def test_cli_plan_prints_and_writes_json_and_refuses(tmp_path):
 
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(_doc(ep=8)))
-    r = subprocess.run([sys.executable, "-m", "k3serve.cli", "plan", "--config", str(bad)],
+    r = subprocess.run([sys.executable, "-m", "cli", "plan", "--config", str(bad)],
                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=60,
                        check=False)
     assert r.returncode == 1 and "refused: decode-0: weights need" in r.stderr

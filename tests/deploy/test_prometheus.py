@@ -100,8 +100,8 @@ def _sd_urls(sd_dir) -> set[str]:
 @pytest.mark.skipif(shutil.which("prometheus") is None,
                     reason="prometheus missing: `make sysdeps` installs Debian's prometheus")
 def test_real_prometheus_records_the_routers_hit_rate(tmp_path):
-    from deploy.monitoring import Prometheus, prepare_config
     from deploy.launcher import start_stack
+    from deploy.monitoring import Prometheus, prepare_config
 
     # the local launcher writes the file-SD targets itself (as the Ray backend does)
     stack = start_stack(model="k3-tiny", num_prefill=2, num_decode=1, block_size=16,

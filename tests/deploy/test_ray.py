@@ -23,10 +23,8 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopback (before import)
 ray = pytest.importorskip("ray", reason="Ray is an extra: pip install -e '.[ray]'")
 
-from deploy.plan import (
-    load_deploy_config,
-    make_plan,
-)
+from deploy.config import load_deploy_config
+from deploy.plan import make_plan
 from deploy.ray_backend import deploy, init_local_ray, placement_layout
 
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"

@@ -280,9 +280,7 @@ def test_k3serve_serve_prints_url_and_sigterm_stops_every_child(tmp_path):
     from deploy.local import free_port
 
     port = free_port()
-    exe = Path(sys.executable).with_name("k3serve")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "k3serve.cli"]
-    p = subprocess.Popen([*cmd, "serve", "--port", str(port), "--prefill", "1", "--decode", "1",
+    p = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", str(port), "--prefill", "1", "--decode", "1",
                           "--block-size", str(B), "--max-prompts", "2", "--num-pages", "96"],
                          cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)

@@ -171,7 +171,7 @@ def test_cpu_engine_keeps_explicit_sizes() -> None:
 def test_worker_flags() -> None:
     from worker.config import parse_config
 
-    c = parse_config("decode", [])
+    c = parse_config("decode", ["--device", "cpu"])  # CPU defaults, on any machine
     assert (c.gpu_memory_utilization, c.max_num_seqs, c.cuda_graphs) == (None, None, True)
     c = parse_config("decode", ["--gpu-memory-utilization", "0.8", "--max-num-seqs", "64",
                                 "--no-cuda-graphs"])  # fmt: skip

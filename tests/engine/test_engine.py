@@ -413,7 +413,7 @@ def test_prefill_handle_to_decode_engine_gives_same_tokens(model):
 
 
 def test_llm_loads_a_checkpoint_folder(tmp_path):
-    from k3serve.model.checkpoint import save_checkpoint
+    from k3serve.model.checkpoint_save import save_checkpoint
 
     net, cfg, folder = load_model(MICRO, seed=3)
     assert folder is None

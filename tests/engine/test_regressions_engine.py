@@ -307,7 +307,8 @@ def test_fingerprint_tells_checkpoints_of_the_same_shape_apart(tmp_path):
     send a prompt to a worker whose cache holds another model's latents for it."""
     import shutil
 
-    from k3serve.model.checkpoint import checkpoint_identity, save_checkpoint
+    from k3serve.model.checkpoint_files import checkpoint_identity
+    from k3serve.model.checkpoint_save import save_checkpoint
     from kvstore.descriptors import PoolLayout, fingerprint_diff
 
     for seed in (3, 4):

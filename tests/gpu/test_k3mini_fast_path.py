@@ -5,7 +5,7 @@ prefixes), then ragged decode steps — and MXFP4 experts equal the dequantised-
 
 How "equal within bf16 tolerance" is made testable at k3-mini scale: at random init the 24-layer
 model turns bf16 rounding alone into a ~95 % logit difference when run free (every bf16 path, the
-torch reference included, against float32: ``benchmarks/RESULTS_gpu_e2e.md``), so a free-running
+torch reference included, against float32: ``docs/results/gpu_e2e.md``), so a free-running
 comparison cannot bound kernel error. Here every sublayer (each layer's mixer — KDA or MLA — and
 its FFN — dense or MoE) of the path under test is fed the *reference's* input for that call
 (forward pre-hooks, in call order), so each sublayer is compared on identical inputs, its own

@@ -29,7 +29,6 @@ from k3serve.kernels.fused_triton import (
     mla_absorb_out_triton,
     mla_absorb_q_triton,
     mla_latent_write_triton,
-    res_mix_norm_ref,
     res_mix_norm_triton,
     rms_norm_triton,
 )
@@ -37,9 +36,9 @@ from k3serve.kernels.kda.recurrent import kda_decode_fused
 from k3serve.kernels.kda.recurrent_triton import kda_decode_fused_triton
 from k3serve.kernels.moe import grouped_triton
 from k3serve.kernels.moe.route_triton import align_blocks_triton, route_topk_triton
+from k3serve.kernels.naive import res_mix_norm_ref, rms_norm, situ_glu
 from k3serve.model.batch import make_batch
 from k3serve.model.fused_weights import StackedWeights
-from k3serve.model.layers import rms_norm, situ_glu
 from k3serve.model.mla import MLAMixer
 from k3serve.model.model import K3ForCausalLM
 

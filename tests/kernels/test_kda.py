@@ -202,7 +202,7 @@ def test_decode_step_strided_pool_view():
 def test_conv_step_equals_varlen_conv_one_token():
     """The torch decode conv step == the model's packed conv with one new token per sequence,
     on one layer's slice of ``conv_state [L, S, W-1, C]`` with shuffled slots."""
-    from k3serve.model.kda import causal_conv_varlen
+    from k3serve.kernels.kda.naive import causal_conv_varlen
 
     N, W, C, S = 3, 4, 12, 6
     gen = torch.Generator().manual_seed(8)
@@ -240,6 +240,33 @@ def test_grad_chunk_matches_recurrence():
     for name, a, b in zip(["q", "k", "v", "g", "beta", "h0"], g_chk, g_ref):
         assert a is not None and torch.isfinite(a).all(), name
         assert rel_err(a, b) <= 1e-9, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("C", [16, 64], ids=["C16", "C64-sub16"])
+def test_grad_chunk_large_decays(C, dtype):
+    """Kimi Linear's softplus gate with a large rate (g down to about −70 per step): in a chunk
+    the decay differences reach e^±1000s. The masked-out (i > t) entries' exponents are
+    positive; exponentiating them and masking afterwards gives a finite output but inf · 0 =
+    NaN gradients. Gradients of every input must stay finite and match the recurrence's."""
+    B, T, H, K, V = 1, 70, 2, 8, 8
+    ins = make_inputs(B, T, H, K, V, torch.float64, seed=17, lower_bound=None, a_log=3.0)
+    assert ins[3].min() < -60
+    gen = torch.Generator().manual_seed(4)
+    wo = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
+    ws = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64)
+
+    def grads(fn, dt, **kw):
+        xs = [x.to(dt).detach().requires_grad_(True) for x in ins]
+        o, s = fn(*xs[:5], initial_state=xs[5], output_final_state=True, **kw)
+        ((o * wo.to(dt)).sum() + (s * ws.to(dt)).sum()).backward()
+        return [x.grad for x in xs]
+
+    g_ref = grads(naive_recurrent_kda, torch.float64)
+    g_chk = grads(chunk_kda, dtype, chunk_size=C)
+    for name, a, b in zip(["q", "k", "v", "g", "beta", "h0"], g_chk, g_ref):
+        assert a is not None and torch.isfinite(a).all(), name
+        assert rel_err(a, b) <= TOL[dtype], name
 
 
 # ---------------------------------------------------------------- gate

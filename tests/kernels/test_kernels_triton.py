@@ -2,7 +2,9 @@
 
 On CPU every kernel runs under ``TRITON_INTERPRET=1`` on tiny shapes (set below, before the
 kernels are defined). On a CUDA machine the same tiny tests run compiled, and the ``gpu`` tests
-add full sizes (K = V = 128, thousands of tokens, hundreds of sequences). fla-core is the
+add full sizes (K = V = 128, thousands of tokens, hundreds of sequences). Experiment variants
+(non-default ``KNOBS``) run once each under the interpreter and in every combination compiled
+(``variant_cases``); the defaults run in every case on both. fla-core is the
 second oracle in ``benchmarks/gpu_kernels.py`` (its autotuning is too slow for a test).
 """
 
@@ -33,6 +35,13 @@ from k3serve.kernels.mla.naive import mla_decode_absorbed_paged
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+def variant_cases(full: list, interpreted: list) -> list:
+    """Experiment variants of a kernel (non-default ``KNOBS``): compiled on a GPU every
+    combination runs (``full``); under the interpreter each variant runs once
+    (``interpreted``: the default path in every case, each other variant in one case)."""
+    return full if HAS_CUDA else interpreted
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-2) -> float:
@@ -143,7 +152,7 @@ def test_chunk_triton_knobs(knobs, monkeypatch):
 
 
 K3_SETS = [
-    {},  # the committed defaults (run 7's 16-row strips, plain mode's cap and K steps)
+    {},  # the committed defaults (16-row strips, plain mode's register cap and K steps)
     {"k3_diag32": 1, "k3_bk": 16},  # 32-row Aqk / β·Akk blocks, 16 K columns per step
     {"k3_diag32": 1, "k3_bk": None, "k3_fuse_gate": 0},  # … intra_bk's K steps, the gate apart
     {"k3_diag32": 0, "k3_bk": None, "k3_maxnreg": 0},  # the 16-row strips (a_tri) in K3 mode
@@ -152,12 +161,39 @@ K3_SETS = [
 ]
 
 
+K3_IDS = ["defaults", "diag32", "diag32-bk-gate-apart", "strips", "shared", "shared-bk16"]
+SATS = {"gate-spread": 1.0, "gate-at-bound": 40.0}
+# under the interpreter: the defaults at both gate scales; the 32-row-block variants where their
+# factors are largest (at the bound), the others with the gate spread
+K3_ONCE = {"defaults": ("gate-spread", "gate-at-bound"), "diag32": ("gate-at-bound",),
+           "diag32-bk-gate-apart": ("gate-at-bound",), "strips": ("gate-spread",),
+           "shared": ("gate-at-bound",), "shared-bk16": ("gate-spread",)}
+K3_CASES = variant_cases(
+    [pytest.param(kn, SATS[s], id=f"{s}-{i}") for s in SATS for kn, i in zip(K3_SETS, K3_IDS)],
+    [pytest.param(kn, SATS[s], id=f"{s}-{i}") for kn, i in zip(K3_SETS, K3_IDS)
+     for s in K3_ONCE[i]],
+)
+_K3_PLAIN: dict[float, tuple] = {}  # sat → inputs and the plain-mode outputs at the defaults
+
+
+def _k3_plain(sat: float) -> tuple:
+    """Varlen inputs with partial chunks (gate input ``f`` × ``sat``) and the plain mode's
+    (g given) outputs at the default KNOBS, computed once per ``sat``."""
+    if sat not in _K3_PLAIN:
+        cu = [0, 3, 67, 150, 230, 270]  # last chunks of 3, 64, 19, 16 and 40 rows
+        q, k, v, _g, beta, h0, f, A_log, dt_bias = kda_inputs(1, 270, 2, 32, 32, N=5, seed=13)
+        f = f * sat
+        g = kda_gate(f.cpu(), A_log.cpu(), dt_bias.cpu(), -5.0).to(DEV)
+        cu_t = torch.tensor(cu, device=DEV)
+        kw = {"initial_state": h0, "output_final_state": True, "cu_seqlens": cu_t}
+        _K3_PLAIN[sat] = (q, k, v, g, beta, h0, f, A_log, dt_bias, cu_t, kw,
+                          chunk_kda_triton(q, k, v, g, beta, **kw))
+    return _K3_PLAIN[sat]
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-@pytest.mark.parametrize(
-    "knobs", K3_SETS, ids=["defaults", "diag32", "diag32-bk-gate-apart", "strips", "shared", "shared-bk16"]
-)
-@pytest.mark.parametrize("sat", [1.0, 40.0], ids=["gate-spread", "gate-at-bound"])
+@pytest.mark.parametrize("knobs, sat", K3_CASES)
 def test_chunk_triton_k3_knobs(knobs, sat, monkeypatch):
     """K3-gate mode's code paths (``k3_*`` KNOBS), varlen with partial chunks: the gate spread
     over (−5, 0), and saturated at the bound (``f`` × 40: every step ≈ −5, so the 32-row
@@ -165,13 +201,7 @@ def test_chunk_triton_k3_knobs(knobs, sat, monkeypatch):
     Plain mode (g given) must not see the k3 knobs: same output as with the defaults."""
     from k3serve.kernels.kda import chunk_triton as ct
 
-    cu = [0, 3, 67, 150, 230, 270]  # last chunks of 3, 64, 19, 16 and 40 rows
-    q, k, v, _g, beta, h0, f, A_log, dt_bias = kda_inputs(1, 270, 2, 32, 32, N=5, seed=13)
-    f = f * sat
-    g = kda_gate(f.cpu(), A_log.cpu(), dt_bias.cpu(), -5.0).to(DEV)
-    cu_t = torch.tensor(cu, device=DEV)
-    kw = {"initial_state": h0, "output_final_state": True, "cu_seqlens": cu_t}
-    o_p0, s_p0 = chunk_kda_triton(q, k, v, g, beta, **kw)
+    q, k, v, g, beta, h0, f, A_log, dt_bias, cu_t, kw, (o_p0, s_p0) = _k3_plain(sat)
     for key, val in knobs.items():
         monkeypatch.setitem(ct.KNOBS, key, val)
     o_ref, s_ref = ref_kda(q, k, v, g, beta, h0, cu_t)
@@ -200,10 +230,19 @@ STATE_SETS = [
     {"pipe": 1, "pipe_pieces": 4, "pipe_min_chunks": 1, "pipe_min_nch": 1, "fuse_out": 1},  # fused
 ]
 STATE_IDS = ["seg1", "seg3-fused", "fused", "auto", "pipe3", "pipe4-fused"]
+# under the interpreter each variant in one layout: pieces and uneven segments across sequence
+# boundaries (varlen: an empty sequence, sequences shorter than a segment), the others fixed
+STATE_ONCE = {"seg1": "B2-T300", "seg3-fused": "varlen", "fused": "B2-T300", "auto": "B2-T300",
+              "pipe3": "varlen", "pipe4-fused": "varlen"}
+STATE_CASES = variant_cases(
+    [pytest.param(kn, lay, id=f"{lay}-{i}") for lay in ("B2-T300", "varlen")
+     for kn, i in zip(STATE_SETS, STATE_IDS)],
+    [pytest.param(kn, STATE_ONCE[i], id=f"{STATE_ONCE[i]}-{i}")
+     for kn, i in zip(STATE_SETS, STATE_IDS)],
+)
 
 
-@pytest.mark.parametrize("knobs", STATE_SETS, ids=STATE_IDS)
-@pytest.mark.parametrize("layout", ["B2-T300", "varlen"])
+@pytest.mark.parametrize("knobs, layout", STATE_CASES)
 def test_chunk_triton_state_segments(knobs, layout, monkeypatch):
     """The state pass split into segments (``_seg_scan_kernel``) and the fused output pass:
     with and without initial / final states, fixed-length and varlen (an empty sequence and
@@ -230,8 +269,17 @@ def test_chunk_triton_state_segments(knobs, layout, monkeypatch):
     assert s2 is None and rel_err(o2, o2_ref) < 1e-4
 
 
-@pytest.mark.parametrize("knobs", [{"state_seg": -1}, *STATE_SETS], ids=["whole", *STATE_IDS])
-def test_chunk_triton_state_carry(knobs, monkeypatch):
+CARRY_CASES = variant_cases(
+    [pytest.param(kn, ("B2-T300", "varlen"), id=i)
+     for kn, i in zip([{"state_seg": -1}, *STATE_SETS], ["whole", *STATE_IDS])],
+    [pytest.param({"state_seg": -1}, ("B2-T300", "varlen"), id="whole")]
+    + [pytest.param(kn, (STATE_ONCE[i],), id=f"{STATE_ONCE[i]}-{i}")
+       for kn, i in zip(STATE_SETS, STATE_IDS)],
+)
+
+
+@pytest.mark.parametrize("knobs, layouts", CARRY_CASES)
+def test_chunk_triton_state_carry(knobs, layouts, monkeypatch):
     """Weak decay (g ∈ (−0.02, 0]), so the state carries across chunks and segments: the gates
     of ``kda_inputs`` forget a chunk's state within ~64 steps (e^-15 and less), which would hide
     a wrong inter-chunk / inter-segment state. Fixed-length (B 2) and varlen."""
@@ -240,7 +288,7 @@ def test_chunk_triton_state_carry(knobs, monkeypatch):
     for key, val in knobs.items():
         monkeypatch.setitem(ct.KNOBS, key, val)
     gen = torch.Generator().manual_seed(21)
-    for B, T, cu in ((2, 300, None), (1, 330, [0, 3, 3, 260, 330])):
+    for name, B, T, cu in (("B2-T300", 2, 300, None), ("varlen", 1, 330, [0, 3, 3, 260, 330])):
         N = B if cu is None else len(cu) - 1
         q = F.normalize(torch.randn(B, T, 1, 32, generator=gen), dim=-1).to(DEV)
         k = F.normalize(torch.randn(B, T, 1, 32, generator=gen), dim=-1).to(DEV)
@@ -252,6 +300,8 @@ def test_chunk_triton_state_carry(knobs, monkeypatch):
         o_ref, s_ref = ref_kda(q, k, v, g, beta, h0, cu_t)
         o_0, _ = ref_kda(q, k, v, g, beta, torch.zeros_like(h0), cu_t)
         assert rel_err(o_0, o_ref) > 0.05  # the initial state still shows in the outputs
+        if name not in layouts:  # inputs drawn all the same: each layout's are fixed
+            continue
         o, s = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_t)
         assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
 

@@ -22,18 +22,17 @@ if not HAS_CUDA:
 triton = pytest.importorskip("triton")
 
 from k3serve.kernels import dispatch
-from k3serve.kernels.moe.grouped import _has_grouped_mm
+from k3serve.kernels.kda.naive import causal_conv_varlen
+from k3serve.kernels.moe.grouped import has_grouped_mm
 from k3serve.kernels.moe.grouped_triton import routed_experts_large_m
 from k3serve.kernels.moe.naive import routed_experts_loop
+from k3serve.kernels.naive import attn_res_mix, l2norm, situ_glu, swiglu
 from k3serve.kernels.prefill_triton import (
     ATTN_RES_MAX_SOURCES,
     attn_res_mix_triton,
     conv_varlen_triton,
     l2norm_heads_triton,
 )
-from k3serve.model.attn_res import attn_res_mix
-from k3serve.model.kda import causal_conv_varlen, l2norm
-from k3serve.model.layers import situ_glu, swiglu
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -126,7 +125,7 @@ def test_attn_res_mix_rejects() -> None:
                                             torch.zeros(4, device=DEV), 1e-5))  # fmt: skip
 
 
-needs_gmm = pytest.mark.skipif(not _has_grouped_mm(DEV, torch.float32),
+needs_gmm = pytest.mark.skipif(not has_grouped_mm(DEV, torch.float32),
                                reason="torch._grouped_mm missing for this device")  # fmt: skip
 
 

@@ -20,8 +20,10 @@ from safetensors.torch import load_file, save_file
 from k3serve.config import PRESETS, ModelConfig
 from k3serve.kernels.mxfp4 import pack_mxfp4, unpack_mxfp4
 from k3serve.model import checkpoint as ckpt
+from k3serve.model import checkpoint_files as ckfiles
 from k3serve.model import k3_names as names
-from k3serve.model.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
+from k3serve.model.checkpoint import CheckpointError, load_checkpoint, load_model
+from k3serve.model.checkpoint_save import save_checkpoint
 from k3serve.model.model import K3ForCausalLM
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +48,7 @@ def _logits(m: K3ForCausalLM) -> torch.Tensor:
 
 
 def _stored(folder: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    headers, _ = ckpt.read_headers(ckpt.checkpoint_files(folder))
+    headers, _ = ckfiles.read_headers(ckfiles.checkpoint_files(folder))
     return {n: (shape, dtype) for n, (_, shape, dtype) in headers.items()}
 
 
@@ -213,7 +215,7 @@ def test_sharded_save_and_load_model(tiny_saved, tmp_path):
     _, want, src = tiny_saved
     files = save_checkpoint(src, tmp_path, TINY, max_shard_bytes=4 << 20)
     shards = [f for f in files if f.suffix == ".safetensors"]
-    assert len(shards) > 1 and (tmp_path / ckpt.INDEX_FILE).exists()
+    assert len(shards) > 1 and (tmp_path / ckfiles.INDEX_FILE).exists()
     model, cfg, folder = load_model(tmp_path)
     assert cfg == TINY and folder == str(tmp_path)
     assert torch.equal(_logits(model), want)
@@ -281,7 +283,7 @@ def test_missing_files_raise(tmp_path):
         load_checkpoint(_model(TINY, 0), tmp_path / "nope", TINY)
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         load_checkpoint(_model(TINY, 0), tmp_path, TINY)
-    (tmp_path / ckpt.INDEX_FILE).write_text(
+    (tmp_path / ckfiles.INDEX_FILE).write_text(
         json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}})
     )
     with pytest.raises(FileNotFoundError, match="model-00001-of-00002"):
@@ -441,7 +443,7 @@ def test_load_model_random_init_is_seeded_and_leaves_the_global_rng(tiny_saved, 
     folder, _, _ = tiny_saved
     empty = tmp_path / "no_weights"
     empty.mkdir()
-    (empty / ckpt.CONFIG_FILE).write_text((folder / ckpt.CONFIG_FILE).read_text())
+    (empty / ckfiles.CONFIG_FILE).write_text((folder / ckfiles.CONFIG_FILE).read_text())
     with pytest.raises(FileNotFoundError):
         load_model(empty)
     _, cfg, where = load_model(empty, random_init=True)  # asked for: the folder's shape

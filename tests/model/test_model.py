@@ -16,9 +16,8 @@ from k3serve.cache.pools import KVPools
 from k3serve.cache.specs import CacheDtypes, KDAStateSpec, MLALatentSpec
 from k3serve.config import PRESETS
 from k3serve.kernels.mla import naive as mla_ref
-from k3serve.model.attn_res import attn_res_mix
+from k3serve.kernels.naive import attn_res_mix, situ_glu
 from k3serve.model.batch import make_batch
-from k3serve.model.layers import situ_glu
 from k3serve.model.mla import MLAMixer
 from k3serve.model.model import K3ForCausalLM
 from k3serve.model.moe import MoE

@@ -28,7 +28,7 @@ from k3serve.kernels.moe.grouped import (
 )
 from k3serve.kernels.moe.naive import routed_experts_loop
 from k3serve.kernels.mxfp4 import pack_mxfp4, unpack_mxfp4
-from k3serve.model.layers import situ_glu, swiglu
+from k3serve.kernels.naive import situ_glu, swiglu
 from k3serve.model.moe import MoE
 
 torch.set_num_threads(1)
@@ -326,7 +326,7 @@ def test_moe_mxfp4_bytes_drive_the_triton_path(monkeypatch: pytest.MonkeyPatch) 
 
 # ------------------------------------------------------------------ fused elementwise kernels
 from k3serve.kernels.fused_triton import glu_triton, rms_norm_triton
-from k3serve.model.layers import rms_norm
+from k3serve.kernels.naive import rms_norm
 
 
 @pytest.mark.parametrize("shape", [(1, 128), (5, 3, 96), (0, 64)])

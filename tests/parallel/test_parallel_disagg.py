@@ -30,7 +30,7 @@ B = 16
 MAX_TOKENS = 4
 
 
-def Proc(role: str, name: str, tp: int, log_dir: Path) -> _Proc:  # noqa: N802 - a factory
+def Proc(role: str, name: str, tp: int, log_dir: Path) -> _Proc:
     """A worker process of a TP-``tp`` instance (the shared helper with this test's sizes)."""
     return _Proc(role, name, B, log_dir, pages=256,
                  extra=("--num-slots", "80", "--num-snapshots", "8", "--tp", str(tp)))

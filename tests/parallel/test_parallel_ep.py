@@ -15,9 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from deploy import experts as planner
 from k3serve.config import PRESETS
 from k3serve.model.moe import MoE
-from k3serve.parallel import ep, planner
+from k3serve.parallel import ep
+from k3serve.parallel.expert_plan import LayerPlan, contiguous_plan
 
 CFG = PRESETS["k3-tiny"]
 T = 13  # not a multiple of the EP size: the last rank's chunk is padded
@@ -41,7 +43,7 @@ def _routings(e_num: int, k: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _hot_plan(world: int) -> planner.LayerPlan:
+def _hot_plan(world: int) -> LayerPlan:
     """Expert 3 hot: the planner gives it a copy on two ranks (R = 2)."""
     counts = np.ones(CFG.n_routed_experts)
     counts[3] = 40.0
@@ -59,7 +61,7 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _one(rank: int, world: int, out_dir: str, plan: planner.LayerPlan | None) -> None:
+def _one(rank: int, world: int, out_dir: str, plan: LayerPlan | None) -> None:
     moe = _moe()
     epx = ep.EPExperts(moe, plan, rank, world)
     torch.manual_seed(2)
@@ -77,8 +79,8 @@ def _one(rank: int, world: int, out_dir: str, plan: planner.LayerPlan | None) ->
     torch.save(res, os.path.join(out_dir, f"{tag}{rank}.pt"))
 
 
-def _rows(plan: planner.LayerPlan | None, world: int) -> list[list[int]]:
-    p = plan if plan is not None else planner.contiguous_plan(CFG.n_routed_experts, world)
+def _rows(plan: LayerPlan | None, world: int) -> list[list[int]]:
+    p = plan if plan is not None else contiguous_plan(CFG.n_routed_experts, world)
     return p.slots.tolist()
 
 
@@ -127,4 +129,4 @@ def test_copy_choice_follows_the_fractions() -> None:
 
 def test_plan_rank_mismatch_names_the_field() -> None:
     with pytest.raises(ValueError, match="plan"):
-        ep.EPExperts(_moe(), planner.contiguous_plan(8, 4), 0, 2)
+        ep.EPExperts(_moe(), contiguous_plan(8, 4), 0, 2)

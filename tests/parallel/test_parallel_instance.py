@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3serve.parallel import counters, planner
-from k3serve.parallel.runner import InstanceSpec, RankRunner, greedy_generate, spawn_instance
+from deploy import experts as planner
+from k3serve.parallel import counters
+from k3serve.parallel.runner import InstanceSpec, RankRunner
+from tests.parallel.helpers import greedy_generate, spawn_instance
 
 PROMPTS = [
     [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100],

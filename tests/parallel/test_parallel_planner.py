@@ -1,4 +1,4 @@
-"""Expert placement planner (k3serve/parallel/planner.py): invariants, the committed Zipf-like
+"""Expert placement planner (deploy/experts.py): invariants, the committed Zipf-like
 load figures of issue 16 (must-show 4), the CLI."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from k3serve.parallel import planner
+from deploy import experts as planner
+from k3serve.parallel.expert_plan import LayerPlan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COUNTS = os.path.join(ROOT, "tests", "data", "expert_load_zipf_896x12.json")
@@ -51,7 +52,7 @@ def test_bad_input_names_the_field() -> None:
     with pytest.raises(ValueError, match="ranks"):
         planner.plan_layer(np.ones(4), 0, 0)
     p = planner.plan_layer(np.arange(8.0), 4, 0)
-    bad = planner.LayerPlan(p.slots.copy(), p.fractions * 0.5)
+    bad = LayerPlan(p.slots.copy(), p.fractions * 0.5)
     with pytest.raises(ValueError, match="fractions"):
         bad.validate(8)
 
@@ -92,7 +93,7 @@ def test_cli_plan_and_replan(tmp_path) -> None:
     counts.write_text(json.dumps([c, c[::-1]]))
     out = tmp_path / "p.json"
     env = dict(os.environ, PYTHONPATH=ROOT)
-    cmd = [sys.executable, "-m", "k3serve.cli", "experts", "plan", "--counts", str(counts),
+    cmd = [sys.executable, "-m", "cli", "experts", "plan", "--counts", str(counts),
            "--ranks", "4", "--redundant", "4"]
     res = subprocess.run(cmd + ["--json", str(out)], env=env, capture_output=True, text=True,
                          check=True)

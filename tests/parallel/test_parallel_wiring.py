@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from k3serve.parallel import planner
-from k3serve.parallel.runner import InstanceSpec, RankRunner, greedy_generate, spawn_instance
+from deploy import experts as planner
+from k3serve.parallel.runner import InstanceSpec, RankRunner
+from tests.parallel.helpers import greedy_generate, spawn_instance
 from worker.config import parse_config
 from worker.loop import instance_spec
 
@@ -17,7 +18,8 @@ PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 84, 104, 101, 32, 99, 97, 116, 3
 
 
 def test_flags_build_the_instance_spec(tmp_path) -> None:
-    c = parse_config("decode", ["--tp", "2", "--num-slots", "4", "--num-pages", "9"])
+    c = parse_config("decode", ["--tp", "2", "--num-slots", "4", "--num-pages", "9",
+                                "--device", "cpu"])
     assert (c.tp, c.ep, c.expert_plan) == (2, 1, None)
     s = instance_spec(c)
     assert (s.tp, s.ep, s.num_slots, s.num_pages, s.device, s.dtype) == (2, 1, 4, 9, "cpu",

@@ -6,7 +6,7 @@ simulator (``simulate``): the router's real decision path — the prompt's block
 ``GlobalIndex`` fed by the workers' cache events, then ``place`` — onto 2 simulated prefill
 workers that run the real cache bookkeeping (``k3serve.cache.manager.CacheManager``). Each
 worker's cache holds a quarter of the slice's working set; one 512-token trace block becomes
-one 64-token cache block (``k3serve.traces``). The router's prediction is made at arrival from
+one 64-token cache block (``simulate.traces``). The router's prediction is made at arrival from
 events pulled every ``poll_s``, so it is wrong when queued work evicts what it counted on.
 """
 
@@ -22,7 +22,7 @@ from k3serve.cache.hashing import block_hashes, make_salt
 from k3serve.cache.manager import CacheManager
 from k3serve.cache.prefix import usable_prefix_blocks
 from k3serve.cache.specs import CacheConfig
-from k3serve.traces import load_trace, token_oracle
+from simulate.traces import load_trace, token_oracle
 from router.index import GlobalIndex, ResyncNeeded
 from router.placement import (
     POLICIES,

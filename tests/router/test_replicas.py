@@ -29,7 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from router_fakes import TOKENIZER, free_port, start_worker, toy_generate
 
-from k3serve.bench.workload import trace_load
+from cli.bench.workload import trace_load
 from k3serve.messages import Capacity, WorkerInfo, WorkerLoad
 from k3serve.sampling import SamplingParams
 from router.policies.load import RecentLoad
@@ -510,8 +510,9 @@ def test_placement_util_is_the_larger_of_own_account_and_the_pools():
 
 
 def test_launcher_and_ray_config_take_the_router_count():
-    from deploy.launcher import StartupError, build_parser, start_stack
-    from deploy.plan import load_deploy_config
+    from deploy.config import load_deploy_config
+    from deploy.launcher import StartupError, start_stack
+    from deploy.serve import build_parser
 
     assert build_parser().parse_args(["--routers", "4"]).routers == 4
     assert load_deploy_config(ROOT / "deploy/configs/supernode-64.yaml").router.replicas == 4

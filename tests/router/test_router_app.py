@@ -145,12 +145,28 @@ def test_stop_string_and_logprobs(stack):
     assert lp[0].bytes == list(lp[0].token.encode())
 
 
-def test_models_health_metrics(stack):
+def test_models_health_metrics():
+    """On its own stack (no earlier test's requests): a prompt, then the same prompt once the
+    router has indexed it, so the counters hold a hit the router predicted."""
+    stack = Stack()
+    try:
+        _models_health_metrics(stack)
+    finally:
+        stack.close()
+
+
+def _models_health_metrics(stack: Stack) -> None:
     models = stack.client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     h = stack.health()
     assert h["status"] == "ok" and h["num_workers_healthy"] == 3
-    stack.client.completions.create(model=MODEL, prompt="metrics " * 10, max_tokens=3)
+    prompt = "metrics " * 10
+    ids = TOKENIZER.encode(prompt, add_bos=True)
+    r1 = stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=3)
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0
+    stack.wait_indexed()
+    r2 = stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=3)
+    assert r2.usage.prompt_tokens_details.cached_tokens == _repeat_prompt_len(ids) > 0
     m = stack.metrics()
     names = {k.split("{")[0] for k in m}
     for n in ("k3serve:request_prompt_tokens_total", "k3serve:request_cached_tokens_total",
@@ -164,7 +180,7 @@ def test_models_health_metrics(stack):
     cached = sum(v for k, v in m.items() if k.startswith("k3serve:request_cached_tokens_total"))
     pred = sum(v for k, v in m.items()
                if k.startswith("k3serve:router_predicted_cached_tokens_total"))
-    assert prompt > 0 and 0 < cached <= prompt
+    assert prompt == 2 * len(ids) and cached == _repeat_prompt_len(ids)
     assert m["k3serve:cache_hit_rate{}"] == pytest.approx(cached / prompt)
     # the router's predictions were exact on these sequential requests
     assert pred == cached

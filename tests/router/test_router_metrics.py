@@ -59,7 +59,9 @@ def test_counts_by_worker_and_source_and_hit_rate():
     assert math.isnan(scrape(m)["k3serve:cache_hit_rate{}"])
     m.observe_prefill("p0", 1000, {"local": 896}, predicted_tokens=896)
     now[0] += 200
-    m.observe_prefill("p1", 1000, {"store": 64, "local": 0}, predicted_tokens=0)
+    # prompts of different lengths: the cluster rate is a ratio of token sums (960 / 4000 =
+    # 0.24), not a mean of per-request ratios ((0.896 + 0.021) / 2 ≈ 0.46)
+    m.observe_prefill("p1", 3000, {"store": 64, "local": 0}, predicted_tokens=0)
     m.ttft.labels("p0").observe(0.05)
     m.itl.labels("d0").observe(0.01)
     m.e2e.labels("d0").observe(1.2)
@@ -67,19 +69,19 @@ def test_counts_by_worker_and_source_and_hit_rate():
     m.running.labels("d0").inc(2)
     s = scrape(m)
     assert s["k3serve:request_prompt_tokens_total{worker=p0}"] == 1000
-    assert s["k3serve:request_prompt_tokens_total{worker=p1}"] == 1000
+    assert s["k3serve:request_prompt_tokens_total{worker=p1}"] == 3000
     assert s["k3serve:request_cached_tokens_total{source=local,worker=p0}"] == 896
     assert s["k3serve:request_cached_tokens_total{source=store,worker=p0}"] == 0
     assert s["k3serve:request_cached_tokens_total{source=store,worker=p1}"] == 64
     assert s["k3serve:router_predicted_cached_tokens_total{worker=p0}"] == 896
-    assert s["k3serve:cache_hit_rate{}"] == pytest.approx(960 / 2000)
+    assert s["k3serve:cache_hit_rate{}"] == pytest.approx(960 / 4000)
     assert s["k3serve:time_to_first_token_seconds_count{worker=p0}"] == 1
     assert s["k3serve:inter_token_latency_seconds_sum{worker=d0}"] == pytest.approx(0.01)
     assert s["k3serve:e2e_request_latency_seconds_count{worker=d0}"] == 1
     assert s["k3serve:num_requests_waiting{worker=p0}"] == 1
     assert s["k3serve:num_requests_running{worker=d0}"] == 2
     now[0] += 150  # the first request leaves the 5-minute window
-    assert scrape(m)["k3serve:cache_hit_rate{}"] == pytest.approx(64 / 1000)
+    assert scrape(m)["k3serve:cache_hit_rate{}"] == pytest.approx(64 / 3000)
     now[0] += 300
     assert math.isnan(scrape(m)["k3serve:cache_hit_rate{}"])
     with pytest.raises(ValueError):
@@ -95,6 +97,9 @@ def test_registries_are_independent():
     w = HitRateWindow(window_s=10, clock=lambda: 0.0)
     w.add(4, 1)
     assert w.rate() == 0.25
+    w.add(96, 0)  # sums of tokens: 1 / 100, not the mean of 1/4 and 0/96
+    assert w.rate() == pytest.approx(0.01)
+    assert w.totals() == (100, 1)
 
 
 def test_histogram_buffer_adds_what_direct_observations_would():

@@ -1,7 +1,8 @@
-"""The Kimi K2/K3 tool-call parser on recorded texts (issue 18, must-show 2): single,
-parallel, interleaved with text, cut off; streaming split at every byte boundary (through an
-incremental UTF-8 decoder, as the detokenizer delivers text) gives exactly the same calls and
-content as the non-streaming parse."""
+"""The Kimi K2/K3 tool-call parser on recorded texts: single, parallel, interleaved with text,
+cut off (argument text held back as a possible end marker included), whitespace around a
+header; streaming split at every byte boundary (through an incremental UTF-8 decoder, as the
+detokenizer delivers text) gives exactly the same calls and content as the non-streaming
+parse."""
 
 from __future__ import annotations
 
@@ -38,6 +39,16 @@ CASES = [
     pytest.param(f"x{S}{call('f', 0, '{}')}{CB}functions.g:1{AB}{{\"a\": 1", "x",
                  [ToolCall("functions.f:0", "f", "{}"),
                   ToolCall("functions.g:1", "g", '{"a": 1')], id="cut-off"),
+    # cut off while the arguments end in what may become <|tool_call_end|>: the held-back
+    # text is still the call's argument text
+    pytest.param(f"{S}{CB}functions.f:0{AB}{{\"s\": \"a<|tool_c", "",
+                 [ToolCall("functions.f:0", "f", '{"s": "a<|tool_c')], id="cut-off-held-tail"),
+    pytest.param(f"{S}{CB}functions.f:0{AB}{{\"s\": \"<", "",
+                 [ToolCall("functions.f:0", "f", '{"s": "<')], id="cut-off-held-lt"),
+    # whitespace around the header (vLLM's kimi_k2 pattern allows it): id and name stripped
+    pytest.param(f"{S}\n{CB} functions.get_weather:0 \n{AB}{CITY}{CE}\n{E}", "",
+                 [ToolCall("functions.get_weather:0", "get_weather", CITY)],
+                 id="header-whitespace"),
     pytest.param(f"{S}{call('f', 0, '{}')}{E}mid{S}{call('g', 1, '[]')}{E}", "mid",
                  [ToolCall("functions.f:0", "f", "{}"), ToolCall("functions.g:1", "g", "[]")],
                  id="two-sections"),

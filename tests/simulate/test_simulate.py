@@ -13,15 +13,17 @@ from pathlib import Path
 import pytest
 
 from k3serve.cache.hashing import block_hashes, make_salt
+from router.placement import DEFAULT_POLICY, POLICIES, PlacementRequest, place
+from router.policies import RouterView, WorkerView
+from router.policies.home import HomeParams
 from simulate import SimConfig, load_calibration, replay, run, trace_facts
 from simulate.calibration import SCHEMA, Calibration
-from simulate.engine import auto_store_interval, snapshot_blocks
+from simulate.config import auto_store_interval, snapshot_blocks
 from kvstore.store.sim import SimStore
-from k3serve.traces import (
+from simulate.tracegen import agent_trace, conversation_trace, write_trace
+from simulate.traces import (
     DEFAULT_FINGERPRINT,
-    agent_trace,
     block_tokens,
-    conversation_trace,
     load_trace,
     parse_row,
     prompt_tokens,
@@ -30,11 +32,7 @@ from k3serve.traces import (
     snapshot_rule_ceiling,
     token_oracle,
     working_set,
-    write_trace,
 )
-from router.placement import DEFAULT_POLICY, POLICIES, PlacementRequest, place
-from router.policies import RouterView, WorkerView
-from router.policies.home import HomeParams
 
 DATA = Path(__file__).parents[1] / "data"
 SLICE = DATA / "trace_3000_3399.jsonl"
@@ -276,7 +274,7 @@ def test_k3serve_simulate_is_the_simulator_cli():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "k3serve.cli", "simulate", "--help"],
+    r = subprocess.run([sys.executable, "-m", "cli", "simulate", "--help"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "usage: k3serve simulate" in r.stdout and "--store-fraction" in r.stdout
@@ -311,3 +309,21 @@ def test_calibration_file_schema(tmp_path):
 def test_scale_rows_rejects_empty():
     with pytest.raises(ValueError, match="rows"):
         scale_rows([])
+
+
+def test_generators_add_follow_ups_that_extend_a_prompt_right_after_it():
+    for gen in (conversation_trace, agent_trace):
+        assert gen(200, seed=1) == gen(200, seed=1, followup_prob=0.0)
+        rows = gen(400, seed=1, followup_prob=0.3)
+        assert rows == gen(400, seed=1, followup_prob=0.3)
+        # a follow-up: the same blocks (or one more), a few tokens longer, < 0.5 s later
+        ext = 0
+        for r in rows:
+            for q in rows:
+                dt = q["timestamp"] - r["timestamp"]
+                dn = q["input_length"] - r["input_length"]
+                if 0 <= dt <= 500 and 1 <= dn <= 16 and \
+                        q["hash_ids"][:len(r["hash_ids"])] == r["hash_ids"]:
+                    ext += 1
+                    break
+        assert ext >= 0.15 * len(rows)

@@ -143,6 +143,11 @@ def test_twenty_prompts_equal_the_monolithic_engine(cluster, oracle):
     assert _load(D.url)["prefills"] is None
     assert _metric(P.url, "k3serve:kv_transfer_bytes_total") > 0
     assert _metric(P.url, "k3serve:prefix_cache_hits_total") > 0
+    # the in-stack transfer rate's figures: bytes of successful transfers, and their seconds
+    # from the last layer ready to the last write confirmed
+    wb = _metric(P.url, "k3serve:kv_transfer_write_bytes_total")
+    assert 0 < wb <= _metric(P.url, "k3serve:kv_transfer_bytes_total")
+    assert _metric(P.url, "k3serve:kv_transfer_write_seconds_total") >= 0
 
 
 def test_injected_transfer_failure_falls_back_to_the_same_tokens(cluster, oracle):

@@ -31,7 +31,7 @@ step 3 into step 2 / 2c (no h / v_new round trip through HBM). The chunk and seg
 are cached per layout (per ``cu_seqlens`` tensor, as fla-core's ``tensor_cache`` does).
 
 Inside a kernel, tensors are addressed from a 64-bit scalar base (the chunk's first row) plus
-32-bit tile offsets: 64-bit offset tiles cost two registers per element and made run 4's intra
+32-bit tile offsets: 64-bit offset tiles cost two registers per element and made an earlier intra
 kernel spill (255 registers and a 736-byte stack in Triton 3.9's sm_90 build at 4 warps).
 
 Decay factorisation. Pairwise decays ``exp(G_t − G_i)`` (i ≤ t) enter as matmuls: for the
@@ -54,7 +54,7 @@ G_MIN clamp). What K3's bound adds here is the block size: about the middle row 
 block every factor is within e^(16·5) = e^80 < 3.4e38 (fp32's largest, e^88.7), so Aqk / β·Akk
 run as two 32×32 diagonal blocks plus the block below them (factors ≤ 1 there) — fewer
 exponentials than 16-row strips (128 or 192 rows per K column against 240). Unbounded gates
-(G_MIN −10: e^160) cannot take this path. Measured slower on the H200 (run 8): off by default.
+(G_MIN −10: e^160) cannot take this path. Measured slower on the H200 (docs/results/gpu_kernels.md): off by default.
 
 Dtypes: q, k, v (bf16/fp16/fp32, "io dtype") feed the tensor cores; g, G, β and all states
 are fp32; intermediates W, Ũ, Kd, v_new, h and Aqk are stored in the io dtype (as fla does).
@@ -78,23 +78,23 @@ G_MIN = -10.0
 BT = 64  # chunk
 BC = 16  # sub-chunk
 
-# Launch knobs and code paths (``*_stages`` None = Triton's default). Set from the H200 runs in
-# ``benchmarks/RESULTS_gpu_kernels.md``; ``benchmarks/gpu_kda_prefill_ab.py`` (intra kernel) and
+# Launch knobs and code paths (``*_stages`` None = Triton's default). Set from the H200 sweeps in
+# ``docs/results/gpu_kernels.md``; ``benchmarks/gpu_kda_prefill_ab.py`` (intra kernel) and
 # ``benchmarks/gpu_kernels_sweep.py`` (state / output) vary them.
 KNOBS: dict[str, int | None] = {
-    # intra kernel: run 5's best of 10 (4 warps, no software pipelining, 64-wide Aqk/Akk steps,
-    # 32-wide W/Ũ steps; 8 warps were 1.2–1.5× slower); run 7's best of 33 adds a_tri, t_regs,
+    # intra kernel: the best of a 10-variant sweep (4 warps, no software pipelining, 64-wide Aqk/Akk steps,
+    # 32-wide W/Ũ steps; 8 warps were 1.2–1.5× slower); the best of a later 33-variant sweep adds a_tri, t_regs,
     # wy_lowp and the register cap (intra_split, inv_x4 0, 8 warps, 2 stages, BK 32: slower)
     "intra_warps": 4,
     "intra_stages": 1,
     "intra_bk": 64,  # K columns per step of the intra kernel's Aqk / Akk products
     "intra_bw": 32,  # K / V columns per step of its W = T·R, Ũ = T·R products
-    # 1: W = T·R and Ũ = T·R with T, R in the io dtype (bf16), as fla does; 0: tf32 (run 7: 1 is
+    # 1: W = T·R and Ũ = T·R with T, R in the io dtype (bf16), as fla does; 0: tf32 (1 is
     # 1–3 % faster with the register cap below, error 5.5e-3 → 6.1e-3 vs the fp32 reference)
     "wy_lowp": 1,
     "fuse_gate": 1,  # 1: the gate + cumsum run inside the intra kernel (no separate launch)
     "a_cols": 0,  # 1: Aqk / Akk by 64-row products (diagonal blocks, then column strips)
-    "a_tri": 1,  # 1: each 16-row strip of Aqk / β·Akk against only the columns it needs (run 7)
+    "a_tri": 1,  # 1: each 16-row strip of Aqk / β·Akk against only the columns it needs
     "inv_x4": 1,  # 1: the four 16×16 diagonal inverses in one [4, 16, 16] pass; 0: one at a time
     # 1: T = (I + β·Akk)⁻¹ stays in registers (its four 16-row blocks joined into one 64×64
     # tile, no store / barrier / reload through global memory); only with intra_split 0
@@ -107,7 +107,7 @@ KNOBS: dict[str, int | None] = {
     "wy_stages": None,
     "wy_bw": 32,  # K / V columns per step of _wy_kernel's products
     # ptxas register cap of the intra kernel (None: the compiler's pick, ~160 at 4 warps = 3
-    # programs per SM). Run 7: 96 (5 programs per SM, some spilling) was the fastest of None /
+    # programs per SM). 96 (5 programs per SM, some spilling) was the fastest of None /
     # 128 / 112 / 96 at every shape from T 8k H 32 up; 112 by ≤ 2 % at T 8k H 12 / 16
     "intra_maxnreg": 96,
     "wy_maxnreg": None,
@@ -117,16 +117,16 @@ KNOBS: dict[str, int | None] = {
     "state_warps": 4,
     "state_stages": None,
     "state_bv_wide": 64,  # V columns per state program when programs are many (0: never)
-    "state_bv_wide_progs": 256,  # … i.e. when N·H·V/64 reaches this (run 6: varlen 64×512 H 16)
+    "state_bv_wide_progs": 256,  # … i.e. when N·H·V/64 reaches this (tuned at varlen 64×512 H 16)
     "state_seg": 0,  # state pass in segments of this many chunks; 0 auto (few programs), -1 off
-    "state_split_below": 64,  # auto: split only when N·H·V-blocks < this (run 6: 48 at H 12) …
+    "state_split_below": 64,  # auto: split only when N·H·V-blocks < this (48 at H 12 splits) …
     "state_progs": 384,  # … into about this many programs …
     "seg_min": 64,  # … with segments of at least this many chunks …
     "seg_count_min": 4,  # … and at least this many segments in the longest sequence
     # pipelined pieces (``_pipe_pieces``): the chunk list cut into pieces; piece p's state pass and
     # output on a side stream while the intra kernel does piece p + 1. 0 off; 1 auto (when the
     # state pass has fewer than pipe_below programs; replaces the segments there); 2 always
-    # Run 7 call 2 (8 pieces, intra at cap 128): −10 % at T 32k H 16, −3.5 % at T 32k H 12 (64
+    # Measured (8 pieces, intra at cap 128): −10 % at T 32k H 16, −3.5 % at T 32k H 12 (64
     # and 48 programs); +4 % at T 32k H 32 (128 programs) and 1.8–3.6× slower at T 8k (~3
     # launches per piece: the host's launch time then exceeds the GPU work, inferred), hence the
     # auto rule below. Not A/B'd in one call with the final intra settings (+1 % / −2 % vs the
@@ -139,7 +139,7 @@ KNOBS: dict[str, int | None] = {
     "scan_bv": 32,  # V columns per program of the scan over segments
     "scan_warps": 8,
     # 1: the output O = QgS + Aqk·v_new inside the state pass (no h / v_new round trip); off: at
-    # Triton's default 3 stages it asks 241 KB of shared memory on the H200 (232 KB), run 6
+    # Triton's default 3 stages it asks 241 KB of shared memory on the H200 (232 KB)
     "fuse_out": 0,
     "out_bv": 64,
     "out_warps": 4,
@@ -152,13 +152,13 @@ KNOBS: dict[str, int | None] = {
     # blocks' (_a_diag32_shared: 128 rows of exponentials per K column, a_tri's strips 240);
     # 0: a_tri / a_cols as in plain mode. Taken only for −5 ≤ lower_bound < 0 (fla's safe_gate
     # range). Registers (Triton 3.9 sm_90 build on the CPU box, cuobjdump, 4 warps, H 12; the
-    # device runs 3.6): a_tri BK 64 139 uncapped / 96 + 144 B stack at cap 96 (run 7's K3 path);
+    # device runs 3.6): a_tri BK 64 139 uncapped / 96 + 144 B stack at cap 96 (the default K3 path);
     # k3_diag32 1 at BK 16: 130 / cap 128 + 24 B / cap 96 + 200 B; at BK 32: 160 / 128 + 72 B;
     # at BK 64: 220; k3_diag32 2 (six 32×32 accumulators live): 206 at BK 16, 250 at BK 32.
-    # Measured on the H200 (RESULTS_gpu_kernels.md run 8, benchmarks/gpu_k3_final.sh, 12
-    # variants, every one correct): k3_diag32 1 / 2 were 1-13 % SLOWER than run 7's path at
+    # Measured on the H200 (docs/results/gpu_kernels.md, scripts/gpu/kda_prefill_vs_fla.sh, 12
+    # variants, every one correct): k3_diag32 1 / 2 were 1-13 % SLOWER than the default path at
     # every shape (the 32×32 blocks' extra registers cost more than the exponentials they
-    # save), as were caps and BK 32; the defaults are run 7's path (0, plain mode's cap and BK),
+    # save), as were caps and BK 32; the defaults are that path (0, plain mode's cap and BK),
     # the 32-row variants kept behind the knob for later A/B
     "k3_diag32": 0,
     "k3_maxnreg": None,  # the intra kernel's register cap in K3 mode (None: intra_maxnreg; 0: none)
@@ -1196,7 +1196,7 @@ def _state_segments(plan: _Plan, H: int, NV: int) -> int:
     ``KNOBS["state_seg"]`` > 0 forces that length; < 0 turns segments off; 0 (auto) splits only
     when ``N · H · NV`` programs are fewer than ``KNOBS["state_split_below"]``, into about
     ``KNOBS["state_progs"]`` programs, with segments of at least ``KNOBS["seg_min"]`` chunks and
-    at least ``KNOBS["seg_count_min"]`` of them (H200, run 6: 8 segments of 64 chunks paid 4 %
+    at least ``KNOBS["seg_count_min"]`` of them (H200: 8 segments of 64 chunks paid 4 %
     at T 32k H 12; shorter segments or more programs lost, the extra M-columns cost more than
     the parallelism gives)."""
     want = KNOBS["state_seg"]

@@ -174,4 +174,58 @@ def kda_gate(
     return lower_bound * torch.sigmoid(a * x)
 
 
-__all__ = ["check_kda_inputs", "compute_dtype", "kda_gate", "naive_recurrent_kda", "seq_bounds"]
+def causal_conv_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    history: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv (no bias) + SiLU over packed sequences that continue a history.
+
+    The reference of :func:`k3serve.kernels.prefill_triton.conv_varlen_triton`; the model
+    calls it through :func:`k3serve.kernels.dispatch.conv_varlen`.
+
+    Args:
+        x: ``[T, C]`` pre-conv inputs of the new tokens, sequences packed by ``cu_seqlens``.
+        weight: ``[C, W]`` taps; ``weight[:, W-1]`` multiplies the current token (F.conv1d order).
+        cu_seqlens: ``[N+1]`` int64 boundaries in ``x``.
+        history: ``[N, W-1, C]`` last W−1 pre-conv inputs of each sequence, oldest first, or None
+            (zeros: fresh sequences).
+
+    Returns:
+        ``(y [T, C] in x.dtype, new_history [N, W-1, C] in x.dtype)``.
+    """
+    t, c = x.shape
+    n = cu_seqlens.shape[0] - 1
+    w = weight.shape[-1]
+    if history is None:
+        history = x.new_zeros(n, w - 1, c)
+    dev = x.device
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq_idx = torch.repeat_interleave(torch.arange(n, device=dev), lens)
+    # ext = [hist_0 ; x_0 ; hist_1 ; x_1 ; ...]; a new token t sits at t + (seq+1)(W-1)
+    tok_pos = torch.arange(t, device=dev) + (seq_idx + 1) * (w - 1)
+    hist_pos = (cu_seqlens[:-1] + torch.arange(n, device=dev) * (w - 1)).view(n, 1) + torch.arange(
+        w - 1, device=dev
+    )
+    ext = x.new_empty(t + n * (w - 1), c)
+    ext[hist_pos.reshape(-1)] = history.to(x.dtype).reshape(-1, c)
+    ext[tok_pos] = x
+    wf = weight.float()
+    y = torch.zeros(t, c, dtype=torch.float32, device=dev)
+    for j in range(w):
+        y = y + ext[tok_pos - (w - 1) + j].float() * wf[:, j]
+    tail = (cu_seqlens[:-1] + torch.arange(n, device=dev) * (w - 1) + lens).view(
+        n, 1
+    ) + torch.arange(w - 1, device=dev)
+    return F.silu(y).to(x.dtype), ext[tail.reshape(-1)].view(n, w - 1, c)
+
+
+__all__ = [
+    "causal_conv_varlen",
+    "check_kda_inputs",
+    "compute_dtype",
+    "kda_gate",
+    "naive_recurrent_kda",
+    "seq_bounds",
+]

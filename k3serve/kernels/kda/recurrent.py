@@ -97,7 +97,7 @@ def causal_conv_step(
     :func:`k3serve.kernels.kda.recurrent_triton.causal_conv_step_triton` (the decode case of
     the short convolution before KDA; Kimi Linear arXiv 2510.26692 §3):
     ``y = silu(Σ_{j<W-1} state[j] · w[:, j] + x · w[:, W-1])`` in float32 (as the prefill conv
-    ``k3serve.model.kda.causal_conv_varlen``), then the state becomes ``[state[1:], x]`` (oldest
+    ``k3serve.kernels.kda.naive.causal_conv_varlen``), then the state becomes ``[state[1:], x]`` (oldest
     first, values copied exactly). Mutates ``conv_pool[slots]``.
 
     Args:

@@ -103,7 +103,7 @@ def fused_recurrent_kda_step_triton(
         slots (torch.Tensor): ``[N]`` int, distinct rows of ``state_pool``.
         scale (float, optional): default ``K ** -0.5``.
         block_v (int, optional): V columns per program (default 64: best of the H200 sweep in
-            ``benchmarks/RESULTS_gpu_kernels.md``).
+            ``docs/results/gpu_kernels.md``).
         num_warps (int): warps per program (tuning knob).
         flat_grid (bool): one grid axis with the V-block fastest (neighbouring programs read
             neighbouring state bytes) instead of a ``(N, H, V-blocks)`` grid.

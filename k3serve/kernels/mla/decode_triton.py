@@ -129,15 +129,15 @@ def default_num_splits(num_seqs: int, head_blocks: int, max_len: int, num_sms: i
     """Context splits per sequence (flash-decoding) for shapes the tuned table does not cover.
 
     About two programs per SM (``round(2 · num_sms / (num_seqs · head_blocks))``), at least 512
-    tokens a split: the rule behind every entry of :data:`TUNED` (run 4's H200 sweep, where one
+    tokens a split: the rule behind every entry of :data:`TUNED` (an H200 sweep, where one
     program of BLOCK_N 64 with 2 stages fills an SM's shared memory).
     """
     progs = max(1, num_seqs * head_blocks)
     return int(max(1, min(round(2 * num_sms / progs), triton.cdiv(max(1, max_len), 512))))
 
 
-# (sequences × head blocks, context) → (splits, block_n, num_warps, num_stages): the best of the
-# H200 sweep in run 4 of ``benchmarks/RESULTS_gpu_kernels.md`` (bf16 latents, D = 512 + 64,
+# (sequences × head blocks, context) → (splits, block_n, num_warps, num_stages): the best of an
+# H200 sweep (``benchmarks/gpu_kernels_sweep.py``; bf16 latents, D = 512 + 64,
 # 16 heads = one head block, pages of 64). ``mla_decode_config`` picks the nearest entry.
 TUNED: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (64, 4096): (4, 64, 4, 2),

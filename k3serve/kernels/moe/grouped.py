@@ -72,7 +72,7 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> ExpertSort:
 
 
 @functools.cache
-def _has_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
+def has_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs for 2-D × 3-D operands of ``dtype`` on the device."""
     if not hasattr(torch, "_grouped_mm"):
         return False
@@ -105,7 +105,7 @@ def grouped_mm(
     Returns:
         ``[M, N]`` in ``a.dtype``.
     """
-    if _has_grouped_mm(a.device.type, a.dtype) and a.dtype == w.dtype:
+    if has_grouped_mm(a.device.type, a.dtype) and a.dtype == w.dtype:
         return torch._grouped_mm(a, w.transpose(1, 2), offs=ends)
     if sorted_ids is None:
         raise ValueError("sorted_ids: the padded grouped_mm fallback needs each row's group")

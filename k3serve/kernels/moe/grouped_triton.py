@@ -41,7 +41,7 @@ from k3serve.kernels.moe.grouped import sort_by_expert
 
 MX_SPLIT = False
 """Default MXFP4 tile form (see ``routed_experts_triton``'s ``mx_split``), set from
-``benchmarks/RESULTS_gpu_moe.md``."""
+``docs/results/gpu_moe.md``."""
 
 ALIGN_TRITON_MAX = 4096
 """Up to this many assignments ``T·k`` (decode batches), :func:`align_blocks` runs as one Triton
@@ -79,9 +79,9 @@ def align_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Bloc
     """
     m = topk_ids.numel()
     if m <= ALIGN_TRITON_MAX and m > 0:
-        from k3serve.kernels import dispatch
+        from k3serve.kernels.backend import fused_decode
 
-        if dispatch.fused_decode(topk_ids.device):
+        if fused_decode(topk_ids.device):
             from k3serve.kernels.moe.route_triton import align_blocks_triton
 
             p_len = triton.cdiv(m + min(num_experts, m) * (block_m - 1), block_m) * block_m
@@ -303,9 +303,8 @@ TILE_TABLE: dict[tuple[bool, int], Tiles] = {
 }
 """Measured per-shape tiles: ``(MXFP4?, upper bound of the mean rows per expert) → Tiles``;
 :func:`_config` takes the entry with the smallest bound ≥ the batch's mean rows per expert,
-else its heuristic. From the device sweep ``benchmarks/gpu_moe_tiles.py`` (H200, 2026-12-02,
-``benchmarks/RESULTS_gpu_e2e.md`` Run 5: one k3-mini MoE layer's routed experts, the heuristic
-timed twice): an entry only where a candidate beat the heuristic by more than that spread —
+else its heuristic. From the device sweep ``benchmarks/gpu_moe_tiles.py`` (one H200, one
+k3-mini MoE layer's routed experts, the heuristic timed twice): an entry only where a candidate beat the heuristic by more than that spread —
 at T=256 (32 rows per expert) and for bf16 experts the heuristic stayed the fastest."""
 
 
@@ -432,7 +431,7 @@ LARGE_M_ROWS_PER_EXPERT = 64
 """Mean rows per expert (``T·k / E``) from which :func:`routed_experts_large_m` takes over
 (k3-mini: 4,096 assignments, 512 tokens — a prefill chunk; its decode batches, ≤ 256 sequences
 in the CUDA-graph buckets, stay below; k3: 3,584 tokens). Device sweep
-(``benchmarks/gpu_prefill_profile.py``, H200, 2026-12-02, one k3-mini MoE layer): 512 / 2,048 /
+(``benchmarks/gpu_prefill_profile.py``, one H200, one k3-mini MoE layer): 512 / 2,048 /
 8,192 tokens took 0.650 / 0.647 / 1.548 ms in the MXFP4 two-launch kernels and 0.409 / 0.610 /
 0.843 ms here."""
 

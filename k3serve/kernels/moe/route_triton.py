@@ -9,7 +9,7 @@ which produces the same layout bit for bit: within an expert's run, assignments 
 index order, as the stable sort does.
 
 Both kernels have static grids and read nothing back to the host (CUDA-graph safe). They replace
-~30 small launches per MoE layer (a decode step is launch-bound, ``benchmarks/RESULTS_gpu_e2e.md``).
+~30 small launches per MoE layer (a decode step is launch-bound, ``docs/results/gpu_e2e.md``).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def route_topk_triton(
             and os.environ.get("TRITON_INTERPRET") != "1")  # fmt: skip
     bk = (128 if lowp else 64) if be <= 64 else 32
     # K split so the router weight streams through many SMs (one program reading all of it
-    # took 13.5 µs per layer on the H200, RESULTS_gpu_e2e.md Run 3)
+    # took 13.5 µs per layer on an H200)
     ks = max(1, min(16, d // bk))
     kch = triton.cdiv(triton.cdiv(d, ks), bk) * bk
     ks = triton.cdiv(d, kch)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from k3serve.bench.client import RunOutcome
+from cli.bench.client import RunOutcome
 
 
 def _cdf(ax, xs: list[float], label: str) -> None:
@@ -15,11 +15,29 @@ def _cdf(ax, xs: list[float], label: str) -> None:
         ax.step(s * 1000.0, np.arange(1, len(s) + 1) / len(s), where="post", label=label)
 
 
+def hit_rate_series(run: RunOutcome, oracle: bool = True
+                    ) -> list[tuple[str, list[float], np.ndarray]]:
+    """The lines of ``hit_rate.png``: ``(label, time since start s, cumulative hit rate %)``
+    over the finished requests by first-token time — the actual one, then the trace's token
+    oracle when ``oracle`` (a random load has none, and its summary says n/a)."""
+    ok = sorted((x for x in run.results if x.ok), key=lambda x: x.first_s)
+    if not ok:
+        return []
+    t = [x.first_s for x in ok]
+    p = np.cumsum([x.prompt_tokens for x in ok])
+    out = [("actual (cached_tokens)", t, 100 * np.cumsum([x.cached_tokens for x in ok]) / p)]
+    if oracle:
+        out.append(("token oracle (infinite cache)", t,
+                    100 * np.cumsum([x.oracle_cached for x in ok]) / p))
+    return out
+
+
 def write_plots(run: RunOutcome, out_dir: str | Path, title: str = "k3serve bench",
                 others: dict[str, RunOutcome] | None = None,
-                label: str = "this run") -> list[Path]:
+                label: str = "this run", oracle: bool = True) -> list[Path]:
     """Write ``ttft_cdf.png``, ``itl_cdf.png``, ``hit_rate.png``, ``queue_depth.png`` into
-    ``out_dir`` (created); ``others``: more runs drawn on the CDFs beside this one.
+    ``out_dir`` (created); ``others``: more runs drawn on the CDFs beside this one; ``oracle``:
+    draw the trace's token oracle on the hit-rate plot (a random load has none).
 
     Returns:
         The files written.
@@ -40,8 +58,8 @@ def write_plots(run: RunOutcome, out_dir: str | Path, title: str = "k3serve benc
             ("itl_cdf.png", lambda r: [g for x in r.results if x.ok for g in x.itls],
              "inter-token latency (ms)")):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for label, r in runs.items():
-            _cdf(ax, fn(r), label or None)
+        for name_of_run, r in runs.items():
+            _cdf(ax, fn(r), name_of_run or None)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("fraction of " + ("requests" if "ttft" in name else "token gaps"))
         ax.set_title(f"{title}: {xlabel.split(' (')[0]} CDF")
@@ -53,15 +71,9 @@ def write_plots(run: RunOutcome, out_dir: str | Path, title: str = "k3serve benc
         plt.close(fig)
         files.append(d / name)
 
-    ok = sorted((x for x in run.results if x.ok), key=lambda x: x.first_s)
     fig, ax = plt.subplots(figsize=(6, 4))
-    if ok:
-        t = [x.first_s for x in ok]
-        p = np.cumsum([x.prompt_tokens for x in ok])
-        ax.plot(t, 100 * np.cumsum([x.cached_tokens for x in ok]) / p,
-                label="actual (cached_tokens)")
-        ax.plot(t, 100 * np.cumsum([x.oracle_cached for x in ok]) / p, "--",
-                label="token oracle (infinite cache)")
+    for name, t, pct in hit_rate_series(run, oracle):
+        ax.plot(t, pct, "--" if name.startswith("token oracle") else "-", label=name)
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("cumulative token hit rate (%)")
     ax.set_ylim(0, 100)
@@ -91,4 +103,4 @@ def write_plots(run: RunOutcome, out_dir: str | Path, title: str = "k3serve benc
     return files
 
 
-__all__ = ["write_plots"]
+__all__ = ["hit_rate_series", "write_plots"]

@@ -45,7 +45,7 @@ def build_workload(args: argparse.Namespace):
     Raises:
         ValueError: neither or both of ``--trace`` / ``--rate``, or a bad value (named).
     """
-    from k3serve.bench.workload import random_load, trace_load
+    from cli.bench.workload import random_load, trace_load
     from k3serve.config import load_config
 
     if (args.trace is None) == (args.rate is None):
@@ -61,27 +61,23 @@ def build_workload(args: argparse.Namespace):
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the bench of ``args``; print a summary, write JSON / PNGs. Exit status 0, or 1 when
-    a request failed."""
-    from k3serve.bench.client import run_load
-    from k3serve.bench.report import summarize
+    """Run the bench of ``args``; print a summary (:func:`~cli.bench.report.format_summary`),
+    write JSON / PNGs. Exit status 0, or 1 when a request failed."""
+    from cli.bench.client import run_load
+    from cli.bench.report import format_summary, summarize
 
     work = build_workload(args)
     run = run_load(args.url, work.requests, model=args.model, api_key=args.api_key,
                    progress=not args.no_progress)
     rep = summarize(run, work, slo_ttft=args.slo_ttft, slo_itl=args.slo_itl)
-    for k in ("num_requests", "num_failed", "num_skipped", "ttft_p50_s", "ttft_p99_s",
-              "itl_p50_s", "itl_p99_s", "e2e_p50_s", "output_tokens_per_s", "goodput",
-              "hit_rate", "predicted_hit_rate", "oracle_hit_rate", "snapshot_rule_ceiling"):
-        v = rep[k]
-        print(f"{k:24s} {v:.4f}" if isinstance(v, float) else f"{k:24s} {v}")
+    print("\n".join(format_summary(rep)))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rep, indent=2) + "\n")
     if args.plots:
-        from k3serve.bench.plots import write_plots
+        from cli.bench.plots import write_plots
 
-        for f in write_plots(run, args.plots):
+        for f in write_plots(run, args.plots, oracle=work.oracle_hit_rate is not None):
             print(f"wrote {f}", file=sys.stderr)
     return 1 if rep["num_failed"] else 0
 

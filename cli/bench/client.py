@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm import tqdm
 
-from k3serve.bench.workload import BenchRequest
+from cli.bench.workload import BenchRequest
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """k3serve command line: info, generate, serve, bench, plan, simulate, experts plan.
 
-Heavy modules (torch, the model, the engine, the servers) are imported inside the commands, so
-``k3serve info`` answers without loading torch.
+``serve`` runs :func:`deploy.serve.run`, ``plan`` :func:`deploy.plan.run` and ``simulate``
+:func:`simulate.cli.run` in this process, each with its own flags. Heavy modules (torch, the
+model, the engine, the servers) are imported inside the commands, so ``k3serve info`` answers
+without loading torch.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from cli.help import HelpFormatter, use_formatter
 
 DEFAULT_MODEL = "k3-tiny"
 
@@ -71,23 +75,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _exec_module(module: str, argv: list[str]) -> int:
-    """Become ``python -m MODULE ARGV`` (exec: the process, its PID and its signals stay the
-    same). Packages above the core (deploy/, simulate/) define their own flags, and the core
-    imports none of them."""
-    import os
-
-    os.execv(sys.executable, [sys.executable, "-m", module, *argv])
-    return 1  # pragma: no cover - execv does not return
-
-
 def cmd_serve(argv: list[str]) -> int:
-    """``k3serve serve [flags]``: becomes ``python -m deploy [flags]`` (the launcher)."""
-    return _exec_module("deploy", argv)
+    """``k3serve serve [flags]``: the launcher (``deploy/serve.py``) in this process."""
+    from deploy import serve
+
+    return serve.run(use_formatter(serve.build_parser()).parse_args(argv))
+
+
+def cmd_plan(argv: list[str]) -> int:
+    """``k3serve plan [flags]``: the memory plan of a deployment config (``deploy/plan.py``)."""
+    from deploy import plan
+
+    return plan.run(use_formatter(plan.build_parser()).parse_args(argv))
+
+
+def cmd_simulate(argv: list[str]) -> int:
+    """``k3serve simulate [flags]``: the simulator (``simulate/cli.py``) in this process."""
+    from simulate import cli as sim
+
+    return sim.run(use_formatter(sim.build_parser()).parse_args(argv))
+
+
+#: Commands whose flags belong to a package above the core: ``k3serve CMD [flags]``.
+OUTER = {"serve": cmd_serve, "plan": cmd_plan, "simulate": cmd_simulate}
 
 
 def cmd_experts_plan(args: argparse.Namespace) -> int:
-    from k3serve.parallel import planner
+    from deploy import experts as planner
+    from k3serve.parallel.expert_plan import Plan
 
     counts = planner.load_counts(args.counts)
     previous = None
@@ -95,7 +110,7 @@ def cmd_experts_plan(args: argparse.Namespace) -> int:
         if args.max_moves is None:
             raise ValueError("max-moves: required with --previous")
         with open(args.previous) as f:
-            previous = planner.Plan.from_dict(json.load(f))
+            previous = Plan.from_dict(json.load(f))
     elif args.max_moves is not None:
         raise ValueError("max-moves: only meaningful with --previous")
     plan = planner.plan(counts, args.ranks, args.redundant, previous, args.max_moves)
@@ -112,14 +127,14 @@ def cmd_experts_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """``k3serve bench``: :func:`k3serve.bench.cli.main`."""
-    from k3serve.bench.cli import main as bench_main
+    """``k3serve bench``: :func:`cli.bench.command.main`."""
+    from cli.bench.command import main as bench_main
 
     return bench_main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
     p = argparse.ArgumentParser(prog="k3serve", description=__doc__.splitlines()[0],
                                 formatter_class=fmt)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -140,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pb = sub.add_parser("bench", formatter_class=fmt,
                         help="replay a trace (or a random load) against a running stack")
-    from k3serve.bench.cli import add_arguments
+    from cli.bench.command import add_arguments
 
     add_arguments(pb)
     pb.set_defaults(fn=cmd_bench)
@@ -148,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     ps = sub.add_parser("serve", add_help=False,
                         help="start router + prefill and decode workers on this machine "
                              "(k3serve serve --help lists its flags)")
-    ps.add_argument("flags", nargs=argparse.REMAINDER, help="the flags of python -m deploy")
+    ps.add_argument("flags", nargs=argparse.REMAINDER, help="the flags of the launcher")
 
     pe = sub.add_parser("experts", formatter_class=fmt, help="expert placement tools")
     esub = pe.add_subparsers(dest="experts_cmd", required=True)
@@ -175,13 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``k3serve ARGV``; bad input, a missing file or an unreachable server end in one
+    line on stderr (exit status 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["serve"]:  # its flags belong to the launcher (deploy/launcher.py)
-        return cmd_serve(argv[1:])
-    if argv[:1] == ["plan"]:  # deployment configs belong to deploy/
-        return _exec_module("deploy.plan", argv[1:])
-    if argv[:1] == ["simulate"]:  # the simulator sits above router/ and the core (simulate/)
-        return _exec_module("simulate", argv[1:])
+    if argv[:1] and argv[0] in OUTER:  # their flags belong to deploy/ and simulate/
+        return OUTER[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)

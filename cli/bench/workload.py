@@ -1,6 +1,6 @@
 """What ``k3serve bench`` sends: trace rows or a random load, as :class:`BenchRequest` s.
 
-Trace rows map to prompts through :mod:`k3serve.traces` only (``replay_slice``; ``k3serve
+Trace rows map to prompts through :mod:`simulate.traces` only (``replay_slice``; ``k3serve
 simulate --length-scale`` and the tests use the same functions): trace block ``i`` of 512 tokens becomes ``block_tokens(hash_ids[i])`` of
 ``512 · length_scale`` tokens (pseudo-random ids below the served vocabulary), so equal hash
 ids give equal token blocks and the trace's prefix sharing becomes real prefix sharing. With
@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3serve import traces
+from simulate import traces
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def trace_load(path: str | Path, *, limit: int | None = None, time_scale: float 
     """Trace rows → requests.
 
     Args:
-        path: JSONL trace (:func:`k3serve.traces.read_rows`).
+        path: JSONL trace (:func:`simulate.traces.read_rows`).
         limit: first ``limit`` rows only.
         time_scale: arrival times are multiplied by it (0.1: ten times faster).
         length_scale: tokens per trace token; ``512 · length_scale`` tokens per trace block

@@ -3,7 +3,7 @@ through its OpenAI API and report latency, throughput, goodput and cache hit rat
 
 ::
 
-    workload.py   trace rows → requests (k3serve.traces' ONE block-id → tokens mapping), the
+    workload.py   trace rows → requests (simulate.traces' ONE block-id → tokens mapping), the
                   oracle and snapshot-rule ceilings; or a random prompt-length/rate load
     client.py     send each request at its arrival time (streaming /v1/completions over
                   httpx), time token #1 and every chunk; poll the router's /metrics
@@ -15,9 +15,9 @@ Client only: it imports no server package (httpx, tqdm, matplotlib, numpy).
 
 from __future__ import annotations
 
-from k3serve.bench.client import RequestResult, run_load
-from k3serve.bench.report import summarize
-from k3serve.bench.workload import BenchRequest, random_load, trace_load
+from cli.bench.client import RequestResult, run_load
+from cli.bench.report import summarize
+from cli.bench.workload import BenchRequest, random_load, trace_load
 
 __all__ = ["BenchRequest", "RequestResult", "random_load", "run_load", "summarize",
            "trace_load"]

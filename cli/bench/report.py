@@ -1,4 +1,4 @@
-"""Figures of a finished run (:class:`~k3serve.bench.client.RunOutcome`) as one flat dict.
+"""Figures of a finished run (:class:`~cli.bench.client.RunOutcome`) as one flat dict.
 
 * latency: TTFT (send → token #1), ITL (gap between successive chunks; one engine step each),
   TPOT (a request's (e2e − TTFT) / (tokens − 1)), e2e; p50 / p90 / p99 in seconds;
@@ -20,8 +20,8 @@ import itertools
 
 import numpy as np
 
-from k3serve.bench.client import RunOutcome
-from k3serve.bench.workload import Workload
+from cli.bench.client import RunOutcome
+from cli.bench.workload import Workload
 
 COUNTERS = {
     "server_prompt_tokens": "k3serve:request_prompt_tokens_total",
@@ -101,4 +101,39 @@ def summarize(run: RunOutcome, work: Workload, *, slo_ttft: float | None = None,
     return out
 
 
-__all__ = ["COUNTERS", "summarize"]
+#: The figures ``k3serve bench`` prints, each with its unit (hit rates print as percent).
+SUMMARY = (
+    ("num_requests", "requests"), ("num_failed", "requests"), ("num_skipped", "trace rows"),
+    ("ttft_p50_s", "s"), ("ttft_p99_s", "s"), ("itl_p50_s", "s"), ("itl_p99_s", "s"),
+    ("e2e_p50_s", "s"), ("output_tokens_per_s", "tokens/s"), ("goodput", "requests/s"),
+    ("hit_rate", "%"), ("predicted_hit_rate", "%"), ("oracle_hit_rate", "%"),
+    ("snapshot_rule_ceiling", "%"),
+)
+
+#: Why a figure can be missing: the trace ceilings on a random load, latencies with no
+#: finished request.
+NOT_AVAILABLE = {
+    "oracle_hit_rate": "n/a (random load: no trace oracle)",
+    "snapshot_rule_ceiling": "n/a (random load: no trace oracle)",
+}
+
+
+def format_summary(rep: dict) -> list[str]:
+    """The lines ``k3serve bench`` prints for ``rep`` (:func:`summarize`): one figure per line
+    with its unit; a figure that does not exist for this run says ``n/a`` and why."""
+    lines = []
+    for key, unit in SUMMARY:
+        v = rep[key]
+        if v is None:
+            text = NOT_AVAILABLE.get(key, "n/a (no request finished)")
+        elif unit == "%":
+            text = f"{100 * v:.2f} %"
+        elif isinstance(v, float):
+            text = f"{v:.4f} {unit}"
+        else:
+            text = f"{v} {unit}"
+        lines.append(f"{key:24s} {text}")
+    return lines
+
+
+__all__ = ["COUNTERS", "NOT_AVAILABLE", "SUMMARY", "format_summary", "summarize"]

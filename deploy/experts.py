@@ -1,8 +1,9 @@
 """Expert placement planner: E experts plus R redundant replicas on N ranks, equal slots per rank.
 
 Pure Python + numpy (no torch): ``k3serve experts plan`` and the benchmark run without the model.
+The plan's types (:class:`~k3serve.parallel.expert_plan.LayerPlan`, ``Plan``) are in the core.
 
-Problem (issue 16; MoonEP's redundant experts, Kimi K3 report). Given per-expert token counts
+Problem (MoonEP's redundant experts, Kimi K3 report). Given per-expert token counts
 ``c [E]`` of one MoE layer, place ``E + R`` expert copies on ``N`` ranks so that
 
 * every rank holds exactly ``S = (E + R) / N`` copies (static shapes on every rank),
@@ -37,178 +38,19 @@ from __future__ import annotations
 import heapq
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
+from k3serve.parallel.expert_plan import (
+    LayerPlan,
+    Plan,
+    check_counts,
+    contiguous_plan,
+    slots_per_rank,
+)
+
 _EPS = 1e-12
 GOOD_ENOUGH = 1e-3  # re-planning stops at max/mean ≤ 1.001: a move costs a weight transfer
-
-
-@dataclass
-class LayerPlan:
-    """Placement of one MoE layer.
-
-    Attributes:
-        slots: ``[N, S]`` int64 expert id held by slot s of rank r.
-        fractions: ``[N, S]`` float64 share of that expert's tokens sent to this copy; the
-            copies of one expert sum to 1.
-    """
-
-    slots: np.ndarray
-    fractions: np.ndarray
-
-    @property
-    def num_ranks(self) -> int:
-        return int(self.slots.shape[0])
-
-    @property
-    def slots_per_rank(self) -> int:
-        return int(self.slots.shape[1])
-
-    def loads(self, counts: np.ndarray) -> np.ndarray:
-        """``[N]`` tokens per rank for per-expert ``counts [E]``."""
-        return (self.fractions * np.asarray(counts, dtype=np.float64)[self.slots]).sum(1)
-
-    def max_over_mean(self, counts: np.ndarray) -> float:
-        """Busiest rank's load over the mean rank load (1.0 when ``counts`` is all zero)."""
-        loads = self.loads(counts)
-        mean = loads.sum() / len(loads)
-        return float(loads.max() / mean) if mean > 0 else 1.0
-
-    def copies(self) -> dict[int, list[tuple[int, int]]]:
-        """Expert id → its copies as ``(rank, slot)`` pairs, in rank order."""
-        out: dict[int, list[tuple[int, int]]] = {}
-        for r in range(self.num_ranks):
-            for s in range(self.slots_per_rank):
-                out.setdefault(int(self.slots[r, s]), []).append((r, s))
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "slots": self.slots.tolist(),
-            "fractions": [[round(float(f), 9) for f in row] for row in self.fractions],
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], num_experts: int | None = None) -> LayerPlan:
-        """Parse and check one layer of a plan JSON.
-
-        Raises:
-            ValueError: ragged or mismatched ``slots`` / ``fractions``, an expert with no copy,
-                two copies of one expert on one rank, or fractions not summing to 1.
-        """
-        slots = np.asarray(d.get("slots"), dtype=np.int64)
-        fr = np.asarray(d.get("fractions"), dtype=np.float64)
-        if slots.ndim != 2 or slots.size == 0:
-            raise ValueError(f"slots: expected a non-empty [ranks][slots] list, got {slots.shape}")
-        if fr.shape != slots.shape:
-            raise ValueError(f"fractions: shape {fr.shape} != slots shape {slots.shape}")
-        plan = cls(slots, fr)
-        plan.validate(num_experts)
-        return plan
-
-    def validate(self, num_experts: int | None = None) -> None:
-        """Check the placement invariants (see the module docstring).
-
-        Raises:
-            ValueError: naming the violated field.
-        """
-        e = int(self.slots.max()) + 1 if num_experts is None else num_experts
-        if self.slots.min() < 0 or self.slots.max() >= e:
-            raise ValueError(f"slots: expert ids must lie in [0, {e})")
-        for r in range(self.num_ranks):
-            if len(set(self.slots[r].tolist())) != self.slots_per_rank:
-                raise ValueError(f"slots: rank {r} holds two copies of one expert")
-        if (self.fractions < -1e-9).any():
-            raise ValueError("fractions: negative share")
-        tot = np.zeros(e)
-        np.add.at(tot, self.slots.reshape(-1), self.fractions.reshape(-1))
-        missing = np.flatnonzero(np.bincount(self.slots.reshape(-1), minlength=e) == 0)
-        if len(missing):
-            raise ValueError(f"slots: expert {int(missing[0])} has no copy")
-        bad = np.flatnonzero(np.abs(tot - 1.0) > 1e-6)
-        if len(bad):
-            raise ValueError(f"fractions: expert {int(bad[0])}'s copies sum to {tot[bad[0]]:.6f}")
-
-
-@dataclass
-class Plan:
-    """A placement for every MoE layer plus the figures the CLI reports."""
-
-    layers: list[LayerPlan]
-    max_over_mean_before: list[float] = field(default_factory=list)
-    max_over_mean_after: list[float] = field(default_factory=list)
-    moves: list[int] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        p = self.layers[0]
-        return {
-            "ranks": p.num_ranks,
-            "slots_per_rank": p.slots_per_rank,
-            "num_experts": int(max(int(lp.slots.max()) for lp in self.layers) + 1),
-            "max_over_mean_before": self.max_over_mean_before,
-            "max_over_mean_after": self.max_over_mean_after,
-            "moves": self.moves,
-            "layers": [lp.to_dict() for lp in self.layers],
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Plan:
-        """Parse a plan JSON (the ``k3serve experts plan --json`` output).
-
-        Raises:
-            ValueError: no ``layers`` list, or a layer fails ``LayerPlan.from_dict``.
-        """
-        layers = d.get("layers")
-        if not isinstance(layers, list) or not layers:
-            raise ValueError("layers: a plan needs a non-empty list of layers")
-        e = d.get("num_experts")
-        return cls([LayerPlan.from_dict(x, e) for x in layers])
-
-
-# ---------------------------------------------------------------------------- helpers
-def _check_counts(counts: Sequence[float] | np.ndarray) -> np.ndarray:
-    c = np.asarray(counts, dtype=np.float64)
-    if c.ndim != 1 or c.size == 0:
-        raise ValueError(f"counts: expected a non-empty list of per-expert counts, got {c.shape}")
-    if not np.isfinite(c).all() or (c < 0).any():
-        raise ValueError("counts: every count must be a finite number ≥ 0")
-    return c
-
-
-def slots_per_rank(num_experts: int, num_ranks: int, redundant: int) -> int:
-    """``(E + R) / N``.
-
-    Raises:
-        ValueError: ``num_ranks`` < 1, ``redundant`` < 0, ``E + R`` not a multiple of
-            ``num_ranks``, or more copies of one expert than ranks could ever be needed.
-    """
-    if num_ranks < 1:
-        raise ValueError(f"ranks: must be ≥ 1, got {num_ranks}")
-    if redundant < 0:
-        raise ValueError(f"redundant: must be ≥ 0, got {redundant}")
-    if (num_experts + redundant) % num_ranks:
-        raise ValueError(
-            f"redundant: experts + redundant = {num_experts + redundant} is not a multiple of "
-            f"ranks = {num_ranks} (every rank must hold the same number of expert slots)"
-        )
-    s = (num_experts + redundant) // num_ranks
-    if s < 1:
-        raise ValueError(f"ranks: {num_ranks} ranks for {num_experts} experts leaves a rank empty")
-    return s
-
-
-def contiguous_plan(num_experts: int, num_ranks: int) -> LayerPlan:
-    """The default placement: expert e on rank ``e // (E / N)``, no replicas.
-
-    Raises:
-        ValueError: ``E`` not a multiple of ``num_ranks``.
-    """
-    s = slots_per_rank(num_experts, num_ranks, 0)
-    slots = np.arange(num_experts, dtype=np.int64).reshape(num_ranks, s)
-    return LayerPlan(slots, np.ones((num_ranks, s)))
 
 
 def _waterfill(base: np.ndarray, total: float) -> np.ndarray:
@@ -270,7 +112,7 @@ def balance_fractions(plan: LayerPlan, counts: np.ndarray, sweeps: int = 60) -> 
 def replica_counts(counts: np.ndarray, redundant: int, num_ranks: int) -> np.ndarray:
     """``[E]`` copies per expert: R extra copies, each to the expert with the largest
     tokens-per-copy, at most ``num_ranks`` copies per expert (copies sit on distinct ranks)."""
-    c = _check_counts(counts)
+    c = check_counts(counts)
     reps = np.ones(len(c), dtype=np.int64)
     heap = [(-c[e], e) for e in range(len(c))]
     heapq.heapify(heap)
@@ -295,7 +137,7 @@ def lpt_plan(counts: Sequence[float] | np.ndarray, num_ranks: int) -> LayerPlan:
     Raises:
         ValueError: as ``slots_per_rank``.
     """
-    return _lpt(_check_counts(counts), np.ones(len(counts), dtype=np.int64), num_ranks)
+    return _lpt(check_counts(counts), np.ones(len(counts), dtype=np.int64), num_ranks)
 
 
 def _lpt(c: np.ndarray, reps: np.ndarray, n: int) -> LayerPlan:
@@ -382,7 +224,7 @@ def plan_layer(counts: Sequence[float] | np.ndarray, num_ranks: int, redundant: 
     Raises:
         ValueError: bad ``counts`` / ``ranks`` / ``redundant`` (the message names the field).
     """
-    c = _check_counts(counts)
+    c = check_counts(counts)
     slots_per_rank(len(c), num_ranks, redundant)
     plan = _lpt(c, replica_counts(c, redundant, num_ranks), num_ranks)
     plan = _swap_search(plan, c)
@@ -408,7 +250,7 @@ def replan_layer(
     Raises:
         ValueError: bad ``counts``, ``max_moves`` < 0, or ``previous`` not covering ``counts``.
     """
-    c = _check_counts(counts)
+    c = check_counts(counts)
     if max_moves < 0:
         raise ValueError(f"max_moves: must be ≥ 0, got {max_moves}")
     previous.validate(len(c))
@@ -544,7 +386,7 @@ def load_counts(path: str) -> list[np.ndarray]:
     if not isinstance(data, list) or not data:
         raise ValueError("counts: expected a list of counts or a list of per-layer lists")
     layers = data if isinstance(data[0], list) else [data]
-    out = [_check_counts(x) for x in layers]
+    out = [check_counts(x) for x in layers]
     if len({len(x) for x in out}) != 1:
         raise ValueError("counts: every layer must list the same number of experts")
     return out
@@ -574,7 +416,7 @@ def plan(
         ValueError: as the per-layer functions, or ``previous`` with a different layer count /
             rank count / R, or ``max_moves`` missing with ``previous``.
     """
-    cs = [_check_counts(x) for x in counts]
+    cs = [check_counts(x) for x in counts]
     if previous is None:
         layers = [plan_layer(x, num_ranks, redundant) for x in cs]
         e = len(cs[0])
@@ -604,15 +446,11 @@ def plan(
 
 
 __all__ = [
-    "LayerPlan",
-    "Plan",
     "balance_fractions",
-    "contiguous_plan",
     "load_counts",
     "lpt_plan",
     "plan",
     "plan_layer",
     "replan_layer",
     "replica_counts",
-    "slots_per_rank",
 ]

@@ -1,0 +1,148 @@
+"""The ``k3serve`` command line (``cli/``): every command answers in this process (no exec),
+a missing file is one line, ``--help`` shows each default once, and ``k3serve bench``'s
+summary carries a unit on every figure and says n/a (never ``None``) where the plot draws no
+line."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli.bench.client import RequestResult, RunOutcome
+from cli.bench.plots import hit_rate_series
+from cli.bench.report import SUMMARY, format_summary, summarize
+from cli.bench.workload import Workload, random_load
+from cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = [["info"], ["generate"], ["bench"], ["experts", "plan"], ["serve"], ["plan"],
+            ["simulate"]]
+
+
+def test_nothing_in_the_core_execs():
+    r = subprocess.run(["grep", "-rn", "execv", "k3serve"], cwd=ROOT, capture_output=True,
+                       text=True, check=False)
+    assert r.returncode == 1 and r.stdout == "", r.stdout
+
+
+def test_plan_with_a_missing_config_is_one_line(tmp_path, capsys):
+    missing = tmp_path / "MISSING.yaml"
+    assert main(["plan", "--config", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        f"k3serve plan: error: config: cannot read {missing} (No such file or directory)"]
+
+
+def test_plan_with_a_missing_config_from_the_shell(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "cli", "plan", "--config", "MISSING"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("k3serve plan: error: config: cannot read MISSING")
+
+
+def test_plan_with_an_unwritable_json_is_one_line(tmp_path, capsys):
+    cfg = ROOT / "deploy" / "configs" / "supernode-64.yaml"
+    out = tmp_path / "no-such-dir" / "plan.json"
+    assert main(["plan", "--config", str(cfg), "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("k3serve plan: error: --json: cannot write"), err
+
+
+def _help(cmd: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main([*cmd, "--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: "-".join(c))
+def test_help_shows_each_default_once(cmd, capsys):
+    text = " ".join(_help(cmd, capsys).split())  # one line: wrapped help joined
+    assert text.startswith(f"usage: k3serve {' '.join(cmd)}"), text[:80]
+    assert not re.search(r"\(default:[^()]*\)\s*\(default:", text), text
+    assert "default: None" not in text and "(default: False)" not in text, text
+
+
+def test_help_still_shows_real_defaults(capsys):
+    text = " ".join(_help(["bench"], capsys).split())
+    assert "(default: 0.125)" in text and "(default: --length-scale)" in text
+    assert "(default: k3-tiny)" in text
+    text = " ".join(_help(["serve"], capsys).split())
+    assert "(default: 8000)" in text and "(default: prefix_home)" in text
+
+
+def _run(oracle: int) -> RunOutcome:
+    res = [RequestResult(sent_s=0.1 * i, prompt_len=100, max_tokens=4, oracle_cached=oracle,
+                         first_s=0.1 * i + 0.05, chunk_s=[0.1 * i + 0.06, 0.1 * i + 0.08],
+                         done_s=0.1 * i + 0.08, prompt_tokens=100, completion_tokens=3,
+                         cached_tokens=20 * i)
+           for i in range(3)]
+    return RunOutcome(res, 1.0, [], {}, {})
+
+
+def test_bench_summary_on_random_load_has_units_and_no_none():
+    work = random_load(rate=10.0, input_len=8, output_len=4, num=3, vocab_size=100)
+    assert work.oracle_hit_rate is None
+    lines = format_summary(summarize(_run(0), work))
+    assert len(lines) == len(SUMMARY)
+    assert not any("None" in ln for ln in lines), lines
+    rows = dict(ln.split(None, 1) for ln in lines)
+    assert rows["oracle_hit_rate"] == "n/a (random load: no trace oracle)"
+    assert rows["snapshot_rule_ceiling"] == "n/a (random load: no trace oracle)"
+    assert rows["num_requests"] == "3 requests"
+    assert rows["num_skipped"] == "0 trace rows"
+    assert rows["ttft_p50_s"] == "0.0500 s"
+    assert rows["hit_rate"] == "20.00 %"  # (0 + 20 + 40) / 300 prompt tokens
+    assert rows["output_tokens_per_s"] == "9.0000 tokens/s"
+    assert rows["goodput"] == "3.0000 requests/s"
+    for key, unit in SUMMARY:
+        assert rows[key].endswith(unit) or rows[key].startswith("n/a"), (key, rows[key])
+    # the plot agrees: no oracle line for a random load
+    assert [name for name, *_ in hit_rate_series(_run(0), oracle=False)] == [
+        "actual (cached_tokens)"]
+
+
+def test_bench_summary_on_a_trace_prints_the_oracle_in_percent():
+    work = Workload([], 0, 0.5, 0.25)
+    rows = dict(ln.split(None, 1) for ln in format_summary(summarize(_run(50), work)))
+    assert rows["oracle_hit_rate"] == "50.00 %" and rows["snapshot_rule_ceiling"] == "25.00 %"
+    series = hit_rate_series(_run(50), oracle=True)
+    assert [name for name, *_ in series] == ["actual (cached_tokens)",
+                                             "token oracle (infinite cache)"]
+    assert series[1][2][-1] == pytest.approx(50.0)  # 150 oracle tokens of 300
+
+
+def test_bench_summary_without_a_finished_request_says_why():
+    work = random_load(rate=10.0, input_len=8, output_len=4, num=1, vocab_size=100)
+    failed = RunOutcome([RequestResult(0.0, 8, 4, error="boom")], 1.0, [], {}, {})
+    rows = dict(ln.split(None, 1) for ln in format_summary(summarize(failed, work)))
+    assert rows["ttft_p50_s"] == "n/a (no request finished)"
+    assert rows["num_failed"] == "1 requests"
+    assert hit_rate_series(failed) == []
+
+
+def test_bench_prints_the_summary(monkeypatch, capsys, tmp_path):
+    """``k3serve bench --rate`` end to end with the client replaced: the printed summary is
+    :func:`format_summary`'s, and the hit-rate plot is written without an oracle line."""
+    from cli.bench import client, plots
+
+    monkeypatch.setattr(client, "run_load", lambda *a, **k: _run(0))
+    drawn: list[bool] = []
+    real = plots.write_plots
+
+    def spy(run, out_dir, **kw):
+        drawn.append(kw.get("oracle", True))
+        return real(run, out_dir, **kw)
+
+    monkeypatch.setattr(plots, "write_plots", spy)
+    rc = main(["bench", "--url", "http://127.0.0.1:9", "--rate", "10", "--num", "3",
+               "--no-progress", "--plots", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "None" not in out and "oracle_hit_rate          n/a" in out
+    assert drawn == [False] and (tmp_path / "hit_rate.png").exists()
