@@ -33,7 +33,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import pathlib
@@ -45,15 +44,15 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from k3serve.engine.config import EngineConfig  # noqa: E402
-from k3serve.engine.engine import LLMEngine  # noqa: E402
-from k3serve.engine.runner import Row, RunBatch  # noqa: E402
-from k3serve.engine.spec import SpecConfig  # noqa: E402
-from k3serve.model.checkpoint import load_model  # noqa: E402
-from k3serve.sampling import SamplingParams  # noqa: E402
-from k3serve.tokenizer import get_tokenizer  # noqa: E402
+from k3serve.engine.config import EngineConfig
+from k3serve.engine.engine import LLMEngine
+from k3serve.engine.runner import Row, RunBatch
+from k3serve.engine.spec import SpecConfig
+from k3serve.model.checkpoint import load_model
+from k3serve.sampling import SamplingParams
+from k3serve.tokenizer import get_tokenizer
 
 CHAT = [
     "What is the capital of France, and why is it famous?",

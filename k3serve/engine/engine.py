@@ -36,9 +36,9 @@ from k3serve.engine.processor import InputProcessor, request_output
 from k3serve.engine.runner import ModelRunner
 from k3serve.engine.scheduler import Scheduler
 from k3serve.engine.sequence import Request, SeqStatus, as_token_ids
+from k3serve.engine.sequence import Sequence as Seq
 from k3serve.engine.spec.build import build_speculator
 from k3serve.engine.spec.proposer import Proposer
-from k3serve.engine.sequence import Sequence as Seq
 from k3serve.protocol import CacheHandle, RequestOutput
 from k3serve.sampling import SamplingParams
 

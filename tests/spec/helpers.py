@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import pathlib
 
-import torch
-
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.spec import SpecConfig
-from k3serve.model.checkpoint import load_model
-from k3serve.tokenizer import get_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,6 @@ import torch
 from k3serve.engine.spec import Proposal, SpecConfig
 from k3serve.engine.spec.draft import DraftProposer
 from k3serve.sampling import SamplingParams
-
 from tests.spec.helpers import make_engine, repo_prompts, run
 
 K = 4
