@@ -125,3 +125,13 @@ def test_replay_in_segments_is_bitwise_replay_in_one(tiny):
     w1 = pools.conv_state.shape[2]
     for j, x in cap.layers.items():
         assert torch.equal(one[1][j], x.pre[5 - w1 : 5])
+
+
+def test_warm_up_runs_verify_shapes_and_leaves_no_trace(tiny):
+    from k3serve.engine.warmup import warm_up
+
+    eng = make_engine(tiny, NGRAM)
+    rep = warm_up(eng, force=True)
+    plain = warm_up(make_engine(tiny), force=True)
+    assert rep.num_forwards > plain.num_forwards
+    assert not eng.pools.kda_state.any() and not eng.pools.conv_state.any()
