@@ -130,8 +130,8 @@ def test_replay_in_segments_is_bitwise_replay_in_one(tiny):
 def test_warm_up_runs_verify_shapes_and_leaves_no_trace(tiny):
     from k3serve.engine.warmup import warm_up
 
-    eng = make_engine(tiny, NGRAM)
+    eng = make_engine(tiny, NGRAM, max_num_batched_tokens=48)
     rep = warm_up(eng, force=True)
-    plain = warm_up(make_engine(tiny), force=True)
+    plain = warm_up(make_engine(tiny, max_num_batched_tokens=48), force=True)
     assert rep.num_forwards > plain.num_forwards
     assert not eng.pools.kda_state.any() and not eng.pools.conv_state.any()
