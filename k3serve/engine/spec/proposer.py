@@ -50,7 +50,9 @@ def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int
         n_min, n_max: n-gram lengths tried, longest first. k: most tokens returned.
 
     Returns:
-        Up to ``k`` tokens (empty when no n-gram recurs).
+        Up to ``k`` tokens (empty when no n-gram recurs). A continuation that runs into the
+        sequence's end goes on with the proposals themselves (a repeating span is proposed
+        for as many periods as ``k`` allows).
     """
     length = tokens.shape[0]
     for n in range(min(n_max, length - 1), n_min - 1, -1):
@@ -59,7 +61,10 @@ def ngram_lookup(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n  # the latest match's continuation
-            return tokens[start : start + k].tolist()
+            out = tokens[start : start + k].tolist()
+            while len(out) < k:  # position p ≥ length holds proposal p − length
+                out.append(out[start + len(out) - length])
+            return out
     return []
 
 
