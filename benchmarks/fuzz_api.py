@@ -1,6 +1,6 @@
 """The API fuzz, long form: ``schemathesis`` cases (default 1 000) drawn from
 the router's own OpenAPI schema (``/v1/*``, ``/health``; positive and negative, ``max_tokens``
-capped small) against a live router with fake workers (tests/router_fakes.py). Prints the
+capped small) against a live router with fake workers (deploy/fake_workers.py). Prints the
 statuses per operation and mode, the 4xx answers to schema-valid cases, and every answer
 ≥ 500 (there must be none). The CI version (300 cases): tests/router/test_fuzz_api.py.
 
@@ -15,9 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from router_fakes import Stack
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # router_fuzz
 from router_fuzz import fuzz
+
+from deploy.fake_stack import Stack
 
 
 def main() -> int:

@@ -1,5 +1,5 @@
 """Router admission under overload: ~10× capacity for 30 s against a router with fake
-workers (tests/router_fakes.py; the model is a toy, so the router's admission control is
+workers (deploy/fake_workers.py; the model is a toy, so the router's admission control is
 what is measured).
 
 Capacity = what the decode slots serve: 2 fake decode workers × 8 slots, each request 8
@@ -29,9 +29,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from router_fakes import MODEL, TOKENIZER, Stack, toy_generate
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from deploy.fake_stack import Stack
+from deploy.fake_workers import MODEL, TOKENIZER, toy_generate
 from k3serve.sampling import SamplingParams
 
 

@@ -1,8 +1,8 @@
-"""The floor of the router's relay stack (issue 19): what a minimal SSE relay on the same
+"""The floor of the router's relay stack: what a minimal SSE relay on the same
 libraries costs per stream, to set beside ``benchmarks/router_relay.py``'s router figures.
 
 Processes: an SSE source (``--tokens`` one-token events per ``POST``, written by sse-starlette
-with one loop turn between events, as the fake decode workers of tests/router_fakes.py do; its
+with one loop turn between events, as the fake decode workers of deploy/fake_workers.py do; its
 own process, uvicorn h11 on asyncio's loop); a relay (uvicorn httptools on uvloop, the router's
 settings: router/config.py) that, per client ``POST /v1/completions``, opens the source's stream
 with aiohttp, splits the SSE body, decodes each event with msgspec and writes one client chunk

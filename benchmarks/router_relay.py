@@ -1,7 +1,8 @@
-"""Router CPU per request and per relayed token, and tokens/s through 1, 2, 4 replicas (issue 19).
+"""Router CPU per request and per relayed token, and tokens/s through 1, 2, 4 replicas.
 
-The router runs in its own process (``python -m router.app``, ``--replicas N`` for N > 1);
-the fake workers of ``tests/router_fakes.py`` (toy model, no delay) run in another; this
+The router runs in its own process (``python -m router``, or ``router.app`` in a tree without
+``router/__main__.py``; ``--replicas N`` for N > 1);
+the fake workers of ``deploy/fake_workers.py`` (toy model, no delay) run in another; this
 process is the client. Router CPU = user + system time of the router process and its children
 (the replicas) over one load phase, from psutil, minus the router's idle rate (its cache-event
 polls and liveness probes: the mean of 5 s measured before and 5 s after the rounds) times the
@@ -17,8 +18,8 @@ Loads (``--requests`` at ``--concurrency``, after a warm-up of ``--concurrency``
 
 ``--src DIR[,DIR...]``: measure the router of each source tree (imported from it through
 PYTHONPATH; default: this checkout) one after the other in this run, e.g. a checkout of main
-beside this branch. The fake workers are always this checkout's; a tree without issue 19's
-router (no ``--replicas``) is measured with one event per token, as its workers sent them;
+beside this branch. The fake workers are always this checkout's; an older tree's router (no
+``--replicas``) is measured with one event per token, as its workers sent them;
 this checkout's router both ways: one event per token, and coalesced (the decode worker merges
 the tokens that are ready together, decode/stream.py). ``--replicas 1,2,4``: tokens/s (wall) and CPU per token of the streaming
 load through each replica count (source trees without ``--replicas`` measure 1 only).
@@ -30,7 +31,7 @@ with one stream per request (``--no-decode-channels``; ``--no-per-request`` skip
 Older trees open one stream per request.
 
 Event loop: each tree's router runs as that tree ships it. A tree whose ``pyproject.toml``
-does not declare uvloop (e.g. main before issue 19) ran on asyncio's loop: it is measured with
+does not declare uvloop (older trees) ran on asyncio's loop: it is measured with
 uvloop hidden from it (``loop: asyncio``), and, with ``--baseline-loop both`` (the default),
 once more with the uvloop installed here (``loop: uvloop``; uvicorn's ``auto`` picks it), so
 the table shows what the loop alone is worth to the old relay.
@@ -65,8 +66,8 @@ TOKEN_HEADER = "x-k3serve-cluster-token"
 def serve_fakes(num_prefill: int, num_decode: int, token: str, coalesce: bool) -> None:
     """Child: start the fake workers (this checkout's), print their URLs as one JSON line,
     serve until stdin closes. ``coalesce``: decode streams merge the tokens ready together
-    into one event (decode/stream.py); off: one event per token, as before issue 19."""
-    from tests.router_fakes import start_worker
+    into one event (decode/stream.py); off: one event per token, as older trees do."""
+    from deploy.fake_workers import start_worker
 
     servers = [start_worker("prefill", token) for _ in range(num_prefill)]
     servers += [start_worker("decode", token) for _ in range(num_decode)]
@@ -130,7 +131,8 @@ def start_router(src: Path, token: str, replicas: int, port: int, hide_uvloop: b
     as the tree reads decode streams)."""
     # cache-event polls once a second (not 10/s): their CPU is not the relay's (the prompts are
     # distinct, the index does not matter here); what is left is measured idle and subtracted
-    args = [sys.executable, "-m", "router.app", "--host", "127.0.0.1", "--port", str(port),
+    module = "router" if (src / "router" / "__main__.py").exists() else "router.app"
+    args = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port),
             "--model", MODEL, "--log-level", "warning", "--poll-interval", "1.0"]
     if replicas > 1:
         args += ["--replicas", str(replicas)]
@@ -356,7 +358,7 @@ async def main_async(args) -> dict:
                  "tokens": args.tokens, "runs": []}
     for src_s in args.src.split(","):
         src = Path(src_s).resolve()
-        new = supports_replicas(src)  # a tree with issue 19's relay and replicas
+        new = supports_replicas(src)  # a tree with the channel relay and replicas
         if declares_uvloop(src):  # uvicorn's ``auto``: uvloop where it is installed
             loops = ["uvloop" if importlib.util.find_spec("uvloop") else "asyncio"]
         else:  # as shipped (asyncio's loop); and on the uvloop installed here

@@ -24,8 +24,9 @@ from simulate.calibration import Calibration
 from simulate.config import SimConfig, auto_store_interval, trace_facts
 from simulate.engine import replay
 from simulate.traces import load_trace, snapshot_rule_ceiling
-from router.placement import DEFAULT_POLICY
+from router.policies.table import DEFAULT_POLICY
 from router.policies.home import HomeParams
+from router.policies.table import DEFAULT_POLICY
 
 MODELS = {"k3-tiny": (320, 420_864), "k3-mini": (6_912, 19_537_920),
           "k3": (27_648, 16_000 * 27_648)}

@@ -80,7 +80,7 @@ class PoolSpec:
 
 @dataclass(frozen=True)
 class RouterSpec:
-    """Where the router listens and how it places (``python -m router.app`` flags);
+    """Where the router listens and how it places (``python -m router`` flags);
     ``replicas``: router processes behind that address (``--replicas``, router/replicas.py)."""
 
     host: str = "127.0.0.1"

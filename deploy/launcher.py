@@ -1,7 +1,7 @@
 """Starting a k3serve stack: the router and the prefill/decode workers, one launcher for every
 backend (:func:`start_stack`; the ``k3serve serve`` command around it is ``deploy/serve.py``).
 
-A backend (:class:`LaunchBackend`) starts one component — ``python -m router.app``,
+A backend (:class:`LaunchBackend`) starts one component — ``python -m router``,
 ``python -m prefill.worker``, ``python -m decode.worker`` with their flags and environment — and
 hands back something to poll and stop. :mod:`deploy.local` runs them as child processes of
 this one; ``deploy/ray_backend.py`` runs instances as Ray actors from a deployment config.
@@ -215,7 +215,7 @@ def start_stack(
         stack.specs.append(spec)
 
     try:
-        spawn(Spec("router", "router.app", [
+        spawn(Spec("router", "router", [
             "--host", host, "--port", str(port), "--policy", policy, "--model", model,
             *(["--replicas", str(routers)] if routers > 1 else []),
             *(extra_router_args or [])], env, "router"))

@@ -1,5 +1,5 @@
 """The local-processes backend of :mod:`deploy.launcher`: each component is a child process
-(``python -m router.app`` / ``prefill.worker`` / ``decode.worker``) of the launcher.
+(``python -m router`` / ``prefill.worker`` / ``decode.worker``) of the launcher.
 
 Children die with the launcher: on Linux each asks the kernel for SIGTERM when its parent dies
 (``PR_SET_PDEATHSIG``), so even a SIGKILLed launcher leaves nothing behind.

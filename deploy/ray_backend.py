@@ -5,7 +5,7 @@ for Ray users, :func:`deploy` (after their own ``ray.init``).
 What runs where (one deployment)::
 
     driver (k3serve serve --ray / deploy())           plan → placement groups → actors
-      ├─ router actor   ProcessActor: python -m router.app --host H --port P --policy NAME
+      ├─ router actor   ProcessActor: python -m router --host H --port P --policy NAME
       ├─ prefill-k      rank 0: ProcessActor: python -m prefill.worker --port 0 --router-url …
       │                 ranks 1..R-1: RankActor (holds its accelerator; see below)
       └─ decode-k       the same with decode.worker
@@ -232,7 +232,7 @@ def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
         router_url = ""
         if not placeholders:
             rport = dc.router.port if router_port is None else router_port
-            rargs = ["-m", "router.app", "--host", dc.router.host,
+            rargs = ["-m", "router", "--host", dc.router.host,
                      "--port", str(rport) if rport else "{port}", "--policy", dc.router.policy,
                      "--model", dc.model, "--replicas", str(dc.router.replicas)]
             renv = {**env, **({API_KEY_ENV: api_key} if api_key else {})}

@@ -13,7 +13,7 @@ only): the router, the workers and kvstore import it without the model.
    the request's ``cache_salt``).
 2. **router/pipeline.py** ``Router.place`` asks the global index
    (:class:`router.index.GlobalIndex`, fed by every worker's cache events — ``CacheEvents`` /
-   ``CacheState`` — by the pollers of router/workers.py) which prefix each worker can reuse, and
+   ``CacheState`` — by the pollers of router/index_sync.py) which prefix each worker can reuse, and
    calls the pure cost function :func:`router.placement.place`: a prefill worker P, a decode
    worker D, the predicted hit, and ``snapshot_at`` (:func:`router.placement.branch_snapshot`:
    the boundary where this prompt diverges from cached ones). ``Worker.load(...)`` is the one

@@ -107,6 +107,11 @@ class TransferHandle:
         memory may be reused and the destination will not change because of it."""
         return self._pending == 0
 
+    def chunk_settled(self) -> None:
+        """One of this handle's chunks left the queue or the wire (written, failed or dropped);
+        called by the engine's I/O thread only."""
+        self._pending -= 1
+
     def poll(self) -> bool:
         """Advance the engine; True once done.
 
@@ -345,7 +350,7 @@ class KVEngine:
                         continue
                     else:
                         self._fail(c.handle, st, f"chunk dst 0x{c.dst:x} length {c.length}")
-                    c.handle._pending -= 1
+                    c.handle.chunk_settled()
                     self._inflight_bytes[peer] -= c.length
                 flying[:] = keep
             for peer, q in self._queued.items():
@@ -353,12 +358,12 @@ class KVEngine:
                 while q and (q[0].length <= budget or not self._inflight.get(peer)):
                     c = q.popleft()
                     if c.handle.error is not None:  # its handle already failed: drop
-                        c.handle._pending -= 1
+                        c.handle.chunk_settled()
                         continue
                     bid = self._te.transfer_submit_write(peer, c.src, c.dst, c.length)
                     if bid in _BAD_BATCH_IDS or bid < 0:
                         self._fail(c.handle, -1, "submit refused (peer unreachable?)")
-                        c.handle._pending -= 1
+                        c.handle.chunk_settled()
                         continue
                     c.batch_id = bid
                     c.deadline = now + self.config.transfer_timeout_s

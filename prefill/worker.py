@@ -110,7 +110,7 @@ class PrefillWorker(BaseWorker):
             r.sender.abort(why.message)
 
     # ------------------------------------------------------------------ engine thread
-    def _add(self, body: PrefillRequest, params: SamplingParams, fut: asyncio.Future) -> None:
+    def admit_prefill(self, body: PrefillRequest, params: SamplingParams, fut: asyncio.Future) -> None:
         rid = body.request_id
         if rid in self.reqs:
             raise ValueError(f"request_id: {rid!r} is already live")
@@ -309,7 +309,7 @@ class PrefillWorker(BaseWorker):
                 await worker.store.fetch(body.request_id, list(body.prompt_token_ids),
                                          body.cache_salt)
             try:
-                await worker.loop.call(worker._add, body, params, fut)
+                await worker.loop.call(worker.admit_prefill, body, params, fut)
             except ValueError as e:
                 raise Failure(400, "invalid_request", str(e)) from None
             try:

@@ -1,23 +1,22 @@
-"""Router configuration and command line: :class:`RouterConfig` (frozen) and :func:`main`.
+"""Router configuration and command line: :class:`RouterConfig` (frozen), its flags and
+the process settings :mod:`router.__main__` serves with.
 
-Run: ``python -m router.app --host 127.0.0.1 --port 8000 --model k3-tiny [--api-key KEY]``
-(``router.app`` calls :func:`main`); the cluster token comes from ``$K3SERVE_CLUSTER_TOKEN``
-(``k3serve serve`` sets it), the API key from ``--api-key`` or ``$K3SERVE_API_KEY``.
+Run: ``python -m router --host 127.0.0.1 --port 8000 --model k3-tiny [--api-key KEY]``; the
+cluster token comes from ``$K3SERVE_CLUSTER_TOKEN`` (``k3serve serve`` sets it), the API key
+from ``--api-key`` or ``$K3SERVE_API_KEY``.
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
-import logging
 import os
 import socket
-import sys
 from dataclasses import dataclass, field
 
 from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
-from router.placement import DEFAULT_POLICY, POLICIES, PlacementParams
+from router.placement import PlacementParams
 from router.policies.home import HomeParams
+from router.policies.table import DEFAULT_POLICY, POLICIES
 from router.replicas import METRICS_ENV, REGISTRY_ENV
 
 
@@ -27,7 +26,7 @@ class RouterConfig:
 
     Attributes:
         model: Served model name (preset or checkpoint folder); requests must name it.
-        policy: Prefill placement policy, a key of ``router.placement.POLICIES``.
+        policy: Prefill placement policy, a key of ``router.policies.table.POLICIES``.
         api_key: Bearer token required on ``/v1/*``; ``None`` leaves the API open.
         cluster_token: Token exchanged with workers on every internal call.
         tokenizer: Tokenizer name or folder; ``None`` = the model's.
@@ -118,9 +117,9 @@ class RouterConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The flags of ``python -m router.app`` (the launcher passes ``--host --port --model
+    """The flags of ``python -m router`` (the launcher passes ``--host --port --model
     --policy`` and optionally ``--api-key --poll-timeout``)."""
-    ap = argparse.ArgumentParser(prog="python -m router.app",
+    ap = argparse.ArgumentParser(prog="python -m router",
                                  description="k3serve router: OpenAI-compatible front of the "
                                              "prefill/decode cluster")
     ap.add_argument("--host", default="127.0.0.1")
@@ -188,25 +187,12 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _without_replicas(argv: list[str]) -> list[str]:
-    """``argv`` less its ``--replicas N`` / ``--replicas=N``."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--replicas":
-            skip = True
-        elif not a.startswith("--replicas="):
-            out.append(a)
-    return out
-
-
-#: uvicorn's HTTP implementation of the router (tests/router_fakes.Stack serves it the same).
+#: uvicorn's HTTP implementation of the router (deploy/fake_stack.Stack serves it the same).
 ROUTER_HTTP = "httptools"
 
 #: uvicorn's event loop for the router: ``"auto"`` is uvloop (a declared dependency, C event
 #: loop on libuv) where it is installed, else asyncio's. uvloop cuts the router's CPU per
-#: relayed token by ~15 % (benchmarks/router_relay.py, README issue 19): every chunk is a
+#: relayed token by ~15 % (benchmarks/router_relay.py): every chunk is a
 #: socket read, a task wake-up and a socket write. The workers stay on asyncio's loop.
 ROUTER_LOOP = "auto"
 
@@ -228,57 +214,3 @@ def tune_gc() -> None:
     gc.freeze()
     _, t1, t2 = gc.get_threshold()
     gc.set_threshold(GC_THRESHOLD0, t1, t2)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m router.app``: parse flags, bind the port, serve until stopped
-    (``--replicas N`` > 1: N replica processes on that port, :mod:`router.replicas`).
-
-    Returns:
-        0 after a clean stop; 1 when the port cannot be bound (one line on stderr, no
-        traceback).
-    """
-    import uvicorn
-
-    from router.app import create_app
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.replicas < 1:
-        print("k3serve router: --replicas: must be >= 1", file=sys.stderr)
-        return 2
-    config = config_from_args(args)
-    if args.fd is not None:  # a replica: the supervisor's socket
-        sock = socket.socket(fileno=args.fd)
-    else:
-        try:
-            sock = listen(args.host, args.port)
-        except OSError as e:
-            why = ("address already in use" if e.errno == errno.EADDRINUSE
-                   else e.strerror or str(e))
-            print(f"k3serve router: cannot listen on {args.host}:{args.port}: {why}",
-                  file=sys.stderr)
-            return 1
-        if args.replicas > 1:
-            from router.replicas import supervise
-
-            try:
-                return supervise(_without_replicas(argv), args.replicas, sock)
-            finally:
-                sock.close()
-    # access lines are INFO records: above INFO none would be written, so none is made
-    level = logging.getLevelName(args.log_level.upper())
-    # httptools (C request parser, chunked body writes without h11's state machine): ~10 % of
-    # the router's CPU per request and per relayed chunk (benchmarks/router_relay.py, README
-    # issue 19); the workers' servers stay on h11
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(config), log_level=args.log_level, http=ROUTER_HTTP, loop=ROUTER_LOOP,
-        access_log=not isinstance(level, int) or level <= logging.INFO))
-    tune_gc()
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-    return 0

@@ -36,7 +36,7 @@ import bisect
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -106,10 +106,29 @@ class HitRateWindow:
         return cached / prompt if prompt else math.nan
 
 
+class BulkHistogram(Histogram):
+    """prometheus-client's ``Histogram`` whose series also take observations in bulk
+    (:meth:`add`): one update of the buckets and the sum instead of one per observation.
+    ``labels(...)`` gives series of this class too."""
+
+    @property
+    def upper_bounds(self) -> list[float]:
+        """The buckets' upper bounds (``le``), ascending, ``+Inf`` last."""
+        return self._upper_bounds
+
+    def add(self, total: float, counts: Sequence[int]) -> None:
+        """Add ``counts[i]`` observations to bucket ``i`` (as :attr:`upper_bounds`) and
+        ``total`` to the sum (a series, ``labels(...)``)."""
+        self._sum.inc(total)
+        for bucket, c in zip(self._buckets, counts, strict=True):
+            if c:
+                bucket.inc(c)
+
+
 def observe_many(child, value: float, n: int) -> None:
     """``n`` observations of ``value`` in a labelled histogram (``Histogram.labels(...)``):
-    one update of the bucket, count and sum instead of ``n`` (the relay observes every token
-    of an event at once).
+    one update of the bucket, count and sum instead of ``n`` for a :class:`BulkHistogram`
+    series (the relay observes every token of an event at once).
 
     Raises:
         ValueError: ``n`` < 0.
@@ -121,17 +140,14 @@ def observe_many(child, value: float, n: int) -> None:
         return
     if not n:
         return
-    try:
-        bounds, buckets, total = child._upper_bounds, child._buckets, child._sum
-    except AttributeError:  # another prometheus-client layout: the plain way
+    if not isinstance(child, BulkHistogram):  # a plain series: the plain way
         for _ in range(n):
             child.observe(value)
         return
-    total.inc(value * n)
-    for i, bound in enumerate(bounds):
-        if value <= bound:
-            buckets[i].inc(n)
-            break
+    bounds = child.upper_bounds
+    counts = [0] * len(bounds)
+    counts[bisect.bisect_left(bounds, value)] = n
+    child.add(value * n, counts)
 
 
 class HistogramBuffer:
@@ -139,8 +155,8 @@ class HistogramBuffer:
     here, per bucket, and added to the series in one update every ``every`` calls of
     :meth:`observe_many` or ``every_s`` seconds, and at :meth:`flush`: the relay observes the
     inter-token latency of every network read of every stream, and each prometheus-client
-    update takes a lock and scans the buckets. A series of another prometheus-client layout
-    (no ``_upper_bounds``) is observed directly.
+    update takes a lock and scans the buckets. A series that is not a :class:`BulkHistogram`'s
+    is observed directly.
 
     Args:
         child: the labelled series.
@@ -151,7 +167,7 @@ class HistogramBuffer:
     def __init__(self, child, every: int = 64, every_s: float = 1.0) -> None:
         self.child = child
         self._every, self._every_s = every, every_s
-        self._bounds = getattr(child, "_upper_bounds", None)
+        self._bounds = child.upper_bounds if isinstance(child, BulkHistogram) else None
         self._counts = [0] * len(self._bounds) if self._bounds is not None else []
         self._sum = 0.0
         self._calls = 0
@@ -182,12 +198,8 @@ class HistogramBuffer:
         """Add what was counted to the series."""
         if not self._calls:
             return
-        self.child._sum.inc(self._sum)
-        buckets, counts = self.child._buckets, self._counts
-        for i, c in enumerate(counts):
-            if c:
-                buckets[i].inc(c)
-                counts[i] = 0
+        self.child.add(self._sum, self._counts)
+        self._counts = [0] * len(self._counts)
         self._sum, self._calls, self._since = 0.0, 0, None
 
 
@@ -263,13 +275,13 @@ class RouterMetrics:
                       registry=None, multiprocess_mode="livesum"))
             self._render_registry = CollectorRegistry()
             self._render_registry.register(_ReplicasCollector(multiprocess_dir, window_s))
-        self.ttft = Histogram(
+        self.ttft = BulkHistogram(
             "k3serve:time_to_first_token_seconds", "Time to first token, by prefill worker.",
             ["worker"], buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram(
+        self.itl = BulkHistogram(
             "k3serve:inter_token_latency_seconds", "Time between tokens, by decode worker.",
             ["worker"], buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(
+        self.e2e = BulkHistogram(
             "k3serve:e2e_request_latency_seconds", "Request latency, by decode worker.",
             ["worker"], buckets=E2E_BUCKETS, registry=r)
         self.running = Gauge(

@@ -20,11 +20,12 @@ no gap and no repeated token::
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from k3serve.messages import StreamEvent, StreamRequest
+from router.decode_stream import DecodeStreams
 from router.metrics import HistogramBuffer, RouterMetrics
-from router.workers import Worker, WorkerError, WorkerPool
+from router.workers import Worker, WorkerError
 
 log = logging.getLogger("k3serve.router")
 
@@ -81,10 +82,12 @@ COUNT_EVERY = 64
 
 class DecodeEvents:
     """The :class:`StreamEvent` s of one choice from token #2 on, across decode workers, in
-    batches (the events that arrived in one network read).
+    batches (the events that arrived in one network read), handed to a callback
+    (:meth:`run`).
 
     Args:
-        pool: the router's worker pool.
+        streams: the router's decode streams (anything with
+            :meth:`~router.decode_stream.DecodeStreams.relay`).
         worker / sub: the decode worker and request id the choice streams from first.
         first: token #1 and its logprob (what the prefill worker answered).
         resume: see :data:`Resume`; ``None``: no migration (a failure is raised).
@@ -97,10 +100,10 @@ class DecodeEvents:
         migrations: how many times the choice moved.
     """
 
-    def __init__(self, pool: WorkerPool, worker: Worker, sub: str,
+    def __init__(self, streams: DecodeStreams, worker: Worker, sub: str,
                  first: tuple[int, float | None], resume: Resume | None,
                  served: ServedBy | None = None) -> None:
-        self.pool, self.worker, self.sub, self.resume = pool, worker, sub, resume
+        self.streams, self.worker, self.sub, self.resume = streams, worker, sub, resume
         self.served = served
         self._tokens: list[int] = [first[0]]
         self._logprobs: list[float | None] = [first[1]]
@@ -119,34 +122,17 @@ class DecodeEvents:
         self._count()
         return self._logprobs
 
-    async def __aiter__(self) -> AsyncIterator[list[StreamEvent]]:
-        """Yield the events, a batch per network read (``WorkerPool.stream_batches``: the
-        events that arrived together); a batch is counted as delivered once the consumer asks
-        for the next one (or the stream ends), so a migration resumes after exactly those
-        tokens.
+    async def run(self, handle: Callable[[list[StreamEvent]], bool]) -> None:
+        """Pass each batch of the choice's events to ``handle`` in the task that reads the
+        stream (:meth:`DecodeStreams.relay`: no hand-over between two tasks per batch); a
+        batch counts as delivered once ``handle`` returned, so a migration resumes after
+        exactly those tokens. ``handle`` returns True to stop (the consumer finished the
+        choice); it must not block.
 
         Raises:
             WorkerError: the stream failed and no migration was possible (``resume`` is
-                ``None``, ``MAX_MIGRATIONS`` reached, or no decode worker could take it).
-        """
-        body = self._first_body()
-        while True:
-            try:
-                async for batch in self.pool.stream_batches(self.worker, body):
-                    yield batch
-                    self._delivered(batch)
-                return
-            except WorkerError as e:
-                body = await self._migrate(e)
-
-    async def run(self, handle: Callable[[list[StreamEvent]], bool]) -> None:
-        """The same events as iterating, each batch passed to ``handle`` in the task that
-        reads the stream (``WorkerPool.relay_stream``: no hand-over between two tasks per
-        batch); a batch counts as delivered once ``handle`` returned. ``handle`` returns True
-        to stop (the consumer finished the choice); it must not block.
-
-        Raises:
-            WorkerError: as iterating; whatever ``handle`` raised.
+                ``None``, ``MAX_MIGRATIONS`` reached, or no decode worker could take it);
+                whatever ``handle`` raised.
         """
         body = self._first_body()
 
@@ -157,7 +143,7 @@ class DecodeEvents:
 
         while True:
             try:
-                await self.pool.relay_stream(self.worker, body, take)
+                await self.streams.relay(self.worker, body, take)
                 return
             except WorkerError as e:
                 body = await self._migrate(e)

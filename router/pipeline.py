@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import itertools
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import httpx
 from tenacity import (
@@ -33,117 +32,36 @@ from tenacity import (
 from k3serve.messages import (
     GenerateRequest,
     PrefillRequest,
-    PrefillResponse,
     ReserveRequest,
     ResumeRequest,
-    ResumeResponse,
     SamplingSpec,
 )
 from router.admission import Admission
+from router.choose import choose
 from router.config import RouterConfig
-from router.errors import APIError
-from router.index import STORE
 from router.metrics import RouterMetrics
-from router.placement import (
-    DecodeWorkerState,
-    NoWorkerAvailable,
-    Placement,
-    PlacementRequest,
-    place,
+from router.placement import NoWorkerAvailable, Placement
+from router.pool import WorkerPool
+from router.preprocess import Preprocessor, PromptJob
+from router.retries import (
+    BUSY_RETRY_S,
+    FIRST_TOKEN_ATTEMPTS,
+    RESUME_WAIT_S,
+    BusyGate,
+    busy,
+    failover,
+    first_then_retrying,
+    no_room,
+    refused,
 )
-from router.policies import live_view
-from router.preprocess import Preprocessor, PromptJob, prompt_hashes
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.stream import END, Placed, stream_choice
-from router.workers import PoolBusy, Worker, WorkerError, WorkerPool
+from router.workers import Worker, WorkerError
 
 if TYPE_CHECKING:
     from k3serve.sampling import SamplingParams
 
 log = logging.getLogger("k3serve.router")
-
-T = TypeVar("T")
-
-#: Pause before a choice that found every decode worker busy retries its reservation; waiting
-#: choices take turns, so at most 1 / BUSY_RETRY_S such retries per second leave the router.
-BUSY_RETRY_S = 0.005
-#: Placements of one choice before its token #1 (the first and the re-placements): enough
-#: that a worker that hangs or dies mid-call, on top of transient transfer failures on the
-#: others (a failed pairing, a dropped connection), does not fail the request.
-FIRST_TOKEN_ATTEMPTS = 5
-#: A migrating choice with no healthy decode worker to go to looks again this often (s).
-RESUME_WAIT_S = 0.25
-
-
-def _failover(e: BaseException) -> bool:
-    """A worker failed before token #1 (unreachable, killed mid-call, an error answer such as
-    502 ``transfer_pairing_failed``, ``busy``: its queue is full): nothing reached the client,
-    so the choice is placed again — on other workers where there are (both reservations were
-    aborted). No free connection of the router's own pool (``PoolBusy``) is shed instead, and
-    a request the worker refused (a 4xx such as 400 ``invalid_request``: every worker would)
-    is answered as it is (:func:`_refused`)."""
-    return isinstance(e, WorkerError) and not isinstance(e, PoolBusy) and not e.client_error
-
-
-def _refused(e: WorkerError) -> Exception:
-    """A worker's 400 before token #1 as the client's 400 (the worker's code and message);
-    another 4xx stays a ``WorkerError`` (the router's own fault, answered 503)."""
-    if e.status != 400:
-        return e
-    return APIError(400, f"the request was refused by a worker: {e.detail or e}",
-                    code=e.code or "invalid_request")
-
-
-def affinity_key(ids: Sequence[int], hashes: Sequence[str], fingerprint: str,
-                 cache_salt: str | None) -> str:
-    """The content address that breaks placement ties (``PlacementRequest.key``,
-    ``router.placement.tie_breaks``): the chained hash of the prompt's last full block (it
-    addresses the whole full-block prefix, salted as the workers salt it), or for a prompt
-    shorter than one block a ``blake2b`` of its layout, salt and token ids. Every replica
-    computes the same key for the same prompt; distinct prompts get unrelated keys."""
-    if hashes:
-        return hashes[-1]
-    h = hashlib.blake2b(f"{fingerprint}\x00{cache_salt or ''}\x00".encode(), digest_size=16)
-    h.update(",".join(map(str, ids)).encode())
-    return h.hexdigest()
-
-
-def _busy(e: BaseException) -> bool:
-    """A decode worker had no room for the reservation now."""
-    return isinstance(e, WorkerError) and e.busy
-
-
-async def first_then_retrying(attempt: Callable[[int], Awaitable[T]],
-                              retryable: Callable[[BaseException], bool],
-                              retrying: Callable[[], AsyncRetrying]) -> T:
-    """``attempt(1)``, awaited directly; only when it fails with an error ``retryable``
-    accepts does the tenacity loop ``retrying()`` run, from that failure: the loop's attempt
-    1 re-raises it (so its retry, stop, before-sleep and error callbacks see it as their own
-    first attempt), then ``attempt(2)``, ``attempt(3)``, ... as the loop decides.
-
-    The same attempts, waits and errors as running the loop from the start, without
-    tenacity's per-attempt work (its callbacks are checked and wrapped on every attempt:
-    ~0.1 ms of router CPU per request for the two loops a choice runs) in the usual case,
-    where the first attempt succeeds (benchmarks/router_relay.py, README issue 19).
-
-    Raises:
-        Whatever ``attempt(1)`` raised that ``retryable`` refuses; else what the loop raises.
-    """
-    try:
-        return await attempt(1)
-    except BaseException as e:  # re-raised below, or by the loop
-        if not retryable(e):
-            raise
-        failed: BaseException | None = e
-    async for a in retrying():
-        with a:
-            n = a.retry_state.attempt_number
-            if n == 1 and failed is not None:
-                e, failed = failed, None
-                raise e
-            result = await attempt(n)
-    return result
-
 
 class Router:
     """Request pipeline, worker pool and metrics of one router process.
@@ -151,7 +69,7 @@ class Router:
     Args:
         config: The router's configuration.
         transport: httpx transport for registration reads and cache-event polls (the request
-            path always goes over the network: ``WorkerPool.session``).
+            path always goes over the network: ``WorkerClient.session``).
     """
 
     def __init__(self, config: RouterConfig,
@@ -160,18 +78,11 @@ class Router:
 
         self.config = config
         self.metrics = RouterMetrics(multiprocess_dir=config.metrics_dir)
-        self.pool = WorkerPool(config.model, config.cluster_token, config.poll_interval_s,
-                               config.unhealthy_after, config.timeout_s, transport,
-                               on_worker=lambda w: self.metrics.add_worker(w.name, w.role),
-                               poll_timeout_s=config.poll_timeout_s,
-                               deadline_s=config.deadline_s,
-                               pool_timeout_s=config.pool_timeout_s,
-                               max_connections=config.max_connections,
-                               breaker_fail_max=config.breaker_fail_max,
-                               breaker_reset_s=config.breaker_reset_s,
-                               channels=config.decode_channels)
+        self.pool = WorkerPool.of(config, transport,
+                                  lambda w: self.metrics.add_worker(w.name, w.role))
+        self.registry, self.client = self.pool.registry, self.pool.client
         self.admission = Admission(
-            lambda: sum(w.info.capacity.num_slots for w in self.pool.live("decode")),
+            lambda: sum(w.info.capacity.num_slots for w in self.registry.live("decode")),
             config.max_queued, config.retry_after_s)
         self.tokenizer = get_tokenizer(config.tokenizer or config.model)
         self.pre = Preprocessor(self.tokenizer, config.add_bos)
@@ -181,9 +92,7 @@ class Router:
         self._background: set[asyncio.Task] = set()
         self._model_len: int | None = None
         self._pd = False  # a prefill worker has registered: the stack is PD from then on
-        # Choices waiting for decode room retry one at a time, in turn (FIFO): a crowd of them
-        # must not flood the decode workers with reservation attempts.
-        self._busy_gate = asyncio.Lock()
+        self._busy_gate = BusyGate()
 
     async def close(self) -> None:
         for t in list(self._background):
@@ -198,7 +107,7 @@ class Router:
 
     def _abort(self, w: Worker, sub: str) -> None:
         """Abort ``sub`` on ``w`` in the background (best effort)."""
-        self._spawn(self.pool.abort(w, sub))
+        self._spawn(self.client.abort(w, sub))
 
     @property
     def max_model_len(self) -> int:
@@ -206,7 +115,7 @@ class Router:
         breaker closed) worker reports, else the model config's ``max_position_embeddings``."""
         if self.config.max_model_len:
             return self.config.max_model_len
-        reported = [w.info.max_model_len for w in self.pool.workers.values()
+        reported = [w.info.max_model_len for w in self.registry.workers.values()
                     if w.info.max_model_len and w.available]
         if reported:
             return min(reported)
@@ -229,45 +138,25 @@ class Router:
         """
         # ``exclude``: workers this choice failed on; skipped only while another of the role
         # is live (the one that failed first may be the only one left once another hung)
-        live_p, live_d = self.pool.live("prefill"), self.pool.live("decode")
+        live_p, live_d = self.registry.live("prefill"), self.registry.live("decode")
         prefill = [w for w in live_p if w.url not in exclude] or live_p
         decode = [w for w in live_d if w.url not in exclude] or live_d
-        if not prefill or not decode or self.pool.layout is None:
+        layout = self.registry.layout
+        if not prefill or not decode or layout is None:
             raise NoWorkerAvailable(
                 f"no healthy {'prefill' if not prefill else 'decode'} worker")
-        fingerprint, bs = self.pool.layout
-        hashes = prompt_hashes(ids, bs, fingerprint, cache_salt)
-        req = PlacementRequest(len(ids), bs, seq=next(self._seq), max_new_tokens=max_new,
-                               key=affinity_key(ids, hashes, fingerprint, cache_salt))
-        match = self.pool.match(hashes, req.max_cached_blocks)
-        store = match.get(STORE)  # the shared store's content, if workers report puts
-        rates = [w.info.prefill_rate or self.config.prefill_rate for w in prefill]
-        pstates = [live_view(w.url, match.get(w.url), store, w.placement_queued(r), r,
-                             w.placement_load)
-                   for w, r in zip(prefill, rates, strict=True)]
-        dstates = []
-        for w in decode:
-            dstates.append(DecodeWorkerState(
-                w.url, w.placement_free_tokens(), w.placement_free_slots(),
-                w.placement_running))
-        p = place(req, pstates, dstates, self.config.policy, self.config.placement)
-        return p, self.pool.workers[p.prefill], self.pool.workers[p.decode]
+        p = self._choose(layout, prefill, decode, ids, cache_salt, max_new)
+        workers = self.registry.workers
+        return p, workers[p.prefill], workers[p.decode]
+
+    def _choose(self, layout: tuple[str, int], prefill: list[Worker], decode: list[Worker],
+                ids: list[int], cache_salt: str | None, max_new: int) -> Placement:
+        """:func:`router.choose.choose` with this router's index, policy and sequence."""
+        cfg = self.config
+        return choose(self.pool.index, layout, prefill, decode, ids, cache_salt, max_new,
+                      next(self._seq), cfg.policy, cfg.placement, cfg.prefill_rate)
 
     # ------------------------------------------------------------------ token #1
-    async def _busy_turn(self, seconds: float, deadline: float) -> None:
-        """Wait for this choice's turn to retry a reservation that found no decode room
-        (the turn lasts ``seconds``; never past ``deadline``, monotonic seconds)."""
-        async def turn() -> None:
-            async with self._busy_gate:
-                await asyncio.sleep(seconds)
-
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(turn(), max(0.0, deadline - time.monotonic()))
-
-    def _no_room(self, _: RetryCallState) -> None:
-        raise NoWorkerAvailable(f"no decode worker had room for the request within "
-                                f"{self.config.busy_wait_s:g} s")
-
     async def _reserve(self, job: PromptJob, spec: SamplingSpec, cache_salt: str | None,
                        sub: str, exclude: frozenset[str]
                        ) -> tuple[Placement, Worker, Worker, str, str, ExitStack]:
@@ -281,7 +170,7 @@ class Router:
             with ExitStack() as hold:
                 hold.enter_context(D.load(running=1, reserved_tokens=need))
                 try:
-                    res = await self.pool.reserve(D, ReserveRequest(
+                    res = await self.client.reserve(D, ReserveRequest(
                         request_id=sub, prompt_token_ids=job.token_ids, sampling=spec,
                         cache_salt=cache_salt))
                 except asyncio.CancelledError:
@@ -291,12 +180,12 @@ class Router:
 
         def retrying() -> AsyncRetrying:  # the wait for room, from the first busy answer
             return AsyncRetrying(
-                retry=retry_if_exception(_busy),
+                retry=retry_if_exception(busy),
                 stop=stop_after_delay(max(0.0, deadline - time.monotonic())),
-                wait=wait_fixed(BUSY_RETRY_S), retry_error_callback=self._no_room,
-                sleep=lambda s: self._busy_turn(s, deadline))
+                wait=wait_fixed(BUSY_RETRY_S), retry_error_callback=no_room(self.config.busy_wait_s),
+                sleep=lambda s: self._busy_gate.turn(s, deadline))
 
-        return await first_then_retrying(attempt, _busy, retrying)
+        return await first_then_retrying(attempt, busy, retrying)
 
     async def _first_token(self, job: PromptJob, spec: SamplingSpec, cache_salt: str | None,
                            sub: str, exclude: frozenset[str]) -> Placed:
@@ -307,16 +196,17 @@ class Router:
             try:
                 with P.load(queued_tokens=uncached), \
                         self.metrics.waiting.labels(P.name).track_inprogress():
-                    first = await self.pool.prefill(P, PrefillRequest(
+                    first = await self.client.prefill(P, PrefillRequest(
                         request_id=sub, prompt_token_ids=job.token_ids, sampling=spec,
                         ticket=ticket, bootstrap_addr=addr, snapshot_at=list(p.snapshot_at),
-                        cache_salt=cache_salt, events_after=self.pool.events_cursor(P)))
+                        cache_salt=cache_salt,
+                        events_after=self.pool.index_sync.events_cursor(P)))
                 if not 0 <= first.num_cached_tokens <= len(job.token_ids):
                     raise WorkerError(P.url, f"prefill: malformed answer: num_cached_tokens "
                                              f"{first.num_cached_tokens}")
                 # its new blocks into the index before the next request (carried by the
                 # answer, else pulled)
-                self.pool.answered(P, first.cache_events)
+                self.pool.index_sync.answered(P, first.cache_events)
             except BaseException as e:
                 self._abort(D, sub)
                 if isinstance(e, asyncio.CancelledError):
@@ -329,10 +219,9 @@ class Router:
     def monolithic(self) -> bool:
         """True when the stack has no prefill worker at all (``k3serve serve --monolithic N``):
         every choice then runs on one worker that prefills and decodes it
-        (:meth:`_first_token_monolithic`). A PD stack whose prefill workers are down stays PD
-        — also when the last one drained and deregistered (it used to turn monolithic then,
-        the decode workers prefilling, while ``/health`` said ok with no prefill worker)."""
-        ws = self.pool.workers.values()
+        (:meth:`_first_token_monolithic`). A stack where a prefill worker ever registered
+        stays PD, also with every prefill worker down or deregistered."""
+        ws = self.registry.workers.values()
         self._pd = self._pd or any(w.role == "prefill" for w in ws)
         return bool(ws) and not self._pd
 
@@ -342,37 +231,26 @@ class Router:
         """Place the choice on one worker W (cache-aware over the workers' prefixes and queued
         prefill), ``POST /internal/generate`` there: token #1. W's decode load is held in the
         returned ``hold`` for the stream, as a decode worker's is in the PD path."""
-        live = ([w for w in self.pool.live("decode") if w.url not in exclude]
-                or self.pool.live("decode"))
-        if not live or self.pool.layout is None:
+        live_d = self.registry.live("decode")
+        live = [w for w in live_d if w.url not in exclude] or live_d
+        layout = self.registry.layout
+        if not live or layout is None:
             raise NoWorkerAvailable("no healthy worker")
-        fingerprint, bs = self.pool.layout
-        hashes = prompt_hashes(job.token_ids, bs, fingerprint, cache_salt)
-        req = PlacementRequest(len(job.token_ids), bs, seq=next(self._seq),
-                               max_new_tokens=job.max_new,
-                               key=affinity_key(job.token_ids, hashes, fingerprint, cache_salt))
-        match = self.pool.match(hashes, req.max_cached_blocks)
-        rates = [w.info.prefill_rate or self.config.prefill_rate for w in live]
-        states = [live_view(w.url, match.get(w.url), None, w.placement_queued(r), r,
-                            w.placement_load)
-                  for w, r in zip(live, rates, strict=True)]
-        p = place(req, states, (), self.config.policy, self.config.placement)
-        W = self.pool.workers[p.prefill]
+        p = self._choose(layout, live, [], job.token_ids, cache_salt, job.max_new)
+        W = self.registry.workers[p.prefill]
         with ExitStack() as hold:
             hold.enter_context(W.load(running=1,
                                       reserved_tokens=len(job.token_ids) + job.max_new))
             try:
                 with W.load(queued_tokens=len(job.token_ids) - p.predicted_cached_tokens), \
                         self.metrics.waiting.labels(W.name).track_inprogress():
-                    first: PrefillResponse = await self.pool._post(
-                        W, "/internal/generate", GenerateRequest(
-                            request_id=sub, prompt_token_ids=job.token_ids, sampling=spec,
-                            snapshot_at=list(p.snapshot_at), cache_salt=cache_salt),
-                        PrefillResponse)
+                    first = await self.client.generate(W, GenerateRequest(
+                        request_id=sub, prompt_token_ids=job.token_ids, sampling=spec,
+                        snapshot_at=list(p.snapshot_at), cache_salt=cache_salt))
                 if not 0 <= first.num_cached_tokens <= len(job.token_ids):
                     raise WorkerError(W.url, f"generate: malformed answer: num_cached_tokens "
                                              f"{first.num_cached_tokens}")
-                self.pool.answered(W, first.cache_events)
+                self.pool.index_sync.answered(W, first.cache_events)
             except BaseException:
                 self._abort(W, sub)
                 raise
@@ -420,13 +298,13 @@ class Router:
             succeeds; any failed worker is skipped by this choice while another healthy one
             of its role is left."""
             e = state.outcome.exception() if state.outcome else None
-            if isinstance(e, WorkerError) and e.worker in self.pool.workers:
-                w = self.pool.workers[e.worker]
+            if isinstance(e, WorkerError) and e.worker in self.registry.workers:
+                w = self.registry.workers[e.worker]
                 if e.retryable and not e.busy:
-                    self.pool.mark_failed(w)
+                    self.registry.mark_failed(w)
                 log.warning("request %s-%d: %s failed before token #1 (%s); placing it again",
                             rid, index, w.name, e)
-                others = {o.url for o in self.pool.live(w.role) if o.url != w.url}
+                others = {o.url for o in self.registry.live(w.role) if o.url != w.url}
                 if others:  # skip the worker that failed last; the others get another turn
                     if others <= tried:
                         tried.difference_update(others)
@@ -440,13 +318,13 @@ class Router:
 
         try:
             placed = await first_then_retrying(
-                attempt, _failover,
-                lambda: AsyncRetrying(retry=retry_if_exception(_failover),
+                attempt, failover,
+                lambda: AsyncRetrying(retry=retry_if_exception(failover),
                                       stop=stop_after_attempt(FIRST_TOKEN_ATTEMPTS),
                                       reraise=True, before_sleep=exclude_failed))
         except WorkerError as e:
             if e.client_error:
-                raise _refused(e) from None
+                raise refused(e) from None
             raise
         with placed.hold:
             if choice == 0:
@@ -457,7 +335,7 @@ class Router:
                 return await self._resume(placed, job, spec, cache_salt, failed, tokens, lps, k)
 
             await stream_choice(placed, len(job.token_ids), index, sampling, out,
-                                self.pool, self.metrics, self.tokenizer, self._abort,
+                                self.pool.streams, self.metrics, self.tokenizer, self._abort,
                                 ttft_since=arrival if choice == 0 and job.prompt_index == 0
                                 else None, resume=resume)
         return placed.prefill
@@ -478,8 +356,8 @@ class Router:
                 waited for, and with no other healthy one, a healthy one is (the failed worker
                 too, once it answers its polls again: restarted by its supervisor).
         """
-        if failed.url in self.pool.workers:
-            self.pool.mark_failed(failed)
+        if failed.url in self.registry.workers:
+            self.registry.mark_failed(failed)
         self.metrics.migrations.inc()
         sub = f"{c.sub}-m{k}"
         body = ResumeRequest(request_id=sub, prompt_token_ids=job.token_ids,
@@ -491,7 +369,7 @@ class Router:
         tried = {failed.url}  # unreachable now (may come back)
         refused: set[str] = set()  # answered an error: not asked again
         while True:
-            live = [w for w in self.pool.live("decode") if w.url not in tried | refused]
+            live = [w for w in self.registry.live("decode") if w.url not in tried | refused]
             if not live:
                 if time.monotonic() >= deadline:
                     raise NoWorkerAvailable(f"no healthy decode worker to resume the request "
@@ -503,14 +381,14 @@ class Router:
             with ExitStack() as hold:
                 hold.enter_context(D.load(running=1, reserved_tokens=need))
                 try:
-                    await self.pool._post(D, "/internal/resume", body, ResumeResponse)
+                    await self.client.resume(D, body)
                 except WorkerError as e:
                     if e.busy and time.monotonic() < deadline:
-                        await self._busy_turn(BUSY_RETRY_S, deadline)
+                        await self._busy_gate.turn(BUSY_RETRY_S, deadline)
                         continue
                     log.warning("request %s: resume on %s failed: %s", sub, D.name, e)
                     if e.retryable and not e.busy:
-                        self.pool.mark_failed(D)
+                        self.registry.mark_failed(D)
                         tried.add(D.url)
                     else:
                         refused.add(D.url)
@@ -570,7 +448,7 @@ class Router:
             await relay_done.wait()
             if job.prefill is not None:  # pull its events: the prompt is indexed now
                 with contextlib.suppress(WorkerError):
-                    await self.pool.pull(job.prefill)
+                    await self.pool.index_sync.pull(job.prefill)
             others = [asyncio.create_task(choice(j)) for j in range(1, n)]
             await asyncio.gather(first, relay_task, *others)
         finally:

@@ -6,7 +6,7 @@ prompt from the global index, the prefill work queued on it, its decode load and
 memory), then calls ``place``. Nothing here performs I/O or keeps state between calls, so
 the simulator can replay traces through the very same policies.
 
-Prefill choice — policies in ``POLICIES`` (a registry; ``register_policy`` adds one):
+Prefill choice — a policy function (the name → policy table: :mod:`router.policies.table`):
 
 * ``cache_aware``: estimated TTFT of worker *w* =
   ``(queued_tokens_w + prompt_tokens - cached_tokens_w) / rate_w`` (seconds; ``rate_w``:
@@ -19,8 +19,7 @@ Prefill choice — policies in ``POLICIES`` (a registry; ``register_policy`` add
   ties (:func:`tie_breaks`: at an idle tie a repeated prompt meets its earlier copy).
 * ``round_robin``: ``seq mod n`` over the healthy workers (``seq`` comes with the request).
 * ``random``: uniform, seeded by ``(seed, seq)`` so a replay is reproducible.
-* ``prefix_home`` (the default, ``DEFAULT_POLICY``) and ``approx_radix``: in
-  :mod:`router.policies` (registered when this module is imported).
+* ``prefix_home`` (the default) and ``approx_radix``: in :mod:`router.policies`.
 
 Decode choice (all policies): a worker with room for the request (free cache tokens for
 prompt + ``max_tokens`` per choice, a free state slot per choice) and the lightest batch;
@@ -283,19 +282,6 @@ def random_choice(req: PlacementRequest, workers: Sequence[PrefillWorkerState],
     return _random.Random(params.seed * 1_000_003 + req.seq).randrange(len(workers))
 
 
-POLICIES: dict[str, PrefillPolicy] = {
-    "cache_aware": cache_aware,
-    "round_robin": round_robin,
-    "least_load": least_load,
-    "random": random_choice,
-}
-
-
-def register_policy(name: str, policy: PrefillPolicy) -> None:
-    """Add a prefill policy to the registry (overwrites a policy of the same name)."""
-    POLICIES[name] = policy
-
-
 def choose_decode(req: PlacementRequest, workers: Sequence[DecodeWorkerState]) -> str:
     """Decode worker with room for the request and the lightest batch.
 
@@ -343,26 +329,26 @@ def branch_snapshot(req: PlacementRequest, chosen: PrefillWorkerState,
 
 
 def place(req: PlacementRequest, prefill: Sequence[PrefillWorkerState],
-          decode: Sequence[DecodeWorkerState] = (), policy: str = "cache_aware",
-          params: PlacementParams = PlacementParams()) -> Placement:
+          decode: Sequence[DecodeWorkerState] = (), policy: PrefillPolicy = cache_aware,
+          params: PlacementParams = PlacementParams(), name: str = "cache_aware") -> Placement:
     """Choose the prefill and decode workers of one request. Pure: no I/O, no mutation.
 
     Args:
         req: The request.
         prefill: Every prefill worker's state (unhealthy ones are skipped).
         decode: Every decode worker's state; empty → ``Placement.decode`` is ``None``.
-        policy: A name in ``POLICIES``.
+        policy: The prefill policy (by name: :func:`router.policies.table.place`).
         params: Cache-aware and random policy knobs.
+        name: The policy's name (``Placement.policy``).
 
     Returns:
         The placement, with the predicted cached tokens of the chosen prefill worker
         (``min(cached_blocks, ⌊(L−1)/B⌋) × B``) and the ``snapshot_at`` request.
 
     Raises:
-        KeyError: unknown policy.
         NoWorkerAvailable: no healthy prefill worker, or decode workers given but none healthy.
     """
-    choose = POLICIES[policy]
+    choose = policy
     healthy = [w for w in prefill if w.healthy]
     if not healthy:
         raise NoWorkerAvailable("no healthy prefill worker")
@@ -377,15 +363,4 @@ def place(req: PlacementRequest, prefill: Sequence[PrefillWorkerState],
     if k > 0:
         grid = range((chosen.cached_blocks // k + 1) * k, req.max_cached_blocks, k)
         snaps = tuple(sorted({*snaps, *(j * req.block_size for j in grid)}))
-    return Placement(chosen.worker_id, dec, cached, snaps, policy)
-
-
-# Policies of router/policies (prefix_home, approx_radix) register themselves here when that
-# package finishes importing; imported last because it imports this module's classes (and
-# when it is the one imported first, it is already in sys.modules, partly initialised).
-import router.policies  # noqa: F401
-
-DEFAULT_POLICY = "prefix_home"
-"""The default policy of the live router (``RouterConfig.policy``, ``k3serve serve --policy``)
-and of ``k3serve simulate``: the one the simulator's comparison found best
-(benchmarks/RESULTS_simulate.md)."""
+    return Placement(chosen.worker_id, dec, cached, snaps, name)

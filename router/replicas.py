@@ -1,4 +1,4 @@
-"""Router replicas on one host: ``python -m router.app --replicas N`` (``k3serve serve
+"""Router replicas on one host: ``python -m router --replicas N`` (``k3serve serve
 --routers N``) runs N router processes behind one address that share nothing but the workers.
 
 * **One address.** The supervisor (this module's :func:`supervise`, the process started as
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from router.workers import WorkerPool
+    from router.registry import WorkerRegistry
 
 log = logging.getLogger("k3serve.router")
 
@@ -91,7 +91,7 @@ class Registry:
                 out[f.read_text().strip()] = f.stat().st_mtime_ns
         return out
 
-    async def sync(self, pool: WorkerPool) -> int:
+    async def sync(self, pool: WorkerRegistry) -> int:
         """Register with ``pool`` every URL recorded since this replica last did (a worker
         that cannot be reached now is tried again next time). Returns how many registered."""
         n = 0
@@ -107,7 +107,7 @@ class Registry:
             n += 1
         return n
 
-    async def watch(self, pool: WorkerPool, interval_s: float = REGISTRY_POLL_S) -> None:
+    async def watch(self, pool: WorkerRegistry, interval_s: float = REGISTRY_POLL_S) -> None:
         """:meth:`sync` every ``interval_s`` seconds until cancelled."""
         while True:
             with contextlib.suppress(OSError):
@@ -124,7 +124,7 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 
 
 def supervise(argv: list[str], n: int, sock: socket.socket) -> int:
-    """Run ``n`` replicas (``python -m router.app ARGV --replica-index i --fd FD``) on the
+    """Run ``n`` replicas (``python -m router ARGV --replica-index i --fd FD``) on the
     listening ``sock`` until SIGTERM / SIGINT; start again a replica that exits.
 
     Args:
@@ -149,7 +149,7 @@ def supervise(argv: list[str], n: int, sock: socket.socket) -> int:
 
     def spawn(i: int) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "router.app", *argv, "--replica-index", str(i),
+            [sys.executable, "-m", "router", *argv, "--replica-index", str(i),
              "--fd", str(fd)], env=env, pass_fds=(fd,),
             preexec_fn=pre)  # noqa: PLW1509 - one prctl call, nothing a thread could hold
 

@@ -1,7 +1,7 @@
 """One choice after its token #1: token #1 and the decode worker's events as text deltas.
 
 Steps 6 and 10 of the request lifecycle, router side (:mod:`k3serve.protocol`): token #1 is
-counted and sent at once (TTFT), then ``POST /internal/stream`` on D yields
+counted and sent at once (TTFT), then D's decode stream (:mod:`router.decode_stream`) yields
 :class:`~k3serve.messages.StreamEvent` s that the engine's incremental detokenizer turns into
 text (stop strings, stop tokens and ``max_tokens`` decided here exactly as offline).
 """
@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from k3serve.messages import PrefillResponse, StreamEvent, finite
+from router.decode_stream import DecodeStreams
 from router.metrics import RouterMetrics
 from router.migrate import DecodeEvents, Resume, ServedBy
 from router.placement import Placement
-from router.workers import Worker, WorkerError, WorkerPool
+from router.workers import Worker, WorkerError
 
 if TYPE_CHECKING:
     from k3serve.messages import TokenLogprob as WireLogprob
@@ -86,7 +87,7 @@ class Delta:
 
 
 def relay_batch(index: int, batch: list[StreamEvent], detok, logprobs: bool = True) -> Delta:
-    """The events D sent together (:meth:`router.workers.WorkerPool.stream_batches`) through
+    """The events D sent together (one network read, :meth:`router.decode_stream.DecodeStreams.relay`) through
     the choice's detokenizer, as one :class:`Delta`: tokens up to the one that finishes the
     choice; when D ended the stream first (a ``finish_reason`` the detokenizer did not reach),
     the held-back text is released and D's reason kept.
@@ -159,7 +160,7 @@ class Placed:
 
 
 async def stream_choice(c: Placed, prompt_len: int, index: int, sampling: SamplingParams,
-                        out: asyncio.Queue, pool: WorkerPool, metrics: RouterMetrics,
+                        out: asyncio.Queue, streams: DecodeStreams, metrics: RouterMetrics,
                         tokenizer, abort: Callable[[Worker, str], None],
                         ttft_since: float | None = None, resume: Resume | None = None) -> None:
     """Put token #1 and then D's tokens #2.. into ``out`` as :class:`Delta` s.
@@ -170,7 +171,7 @@ async def stream_choice(c: Placed, prompt_len: int, index: int, sampling: Sampli
         index: The choice's index in the response.
         sampling: Its sampling parameters (stops, ``max_tokens``).
         out: Where the deltas go.
-        pool / metrics / tokenizer: the router's.
+        streams / metrics / tokenizer: the router's.
         abort: Aborts a request on a worker in the background.
         ttft_since: Arrival time (monotonic s) when this is the request's first token.
         resume: Moves the request to another decode worker when D fails mid-stream (request
@@ -204,7 +205,7 @@ async def stream_choice(c: Placed, prompt_len: int, index: int, sampling: Sampli
     n_out = 1
     want_lps = sampling.logprobs is not None
     served = ServedBy(metrics, D)  # running / itl of the worker serving it now (migration)
-    src = DecodeEvents(pool, D, sub, (first.token_id, finite(first.logprob)), resume, served)
+    src = DecodeEvents(streams, D, sub, (first.token_id, finite(first.logprob)), resume, served)
 
     def handle(batch: list[StreamEvent]) -> bool:
         """One batch of D's events, in the task that read it: relayed into ``out``; True

@@ -24,8 +24,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from simulate.live import cmd_live
 
         return cmd_live(args)
-    from router.placement import DEFAULT_POLICY, POLICIES
+    from router.policies.table import DEFAULT_POLICY, POLICIES
     from router.policies.home import HomeParams
+    from router.policies.table import DEFAULT_POLICY, POLICIES
     from simulate import SimConfig, load_calibration, run, trace_facts
     from simulate.report import plot, table, to_json, write_json
     from simulate.traces import load_trace

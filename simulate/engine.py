@@ -2,7 +2,7 @@
 
 What runs is the product's code, imported: ``router.index.GlobalIndex`` fed by
 the INTERFACES.md §4 cache events of every simulated worker (and of the store), the
-registered placement policies through ``router.placement.place``, and one real
+registered placement policies through ``router.policies.table.place``, and one real
 ``k3serve.cache.manager.CacheManager`` per prefill worker (paged MLA blocks with LRU
 eviction, a KDA snapshot budget, snapshots at ``⌊(L−1)/B⌋·B`` and at ``snapshot_at``, the
 usable-hit rule, the event log). The simulator adds only time and the store tier:
@@ -42,9 +42,10 @@ from dataclasses import dataclass, field
 from k3serve.cache.manager import CacheManager
 from k3serve.cache.specs import CacheConfig
 from router.index import GlobalIndex
-from router.placement import DecodeWorkerState, PlacementRequest, place
+from router.placement import DecodeWorkerState, PlacementRequest
 from router.policies import RouterView, WorkerView
 from router.policies.load import RecentLoad
+from router.policies.table import place
 from router.recent import RecentPlacements
 from simulate.config import (
     PolicyResult,
@@ -88,7 +89,7 @@ class Replay:
 
     Args:
         reqs: the scaled trace in arrival order.
-        policy: a name in ``router.placement.POLICIES``.
+        policy: a name in ``router.policies.table.POLICIES``.
         cfg: the deployment.
         facts: :func:`simulate.config.trace_facts` of ``reqs``.
 
@@ -307,7 +308,7 @@ def replay(reqs: Sequence[TraceRequest], policy: str, cfg: SimConfig = SimConfig
     Args:
         reqs: a scaled trace (:func:`simulate.traces.load_trace`), hashed with
             ``cfg.fingerprint``.
-        policy: a name in ``router.placement.POLICIES``.
+        policy: a name in ``router.policies.table.POLICIES``.
         cfg: the deployment.
         facts: :func:`simulate.config.trace_facts` of ``reqs`` (computed when ``None``).
         progress: called with the number of requests placed since the last call.

@@ -213,7 +213,7 @@ def cmd_live(args: argparse.Namespace) -> int:
                                    time_scale=args.time_scale, output_scale=args.output_scale)
     cfg = shape.sim_config(cal)
     facts = trace_facts(reqs)
-    from router.placement import POLICIES
+    from router.policies.table import POLICIES
     default = RouterConfig.policy  # the live router's default, first (the table's reference)
     policies = args.policy or sorted(POLICIES, key=lambda n: (n != default, n))
     results = run(reqs, policies, cfg, jobs=args.jobs, progress=not args.no_progress, facts=facts)

@@ -32,7 +32,7 @@ def run(reqs: Sequence[TraceRequest], policies: Sequence[str], cfg: SimConfig | 
 
     Args:
         reqs: the scaled trace.
-        policies: names in ``router.placement.POLICIES`` (checked before anything runs).
+        policies: names in ``router.policies.table.POLICIES`` (checked before anything runs).
         cfg: the deployment (``None``: ``SimConfig()``).
         jobs: worker processes (default: ``min(len(policies), os.cpu_count())``; 1 = inline).
         progress: show a tqdm bar over requests × policies (on stderr).
@@ -41,7 +41,7 @@ def run(reqs: Sequence[TraceRequest], policies: Sequence[str], cfg: SimConfig | 
     Raises:
         ValueError: an unknown policy (``"policy"``) or no policy.
     """
-    from router.placement import POLICIES
+    from router.policies.table import POLICIES
 
     if not policies:
         raise ValueError("policy: none given")

@@ -371,7 +371,8 @@ def _apply(
     if plan.kind == "dense_expert":  # drop packed bytes of an earlier load: they'd be stale
         owner = model.get_submodule(plan.ours.rsplit(".", 1)[0])
         for buf in ("weight_packed", "weight_scale"):
-            owner._buffers.pop(buf, None)
+            if buf in dict(owner.named_buffers(recurse=False)):
+                delattr(owner, buf)
     if plan.kind == "a_log":
         src = src.reshape(-1)[: cfg.kda_num_heads]
     dst.copy_(src.to(dst.dtype))

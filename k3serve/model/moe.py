@@ -41,6 +41,10 @@ FUSED_ROUTE_MAX_TOKENS = 1024
 allows; larger calls (prefill) keep the torch router."""
 
 
+def buffer_of(module: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """``module``'s own registered buffer ``name`` (not a child's), or ``None``."""
+    return dict(module.named_buffers(recurse=False)).get(name)
+
 class StackedExperts(NamedTuple):
     """Routed-expert weights stacked for the grouped GEMMs (views shared with the parameters).
 
@@ -265,7 +269,7 @@ class MoE(nn.Module):
     def _stack_key(self) -> tuple[int, ...]:
         first, last = self.experts[0], self.experts[-1]
         key = (first.w1.weight.data_ptr(), last.w2.weight.data_ptr())
-        p1, p2 = first.w1._buffers.get("weight_packed"), last.w2._buffers.get("weight_packed")
+        p1, p2 = buffer_of(first.w1, "weight_packed"), buffer_of(last.w2, "weight_packed")
         if p1 is not None and p2 is not None:
             key += (p1.data_ptr(), p2.data_ptr())
         return key
@@ -283,16 +287,19 @@ class MoE(nn.Module):
                 e.w2.weight.data = w2[i]
             packed = None
             names = ("weight_packed", "weight_scale")
-            if all(n in e.w1._buffers and n in e.w2._buffers and n in e.w3._buffers
-                   for e in ex for n in names):  # fmt: skip
+            if all(buffer_of(w, n) is not None
+                   for e in ex for w in (e.w1, e.w2, e.w3) for n in names):  # fmt: skip
                 stacks = []
                 for n in names:
-                    s13 = torch.stack([torch.cat((e.w1._buffers[n], e.w3._buffers[n])) for e in ex])
-                    s2 = torch.stack([e.w2._buffers[n] for e in ex])
+                    s13 = torch.stack([torch.cat((buffer_of(e.w1, n), buffer_of(e.w3, n)))
+                                       for e in ex])
+                    s2 = torch.stack([buffer_of(e.w2, n) for e in ex])
                     for i, e in enumerate(ex):
-                        e.w1._buffers[n] = s13[i, :inter]
-                        e.w3._buffers[n] = s13[i, inter:]
-                        e.w2._buffers[n] = s2[i]
+                        # an existing buffer's name: nn.Module.__setattr__ replaces it in
+                        # place and keeps its persistence
+                        setattr(e.w1, n, s13[i, :inter])
+                        setattr(e.w3, n, s13[i, inter:])
+                        setattr(e.w2, n, s2[i])
                     stacks.append((s13, s2))
                 packed = (stacks[0][0], stacks[1][0], stacks[0][1], stacks[1][1])
         st = StackedExperts(w13, w2, packed, ())

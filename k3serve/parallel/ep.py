@@ -220,9 +220,7 @@ def free_remote_experts(model) -> int:
             if e in keep:
                 continue
             for sub in (ex.w1, ex.w2, ex.w3):
-                sub._parameters["weight"] = torch.nn.Parameter(
-                    sub.weight.new_empty(0), requires_grad=False
-                )
+                sub.weight = torch.nn.Parameter(sub.weight.new_empty(0), requires_grad=False)
             freed += 1
     return freed
 

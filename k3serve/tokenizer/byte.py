@@ -87,7 +87,7 @@ TOOL_CALL_END_ID = 271
 _SPECIAL_RE = re.compile("|".join(re.escape(s) for s in SPECIAL_TOKENS))
 
 
-def _content_text(content: object) -> str:
+def content_text(content: object) -> str:
     """A message's content as text: a string, or OpenAI-style parts ``[{"type": "text", …}]``."""
     if content is None:
         return ""
@@ -244,7 +244,7 @@ class ByteTokenizer:
                 role = f"tool:{msg['tool_call_id']}"
             ids.append(IM_START_ID)
             ids.extend(f"{role}\n".encode())
-            ids.extend(_content_text(msg.get("content")).encode("utf-8"))
+            ids.extend(content_text(msg.get("content")).encode("utf-8"))
             calls = msg.get("tool_calls") or ()
             if calls:
                 ids.append(TOOL_CALLS_SECTION_BEGIN_ID)

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
-from k3serve.tokenizer.byte import _content_text
+from k3serve.tokenizer.byte import content_text
 
 
 @lru_cache(maxsize=1)
@@ -245,7 +245,7 @@ class HFTokenizer:
             if not isinstance(role, str) or not role:
                 raise ValueError(f"chat message needs a non-empty string 'role': {msg!r}")
             marker(self._im_start, start)
-            ids.extend(self.encode(f"{role}\n{_content_text(msg.get('content'))}"))
+            ids.extend(self.encode(f"{role}\n{content_text(msg.get('content'))}"))
             marker(self._im_end, end)
             ids.extend(self.encode("\n"))
         if add_generation_prompt:

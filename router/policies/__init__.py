@@ -7,7 +7,7 @@ where the usable prefix lives (own cache vs the shared store), the worker's rece
 utilisation, in-flight request count, and the router's approximate radix tree (SGLang kind,
 :class:`RouterView`).
 
-Policies (registered in ``router.placement.POLICIES`` when this package is imported):
+Policies (in the name → policy table, :mod:`router.policies.table`):
 
 * ``prefix_home`` (:mod:`router.policies.home`): values where a prefix lives.
 * ``approx_radix`` (:mod:`router.policies.radix`): SGLang-router's cache-aware policy.
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from router.index import PrefixMatch
 from router.placement import PrefillWorkerState
+from router.policies.load import PoolLoad, RecentLoad
 
 
 @dataclass(frozen=True)
@@ -192,19 +193,5 @@ def live_view(worker_id: str, match: PrefixMatch | None, store: PrefixMatch | No
         chain_tokens=chain_tokens)
 
 
-def register_all() -> None:
-    """Register this package's policies in ``router.placement.POLICIES`` (idempotent)."""
-    from router.placement import register_policy
-    from router.policies.home import prefix_home
-    from router.policies.radix import approx_radix
-
-    register_policy("prefix_home", prefix_home)
-    register_policy("approx_radix", approx_radix)
-
-
-from router.policies.load import PoolLoad, RecentLoad
-
-register_all()
-
 __all__ = ["PoolLoad", "RecentLoad", "RouterView", "WorkerView", "depths", "live_view",
-           "local_depth", "register_all"]
+           "local_depth"]

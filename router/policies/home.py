@@ -65,7 +65,7 @@ median TTFT is set by the last partial block of deep hits (≈ 7 ms at 8,000 tok
 waits of the ~2 % of short requests that land behind a long cold prefill on their home; a
 lighter queue weight (0.5) and duplication weight (1.0) than the first cut (1.0, 3.0) keep
 hit / oracle and the balance and make ``prefix_home``'s p50 the lowest on all six runs
-(benchmarks/RESULTS_simulate.md).
+(docs/results/simulate.md).
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ def test_simulate_cli_models_the_live_stack(tmp_path):
 def test_simulate_cli_live_shape_lists_every_policy(capsys):
     """Without ``--policy`` the live-shape mode compares every placement policy, as the
     trace mode does (a new user saw only the default's row)."""
-    from router.placement import POLICIES
+    from router.policies.table import POLICIES
     from simulate.cli import main
 
     args = ["--trace", str(SLICE), "--length-scale", str(LENGTH_SCALE), "--output-scale",

@@ -2,7 +2,7 @@
 workers and generates past EOS to exactly ``max_tokens``; without it EOS ends the answer.
 
 The served k3-tiny never samples EOS (it was trained on files separated by ``<|bos|>`` only),
-so the live stack cannot show the difference: fake workers (tests/router_fakes.py) whose toy
+so the live stack cannot show the difference: fake workers (deploy/fake_workers.py) whose toy
 model emits EOS as token #3 stand in for it, behind the real router over HTTP. The engine's
 own handling of ``ignore_eos`` is tests/engine/test_sampler.py's.
 """
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from router_fakes import TOKENIZER, ServerThread, start_worker
 
+from deploy.fake_workers import TOKENIZER, ServerThread, start_worker
+from k3serve.protocol import CLUSTER_TOKEN_HEADER
 from router.app import RouterConfig, create_app
 from router.config import ROUTER_HTTP, ROUTER_LOOP
-from router.workers import CLUSTER_TOKEN_HEADER
 
 TOKEN = "cluster-secret"
 

@@ -1,5 +1,5 @@
 """Decode channels (issue 19): the token streams of many requests on one connection per decode
-worker (``POST /internal/channel`` + ``/internal/attach``; router.workers.DecodeChannel,
+worker (``POST /internal/channel`` + ``/internal/attach``; router.channel.DecodeChannel,
 decode/stream.py). The client streams keep their text, tokens, usage and finish reasons; a
 channel that fails ends its streams visibly; a worker without channels gets one stream per
 request."""
@@ -12,11 +12,13 @@ import time
 
 import httpx
 import pytest
-from router_fakes import MODEL, Stack, toy_generate
 
+from deploy.fake_stack import Stack
+from deploy.fake_workers import MODEL, toy_generate
 from k3serve.sampling import SamplingParams
 from k3serve.tokenizer import get_tokenizer
-from router.workers import DecodeChannel, WorkerError
+from router.channel import DecodeChannel
+from router.workers import WorkerError
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -46,7 +48,7 @@ def _ev(**kw) -> bytes:
 
 
 def test_one_read_gives_each_request_its_events_as_one_batch_and_ends_streams_as_alone():
-    ch = DecodeChannel(pool=None, w=_W())  # type: ignore[arg-type]
+    ch = DecodeChannel(client=None, w=_W())  # type: ignore[arg-type]
     log: list = []
     subs = {rid: _sub(log, rid.decode(), stop_at=2 if rid == b"s" else None)
             for rid in (b"a", b"b", b"c", b"d", b"e", b"s")}
@@ -167,7 +169,7 @@ def test_a_channel_that_drops_mid_stream_fails_its_streams_visibly_and_is_reopen
                 lines.append(line)
                 if len([x for x in lines if x.startswith("data: {")]) >= 2:
                     break
-            for ch in list(stack.router.pool._channels.values()):
+            for ch in list(stack.router.pool.streams.channels.by_url.values()):
                 ch.close()  # the router's end of every channel drops
             lines += list(it)
     finally:
@@ -199,7 +201,7 @@ def test_without_channels_each_request_has_its_own_stream(where):
             assert (text, finish, usage["completion_tokens"]) == (want_text, want_finish,
                                                                    want_tokens)
         assert s.decode[0][0].channels_opened == 0
-        assert not s.router.pool._channels
+        assert not s.router.pool.streams.channels.by_url
     finally:
         s.close()
 
@@ -209,7 +211,7 @@ def test_channel_open_failure_is_a_worker_error():
     retryable, and nothing is left attached."""
     async def go() -> WorkerError:
         from k3serve.messages import StreamRequest
-        from router.workers import WorkerPool
+        from router.pool import WorkerPool
 
         s = Stack(num_prefill=1, num_decode=1, api_key=None)
         try:
@@ -217,12 +219,12 @@ def test_channel_open_failure_is_a_worker_error():
             st.channels = False  # refuses POST /internal/channel from now on (404)
             pool = WorkerPool(MODEL, "cluster-secret")
             try:
-                w = await pool.register(st.url)
+                w = await pool.registry.register(st.url)
                 w.info = w.info.model_copy(update={"channels": True})  # as it said before
                 with pytest.raises(WorkerError) as e:
-                    await pool.relay_stream(w, StreamRequest(request_id="r-1", token_id=97),
+                    await pool.streams.relay(w, StreamRequest(request_id="r-1", token_id=97),
                                             lambda b: False)
-                assert not pool._channels[w.url]._subs
+                assert not pool.streams.channels.by_url[w.url].attached
                 return e.value
             finally:
                 await pool.close()
@@ -260,14 +262,14 @@ def test_a_stale_channel_id_neither_attaches_nor_closes_the_open_channel():
     """``attach`` / ``close`` name the channel ``open`` returned: a caller holding the id of
     a channel that has been replaced gets ``unknown_channel`` and cannot end the new one."""
     async def go() -> None:
-        from router.workers import WorkerPool
+        from router.pool import WorkerPool
 
         s = Stack(num_prefill=1, num_decode=1, api_key=None)
         try:
             pool = WorkerPool(MODEL, "cluster-secret")
             try:
-                w = await pool.register(s.decode[0][0].url)
-                ch = DecodeChannel(pool, w)
+                w = await pool.registry.register(s.decode[0][0].url)
+                ch = DecodeChannel(pool.client, w)
                 old = await ch.open()
                 ch.close(old)
                 new = await ch.open()

@@ -1,4 +1,4 @@
-"""``router.pipeline.first_then_retrying``: the first attempt without tenacity, the loop only
+"""``router.retries.first_then_retrying``: the first attempt without tenacity, the loop only
 after a retryable failure — the same attempts, callbacks and errors as the loop alone."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from tenacity import AsyncRetrying, RetryError, retry_if_exception, stop_after_attempt
 
-from router.pipeline import first_then_retrying
+from router.retries import first_then_retrying
 
 
 class Retryable(Exception):

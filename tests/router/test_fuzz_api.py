@@ -1,13 +1,14 @@
 """Must-show 4 of issue 15 in CI: ``schemathesis`` cases drawn from the router's own OpenAPI
 schema (``/v1/*``, ``/health``; positive and negative; ``max_tokens`` capped small) against a
-live router with fake workers (router_fakes): no answer ≥ 500, no dropped connection, and
+live router with fake workers (deploy.fake_workers): no answer ≥ 500, no dropped connection, and
 most valid completion requests succeed (a router that rejected everything would fail). The
 1 000-case run: ``benchmarks/fuzz_api.py``."""
 
 from __future__ import annotations
 
-from router_fakes import Stack
 from router_fuzz import fuzz
+
+from deploy.fake_stack import Stack
 
 
 def test_schemathesis_finds_no_server_error_and_valid_cases_succeed():

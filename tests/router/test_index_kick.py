@@ -5,7 +5,7 @@ into the router's index before the second, identical request is placed: the seco
 predicted cached tokens must equal the worker's actual reuse, and be > 0. A worker that
 carries its cache events in the answer (``PrefillResponse.cache_events``) is not pulled at
 all; one that does not (an older worker) is pulled once its prefill answered
-(``WorkerPool.kick``).
+(``IndexSync.kick``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from tests.router_fakes import MODEL, Stack
+from deploy.fake_stack import Stack
+from deploy.fake_workers import MODEL
 
 
 def _sums(m: dict[str, float], name: str) -> float:
@@ -67,7 +68,8 @@ def test_events_carried_twice_apply_and_count_once():
     import asyncio
 
     from k3serve.messages import CacheEvents, Capacity, WorkerInfo
-    from router.workers import Worker, WorkerPool
+    from router.pool import WorkerPool
+    from router.workers import Worker
 
     def events(epoch: str, first: int, last: int) -> CacheEvents:
         return CacheEvents(epoch=epoch, last_seq=last, events=[
@@ -82,14 +84,14 @@ def test_events_carried_twice_apply_and_count_once():
         pool.index.add_worker(w.url)
         pool.index.load_state(w.url, {"epoch": "e1", "last_seq": 0})
         try:
-            assert pool.events_cursor(w) == 0
-            pool.answered(w, events("e1", 1, 3))  # a prefill answer
+            assert pool.index_sync.events_cursor(w) == 0
+            pool.index_sync.answered(w, events("e1", 1, 3))  # a prefill answer
             assert pool.index.cursor(w.url) == ("e1", 3) and w.kick_task is None
-            pool._absorb(w, events("e1", 2, 4))  # a poll sent before the answer came back
+            pool.index_sync.absorb(w, events("e1", 2, 4))  # a poll sent before the answer came back
             assert pool.index.cursor(w.url) == ("e1", 4)
             assert pool.index.num_blocks(w.url) == 4
             assert round(w.seen.tokens()) == 4 * 16  # h1..h4 once each (decay: seconds)
-            pool.answered(w, events("e2", 1, 1))  # restarted: not applied, pulled instead
+            pool.index_sync.answered(w, events("e2", 1, 1))  # restarted: not applied, pulled instead
             assert pool.index.cursor(w.url) == ("e1", 4) and w.kick_task is not None
         finally:
             await pool.close()

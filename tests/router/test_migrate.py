@@ -1,4 +1,4 @@
-"""router/migrate.py's DecodeEvents against a scripted pool: a stream that fails mid-way is
+"""router/migrate.py's DecodeEvents against scripted decode streams: a stream that fails mid-way is
 resumed after exactly the tokens the consumer took (token #1 first), the new stream continues
 from the last of them, the logprobs follow, and the migrations are bounded."""
 
@@ -22,18 +22,20 @@ class W:
 
 
 class ScriptedPool:
-    """``stream_batches(worker, body)`` plays ``scripts[worker]``: events (one per batch), then
-    an exception or the end."""
+    """``relay(worker, body, handle)`` (as ``DecodeStreams.relay``) plays
+    ``scripts[worker]``: events (one per batch) until ``handle`` returns True, then an
+    exception or the end."""
 
     def __init__(self, scripts: dict[str, list]) -> None:
         self.scripts, self.bodies = scripts, []
 
-    async def stream_batches(self, w, body):
+    async def relay(self, w, body, handle):
         self.bodies.append((w.url, body))
         for item in self.scripts[w.url]:
             if isinstance(item, BaseException):
                 raise item
-            yield [item]
+            if handle([item]):
+                return
 
 
 def ev(*toks: int, finish: str | None = None) -> StreamEvent:
@@ -42,14 +44,14 @@ def ev(*toks: int, finish: str | None = None) -> StreamEvent:
 
 
 def collect(src: DecodeEvents, stop_after: int | None = None) -> list[int]:
-    async def go() -> list[int]:
-        got = []
-        async for batch in src:
-            got += [t for e in batch for t in e.token_ids]
-            if stop_after is not None and len(got) >= stop_after:
-                break
-        return got
-    return asyncio.run(go())
+    got: list[int] = []
+
+    def handle(batch) -> bool:
+        got.extend(t for e in batch for t in e.token_ids)
+        return stop_after is not None and len(got) >= stop_after
+
+    asyncio.run(src.run(handle))
+    return got
 
 
 def test_a_failed_stream_resumes_after_the_delivered_tokens():
@@ -119,12 +121,12 @@ def test_tokens_read_between_batches_follow_the_delivered_ones():
     src = DecodeEvents(pool, W("d0"), "sub", (10, -1.0), None)
     seen = []
 
-    async def go() -> None:
-        async for batch in src:
-            seen.append((list(src.tokens), list(src.logprobs)))
-            del batch
-    asyncio.run(go())
-    # a batch counts as delivered once the next one is asked for
+    def handle(batch) -> bool:
+        seen.append((list(src.tokens), list(src.logprobs)))
+        return False
+
+    asyncio.run(src.run(handle))
+    # a batch counts as delivered once ``handle`` returned
     assert seen == [([10], [-1.0]), ([10, 11], [-1.0, -11 / 8]),
                     ([10, 11, 12], [-1.0, -11 / 8, -12 / 8]),
                     ([10, 11, 12, 13, 14], [-1.0, -11 / 8, -12 / 8, -0.5, None])]
@@ -142,10 +144,11 @@ def test_a_long_stream_counts_its_batches_as_it_goes():
     src = DecodeEvents(ScriptedPool({"d0": events}), W("d0"), "sub", (10, -1.0), None)
     held = []
 
-    async def go() -> None:
-        async for _ in src:
-            held.append(len(src._pending))
-    asyncio.run(go())
+    def handle(batch) -> bool:
+        held.append(len(src._pending))
+        return False
+
+    asyncio.run(src.run(handle))
     assert max(held) < COUNT_EVERY
     assert src.tokens == [10, *range(100, 100 + n), 999]
     assert src.logprobs == [-1.0, *[-(100 + k) / 8 for k in range(n)], -999 / 8]

@@ -16,8 +16,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from k3serve.protocol import CLUSTER_TOKEN_HEADER
 from router.app import RouterConfig, create_app
-from router.workers import CLUSTER_TOKEN_HEADER
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "k3-tiny"
@@ -104,7 +104,7 @@ def test_a_taken_port_is_one_line_on_stderr_and_exit_1():
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         port = s.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "router.app", "--host", "127.0.0.1",
+        r = subprocess.run([sys.executable, "-m", "router", "--host", "127.0.0.1",
                             "--port", str(port), "--model", MODEL], cwd=ROOT,
                            capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 1, (r.returncode, r.stderr)
@@ -121,7 +121,7 @@ def test_router_serves_on_the_port_it_bound():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "router.app", "--host", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "router", "--host", "127.0.0.1",
                              "--port", str(port), "--model", MODEL], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

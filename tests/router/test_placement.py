@@ -25,15 +25,14 @@ from k3serve.cache.specs import CacheConfig
 from simulate.traces import load_trace, token_oracle
 from router.index import GlobalIndex, ResyncNeeded
 from router.placement import (
-    POLICIES,
     DecodeWorkerState,
     NoWorkerAvailable,
     PlacementParams,
     PlacementRequest,
     PrefillWorkerState,
     branch_snapshot,
-    place,
 )
+from router.policies.table import POLICIES, place
 from simulate import SimConfig, replay
 from simulate.calibration import Calibration
 

@@ -10,7 +10,8 @@ import pytest
 
 from k3serve.cache.hashing import block_hashes
 from router.index import PrefixMatch
-from router.placement import PlacementRequest, PrefillWorkerState, place
+from router.placement import PlacementRequest, PrefillWorkerState
+from router.policies.table import place
 from router.policies import WorkerView, live_view
 from router.policies.home import HomeParams
 from router.policies.load import RecentLoad

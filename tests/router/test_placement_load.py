@@ -9,15 +9,16 @@ import asyncio
 import math
 
 import pytest
-from router_fakes import FINGERPRINT, MODEL
 
+from deploy.fake_workers import FINGERPRINT, MODEL
 from k3serve.messages import Capacity, WorkerInfo
 from router.config import RouterConfig
 from router.pipeline import Router
-from router.placement import DEFAULT_POLICY, POLICIES, PlacementRequest, register_policy
+from router.placement import PlacementRequest
 from router.policies import WorkerView
 from router.policies.home import HomeParams, prefix_home
 from router.policies.load import RecentLoad
+from router.policies.table import DEFAULT_POLICY, POLICIES
 from router.workers import Worker
 
 H = 10.0  # the account's horizon (HomeParams.util_horizon_s's default)
@@ -81,7 +82,7 @@ def test_live_router_feeds_util_and_request_rate_to_placement():
         seen.append(list(workers))
         return prefix_home(req, workers, params)
 
-    register_policy("_record", record)
+    POLICIES["_record"] = record
     clk = Clock()
     router = _router("_record", clk)
     try:

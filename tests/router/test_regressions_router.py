@@ -1,6 +1,6 @@
 """Regressions found by reviewing the router's relay / tie-break / kick changes.
 
-* ``WorkerPool.kick`` while a pull is already running: the running pull may have asked for the
+* ``IndexSync.kick`` while a pull is already running: the running pull may have asked for the
   worker's events before the newer prefill stored its blocks, so the newer kick must cause one
   more pull (it used to be dropped: "a pull already pending covers this one" is false once
   that pull's request is on the wire).
@@ -22,8 +22,10 @@ import sys
 import pytest
 
 from k3serve.messages import Capacity, WorkerInfo
+from router.index_sync import IndexSync
 from router.placement import PlacementRequest
-from router.workers import Worker, WorkerPool
+from router.pool import WorkerPool
+from router.workers import Worker
 
 MODEL = "k3-tiny"
 
@@ -52,12 +54,12 @@ def test_kick_during_a_running_pull_pulls_again_after_it():
                 started.set()
                 await release.wait()  # the first pull's GET is on the wire
 
-        pool.sync = sync  # type: ignore[method-assign]
+        pool.index_sync.sync = sync  # type: ignore[method-assign]
         try:
-            pool.kick(w)
+            pool.index_sync.kick(w)
             await started.wait()
-            pool.kick(w)  # a newer prefill answered during the pull
-            pool.kick(w)  # and another: the same follow-up pull covers both
+            pool.index_sync.kick(w)  # a newer prefill answered during the pull
+            pool.index_sync.kick(w)  # and another: the same follow-up pull covers both
             release.set()
             assert w.kick_task is not None
             await w.kick_task
@@ -83,11 +85,11 @@ def test_kick_waiting_for_the_lock_covers_later_kicks():
             nonlocal calls
             calls += 1
 
-        pool.sync = sync  # type: ignore[method-assign]
+        pool.index_sync.sync = sync  # type: ignore[method-assign]
         try:
             async with w.sync_lock:  # the poll loop's pull
                 for _ in range(5):
-                    pool.kick(w)
+                    pool.index_sync.kick(w)
                     await asyncio.sleep(0)
             assert w.kick_task is not None
             await w.kick_task
@@ -111,11 +113,11 @@ def test_kick_failure_is_observed_and_a_later_kick_still_pulls():
             calls += 1
             raise RuntimeError("worker down")
 
-        pool.sync = sync  # type: ignore[method-assign]
+        pool.index_sync.sync = sync  # type: ignore[method-assign]
         try:
-            pool.kick(w)
+            pool.index_sync.kick(w)
             await w.kick_task
-            pool.kick(w)
+            pool.index_sync.kick(w)
             await w.kick_task
             return calls, loop_errors
         finally:
@@ -127,7 +129,7 @@ def test_kick_failure_is_observed_and_a_later_kick_still_pulls():
 
 
 def test_pull_holds_the_sync_lock():
-    """``WorkerPool.pull`` (what the pipeline's n > 1 path calls) never overlaps a kick's
+    """``IndexSync.pull`` (what the pipeline's n > 1 path calls) never overlaps a kick's
     pull of the same worker."""
     async def run() -> int:
         pool, w = _pool_and_worker()
@@ -146,11 +148,11 @@ def test_pull_holds_the_sync_lock():
             finally:
                 inside -= 1
 
-        pool.sync = sync  # type: ignore[method-assign]
+        pool.index_sync.sync = sync  # type: ignore[method-assign]
         try:
-            pool.kick(w)
+            pool.index_sync.kick(w)
             await asyncio.sleep(0)
-            puller = asyncio.create_task(pool.pull(w))
+            puller = asyncio.create_task(pool.index_sync.pull(w))
             await asyncio.sleep(0.05)
             release.set()
             await puller
@@ -165,13 +167,13 @@ def test_pull_holds_the_sync_lock():
 def test_n2_request_pulls_of_one_worker_never_overlap(monkeypatch):
     """End to end: an ``n = 2`` request triggers the kick of its prefill worker and the
     pipeline's own pull before choices 2..n; the two must not run at the same time."""
-    from router_fakes import Stack
+    from deploy.fake_stack import Stack
 
-    orig = WorkerPool.sync
+    orig = IndexSync.sync
     inside: dict[str, int] = {}
     overlaps: list[str] = []
 
-    async def sync(self: WorkerPool, w: Worker) -> None:
+    async def sync(self: IndexSync, w: Worker) -> None:
         inside[w.url] = inside.get(w.url, 0) + 1
         if inside[w.url] > 1:
             overlaps.append(w.url)
@@ -181,7 +183,7 @@ def test_n2_request_pulls_of_one_worker_never_overlap(monkeypatch):
         finally:
             inside[w.url] -= 1
 
-    monkeypatch.setattr(WorkerPool, "sync", sync)
+    monkeypatch.setattr(IndexSync, "sync", sync)
     stack = Stack(num_prefill=1, num_decode=1, poll_interval_s=60.0)
     try:
         overlaps.clear()
@@ -196,7 +198,7 @@ def test_n2_request_pulls_of_one_worker_never_overlap(monkeypatch):
 # ----------------------------------------------------------------------------- tie-breaks
 _PROBE = r"""
 import json, sys
-from router.pipeline import affinity_key
+from router.choose import affinity_key
 from router.placement import PlacementRequest, tie_breaks
 from router.preprocess import prompt_hashes
 out = {}
@@ -241,7 +243,8 @@ def test_n2_stream_client_disconnect_aborts_every_choice_and_frees_the_admission
     """A client that leaves an ``n = 2`` stream mid-way: both decode requests are aborted,
     the workers' load accounts and the admitted choices return to zero, no task is left."""
     import httpx
-    from router_fakes import Stack
+
+    from deploy.fake_stack import Stack
 
     s = Stack(num_prefill=1, num_decode=1, api_key=None)
     try:
@@ -267,7 +270,8 @@ def test_n2_stream_client_disconnect_aborts_every_choice_and_frees_the_admission
 
 def test_stream_routes_answer_head_and_options_with_405_not_500():
     import httpx
-    from router_fakes import Stack
+
+    from deploy.fake_stack import Stack
 
     s = Stack(num_prefill=1, num_decode=1, api_key=None)
     try:
@@ -289,7 +293,8 @@ def test_n2_stream_interleaves_per_choice_in_order_with_usage_last():
     """``n = 2`` streamed: each choice's text equals the non-streaming answer's, nothing
     after a choice's finish, one finish per choice, the usage chunk right before [DONE]."""
     import httpx
-    from router_fakes import Stack
+
+    from deploy.fake_stack import Stack
 
     s = Stack(num_prefill=1, num_decode=1, api_key=None)
     try:
@@ -322,7 +327,8 @@ def test_stream_client_gone_before_the_first_token_aborts_and_frees_everything()
     """The client leaves while the prefill still runs (before the response starts): the
     reservation is aborted on D, the admission and the load accounts return to zero."""
     import httpx
-    from router_fakes import Stack
+
+    from deploy.fake_stack import Stack
 
     s = Stack(num_prefill=1, num_decode=1, api_key=None)
     try:
@@ -349,7 +355,7 @@ def test_kick_after_a_worker_restart_resyncs_and_keeps_predictions_exact():
     """Poll loop slowed to a minute: after a prefill worker restarts (new epoch), the kick of
     the next request's answer resyncs it (no deadlock with ``sync_lock``), and a repeated
     prompt's predicted cached tokens equal the worker's actual reuse."""
-    from router_fakes import Stack
+    from deploy.fake_stack import Stack
 
     s = Stack(num_prefill=1, num_decode=1, poll_interval_s=60.0)
     try:
@@ -379,8 +385,8 @@ def test_a_writer_that_raises_mid_stream_closes_the_connection_and_cleans_up(mon
     """A bug in rendering a chunk after the headers went out: the connection ends (not hung,
     no 500 after a 200), the decode request is aborted, the admission is given back."""
     import httpx
-    from router_fakes import Stack
 
+    from deploy.fake_stack import Stack
     from router.render import Render
 
     orig = Render.frame
@@ -418,7 +424,7 @@ def test_a_writer_that_raises_mid_stream_closes_the_connection_and_cleans_up(mon
 def test_coalesce_merges_only_a_choice_s_adjacent_deltas():
     """Interleaved choices in the delta queue: ``coalesce`` absorbs the same choice's
     deltas up to the first other item (returned, not lost), never past a finish."""
-    from router.app import GONE, coalesce
+    from router.sse_response import GONE, coalesce
     from router.stream import Delta
 
     q: asyncio.Queue = asyncio.Queue()
@@ -444,9 +450,9 @@ def test_stream_gives_its_admission_back_before_the_end_of_the_body(monkeypatch,
     ``finally`` ran before ``StreamingResponse``'s last write): a client that sends its next
     request on seeing ``[DONE]`` must find the capacity free (no spurious 429)."""
     import httpx
-    from router_fakes import Stack
 
-    import router.app as app_mod
+    import router.sse_response as app_mod
+    from deploy.fake_stack import Stack
 
     s = Stack(num_prefill=1, num_decode=1, api_key=None)
     seen: list[tuple] = []
@@ -479,7 +485,8 @@ def test_tie_break_ignores_the_order_a_router_lists_its_workers_in(policy):
     and the decode choice pick the same worker id for every order of tied workers."""
     import itertools
 
-    from router.placement import DecodeWorkerState, PrefillWorkerState, place
+    from router.placement import DecodeWorkerState, PrefillWorkerState
+    from router.policies.table import place
 
     ids = [f"http://10.0.0.{i}:8000" for i in range(4)]
     for k in range(12):
@@ -498,7 +505,8 @@ def test_stream_cut_without_finish_still_gets_finish_reasons_and_usage(n):
     """D ends each stream after 3 tokens with no finish event (only ``[DONE]``): every choice
     still ends with a finish_reason (``abort``) and the usage chunk comes before [DONE]."""
     import httpx
-    from router_fakes import Stack
+
+    from deploy.fake_stack import Stack
 
     s = Stack(num_prefill=1, num_decode=1, api_key=None)
     try:

@@ -16,20 +16,21 @@ import json
 
 import httpx
 import pytest
-from router_fakes import TOKENIZER, ServerThread, start_worker, toy_generate
 
 from decode.stream import events, merge, mergeable, take_ready
+from deploy.fake_workers import TOKENIZER, ServerThread, start_worker, toy_generate
 from k3serve.messages import StreamEvent, TokenLogprob
+from k3serve.protocol import CLUSTER_TOKEN_HEADER
 from k3serve.sampling import SamplingParams
 from k3serve.tokenizer.detok import IncrementalDetokenizer
-from router.app import RouterConfig, coalesce, create_app
+from router.app import RouterConfig, create_app
 from router.config import ROUTER_HTTP, ROUTER_LOOP
 from router.preprocess import parse_request
 from router.render import Render
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.sse import SSEReader
+from router.sse_response import coalesce
 from router.stream import Delta, relay_batch
-from router.workers import CLUSTER_TOKEN_HEADER
 
 TOKEN = "relay-secret"
 MODEL = "k3-tiny"
@@ -260,7 +261,7 @@ def test_streamed_logprobs_offsets_match_the_full_response(stack):
     assert got == {k: full[k] for k in got}
 
 
-# ----------------------------------------------------------------------------- relay_stream
+# ----------------------------------------------------------------------------- relay
 def _wire(*ids: int, finish: str | None = None, error: str | None = None) -> bytes:
     body = {"token_ids": list(ids), "text": "", "finish_reason": finish}
     if error is not None:
@@ -316,7 +317,8 @@ def scripted():
 
 def _pool_and_worker(url: str, **kw):
     from k3serve.messages import Capacity, WorkerInfo
-    from router.workers import Worker, WorkerPool
+    from router.pool import WorkerPool
+    from router.workers import Worker
 
     info = WorkerInfo(role="decode", model=MODEL, fingerprint="f", block_size=4,
                       capacity=Capacity(num_pages=8, num_slots=8, num_snapshots=0),
@@ -324,50 +326,55 @@ def _pool_and_worker(url: str, **kw):
     return WorkerPool(MODEL, None, **kw), Worker(url, info)
 
 
-async def _both_paths(url: str, name: str, stop_after: int | None, **kw):
-    """(events, error) through ``stream_batches`` (the generator) and through
-    ``relay_stream`` (the callback in the reader's task), for the same scripted body;
-    ``stop_after``: the consumer stops after that many batches; ``kw``: pool arguments."""
+async def _relayed(url: str, name: str, stop_after: int | None, **kw):
+    """(events, error) through ``DecodeStreams.relay`` (the callback in the reader's task)
+    for the scripted body ``name``; ``stop_after``: the consumer stops after that many
+    batches; ``kw``: pool arguments."""
     from k3serve.messages import StreamRequest
 
     pool, w = _pool_and_worker(url, **kw)
     body = StreamRequest(request_id=name, token_id=0)
-    res = []
+    got, n = [], 0
+
+    def handle(batch) -> bool:
+        nonlocal n
+        got.extend((ev.token_ids, ev.finish_reason, ev.error) for ev in batch)
+        n += 1
+        return stop_after is not None and n >= stop_after
+
+    err = None
     try:
-        got, err, n = [], None, 0
-        try:
-            async for batch in pool.stream_batches(w, body):
-                got += [(ev.token_ids, ev.finish_reason, ev.error) for ev in batch]
-                n += 1
-                if stop_after is not None and n >= stop_after:
-                    break
-        except Exception as e:  # noqa: BLE001 - compared
-            err = str(e)
-        res.append((got, err))
-
-        got2, n2 = [], 0
-
-        def handle(batch) -> bool:
-            nonlocal n2
-            got2.extend((ev.token_ids, ev.finish_reason, ev.error) for ev in batch)
-            n2 += 1
-            return stop_after is not None and n2 >= stop_after
-
-        err2 = None
-        try:
-            await pool.relay_stream(w, body, handle)
-        except Exception as e:  # noqa: BLE001 - compared
-            err2 = str(e)
-        res.append((got2, err2))
+        await pool.streams.relay(w, body, handle)
+    except Exception as e:  # noqa: BLE001 - compared
+        err = str(e)
     finally:
         await pool.close()
-    return res
+    return got, err
+
+
+#: What the relay delivers of each of ``STREAMS`` (token ids, finish, error per event) and
+#: the end of the error it raises (``None``: none).
+RELAYED = {
+    "crlf": ([([1], None, None)], None),
+    "cut": ([([1], None, None), ([2], None, None)], None),
+    "done_no_finish": ([([1], None, None), ([2], None, None)], None),
+    "error_event": ([([1], None, None), ([2], None, None)], "stream: engine died"),
+    "finish": ([([1], None, None), ([2], None, None), ([3], None, None), ([4], None, None),
+                ([5], "stop", None)], None),
+    "malformed": ([([1], None, None), ([2], None, None)],
+                  ("stream: malformed StreamEvent: Expected `array`, got `str` - at "
+                   "`$.token_ids`")),
+}
 
 
 @pytest.mark.parametrize("name", sorted(STREAMS))
-def test_relay_stream_equals_stream_batches(scripted, name):
-    (plain, plain_err), (fast, fast_err) = asyncio.run(_both_paths(scripted, name, None))
-    assert fast == plain and fast_err == plain_err
+def test_relay_delivers_each_scripted_stream(scripted, name):
+    plain, plain_err = asyncio.run(_relayed(scripted, name, None))
+    want, want_err = RELAYED[name]
+    assert plain == want
+    assert (plain_err is None) == (want_err is None)
+    if want_err is not None:
+        assert plain_err.endswith(want_err), plain_err
     assert plain, (name, plain_err)  # the events before an error are delivered
     if name in ("cut", "done_no_finish"):
         assert plain_err is None and not plain[-1][1]  # ended without a finish
@@ -377,17 +384,16 @@ def test_relay_stream_equals_stream_batches(scripted, name):
 
 def test_stream_without_an_event_for_timeout_s_fails_as_hung(scripted):
     """The wait between two events is bounded by ``timeout_s`` (the stream's own watcher,
-    not aiohttp's read timeout), on both paths; the event before the pause is delivered."""
-    (plain, plain_err), (fast, fast_err) = asyncio.run(
-        _both_paths(scripted, "stall", None, timeout_s=0.3))
-    assert fast == plain == [([1], None, None)]
-    assert plain_err == fast_err and "no event within 0.3 s" in plain_err
+    not aiohttp's read timeout); the event before the pause is delivered."""
+    plain, plain_err = asyncio.run(_relayed(scripted, "stall", None, timeout_s=0.3))
+    assert plain == [([1], None, None)]
+    assert plain_err is not None and "no event within 0.3 s" in plain_err
 
 
 def test_relay_stream_stops_when_the_consumer_does(scripted):
-    (plain, plain_err), (fast, fast_err) = asyncio.run(_both_paths(scripted, "finish", 1))
-    assert fast == plain == [([1], None, None), ([2], None, None)]
-    assert plain_err is None and fast_err is None
+    plain, plain_err = asyncio.run(_relayed(scripted, "finish", 1))
+    assert plain == [([1], None, None), ([2], None, None)]
+    assert plain_err is None
 
 
 def test_relay_stream_raises_what_handle_raised(scripted):
@@ -400,7 +406,7 @@ def test_relay_stream_raises_what_handle_raised(scripted):
             raise KeyError("relay bug")
 
         try:
-            await pool.relay_stream(w, StreamRequest(request_id="finish", token_id=0), handle)
+            await pool.streams.relay(w, StreamRequest(request_id="finish", token_id=0), handle)
         finally:
             await pool.close()
 
@@ -408,11 +414,11 @@ def test_relay_stream_raises_what_handle_raised(scripted):
         asyncio.run(run())
 
 
-def test_decode_events_run_equals_iterating_across_a_migration():
+def test_decode_events_run_across_a_migration():
     """``DecodeEvents.run`` (the relay's callback path) sees the batches, resumes after the
-    tokens and ends where iterating ``DecodeEvents`` does, across a failed decode worker."""
+    tokens and ends across a failed decode worker."""
     from router.migrate import DecodeEvents
-    from router.workers import WorkerError, relay_batches
+    from router.workers import WorkerError
 
     class W:
         def __init__(self, url):
@@ -424,107 +430,34 @@ def test_decode_events_run_equals_iterating_across_a_migration():
                "d1": [[StreamEvent(token_ids=[14])],
                       [StreamEvent(token_ids=[15], finish_reason="length")]]}
 
-    class Pool:
+    class Streams:
         def __init__(self):
             self.bodies = []
 
-        async def stream_batches(self, w, body):
+        async def relay(self, w, body, handle):
             self.bodies.append((w.url, body.request_id, body.token_id))
             for item in scripts[w.url]:
                 if isinstance(item, BaseException):
                     raise item
-                yield item
-
-        async def relay_stream(self, w, body, handle):
-            await relay_batches(self.stream_batches(w, body), handle)
+                if handle(item):
+                    return
 
     async def resume(failed, tokens, lps, k):
         return d1, f"sub-m{k}"
 
-    async def both():
-        res = []
-        for mode in ("iterate", "run"):
-            pool, got = Pool(), []
-            src = DecodeEvents(pool, d0, "sub", (10, -0.5), resume)
-            if mode == "iterate":
-                async for batch in src:
-                    got.append([t for ev in batch for t in ev.token_ids])
-            else:
-                def handle(b, got=got) -> bool:
-                    got.append([t for ev in b for t in ev.token_ids])
-                    return False
+    async def run():
+        streams, got = Streams(), []
+        src = DecodeEvents(streams, d0, "sub", (10, -0.5), resume)
 
-                await src.run(handle)
-            res.append((got, src.tokens, src.logprobs, src.sub, src.migrations, pool.bodies))
-        return res
+        def handle(b) -> bool:
+            got.append([t for ev in b for t in ev.token_ids])
+            return False
 
-    plain, fast = asyncio.run(both())
-    assert fast == plain
+        await src.run(handle)
+        return got, src.tokens, src.logprobs, src.sub, src.migrations, streams.bodies
+
+    plain = asyncio.run(run())
     assert plain[0] == [[11], [12, 13], [14], [15]] and plain[1] == [10, 11, 12, 13, 14, 15]
+    assert plain[2] == [-0.5, -1.0, None, None, None, None]
+    assert plain[3] == "sub-m1" and plain[4] == 1
     assert plain[5] == [("d0", "sub", 10), ("d1", "sub-m1", 13)]
-
-
-# ----------------------------------------------------------------------------- the wire decoder
-#: Payloads both decoders take (with the same values) or both refuse.
-EVENT_PAYLOADS = [
-    b'{}',
-    (b'{"token_ids":[1,2],"text":"ab","logprobs":[{"logprob":-0.5,"top_logprobs":[[3,-1.0],'
-     b'[4,null]]},{"logprob":null}],"finish_reason":"stop","error":null}'),
-    b'{"token_ids":[1],"extra":{"a":1}}', b'{"logprobs":[{"logprob":1}]}',
-    b'{"finish_reason":"abort","error":"engine died"}', b'{"finish_reason":"length"}',
-    b'{"token_ids":[-1]}',
-    b'{"token_ids":["x"]}', b'{"token_ids":[1.5]}', b'{"token_ids":[true]}',
-    b'{"token_ids":[1.0]}', b'{"token_ids":null}', b'{"finish_reason":"bogus"}',
-    b'{"logprobs":[{"logprob":"a"}]}', b'{"text":5}', b'not json', b'[]', b'{"error":3}',
-    b'{"logprobs":[{"top_logprobs":[[1]]}]}', b'{"logprobs":[{"top_logprobs":[[true,1.0]]}]}',
-    b'{"token_ids":[1]', b'{"logprobs":{"logprob":1}}',
-]
-#: Payloads only pydantic's lax mode takes (a number as a string or a bool, the NaN
-#: literal): the relay refuses them; decode workers send JSON numbers, and ``null`` for a
-#: value that is not finite (:func:`k3serve.messages.finite`).
-LAX_ONLY = [b'{"logprobs":[{"logprob":"1.5"}]}', b'{"logprobs":[{"logprob":NaN}]}',
-            b'{"logprobs":[{"logprob":true}]}']
-
-
-def _norm(x):
-    if isinstance(x, dict):
-        return {k: _norm(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_norm(v) for v in x]
-    return x
-
-
-@pytest.mark.parametrize("data", EVENT_PAYLOADS)
-def test_wire_decoder_agrees_with_stream_event(data):
-    import msgspec
-
-    from router.sse import decode_event
-
-    try:
-        want = StreamEvent.model_validate_json(data).model_dump(mode="json")
-    except ValueError:
-        want = None
-    try:
-        got = _norm(msgspec.to_builtins(decode_event(data)))
-    except ValueError:
-        got = None
-    assert got == want
-
-
-@pytest.mark.parametrize("data", LAX_ONLY)
-def test_wire_decoder_refuses_what_only_lax_pydantic_takes(data):
-    from router.sse import decode_event
-
-    StreamEvent.model_validate_json(data)
-    with pytest.raises(ValueError):
-        decode_event(data)
-
-
-def test_wire_structs_have_the_messages_fields_and_defaults():
-    import msgspec
-
-    from router.sse import StreamEventWire, TokenLogprobWire
-
-    for model, wire in ((StreamEvent, StreamEventWire), (TokenLogprob, TokenLogprobWire)):
-        assert wire.__struct_fields__ == tuple(model.model_fields)
-        assert _norm(msgspec.to_builtins(wire())) == model().model_dump(mode="json")

@@ -1,4 +1,4 @@
-"""The router when workers break (issue 15, part A), against fake workers (router_fakes):
+"""The router when workers break (issue 15, part A), against fake workers (deploy.fake_workers):
 
 * clients that go away leak no connection of the router, and request traffic that exhausts
   the request path's connection pool leaves every worker healthy (the health polls have their
@@ -23,10 +23,11 @@ import time
 
 import httpx
 import pytest
-from router_fakes import MODEL, TOKEN, Stack, start_worker
 
+from deploy.fake_stack import Stack
+from deploy.fake_workers import MODEL, TOKEN, start_worker
 from k3serve.messages import CacheState
-from router.workers import CLUSTER_TOKEN_HEADER
+from k3serve.protocol import CLUSTER_TOKEN_HEADER
 
 
 def _wait(cond, timeout: float = 10.0, what: str = "condition") -> None:
@@ -301,7 +302,7 @@ def test_migrated_choice_counts_running_and_itl_on_the_worker_that_serves_it():
     from router.metrics import RouterMetrics
     from router.placement import Placement
     from router.stream import END, Placed, stream_choice
-    from router.workers import WorkerError, relay_batches
+    from router.workers import WorkerError
 
     def worker(name: str):
         return SimpleNamespace(url=f"http://{name}", name=name,
@@ -315,19 +316,18 @@ def test_migrated_choice_counts_running_and_itl_on_the_worker_that_serves_it():
         return metrics.running.labels(name)._value.get()
 
     class Pool:
-        async def stream_batches(self, w, body):
+        async def relay(self, w, body, handle):
             if w is D0:
                 for t in (11, 12):
-                    yield [StreamEvent(token_ids=[t])]
+                    if handle([StreamEvent(token_ids=[t])]):
+                        return
                 seen["d0 while streaming"] = running("d0")
                 raise WorkerError(w.url, "stream: killed")
             seen["d0 after migration"], seen["d1 after migration"] = running("d0"), running("d1")
             for t in (13, 14):
-                yield [StreamEvent(token_ids=[t])]
-            yield [StreamEvent(token_ids=[15], finish_reason="length")]
-
-        async def relay_stream(self, w, body, handle):
-            await relay_batches(self.stream_batches(w, body), handle)
+                if handle([StreamEvent(token_ids=[t])]):
+                    return
+            handle([StreamEvent(token_ids=[15], finish_reason="length")])
 
     async def resume(failed, tokens, lps, k):
         return D1, "sub-m1"

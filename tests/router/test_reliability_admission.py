@@ -1,4 +1,4 @@
-"""Admission control of the router (issue 15, part A), against fake workers (router_fakes):
+"""Admission control of the router (issue 15, part A), against fake workers (deploy.fake_workers):
 a batch of too many prompts and a body past the size limit are refused at once (400, 413)
 while ``/health`` keeps answering; a burst past the decode slots plus ``max_queued`` is shed
 with 429 and ``Retry-After`` while every admitted request completes; a short overload at ~10×
@@ -12,8 +12,9 @@ import time
 
 import httpx
 import pytest
-from router_fakes import MODEL, TOKENIZER, Stack, toy_generate
 
+from deploy.fake_stack import Stack
+from deploy.fake_workers import MODEL, TOKENIZER, toy_generate
 from k3serve.sampling import SamplingParams
 
 

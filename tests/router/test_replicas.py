@@ -1,6 +1,6 @@
-"""Router replicas (issue 19): ``python -m router.app --replicas N`` behind one address.
+"""Router replicas (issue 19): ``python -m router --replicas N`` behind one address.
 
-With the fake workers (tests/router_fakes.py) and the committed traces, one request at a
+With the fake workers (deploy/fake_workers.py) and the committed traces, one request at a
 time: 4 replicas keep the hit rate within 2 points and the prefill load balance (computed
 tokens, max / mean) within 0.05 of one router on the committed Mooncake slice (issue 19's
 bounds; 5 points / 0.15 on the conversation trace) — cost ties break by rendezvous hashing of
@@ -27,15 +27,16 @@ import httpx
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from router_fakes import TOKENIZER, free_port, start_worker, toy_generate
 
 from cli.bench.workload import trace_load
+from deploy.fake_workers import TOKENIZER, free_port, start_worker, toy_generate
 from k3serve.messages import Capacity, WorkerInfo, WorkerLoad
+from k3serve.protocol import CLUSTER_TOKEN_HEADER
 from k3serve.sampling import SamplingParams
 from router.policies.load import RecentLoad
 from router.replicas import REPLICA_HEADER, Registry
 from router.sse import SSEReader
-from router.workers import CLUSTER_TOKEN_HEADER, Worker
+from router.workers import Worker
 
 TOKEN = "replica-secret"
 MODEL = "k3-tiny"
@@ -74,7 +75,7 @@ class ReplicaStack:
         self.http = httpx.Client(timeout=10, limits=_fresh())
         env = {**os.environ, "K3SERVE_CLUSTER_TOKEN": TOKEN}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "router.app", "--port", str(self.port), "--model", MODEL,
+            [sys.executable, "-m", "router", "--port", str(self.port), "--model", MODEL,
              "--poll-interval", str(POLL_S), "--replicas", str(n),
              # the fakes' rate (50 µs / token): what is left of a reported queue is aged by it
              "--prefill-rate", str(round(1 / self.workers[0][0].prefill_s_per_token))],
@@ -327,9 +328,10 @@ def test_replicas_with_the_same_view_choose_the_same_worker():
     id (``router.placement.tie_breaks``): the same choice whatever a replica's request count
     (``seq``) or the order it lists the workers in — which is what differed between replicas
     before (a rotation by each one's own ``seq``, over its own registration order)."""
-    from router.pipeline import affinity_key
-    from router.placement import POLICIES, PlacementRequest, hrw_weight, place
+    from router.choose import affinity_key
+    from router.placement import PlacementRequest, hrw_weight
     from router.policies import WorkerView
+    from router.policies.table import POLICIES, place
     from router.preprocess import prompt_hashes
 
     urls = [f"http://10.0.0.{i}:8000" for i in range(4)]
@@ -541,6 +543,6 @@ def test_launcher_and_ray_config_take_the_router_count():
     with pytest.raises(StartupError):
         start_stack(launch=be, routers=3, ready_timeout=1)
     module, args = be.spawned[0]
-    assert module == "router.app" and args[args.index("--replicas") + 1] == "3"
+    assert module == "router" and args[args.index("--replicas") + 1] == "3"
     with pytest.raises(ValueError, match="routers"):
         start_stack(launch=be, routers=0)

@@ -1,4 +1,4 @@
-"""Router app end to end over HTTP: the real ``openai`` client, fake workers (router_fakes).
+"""Router app end to end over HTTP: the real ``openai`` client, fake workers (deploy.fake_workers).
 
 Covers the OpenAI API end to end with the ``openai`` client (against fake workers; the live
 ``k3serve serve`` run is the launcher's test), bad input → 400/401/404/405 with an
@@ -16,10 +16,11 @@ import time
 import httpx
 import openai
 import pytest
-from router_fakes import API_KEY, MODEL, TOKEN, TOKENIZER, Stack, toy_generate
 
+from deploy.fake_stack import Stack
+from deploy.fake_workers import API_KEY, MODEL, TOKEN, TOKENIZER, toy_generate
+from k3serve.protocol import CLUSTER_TOKEN_HEADER
 from k3serve.sampling import SamplingParams
-from router.workers import CLUSTER_TOKEN_HEADER
 
 B = 16  # the fake workers' block size
 

@@ -1,4 +1,4 @@
-"""The router never imports torch or model code (STYLE.md import direction)."""
+"""The router never imports torch or model code (docs/CONTRIBUTING.md, import direction)."""
 
 from __future__ import annotations
 

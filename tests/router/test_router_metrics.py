@@ -108,9 +108,10 @@ def test_histogram_buffer_adds_what_direct_observations_would():
     before."""
     import random
 
-    from prometheus_client import CollectorRegistry, Histogram
+    from prometheus_client import CollectorRegistry
 
     from router.metrics import ITL_BUCKETS, HistogramBuffer
+    from router.metrics import BulkHistogram as Histogram
 
     reg = CollectorRegistry()
     h = Histogram("t_buf_seconds", "x", ["w"], buckets=ITL_BUCKETS, registry=reg)

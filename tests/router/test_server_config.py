@@ -1,5 +1,6 @@
 """The servers' uvicorn settings: the router on httptools and uvloop (where installed), the
-workers' servers on h11 and asyncio's loop (router/config.py, worker/serve.py)."""
+workers' servers on h11 and asyncio's loop (router/config.py, router/__main__.py,
+worker/serve.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import importlib.util
 
 import uvicorn
 
+import router.__main__ as rm
 import router.config as rc
 
 
 def _served_config(monkeypatch) -> uvicorn.Config:
-    """The ``uvicorn.Config`` that ``python -m router.app`` serves with (nothing served)."""
+    """The ``uvicorn.Config`` that ``python -m router`` serves with (nothing served)."""
     seen = {}
 
     class Server:
@@ -22,8 +24,8 @@ def _served_config(monkeypatch) -> uvicorn.Config:
             seen["sockets"] = sockets
 
     monkeypatch.setattr(uvicorn, "Server", Server)
-    monkeypatch.setattr(rc, "tune_gc", lambda: None)  # not this test process's collector
-    assert rc.main(["--host", "127.0.0.1", "--port", "0", "--model", "k3-tiny"]) == 0
+    monkeypatch.setattr(rm, "tune_gc", lambda: None)  # not this test process's collector
+    assert rm.main(["--host", "127.0.0.1", "--port", "0", "--model", "k3-tiny"]) == 0
     assert seen["sockets"]
     return seen["config"]
 
@@ -54,7 +56,7 @@ def test_workers_servers_stay_on_h11_and_asyncio():
     for mod in (worker.serve, kvstore.bootstrap):
         src = inspect.getsource(mod)
         assert 'http="h11"' in src and 'loop="asyncio"' in src, mod.__name__
-    from tests.router_fakes import ServerThread
+    from deploy.fake_workers import ServerThread
 
     params = inspect.signature(ServerThread).parameters
     assert params["http"].default == "h11" and params["loop"].default == "asyncio"

@@ -13,9 +13,6 @@ from pathlib import Path
 import pytest
 
 from k3serve.cache.hashing import block_hashes, make_salt
-from router.placement import DEFAULT_POLICY, POLICIES, PlacementRequest, place
-from router.policies import RouterView, WorkerView
-from router.policies.home import HomeParams
 from simulate import SimConfig, load_calibration, replay, run, trace_facts
 from simulate.calibration import SCHEMA, Calibration
 from simulate.config import auto_store_interval, snapshot_blocks
@@ -33,6 +30,10 @@ from simulate.traces import (
     token_oracle,
     working_set,
 )
+from router.placement import PlacementRequest
+from router.policies.table import DEFAULT_POLICY, POLICIES, place
+from router.policies import RouterView, WorkerView
+from router.policies.home import HomeParams
 
 DATA = Path(__file__).parents[1] / "data"
 SLICE = DATA / "trace_3000_3399.jsonl"

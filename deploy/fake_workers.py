@@ -4,11 +4,13 @@ Every body they take and answer is a model of :mod:`k3serve.messages` (FastAPI v
 the requests; the answers are built from the models), exactly as the real workers'.
 
 They run the real cache bookkeeping (``k3serve.cache.manager.CacheManager``: prefix hits,
-snapshots, cache events) but a toy "model" (``toy_next``) instead of the network, so router
-tests exercise every hop — register, info, cache events, reserve, prefill (+ a fake transfer
-to the decode worker), stream, abort — over real HTTP in milliseconds.
+snapshots, cache events) and the real decode worker's channel serving
+(:mod:`decode.stream`), but a toy "model" (:func:`toy_next`) instead of the network, so
+router tests and benchmarks exercise every hop — register, info, cache events, reserve,
+prefill (+ a fake transfer to the decode worker), stream, abort — over real HTTP in
+milliseconds. A router with fake workers registered: :mod:`deploy.fake_stack`.
 
-Servers run with uvicorn in background threads (``ServerThread``).
+Servers run with uvicorn in background threads (:class:`ServerThread`).
 """
 
 from __future__ import annotations
@@ -25,11 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import openai
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from prometheus_client.parser import text_string_to_metric_families
 from sse_starlette import EventSourceResponse
 
 from decode.stream import Channels, take_ready
@@ -56,10 +56,10 @@ from k3serve.messages import (
     WorkerInfo,
     WorkerLoad,
 )
+from k3serve.protocol import CLUSTER_TOKEN_HEADER
 from k3serve.sampling import SamplingParams
 from k3serve.tokenizer import get_tokenizer
 from k3serve.tokenizer.detok import IncrementalDetokenizer
-from router.workers import CLUSTER_TOKEN_HEADER
 
 MODEL = "k3-tiny"
 API_KEY = "sk-test-key"
@@ -153,6 +153,8 @@ class FakeState:
 
 
 def make_worker_app(state: FakeState) -> FastAPI:
+    """The fake worker of ``state.role`` as an ASGI app (its routes: :func:`_info_routes`,
+    :func:`_prefill_routes`, :func:`_decode_routes`)."""
     clients: list[httpx.AsyncClient] = []  # the "transfer" client, made in the server's loop
 
     @contextlib.asynccontextmanager
@@ -163,8 +165,7 @@ def make_worker_app(state: FakeState) -> FastAPI:
             await c.aclose()
 
     app = FastAPI(lifespan=lifespan)
-    rid_counter = iter(range(1 << 30))
-    channels = state.channel_registry = Channels()  # decode channels, as a real worker
+    state.channel_registry = Channels()  # decode channels, as a real worker
 
     @app.middleware("http")
     async def token_check(request: Request, call_next):
@@ -176,6 +177,14 @@ def make_worker_app(state: FakeState) -> FastAPI:
             await asyncio.sleep(0.01)
         return await call_next(request)
 
+    _info_routes(app, state)
+    _prefill_routes(app, state, clients)
+    _decode_routes(app, state)
+    return app
+
+
+def _info_routes(app: FastAPI, state: FakeState) -> None:
+    """``/internal/info``, ``/internal/cache_events``, ``/internal/cache_state``, abort."""
     @app.get("/internal/info")
     async def info() -> WorkerInfo:
         return WorkerInfo(role=state.role, model=MODEL, fingerprint=FINGERPRINT,
@@ -185,23 +194,10 @@ def make_worker_app(state: FakeState) -> FastAPI:
                                             num_snapshots=16),
                           channels=state.role == "decode" and state.channels)
 
-    def cache_events(after: int, limit: int | None = None) -> CacheEvents:
-        u = state.cm.usage()
-        running = sum(1 for r in state.reservations.values()
-                      if not r["aborted"] and not r.get("done"))
-        load = WorkerLoad(queued_prefill_tokens=state.queued_prefill_tokens, running=running,
-                          free_pages=u.num_pages - u.pages_used,
-                          free_slots=u.num_slots - u.slots_used,
-                          prefills=state.prefill_count if state.role == "prefill" else None,
-                          prefill_tokens=state.prefill_tokens if state.role == "prefill"
-                          else None)
-        return CacheEvents.model_validate({**state.cm.events_since(after, limit),
-                                           "load": load})
-
     @app.get("/internal/cache_events")
     async def events(after: int = 0) -> CacheEvents:
         state.events_pulls += 1
-        return cache_events(after)
+        return cache_events(state, after)
 
     @app.get("/internal/cache_state")
     async def cache_state() -> CacheState:
@@ -217,7 +213,11 @@ def make_worker_app(state: FakeState) -> FastAPI:
             r["abort_ev"].set()
         return AbortResponse(found=r is not None)
 
-    # ---------------- prefill
+
+def _prefill_routes(app: FastAPI, state: FakeState, clients: list[httpx.AsyncClient]) -> None:
+    """``/internal/prefill`` (and its fake transfer to the decode worker)."""
+    rid_counter = iter(range(1 << 30))
+
     @app.post("/internal/prefill", response_model=None)
     async def prefill(b: PrefillRequest) -> PrefillResponse | JSONResponse:
         if state.fail_prefill > 0:
@@ -276,14 +276,17 @@ def make_worker_app(state: FakeState) -> FastAPI:
         r = await clients[0].post(b.bootstrap_addr + "/fake/transfer",  # the "transfer"
                                   json={"ticket": b.ticket, "token_id": tok})
         r.raise_for_status()
-        events = (cache_events(b.events_after, ANSWER_EVENTS_LIMIT)
+        events = (cache_events(state, b.events_after, ANSWER_EVENTS_LIMIT)
                   if state.answer_events and b.events_after is not None else None)
         return PrefillResponse(request_id=b.request_id, token_id=tok, logprob=lp.logprob,
                                top_logprobs=lp.top_logprobs, num_cached_tokens=rec["_cached"],
                                cached_source="local", text=TOKENIZER.decode([tok]),
                                position=len(ids), seed=sp.seed or 0, cache_events=events)
 
-    # ---------------- decode
+
+def _decode_routes(app: FastAPI, state: FakeState) -> None:
+    """``/internal/reserve``, the fake transfer's end, ``/internal/stream``, channels."""
+    channels = state.channel_registry
     @app.post("/internal/reserve", response_model=None)
     async def reserve(b: ReserveRequest) -> ReserveResponse | JSONResponse:
         if state.busy_reserves > 0:
@@ -309,7 +312,7 @@ def make_worker_app(state: FakeState) -> FastAPI:
 
     @app.post("/internal/stream")
     async def stream(b: StreamRequest) -> EventSourceResponse:
-        return EventSourceResponse(await open_stream(b), sep="\n")
+        return EventSourceResponse(await open_stream(state, b), sep="\n")
 
     @app.post("/internal/channel", response_model=None)
     async def channel(b: ChannelRequest) -> StreamingResponse | JSONResponse:
@@ -327,82 +330,97 @@ def make_worker_app(state: FakeState) -> FastAPI:
         if ch is None:
             return JSONResponse(ErrorBody(error="unknown_channel").model_dump(),
                                 status_code=409)
-        stream = await open_stream(b)
+        stream = await open_stream(state, b)
         if ch.closed:  # it closed while the stream opened (as decode/worker.py)
-            abandon(b.request_id)
+            abandon(state, b.request_id)
             return JSONResponse(ErrorBody(error="unknown_channel").model_dump(),
                                 status_code=409)
-        ch.forward(b.request_id, stream, abandoned=lambda: abandon(b.request_id))
+        ch.forward(b.request_id, stream, abandoned=lambda: abandon(state, b.request_id))
         return AttachResponse(request_id=b.request_id, channel=ch.cid)
 
-    def abandon(rid: str) -> None:
-        """A stream that never started: the request ends, as a real worker aborts it."""
-        r = state.reservations.get(rid)
-        if r is not None:
-            r["aborted"] = True
-            r["abort_ev"].set()
 
-    async def open_stream(b: StreamRequest) -> AsyncIterator[str]:
-        """The request's decode stream: its SSE data lines, ``[DONE]`` last."""
-        state.streams.append(b.model_dump(exclude={"channel"}))
-        r = state.reservations[b.request_id]
-        await asyncio.wait_for(r["ready"].wait(), 10)
-        sp: SamplingParams = r["sampling"]
-        q: asyncio.Queue = asyncio.Queue()
+def cache_events(state: FakeState, after: int, limit: int | None = None) -> CacheEvents:
+    """The worker's cache events after ``after`` (at most ``limit``) and its load report."""
+    u = state.cm.usage()
+    running = sum(1 for r in state.reservations.values()
+                  if not r["aborted"] and not r.get("done"))
+    load = WorkerLoad(queued_prefill_tokens=state.queued_prefill_tokens, running=running,
+                      free_pages=u.num_pages - u.pages_used,
+                      free_slots=u.num_slots - u.slots_used,
+                      prefills=state.prefill_count if state.role == "prefill" else None,
+                      prefill_tokens=state.prefill_tokens if state.role == "prefill"
+                      else None)
+    return CacheEvents.model_validate({**state.cm.events_since(after, limit),
+                                       "load": load})
 
-        async def engine() -> None:
-            """The fake's decode loop: one token per step into ``q`` (the real worker's
-            engine thread fills the queue the same way); ``step_s`` between steps."""
-            try:
-                detok = IncrementalDetokenizer(TOKENIZER, sp, eos_token_id=TOKENIZER.eos_token_id)
-                ctx = list(r["prompt"]) + [r["first"]]
-                detok.step(r["first"])
-                sent = 0
-                while not detok.finished and not r["aborted"]:
-                    t = toy_next(ctx, sp.seed, sp.temperature)
-                    if state.eos_at is not None and sent + 2 == state.eos_at:
-                        t = TOKENIZER.eos_token_id
-                    ctx.append(t)
-                    o = detok.step(t)
-                    sent += 1
-                    cut = state.cut_stream is not None and sent == state.cut_stream[0]
-                    q.put_nowait(StreamEvent(
-                        token_ids=[t], text=o.new_text, logprobs=[toy_logprobs(t, sp.logprobs)],
-                        finish_reason=state.cut_stream[1] if cut else o.finish_reason))
-                    if cut:
-                        if state.cut_stream[1] is None:
-                            q.put_nowait(END_BODY)  # the body ends with [DONE], no finish event
-                        return
-                    if state.hang_after is not None and sent >= state.hang_after:
-                        await r["abort_ev"].wait()
-                    await asyncio.sleep(state.step_s + state.token_delay_s)
-            finally:
-                r["done"] = True
 
-        task = asyncio.create_task(engine())
+def abandon(state: FakeState, rid: str) -> None:
+    """A stream that never started: the request ends, as a real worker aborts it."""
+    r = state.reservations.get(rid)
+    if r is not None:
+        r["aborted"] = True
+        r["abort_ev"].set()
 
-        async def gen():
-            left = None
-            try:
-                while True:
-                    ev, left = (left, None) if left is not None else (await q.get(), None)
-                    if state.send_delay_s:
-                        await asyncio.sleep(state.send_delay_s)
-                    if ev is END_BODY:
-                        break
-                    if state.coalesce:
-                        ev, left = take_ready(q, ev)
-                    state.events_sent += 1
-                    yield ev.model_dump_json()
-                    if ev.finish_reason:
-                        break
-                yield "[DONE]"
-            finally:
-                task.cancel()
 
-        return gen()
+async def open_stream(state: FakeState, b: StreamRequest) -> AsyncIterator[str]:
+    """The request's decode stream: its SSE data lines, ``[DONE]`` last."""
+    state.streams.append(b.model_dump(exclude={"channel"}))
+    r = state.reservations[b.request_id]
+    await asyncio.wait_for(r["ready"].wait(), 10)
+    sp: SamplingParams = r["sampling"]
+    q: asyncio.Queue = asyncio.Queue()
 
-    return app
+    async def engine() -> None:
+        """The fake's decode loop: one token per step into ``q`` (the real worker's
+        engine thread fills the queue the same way); ``step_s`` between steps."""
+        try:
+            detok = IncrementalDetokenizer(TOKENIZER, sp, eos_token_id=TOKENIZER.eos_token_id)
+            ctx = list(r["prompt"]) + [r["first"]]
+            detok.step(r["first"])
+            sent = 0
+            while not detok.finished and not r["aborted"]:
+                t = toy_next(ctx, sp.seed, sp.temperature)
+                if state.eos_at is not None and sent + 2 == state.eos_at:
+                    t = TOKENIZER.eos_token_id
+                ctx.append(t)
+                o = detok.step(t)
+                sent += 1
+                cut = state.cut_stream is not None and sent == state.cut_stream[0]
+                q.put_nowait(StreamEvent(
+                    token_ids=[t], text=o.new_text, logprobs=[toy_logprobs(t, sp.logprobs)],
+                    finish_reason=state.cut_stream[1] if cut else o.finish_reason))
+                if cut:
+                    if state.cut_stream[1] is None:
+                        q.put_nowait(END_BODY)  # the body ends with [DONE], no finish event
+                    return
+                if state.hang_after is not None and sent >= state.hang_after:
+                    await r["abort_ev"].wait()
+                await asyncio.sleep(state.step_s + state.token_delay_s)
+        finally:
+            r["done"] = True
+
+    task = asyncio.create_task(engine())
+
+    async def gen():
+        left = None
+        try:
+            while True:
+                ev, left = (left, None) if left is not None else (await q.get(), None)
+                if state.send_delay_s:
+                    await asyncio.sleep(state.send_delay_s)
+                if ev is END_BODY:
+                    break
+                if state.coalesce:
+                    ev, left = take_ready(q, ev)
+                state.events_sent += 1
+                yield ev.model_dump_json()
+                if ev.finish_reason:
+                    break
+            yield "[DONE]"
+        finally:
+            task.cancel()
+
+    return gen()
 
 
 def free_port() -> int:
@@ -452,79 +470,3 @@ def start_worker(role: str, cluster_token: str | None) -> tuple[FakeState, Serve
     srv = ServerThread(make_worker_app(state), on_stop=end_streams)
     state.url = srv.url
     return state, srv.start()
-
-
-class Stack:
-    """A live router (``ServerThread``) with fake prefill and decode workers registered.
-
-    Args:
-        num_prefill / num_decode: Fake workers to start (``start_worker``).
-        api_key: The router's API key (``None``: open).
-        worker: :class:`FakeState` fields set on every fake worker before it registers (e.g.
-            ``{"max_model_len": 256}``: what its ``/internal/info`` reports).
-        **config: Further :class:`RouterConfig` fields (``poll_interval_s`` is 0.02 and
-            ``policy`` ``cache_aware`` unless given).
-    """
-
-    def __init__(self, num_prefill: int = 2, num_decode: int = 1, api_key: str | None = API_KEY,
-                 worker: dict[str, Any] | None = None, **config: Any) -> None:
-        from router.app import RouterConfig, create_app
-
-        config.setdefault("poll_interval_s", 0.02)
-        config.setdefault("policy", "cache_aware")
-        self.app = create_app(RouterConfig(model=MODEL, api_key=api_key, cluster_token=TOKEN,
-                                           **config))
-        self.router = self.app.state.router
-        from router.config import ROUTER_HTTP, ROUTER_LOOP
-
-        # served as router/config.py serves it
-        self.srv = ServerThread(self.app, http=ROUTER_HTTP, loop=ROUTER_LOOP).start()
-        self.url = self.srv.url
-        self.prefill: list = []
-        self.decode: list = []
-        try:  # stop what was started when a later start or registration fails
-            for _ in range(num_prefill):
-                self.prefill.append(start_worker("prefill", TOKEN))
-            for _ in range(num_decode):
-                self.decode.append(start_worker("decode", TOKEN))
-            for st, _ in self.prefill + self.decode:
-                for k, v in (worker or {}).items():
-                    setattr(st, k, v)
-                r = httpx.post(self.url + "/internal/register", json={"url": st.url},
-                               headers={CLUSTER_TOKEN_HEADER: TOKEN})
-                assert r.status_code == 200, r.text
-        except BaseException:
-            self.close()
-            raise
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key or "none",
-                                    max_retries=0)
-
-    def post(self, path: str, body=None, key: str | None = API_KEY, **kw) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.post(self.url + path, json=body, headers=headers, timeout=30, **kw)
-
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", params={"detail": 1}).json()
-
-    def wait_indexed(self, snapshots: int = 1, timeout: float = 10.0) -> None:
-        """Wait until the router's index holds ``snapshots`` prefill snapshots in total."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = sum(w["snapshots"] for w in self.health()["workers"] if w["role"] == "prefill")
-            if got >= snapshots:
-                return
-            time.sleep(0.02)
-        raise AssertionError("router index never caught up with the workers' events")
-
-    def metrics(self) -> dict[str, float]:
-        out = {}
-        for fam in text_string_to_metric_families(httpx.get(self.url + "/metrics").text):
-            for s in fam.samples:
-                lab = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{lab}}}"] = s.value
-        return out
-
-    def close(self) -> None:
-        for _, srv in self.prefill + self.decode:
-            srv.stop()
-        self.srv.stop()
