@@ -33,8 +33,8 @@ class SpecConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
-    ngram_min: int = 1
-    ngram_max: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 6
     draft_model: Any = None
     max_batch_size: int = 32
     cost_per_token: float = 1.0 / 64
