@@ -50,16 +50,19 @@ def test_served_greedy_equals_offline(stack, tiny):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in run(make_engine(tiny), prompts, params)]
 
-    async def all_runs():
-        async with httpx.AsyncClient(headers=HEADERS, timeout=300) as c:
-            out = {}
+    async def all_runs():  # every worker, both modes, all prompts at once
+        async with httpx.AsyncClient(headers=HEADERS, timeout=600) as c:
+            jobs = []
             for D in decoders:
-                pd = [_request(c, P, D, f"{D.port}-pd-{i}", p, SAMPLING)
-                      for i, p in enumerate(prompts)]
-                mono = [_monolithic(c, D, f"{D.port}-mono-{i}", p)
-                        for i, p in enumerate(prompts)]
-                got = await asyncio.gather(*pd, *mono)
-                out[D] = ([g[0] for g in got[: len(prompts)]], got[len(prompts):])
+                jobs += [_request(c, P, D, f"{D.port}-pd-{i}", p, SAMPLING)
+                         for i, p in enumerate(prompts)]
+                jobs += [_monolithic(c, D, f"{D.port}-mono-{i}", p)
+                         for i, p in enumerate(prompts)]
+            got = await asyncio.gather(*jobs)
+            n, out = len(prompts), {}
+            for j, D in enumerate(decoders):
+                part = got[2 * n * j : 2 * n * (j + 1)]
+                out[D] = ([g[0] for g in part[:n]], part[n:])
             return out
 
     results = asyncio.run(all_runs())
