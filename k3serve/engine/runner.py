@@ -5,7 +5,10 @@ runner carries out on :class:`~k3serve.cache.pools.KVPools`:
 
 * admission: zero the slot (fresh sequence) or load a snapshot into it (prefix hit);
 * after a forward: copy slots into snapshots (:class:`~k3serve.cache.types.SnapshotSave`);
-* ``n > 1``: copy the parent's slot and its partial last page (:class:`ForkPlan`).
+* ``n > 1``: copy the parent's slot and its partial last page (:class:`ForkPlan`);
+* speculative decoding: a verify forward (:meth:`ModelRunner.verify`: every token's logits,
+  the slots' states read but not written) and the replay of the accepted tokens into the
+  slots (:meth:`ModelRunner.replay`, :mod:`k3serve.model.capture`).
 
 Packing of one forward (``T`` new tokens of ``N`` sequences)::
 
