@@ -27,7 +27,7 @@ def reference(tiny, prompts):
 
 
 def _spec(method: str, k: int, draft=None) -> SpecConfig:
-    # cost 0: the policy proposes k tokens whenever the acceptance estimate is above 0
+    # cost 0: a proposal costs nothing; the policy proposes up to k tokens per step
     return SpecConfig(method, k, ngram_min=2, ngram_max=6, draft_model=draft,
                       cost_per_token=0.0)
 
