@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from fastapi import Request
+
 from decode.stream import ChannelResponse, StreamEventsResponse, events
+from k3serve import tracing
 from k3serve.cache.allocator import CacheFullError
 from k3serve.messages import (
     AttachRequest,
@@ -45,19 +48,35 @@ def add_routes(app: Any, worker: Any) -> None:
         except ValueError as e:
             raise Failure(400, "invalid_request", str(e)) from None
 
+    async def traced(request: Request, body: Any, fn: Any, *args: Any) -> Any:
+        """:func:`engine_call` of an admission, its ``decode.admission`` span opened (under
+        the caller's ``traceparent``) first and ended with an error if it is refused."""
+        rid = body.request_id
+        worker.traces.begin(rid, request.headers, len(body.prompt_token_ids))
+        try:
+            return await engine_call(fn, *args)
+        except BaseException as e:
+            worker.traces.end(rid, error=str(e) or type(e).__name__)
+            raise
+
     @app.post("/internal/reserve", response_model=ReserveResponse,
               responses=errors(400, 403, 503))
-    async def reserve(body: ReserveRequest) -> ReserveResponse:
+    async def reserve(body: ReserveRequest, request: Request) -> ReserveResponse:
         params = sampling_params(body.sampling)
+        if tracing.enabled():
+            return await traced(request, body, worker.reserve_request, body, params,
+                                asyncio.Queue())
         return await engine_call(worker.reserve_request, body, params, asyncio.Queue())
 
     @app.post("/internal/generate", response_model=PrefillResponse,
               responses=errors(400, 403, 409, 503, 504))
-    async def generate(body: GenerateRequest) -> PrefillResponse:
+    async def generate(body: GenerateRequest, request: Request) -> PrefillResponse:
         """Monolithic serving: prefill and decode here; answers token #1."""
         params = sampling_params(body.sampling)
         fut = asyncio.get_running_loop().create_future()
-        await engine_call(worker.generate_request, body, params, asyncio.Queue(), fut)
+        await (traced(request, body, worker.generate_request, body, params, asyncio.Queue(),
+                      fut) if tracing.enabled()
+               else engine_call(worker.generate_request, body, params, asyncio.Queue(), fut))
         try:
             return await asyncio.wait_for(asyncio.shield(fut), GENERATE_TIMEOUT_S)
         except TimeoutError:
@@ -70,9 +89,12 @@ def add_routes(app: Any, worker: Any) -> None:
 
     @app.post("/internal/resume", response_model=ResumeResponse,
               responses=errors(400, 403, 503))
-    async def resume(body: ResumeRequest) -> ResumeResponse:
+    async def resume(body: ResumeRequest, request: Request) -> ResumeResponse:
         """Request migration: continue a request after the tokens already streamed."""
         params = sampling_params(body.sampling)
+        if tracing.enabled():
+            return await traced(request, body, worker.resume_request, body, params,
+                                asyncio.Queue())
         return await engine_call(worker.resume_request, body, params, asyncio.Queue())
 
     def closer(rid: str) -> Any:

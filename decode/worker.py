@@ -48,6 +48,7 @@ from typing import Any
 from decode.routes import add_routes
 from decode.state import DecodePhase, DecodeState
 from decode.stream import Channels
+from decode.trace import DecodeTraces
 from k3serve.messages import (
     GenerateRequest,
     PrefillResponse,
@@ -101,6 +102,7 @@ class DecodeWorker(BaseWorker):
         self.aborted_early: dict[str, float] = {}
         self.stream_idle_s = max(120.0, c.receiver_timeout_s + 60.0)
         self.channels = Channels()  # decode channels open here (POST /internal/channel)
+        self.traces = DecodeTraces(self.worker_id)  # tracing on: the traced requests' spans
 
     def start(self) -> None:
         self.server.start()
@@ -196,6 +198,8 @@ class DecodeWorker(BaseWorker):
         ``out``: its output when token #1 already finished it."""
         r.to(DecodePhase.RUNNING)
         r.engine_rid = engine_rid
+        if self.traces.spans:
+            self.traces.admitted(r.rid)
         self.by_engine[engine_rid] = r
         # text of token #1 (the router has it), so the stream's text starts after it
         if out is not None:
@@ -345,6 +349,8 @@ class DecodeWorker(BaseWorker):
         if out.finished:
             self.by_engine.pop(r.engine_rid, None)
             r.to(DecodePhase.DONE)
+            if self.traces.spans:
+                self.traces.end(r.rid, r.sent)
 
     def _end(self, r: DecodeState, event: StreamEvent) -> None:
         """Stop a request that has not finished: free what it holds, send a final event."""
@@ -356,6 +362,8 @@ class DecodeWorker(BaseWorker):
         if r.phase is not DecodePhase.DONE:
             r.to(DecodePhase.DONE)
             self.push(r.events, event)
+            if self.traces.spans:
+                self.traces.end(r.rid, r.sent, error=event.error or "aborted")
         self._fail_first(r.rid, event.error or "aborted")
 
     def abort(self, rid: str, reason: str) -> bool:

@@ -35,6 +35,7 @@ class Stack:
         self.app = create_app(RouterConfig(model=MODEL, api_key=api_key, cluster_token=TOKEN,
                                            **config))
         self.router = self.app.state.router
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # served as router/__main__.py serves it
         self.srv = ServerThread(self.app, http=ROUTER_HTTP, loop=ROUTER_LOOP).start()
         self.url = self.srv.url
@@ -63,7 +64,7 @@ class Stack:
         return httpx.post(self.url + path, json=body, headers=headers, timeout=30, **kw)
 
     def health(self) -> dict:
-        return httpx.get(self.url + "/health", params={"detail": 1}).json()
+        return httpx.get(self.url + "/health", params={"detail": 1}, headers=self.auth).json()
 
     def wait_indexed(self, snapshots: int = 1, timeout: float = 10.0) -> None:
         """Wait until the router's index holds ``snapshots`` prefill snapshots in total."""
@@ -77,7 +78,8 @@ class Stack:
 
     def metrics(self) -> dict[str, float]:
         out = {}
-        for fam in text_string_to_metric_families(httpx.get(self.url + "/metrics").text):
+        for fam in text_string_to_metric_families(httpx.get(self.url + "/metrics",
+                                                                  headers=self.auth).text):
             for s in fam.samples:
                 lab = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
                 out[f"{s.name}{{{lab}}}"] = s.value

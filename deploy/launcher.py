@@ -18,6 +18,7 @@ starts. A worker address that is not private or loopback is warned about
 from __future__ import annotations
 
 import errno
+import functools
 import importlib
 import ipaddress
 import os
@@ -25,7 +26,7 @@ import secrets
 import socket
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -90,6 +91,10 @@ class StartupError(RuntimeError):
     """A component exited during startup, or the stack was not ready in time."""
 
 
+class StartupCancelled(Exception):
+    """The start was called off (``cancelled()`` turned true: a stop signal)."""
+
+
 def check_port_free(host: str, port: int) -> None:
     """Raise :class:`PortInUseError` when ``host:port`` cannot be bound now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -115,25 +120,41 @@ class Stack:
     specs: list[Spec] = field(default_factory=list)  # specs[i] restarts procs[i]
     supervisor: Supervisor | None = None
     stopping: bool = False
+    signalled: set[int] = field(default_factory=set)  # indices :meth:`stop` sent SIGTERM
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the supervisor, terminate every component (workers drain first: SIGTERM),
-        then kill what is left after ``timeout`` seconds."""
+        """Stop the stack: no restart from here on, one SIGTERM to the router(s) and every
+        worker (a worker drains its requests, the router finishes its open streams; a
+        component that already received the signal, sent to the whole process group, ignores
+        the repeat), then the store's master once they have exited; whatever is left after
+        ``timeout`` seconds is killed. Idempotent: a second call sends no second SIGTERM."""
         self.stopping = True
         if self.supervisor is not None:
             self.supervisor.stop()
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
+        last = [i for i, s in enumerate(self.specs) if s.kind == "store"]
+        first = [i for i in range(len(self.procs)) if i not in last]
         deadline = time.monotonic() + timeout
-        for p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired or a backend's own
-                p.kill()
-                p.wait()
+        for group in (first, last):
+            for i in group:
+                if i not in self.signalled and self.procs[i].poll() is None:
+                    self.signalled.add(i)
+                    self.procs[i].terminate()
+            for i in group:
+                p = self.procs[i]
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired or a backend's own
+                    p.kill()
+                    p.wait()
         if self.supervisor is not None:
             self.supervisor.close()
+
+    def kill(self) -> None:
+        """SIGKILL every component still running (a second Ctrl-C: stop without draining)."""
+        self.stopping = True
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
 
 
 def start_stack(
@@ -157,6 +178,7 @@ def start_stack(
     supervise: bool = False,
     max_restarts: int = 5,
     routers: int = 1,
+    cancelled: Callable[[], bool] | None = None,
 ) -> Stack:
     """Start router + workers and wait until the router sees every worker healthy.
 
@@ -179,6 +201,8 @@ def start_stack(
             ``stack.supervisor``), at most ``max_restarts`` times each.
         routers: router processes behind the one router address (``--replicas``,
             router/replicas.py); workers register with any of them.
+        cancelled: polled while waiting for the workers; once it returns True the start
+            stops what it started and raises :class:`StartupCancelled`.
 
     Returns:
         A :class:`Stack`; call ``stop()`` to end it.
@@ -187,6 +211,7 @@ def start_stack(
         ValueError: ``num_prefill``, ``num_decode`` or ``routers`` < 1, or ``monolithic`` < 0.
         PortInUseError: the router port is taken.
         StartupError: a component exited or the stack was not ready within ``ready_timeout``.
+        StartupCancelled: ``cancelled()`` turned true before the stack was ready.
     """
     if monolithic < 0:
         raise ValueError("monolithic: must be >= 0")
@@ -237,7 +262,8 @@ def start_stack(
                 *gpu_args(device, len(workers)), "--worker-id", name,
                 *(extra_worker_args or [])],
                 env, "worker", url_index=len(stack.worker_urls) - 1))
-        wait_ready(stack, num_prefill + num_decode, ready_timeout, launch=launch)
+        wait_ready(stack, num_prefill + num_decode, ready_timeout, launch=launch,
+                   cancelled=cancelled)
         if supervise:
             stack.supervisor = Supervisor(stack, launch, max_restarts=max_restarts).start()
         if sd_dir:
@@ -266,14 +292,17 @@ def _store_args(stack: Stack, store: bool, log_dir: str | None) -> list[str]:
     workers) and return the workers' ``--store-url`` flag; ``[]`` without a store."""
     if not store:
         return []
-    from deploy.local import start_store_master
+    from deploy.local import start_store_master, start_store_master_process
 
     log = os.path.join(log_dir, "mooncake_master.log") if log_dir else None
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
     proc, url = start_store_master(log_path=log)
+    host, port = url.rsplit(":", 1)
     stack.procs.append(proc)
-    stack.specs.append(Spec("mooncake_master", "", [], {}, "store"))
+    # restarted on the same port: the workers' --store-url stays valid
+    stack.specs.append(Spec("mooncake_master", "", [], {}, "store", url=url, start=functools.partial(
+        start_store_master_process, int(port), host, log)))
     return ["--store-url", url]
 
 
@@ -309,8 +338,9 @@ PORT_RETRIES = 3
 
 
 def wait_ready(stack: Stack, num_workers: int, timeout: float, poll_s: float = 0.3,
-               launch: LaunchBackend | None = None) -> None:
-    """Poll the router's ``/health?detail=1`` until ``num_workers`` are healthy.
+               launch: LaunchBackend | None = None,
+               cancelled: Callable[[], bool] | None = None) -> None:
+    """Poll the router's ``/health`` until ``num_workers`` are healthy.
 
     A worker that exits with :data:`worker.serve.EXIT_PORT_IN_USE` (the port picked for it was
     taken before it could bind it) is started again on a fresh port, at most
@@ -319,6 +349,7 @@ def wait_ready(stack: Stack, num_workers: int, timeout: float, poll_s: float = 0
     Raises:
         StartupError: a component exited (the message names it, its exit status and the end
             of its log when the backend keeps one), or ``timeout`` seconds passed.
+        StartupCancelled: ``cancelled()`` returned True.
     """
     from worker.serve import EXIT_PORT_IN_USE
 
@@ -326,6 +357,8 @@ def wait_ready(stack: Stack, num_workers: int, timeout: float, poll_s: float = 0
     last = ""
     port_retries: dict[int, int] = {}
     while time.monotonic() < deadline:
+        if cancelled is not None and cancelled():
+            raise StartupCancelled("stopped during startup")
         for i, p in enumerate(stack.procs):
             rc = p.poll()
             if rc is None:
@@ -340,7 +373,7 @@ def wait_ready(stack: Stack, num_workers: int, timeout: float, poll_s: float = 0
             raise StartupError(f"a k3serve process exited during startup: {name} (code {rc})"
                                f"{_log_tail(launch, name)}")
         try:
-            r = httpx.get(f"{stack.url}/health", params={"detail": 1}, timeout=2.0)
+            r = httpx.get(f"{stack.url}/health", timeout=2.0)  # the counts: no API key
             if r.status_code == 200:
                 health = RouterHealth.model_validate_json(r.content)
                 if health.num_workers_healthy >= num_workers:
@@ -386,6 +419,7 @@ __all__ = [
     "LaunchBackend",
     "PortInUseError",
     "Stack",
+    "StartupCancelled",
     "StartupError",
     "address_warning",
     "backend",

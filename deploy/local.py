@@ -116,17 +116,31 @@ def start_store_master(port: int = 0, host: str = "127.0.0.1",
         FileNotFoundError: no ``mooncake_master``; OSError: it could not start.
     """
     port = port or free_port(host)
+    return start_store_master_process(port, host, log_path), f"{host}:{port}"
+
+
+def start_store_master_process(port: int, host: str = "127.0.0.1",
+                               log_path: str | None = None) -> subprocess.Popen:
+    """Start ``mooncake_master`` on ``host:port`` (:func:`start_store_master`; the supervisor
+    restarts it with this, on the same port) in a process group of its own: a terminal's
+    Ctrl-C reaches the workers, which drain with the store still there, and the launcher
+    stops the master after them. It still dies with the launcher (``PR_SET_PDEATHSIG``).
+
+    Raises:
+        FileNotFoundError: no ``mooncake_master``; OSError: it could not start.
+    """
     out = open(log_path, "a") if log_path else subprocess.DEVNULL  # noqa: SIM115
     pre = _die_with_parent if sys.platform.startswith("linux") else None
     try:
-        p = subprocess.Popen(
+        return subprocess.Popen(
             [mooncake_master_path(), f"--rpc_address={host}", f"--rpc_port={port}",
              f"--metrics_host={host}", f"--metrics_port={free_port(host)}", "--client_ttl=5"],
-            stdout=out, stderr=subprocess.STDOUT, preexec_fn=pre)  # noqa: PLW1509
+            stdout=out, stderr=subprocess.STDOUT, preexec_fn=pre,  # noqa: PLW1509
+            process_group=0)
     finally:
         if log_path:
             out.close()  # type: ignore[union-attr]
-    return p, f"{host}:{port}"
 
 
-__all__ = ["LocalBackend", "free_port", "mooncake_master_path", "start_store_master"]
+__all__ = ["LocalBackend", "free_port", "mooncake_master_path", "start_store_master",
+           "start_store_master_process"]

@@ -14,6 +14,7 @@ the last M minutes, from Prometheus' ``query_range``, plotted with matplotlib.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import signal
 import socket
@@ -27,6 +28,7 @@ import httpx
 import yaml
 
 from deploy.service_discovery import ScrapeTarget, TargetWriter
+from k3serve.protocol import API_KEY_ENV
 
 DEPLOY = Path(__file__).resolve().parent
 PROMETHEUS_DIR = DEPLOY / "prometheus"
@@ -46,14 +48,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def write_targets_from_router(router_url: str, writer: TargetWriter) -> None:
+def write_targets_from_router(router_url: str, writer: TargetWriter,
+                              api_key: str | None = None) -> None:
     """Make the router at ``router_url`` and the healthy workers it lists the file-SD targets.
 
     Raises:
         httpx.HTTPError: the router does not answer.
     """
     body = httpx.get(f"{router_url.rstrip('/')}/health", params={"detail": 1}, timeout=5.0,
-                     trust_env=False).json()
+                     trust_env=False, headers={"Authorization": f"Bearer {api_key}"}
+                     if api_key else None).json()
     targets = [ScrapeTarget("router", router_url.rstrip("/"), "router")]
     targets += [ScrapeTarget(w["name"], w["url"], "worker", w["role"])
                 for w in body.get("workers", ()) if w.get("healthy")]
@@ -61,9 +65,11 @@ def write_targets_from_router(router_url: str, writer: TargetWriter) -> None:
 
 
 def prepare_config(run_dir: str | Path, interval_s: float = 5.0,
-                   sd_dir: str | Path | None = None) -> Path:
+                   sd_dir: str | Path | None = None, api_key: str | None = None) -> Path:
     """Copy ``deploy/prometheus`` into ``run_dir`` with scrape and rule intervals of
-    ``interval_s`` seconds; ``sd_dir`` (default ``run_dir/targets``) holds the targets.
+    ``interval_s`` seconds; ``sd_dir`` (default ``run_dir/targets``) holds the targets;
+    ``api_key``: the router's, sent as a bearer token on its scrapes (its ``/metrics`` asks
+    for it when it has one).
 
     Returns:
         The path of the copied ``prometheus.yml``.
@@ -79,6 +85,8 @@ def prepare_config(run_dir: str | Path, interval_s: float = 5.0,
         for fsd in job["file_sd_configs"]:
             fsd["files"] = [str(sd / Path(f).name) for f in fsd["files"]]
             fsd["refresh_interval"] = iv
+        if api_key and job["job_name"] == "k3serve-router":
+            job["authorization"] = {"type": "Bearer", "credentials": api_key}
     out = run / "prometheus.yml"
     out.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return out
@@ -212,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--port", type=int, default=9090)
     up.add_argument("--grafana-port", type=int, default=3000)
     up.add_argument("--interval", type=float, default=5.0, help="scrape/rule interval, s")
+    up.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                    help=f"the router's API key (default: ${API_KEY_ENV})")
     fg = sub.add_parser("figure", help="plot the hit-rate panel's queries to a PNG")
     fg.add_argument("--prometheus", default="http://127.0.0.1:9090")
     fg.add_argument("--minutes", type=float, default=10.0)
@@ -226,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     writer = None
     if not args.sd_dir:
         writer = TargetWriter(sd)
-        write_targets_from_router(args.router_url, writer)
-    prom = Prometheus(prepare_config(run, args.interval, sd), run / "data", args.port)
+        write_targets_from_router(args.router_url, writer, args.api_key)
+    prom = Prometheus(prepare_config(run, args.interval, sd, args.api_key), run / "data",
+                      args.port)
     graf = _start_grafana(run, prom.url, args.grafana_port)
     print(f"prometheus at {prom.url} (targets in {sd})", flush=True)
     print(f"grafana at http://127.0.0.1:{args.grafana_port}" if graf else

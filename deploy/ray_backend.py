@@ -7,7 +7,7 @@ What runs where (one deployment)::
     driver (k3serve serve --ray / deploy())           plan → placement groups → actors
       ├─ router actor   ProcessActor: python -m router --host H --port P --policy NAME
       ├─ prefill-k      rank 0: ProcessActor: python -m prefill.worker --port 0 --router-url …
-      │                 ranks 1..R-1: RankActor (holds its accelerator; see below)
+      │                 ranks 1..R-1: RankActor: python -m k3serve.parallel.ranks (below)
       └─ decode-k       the same with decode.worker
 
 Placement (``deploy/plan.py`` decides the shapes):
@@ -38,9 +38,21 @@ launcher removes ``K3SERVE_KV_BOOTSTRAP_PORT`` from the child's environment), pr
 never keep talking to a dead endpoint. The driver's :meth:`RayStack.refresh` reads the new URL
 and rewrites the Prometheus targets.
 
-Ranks above 0: the engine serves an instance from one process today, so ranks 1..R-1 are
-:class:`RankActor` placeholders that hold their accelerator and report where they landed;
-a tensor/expert-parallel engine would start its rank processes there.
+A multi-rank instance (``ranks`` = ``ep`` > 1) is R actors in its placement group, one per
+accelerator, running the parallel engine of :mod:`k3serve.parallel` as its ranks::
+
+    rank 0  ProcessActor → python -m decode.worker --tp T --ep E --remote-ranks
+            (HTTP, registration, Mooncake transfer; the engine drives ParallelModelRunner)
+            hosts a TCPStore on a free port, prints "rank rendezvous at HOST:PORT SPEC"
+    rank r  RankActor    → python -m k3serve.parallel.ranks --store HOST:PORT --rank r …
+            started by rank 0's actor (the address goes through Ray: an actor call)
+
+The ranks meet through ``torch.distributed`` (gloo on CPU, NCCL on GPU). The instance fails
+as a whole: a rank whose process exits (or whose actor dies) makes rank 0's actor kill its
+child; a rank that hangs makes rank 0's next collective time out (``collective_timeout_s``,
+30 s) and rank 0 exit. Either way rank 0's actor starts a new child on fresh ports, whose new
+rendezvous restarts every rank, and the worker registers again; the router migrates the
+streams the old one was serving.
 
 On one machine Ray binds to loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes Ray's
 node-address lookup return 127.0.0.1), with a small object store and no dashboard.
@@ -171,12 +183,29 @@ class RayStack:
             self.sd.clear()
 
 
-def _worker_argv(dc: DeployConfig, inst: InstancePlan, router_url: str) -> list[str]:
+def check_runnable(dc: DeployConfig) -> None:
+    """Refuse a pool shape the parallel engine cannot run, before anything starts.
+
+    Raises:
+        ValueError: ``tp`` > 1 with ``ep`` ≠ ``tp`` (several attention groups of ``tp``
+            ranks each: the engine runs one group of ranks for both), naming the field.
+    """
+    for role, pool in dc.pools.items():
+        if pool.tp > 1 and pool.ep != pool.tp:
+            raise ValueError(
+                f"pools.{role}.ep: {pool.ep} ranks in {pool.ep // pool.tp} attention groups of "
+                f"tp {pool.tp}: the parallel engine runs one group (ep = tp, or tp = 1)")
+
+
+def worker_argv(dc: DeployConfig, inst: InstancePlan, router_url: str) -> list[str]:
+    """Rank 0's command (after ``python``): the role's worker; for ``ranks`` > 1 with the
+    instance's ``--tp`` / ``--ep`` and ``--remote-ranks`` (the rank actors start the rest)."""
+    par = ["--tp", str(inst.tp), "--ep", str(inst.ep), "--remote-ranks"] if inst.ranks > 1 else []
     return ["-m", f"{inst.role}.worker", "--host", "{host}", "--port", "0",
             "--model", dc.model, "--router-url", router_url, "--worker-id", inst.name,
             "--block-size", str(dc.block_size), "--num-pages", str(inst.num_pages),
             "--num-slots", str(inst.num_slots), "--num-snapshots", str(inst.num_snapshots),
-            "--device", dc.device, "--dtype", dc.dtype, *dc.worker_args]
+            "--device", dc.device, "--dtype", dc.dtype, *par, *dc.worker_args]
 
 
 def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
@@ -202,6 +231,7 @@ def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
 
     Raises:
         deploy.plan.PlanError: the config does not fit (before anything starts).
+        ValueError: a pool shape the engine cannot run (:func:`check_runnable`).
         TimeoutError: the cluster cannot hold the placement groups within ``ready_timeout``.
     """
     import ray
@@ -210,6 +240,8 @@ def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
 
     dc = config if isinstance(config, DeployConfig) else load_deploy_config(config)
     plan = make_plan(dc)
+    if not placeholders:
+        check_runnable(dc)
     groups, slots = placement_layout(plan)
     pgs = [placement_group(b, strategy=s, name=f"k3serve-{dc.name}-{i}")
            for i, (b, s) in enumerate(groups)]
@@ -248,18 +280,20 @@ def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
                 stack.sd = TargetWriter(sd_dir, dc.name)
                 stack.sd.set(ScrapeTarget("router", router_url, "router"))
         by_name = {i.name: i for i in plan.instances}
-        for s in slots:
-            opts = dict(rank_opts, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pgs[s.group], placement_group_bundle_index=s.bundle))
-            if s.rank == 0 and not placeholders:
-                h = Proc.options(name=f"k3serve-{dc.name}-{s.instance}",
-                                 max_restarts=dc.max_restarts, **opts).remote(
-                    s.instance, _worker_argv(dc, by_name[s.instance], router_url), env,
-                    ready_timeout=ready_timeout)
-                stack.workers[s.instance] = h
-            else:
-                h = Rank.options(max_restarts=dc.max_restarts, **opts).remote(s.instance, s.rank)
-            stack.ranks.setdefault(s.instance, []).append(h)
+        for name, inst in by_name.items():  # ranks 1.. first: rank 0's actor starts them
+            mine = [s for s in slots if s.instance == name]
+            opts = [dict(rank_opts, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pgs[s.group], placement_group_bundle_index=s.bundle)) for s in mine]
+            peers = [Rank.options(max_restarts=dc.max_restarts, **o).remote(name, s.rank, env)
+                     for s, o in zip(mine, opts, strict=True) if s.rank > 0 or placeholders]
+            if not placeholders:
+                h = Proc.options(name=f"k3serve-{dc.name}-{name}",
+                                 max_restarts=dc.max_restarts, **opts[0]).remote(
+                    name, worker_argv(dc, inst, router_url), env,
+                    ready_timeout=ready_timeout, peers=peers)
+                stack.workers[name] = h
+                peers = [h, *peers]
+            stack.ranks[name] = peers
         if not placeholders:
             stack.refresh(timeout=ready_timeout)
             _warn_public(stack.urls.values())
@@ -292,7 +326,8 @@ def _wait_registered(stack: RayStack, timeout: float) -> None:
     while time.monotonic() < deadline:
         try:
             body = httpx.get(f"{stack.url}/health", params={"detail": 1}, timeout=2.0,
-                             trust_env=False).json()
+                             trust_env=False, headers={"Authorization": f"Bearer {stack.api_key}"}
+                             if stack.api_key else None).json()
             healthy = {w["url"] for w in body.get("workers", ()) if w.get("healthy")}
             if set(stack.urls.values()) <= healthy:
                 return
@@ -306,6 +341,9 @@ def _wait_registered(stack: RayStack, timeout: float) -> None:
 def init_local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = None) -> None:
     """Start a one-node Ray on loopback: small object store, no dashboard, logical CPUs.
 
+    Always a new Ray (``address="local"``), never one that already runs on the machine;
+    ``temp_dir`` (absolute, short: Ray's socket paths) replaces ``/tmp/ray``.
+
     Its processes inherit this process' environment, ``PYTHONPATH`` with this repository
     included, so actors import :mod:`deploy.ray_backend` and children run ``python -m …``.
     """
@@ -315,7 +353,7 @@ def init_local_ray(num_cpus: float, num_gpus: int = 0, temp_dir: str | None = No
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), path) if p)
     import ray
 
-    ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
              object_store_memory=OBJECT_STORE_BYTES, _node_ip_address="127.0.0.1",
              _temp_dir=temp_dir, log_to_driver=False)
     addrs = {n["NodeManagerAddress"] for n in ray.nodes()}
@@ -371,5 +409,6 @@ def serve_ray(args: Any) -> int:
     return 0
 
 
-__all__ = ["ProcessActor", "RankActor", "RankSlot", "RayStack", "deploy", "init_local_ray",
+__all__ = ["ProcessActor", "RankActor", "RankSlot", "RayStack", "check_runnable", "deploy",
+           "init_local_ray",
            "placement_layout", "serve_ray"]

@@ -1,6 +1,14 @@
 """``k3serve serve`` (= ``python -m deploy``): the flags, and the stack they describe run until
 Ctrl-C / SIGTERM.
 
+Stopping (:class:`Stopper`): the first SIGTERM or SIGINT — sent to the launcher alone (``kill
+-TERM PID``) or to its whole process group (a terminal's Ctrl-C, ``kill -TERM -PGID``) — stops
+supervision at once, then :meth:`deploy.launcher.Stack.stop` sends one SIGTERM to the router and
+every worker: the workers drain what they hold (up to the workers' ``--drain-timeout``, 60 s by
+default), the router finishes its open streams, everything exits 0 and the launcher exits 0.
+A second signal to the launcher kills what is left at once. A signal during startup stops
+what has started. The process title is ``k3serve serve`` (setproctitle).
+
 The launcher's own flags come first; every router and worker flag the launcher does not set
 itself is offered too, in two groups, and passed on only when given (:func:`passthrough_args`).
 The local backend runs :func:`deploy.launcher.start_stack` with a supervisor; ``--ray`` runs
@@ -13,8 +21,49 @@ import argparse
 import signal
 import sys
 import time
+from types import FrameType
 
-from deploy.launcher import PortInUseError, StartupError, start_stack
+from k3serve.process import FlagParser, set_title
+
+from deploy.launcher import PortInUseError, Stack, StartupCancelled, StartupError, start_stack
+
+#: a worker's ``--drain-timeout`` when not given (worker/config.py)
+DEFAULT_DRAIN_TIMEOUT_S = 60.0
+#: seconds past the drain timeout a component has to exit before it is killed (a drained
+#: worker's server closes its connections within 3 s, then releases its engine)
+STOP_GRACE_S = 15.0
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stopper:
+    """The launcher's SIGTERM / SIGINT handler (module docstring): the first signal marks the
+    stack stopping (so the supervisor restarts nothing; during startup ``start_stack`` sees
+    :meth:`cancelled` and stops what it started); a second one kills what is left."""
+
+    def __init__(self) -> None:
+        self.stack: Stack | None = None
+        self.requested = False
+
+    def cancelled(self) -> bool:
+        return self.requested
+
+    def install(self) -> None:
+        for sig in SIGNALS:
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.requested:
+            print(f"k3serve: {name} again: stopping every component now", file=sys.stderr,
+                  flush=True)
+            if self.stack is not None:
+                self.stack.kill()
+            return
+        self.requested = True
+        if self.stack is not None:
+            self.stack.stopping = True
+        print(f"k3serve: {name}: stopping; the workers drain their requests first "
+              f"({name} again: stop at once)", file=sys.stderr, flush=True)
 
 
 def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
@@ -52,9 +101,12 @@ def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=5,
                    help="restarts allowed per crashed component (exponential backoff between "
                         "failed starts); 0: none")
-    p.add_argument("--store", action="store_true",
+    p.add_argument("--store", action=argparse.BooleanOptionalAction, default=None,
                    help="start a mooncake_master on loopback: a shared DRAM store below the "
-                        "workers (prefixes cross workers; turn 2 hits after PD)")
+                        "workers (prefixes cross workers; a chat's next turn reuses the "
+                        "decode side's state at the end of the previous answer). Default: on "
+                        "when mooncake_master is installed (a warning and no store when it is "
+                        "not); --store without it is an error; --no-store: off")
     _add_passthrough(p)
     return p
 
@@ -65,7 +117,7 @@ _LAUNCHER_OWNS = {"help", "host", "port", "model", "policy", "api_key", "replica
                   "block_size", "device", "store_url", "workers_per_gpu"}
 
 
-def _component_parsers() -> dict[str, argparse.ArgumentParser]:
+def _component_parsers() -> dict[str, FlagParser]:
     from router.config import build_parser as router_parser
     from worker.config import WorkerEnv
     from worker.config import build_parser as worker_parser
@@ -74,7 +126,7 @@ def _component_parsers() -> dict[str, argparse.ArgumentParser]:
 
 
 #: Flags the router and the workers both have that mean the same there: one flag, both get it.
-_BOTH = {"log_level"}
+_BOTH = {"log_level", "otlp_traces_endpoint"}
 
 
 def _passthrough_specs() -> list[tuple[str, argparse.Action, str, list[str]]]:
@@ -84,7 +136,7 @@ def _passthrough_specs() -> list[tuple[str, argparse.Action, str, list[str]]]:
     own) is ``--worker-NAME`` in ``k3serve serve``; those in ``_BOTH`` are one flag."""
     out, taken = [], set()
     for name, parser in _component_parsers().items():
-        for a in parser._actions:
+        for a in parser.flags:
             if a.dest in _LAUNCHER_OWNS or a.help == argparse.SUPPRESS:
                 continue
             dest, flags = a.dest, list(a.option_strings)
@@ -141,6 +193,24 @@ def passthrough_args(args: argparse.Namespace) -> dict[str, list[str]]:
     return out
 
 
+def use_store(flag: bool | None) -> bool:
+    """Whether the stack gets the shared store: ``--store`` / ``--no-store`` as given; by
+    default (``None``) on when ``mooncake_master`` is installed, else off with one warning
+    (an explicit ``--store`` without it fails at the master's start)."""
+    if flag is not None:
+        return flag
+    from deploy.local import mooncake_master_path
+
+    try:
+        mooncake_master_path()
+    except FileNotFoundError as e:
+        print(f"warning: no shared store ({e}): a chat's next turn reuses only its prompt, "
+              "not the previous answer; install the Mooncake wheel (`pip install -e .[cpu]` or "
+              "`.[gpu]`) or pass --no-store to silence this", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the stack of ``args`` (:func:`build_parser`) until Ctrl-C / SIGTERM, restarting
     crashed components (exit status 1 when the router cannot be restarted); returns the exit
@@ -163,45 +233,49 @@ def serve(args: argparse.Namespace) -> int:
         return serve_ray(args)
     if args.config:
         raise ValueError("--config: only used with --ray (the local backend takes flags)")
-    stack = start_stack(
-        model=args.model, host=args.host, port=args.port, num_prefill=args.prefill,
-        num_decode=args.decode, api_key=args.api_key, policy=args.policy,
-        block_size=args.block_size, device=args.device, sd_dir=args.sd_dir,
-        store=args.store, monolithic=args.monolithic, supervise=True,
-        max_restarts=args.max_restarts, routers=args.routers,
-        extra_router_args=extra["router"], extra_worker_args=extra["worker"],
-    )
-    stopping = False
-
-    def _stop(signum, frame):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stopper = Stopper()
+    stopper.install()
+    drain_s = getattr(args, "drain_timeout", DEFAULT_DRAIN_TIMEOUT_S)
+    try:
+        stack = start_stack(
+            model=args.model, host=args.host, port=args.port, num_prefill=args.prefill,
+            num_decode=args.decode, api_key=args.api_key, policy=args.policy,
+            block_size=args.block_size, device=args.device, sd_dir=args.sd_dir,
+            store=use_store(args.store), monolithic=args.monolithic, supervise=True,
+            max_restarts=args.max_restarts, routers=args.routers,
+            extra_router_args=extra["router"], extra_worker_args=extra["worker"],
+            cancelled=stopper.cancelled)
+    except StartupCancelled:
+        print("k3serve: stopped", flush=True)
+        return 0
+    stopper.stack = stack
+    if stopper.requested:  # a signal between the end of startup and the line above
+        stack.stopping = True
     shape = (f"{args.monolithic} monolithic workers" if args.monolithic
              else f"{args.prefill} prefill + {args.decode} decode workers")
     if args.routers > 1:
         shape += f", {args.routers} router replicas"
     print(f"k3serve: serving {args.model} at {stack.url}/v1  ({shape}; Ctrl-C stops)",
           flush=True)
+    status = 0
     try:
-        while not stopping:
+        while not stopper.requested:
             sup = stack.supervisor
             if sup is not None and sup.fatal:
                 print(f"k3serve: {sup.fatal}; stopping the stack", file=sys.stderr, flush=True)
-                stack.stop()
-                return 1
+                status = 1
+                break
             time.sleep(0.5)
     finally:
-        stack.stop()
+        stack.stop(timeout=drain_s + STOP_GRACE_S)
     print("k3serve: stopped", flush=True)
-    return 0
+    return status
 
 
 def run(args: argparse.Namespace) -> int:
     """:func:`serve` ``args``; a taken port, a component that exits during startup or a bad
     flag value end with one line on stderr (exit status 1, 2)."""
+    set_title("k3serve serve")
     try:
         return serve(args)
     except (PortInUseError, StartupError) as e:
@@ -217,4 +291,5 @@ def main(argv: list[str] | None = None) -> int:
     return run(build_parser().parse_args(argv))
 
 
-__all__ = ["build_parser", "main", "passthrough_args", "run", "serve"]
+__all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "STOP_GRACE_S", "Stopper", "build_parser", "main",
+           "passthrough_args", "run", "serve"]

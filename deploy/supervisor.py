@@ -16,11 +16,18 @@ is not healthy within ``ready_timeout``) is retried after an exponential wait
 A worker past its limit stays down (the others keep serving); a router past its limit ends the
 stack (:attr:`Supervisor.fatal`). A component that exits with status 0 was stopped on purpose
 (a drained worker, SIGTERM) and is not restarted.
+
+The store's master (``k3serve serve --store``) is restarted on its own port whatever its exit
+status (the workers' ``--store-url`` stays valid; their store clients reconnect by themselves);
+it is ready once its RPC port accepts a connection. Nothing is restarted once the stack is
+stopping (``stack.stopping``, set before any component is signalled).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import socket
 import sys
 import threading
 import time
@@ -47,9 +54,12 @@ class Spec:
         module: ``python -m`` module.
         args: its flags (a worker's ``--port`` is replaced on restart).
         env: its environment.
-        kind: ``router`` | ``worker`` | ``store`` (the store's master is not restarted).
+        kind: ``router`` | ``worker`` | ``store``.
         url_index: a worker's index in ``Stack.worker_urls``.
         restarts: restarts so far.
+        url: the store master's ``host:port`` (its readiness: the port accepts).
+        start: how to start it when not through the launch backend (the store's master):
+            a function returning the new process.
     """
 
     name: str
@@ -60,6 +70,18 @@ class Spec:
     url_index: int = -1
     restarts: int = 0
     events: list[str] = field(default_factory=list)
+    url: str = ""
+    start: Callable[[], Any] | None = None
+
+
+def _accepts(address: str, timeout: float = 1.0) -> bool:
+    """True when ``host:port`` accepts a TCP connection now."""
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 class RestartFailed(RuntimeError):
@@ -143,15 +165,18 @@ class Supervisor:
 
     # ------------------------------------------------------------------ one check
     def check(self) -> None:
-        """Start a restart thread for every component that crashed since the last check."""
+        """Start a restart thread for every component that crashed since the last check
+        (none once the stack is stopping)."""
         for i, spec in enumerate(self.stack.specs):
             with self._lock:
+                if self.stack.stopping or self._stop.is_set():
+                    return
                 if i in self._busy or i in self._given_up:
                     continue
                 rc = self.stack.procs[i].poll()
                 if rc is None:
                     continue
-                if rc == 0 or spec.kind == "store":
+                if rc == 0 and spec.kind != "store":
                     self._given_up.add(i)
                     self.say(f"{spec.name} exited with status {rc}; not restarted"
                              + (" (stopped on purpose)" if rc == 0 else ""))
@@ -208,9 +233,12 @@ class Supervisor:
             for k in PINNED_PORT_ENV:
                 env.pop(k, None)
             url = move_to_fresh_port(spec, self.launch)
+        elif spec.kind == "store":
+            url = spec.url
         spec.restarts += 1
-        proc = self._spawner.submit(self.launch.spawn, spec.name, spec.module, spec.args,
-                                    env).result()
+        start = spec.start if spec.start is not None else functools.partial(
+            self.launch.spawn, spec.name, spec.module, spec.args, env)
+        proc = self._spawner.submit(start).result()
         with self._lock:
             self.stack.procs[i] = proc
             if spec.kind == "worker":
@@ -226,7 +254,8 @@ class Supervisor:
                     raise RestartFailed(f"exited with status {rc} while starting")
                 try:  # a router answers 503 until its workers have registered again
                     ok = (200, 503) if spec.kind == "router" else (200,)
-                    if c.get(url + "/health").status_code in ok:
+                    if (_accepts(url) if spec.kind == "store"
+                            else c.get(url + "/health").status_code in ok):
                         self.say(f"{spec.name} restarted ({url}, restart {spec.restarts} of "
                                  f"{self.max_restarts})")
                         return

@@ -29,6 +29,9 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 TRACEPARENT = "traceparent"
+#: The environment variable OpenTelemetry SDKs (and vLLM) read for the OTLP traces endpoint:
+#: the default of ``--otlp-traces-endpoint`` on the router and the workers.
+ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 TRACESTATE = "tracestate"
 
 _lock = threading.Lock()

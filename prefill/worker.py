@@ -29,6 +29,9 @@ import logging
 import time
 from typing import Any
 
+from fastapi import Request
+
+from k3serve import tracing
 from k3serve.messages import (
     ANSWER_EVENTS_LIMIT,
     PrefillRequest,
@@ -85,6 +88,10 @@ class PrefillWorker(BaseWorker):
         self.reqs: dict[str, PrefillState] = {}
         self.prefills, self.prefill_tokens = 0, 0  # reported with the cache events
         self.cached_source: dict[str, str] = {}  # rid → "local" | "store", until answered
+        # tracing on: rid → its ``prefill`` span (until answered) / ``kv.transfer`` span
+        # (until the sender is released); empty when off
+        self.spans: dict[str, Any] = {}
+        self.transfer_spans: dict[str, Any] = {}
         c = self.kv_config
         self.faults = FaultPlan(c.fault_fail_fraction, c.fault_hang_fraction,
                                 c.fault_pair_fraction)
@@ -142,10 +149,22 @@ class PrefillWorker(BaseWorker):
                 max_retries=c.max_retries, notify=c.notify,
                 fail_first_n=c.fail_first_n + r.fail_first_n,
                 on_release=lambda: self._count_transfer(r), fault=fault)
+            if self.spans:
+                self.trace_transfer(r)
         except Exception as e:  # noqa: BLE001 - answered as an error
             log.warning("prefill %s: cannot start the transfer: %s", r.rid, e)
             self._abort(r, Failure(502, "transfer_setup_failed",
                                    f"cannot start the transfer: {e}"))
+
+    def trace_transfer(self, r: PrefillState) -> None:
+        """Start ``r``'s ``kv.transfer`` span under its ``prefill`` span (when traced), with
+        the cached tokens now known."""
+        parent = self.spans.get(r.rid)
+        if parent is None:
+            return
+        tracing.set_attributes(parent, {"k3serve.cached_tokens": r.num_cached})
+        self.transfer_spans[r.rid] = tracing.start_span("kv.transfer", parent, {
+            "k3serve.worker_id": self.worker_id, "k3serve.peer": r.addr})
 
     def _count_hit(self, r: PrefillState, h: CacheHandle) -> None:
         """Count the prefix query, splitting the hit by source (local pools | shared store)."""
@@ -170,6 +189,11 @@ class PrefillWorker(BaseWorker):
         s = r.sender
         if s is None:
             return
+        if self.transfer_spans:
+            tracing.end_span(self.transfer_spans.pop(r.rid, None), {
+                "k3serve.bytes": s.bytes_sent, "k3serve.tokens": s.src.num_tokens,
+                "k3serve.transfer_state": s.state.name},
+                error=None if s.state == KVPoll.SUCCESS else str(s.error or s.state.name))
         self.metrics.transfer(s.state == KVPoll.SUCCESS, s.bytes_sent, s.stats.get("t_done"),
                               r.write_tail_s())
         if s.expired:
@@ -299,7 +323,28 @@ class PrefillWorker(BaseWorker):
 
         @app.post("/internal/prefill", response_model=PrefillResponse,
                   responses=errors(400, 403, 409, 502, 504))
-        async def prefill(body: PrefillRequest) -> PrefillResponse:
+        async def prefill(body: PrefillRequest, request: Request) -> PrefillResponse:
+            """Token #1 of ``body``; traced (a ``prefill`` span under the caller's
+            ``traceparent``) when tracing is on."""
+            if not tracing.enabled():
+                return await run(body)
+            rid = body.request_id
+            span = tracing.start_span("prefill", tracing.extract(request.headers), {
+                "k3serve.request_id": rid, "k3serve.worker_id": worker.worker_id,
+                "k3serve.prompt_tokens": len(body.prompt_token_ids)})
+            worker.spans[rid] = span
+            try:
+                out = await run(body)
+            except BaseException as e:
+                tracing.end_span(span, error=str(e) or type(e).__name__)
+                raise
+            finally:
+                worker.spans.pop(rid, None)
+            tracing.end_span(span, {"k3serve.cached_tokens": out.num_cached_tokens,
+                                    "k3serve.cached_source": out.cached_source})
+            return out
+
+        async def run(body: PrefillRequest) -> PrefillResponse:
             params = sampling_params(body.sampling)
             if body.debug_fail_transfer_n and not worker.config.test_hooks:
                 raise Failure(400, "invalid_request",

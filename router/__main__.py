@@ -2,17 +2,30 @@
 
 Flags: :func:`router.config.build_parser`; the app: :func:`router.app.create_app`;
 ``--replicas N`` > 1: N replica processes on one port (:mod:`router.replicas`).
+
+Stopping (:class:`StoppingServer`): the first SIGTERM or SIGINT stops accepting connections
+and lets the open ones finish (streams run to their end while the workers drain); more
+SIGTERMs are ignored (a signal to the whole process group and the launcher's own both arrive),
+a second SIGINT stops at once. The process exits 0, without a traceback. Its title is
+``k3serve router :PORT`` (setproctitle).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import signal
 import socket
 import sys
+import threading
+from collections.abc import Iterator
+from types import FrameType
 
 import uvicorn
+from k3serve.process import set_title
 
+from k3serve import tracing
 from router.app import create_app
 from router.config import (
     ROUTER_HTTP,
@@ -23,6 +36,42 @@ from router.config import (
     tune_gc,
 )
 from router.replicas import supervise
+
+#: signals that stop the router gracefully: ``kill`` / a launcher, and a terminal's Ctrl-C
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+log = logging.getLogger("k3serve.router")
+
+
+def _quit_before_serving(signum: int, frame: FrameType | None) -> None:
+    """A stop signal before the server runs: nothing is open, exit 0."""
+    raise SystemExit(0)
+
+
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server with the stop rules of the module docstring; unlike uvicorn's own
+    ``capture_signals`` it does not re-raise the handled signal after the run (which ends the
+    process with -15, or a KeyboardInterrupt traceback)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {s: signal.signal(s, self.handle_exit) for s in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            self.should_exit = True
+        elif sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            log.info("%s while stopping: ignored (open streams finish first)",
+                     signal.Signals(sig).name)
 
 
 def without_replicas(argv: list[str]) -> list[str]:
@@ -46,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         0 after a clean stop; 1 when the port cannot be bound (one line on stderr, no
         traceback).
     """
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _quit_before_serving)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
@@ -53,9 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.replicas < 1:
         print("k3serve router: --replicas: must be >= 1", file=sys.stderr)
         return 2
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"k3serve router: {e}", file=sys.stderr)
+        return 2
     if args.fd is not None:  # a replica: the supervisor's socket
         sock = socket.socket(fileno=args.fd)
+        set_title(f"k3serve router replica {args.replica_index} :{sock.getsockname()[1]}")
     else:
         try:
             sock = listen(args.host, args.port)
@@ -65,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"k3serve router: cannot listen on {args.host}:{args.port}: {why}",
                   file=sys.stderr)
             return 1
+        set_title(f"k3serve router :{sock.getsockname()[1]}")
         if args.replicas > 1:
             try:
                 return supervise(without_replicas(argv), args.replicas, sock)
@@ -75,14 +132,18 @@ def main(argv: list[str] | None = None) -> int:
     # httptools (C request parser, chunked body writes without h11's state machine): ~10 % of
     # the router's CPU per request and per relayed chunk (benchmarks/router_relay.py); the
     # workers' servers stay on h11
-    server = uvicorn.Server(uvicorn.Config(
+    server = StoppingServer(uvicorn.Config(
         create_app(config), log_level=args.log_level, http=ROUTER_HTTP, loop=ROUTER_LOOP,
         access_log=not isinstance(level, int) or level <= logging.INFO))
+    tracing.configure("k3serve-router", config.otlp_traces_endpoint)
     tune_gc()
     try:
         server.run(sockets=[sock])
     finally:
+        tracing.shutdown()  # flushes the spans not yet exported
         sock.close()
+        for sig in STOP_SIGNALS:  # the process is ending: a late signal changes nothing
+            signal.signal(sig, signal.SIG_IGN)
     return 0
 
 

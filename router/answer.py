@@ -17,8 +17,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from k3serve import tracing
 from k3serve.messages import same_secret
-from router.admission import Ticket, overloaded
+from router import trace
+from router.admission import Ticket, current_key, overloaded
 from router.config import RouterConfig
 from router.errors import APIError, unavailable
 from router.pipeline import Router, cancel
@@ -55,31 +57,63 @@ class Completions:
                  headers: dict[str, str] | None) -> None:
         self.router, self.config, self.headers = router, config, headers
 
-    def check_api_key(self, request: Request) -> None:
-        """Raises ``APIError`` 401 when an API key is configured and the request's bearer
-        token is not it."""
-        if not self.config.api_key:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not same_secret(token.strip(), self.config.api_key):
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
-
-    async def serve(self, request: Request, chat: bool) -> Response:
-        """Answer one ``/v1/completions`` (``chat`` False) or ``/v1/chat/completions``.
+    def check_api_key(self, request: Request) -> str:
+        """The name of the request's API key (``"key0"``, ``"key1"``, … in the configured
+        order; ``""`` when the router has no key): admission's fair shares go by it.
 
         Raises:
-            APIError: 401, 400, 413, 429 (past capacity), 503 (no worker, a failed one).
+            APIError: 401 when API keys are configured and the bearer token is none of them.
         """
+        if not self.config.api_key:
+            return ""
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        token = token.strip()
+        found = ""
+        for i, key in enumerate((self.config.api_key, *self.config.api_keys)):
+            if same_secret(token, key) and not found:  # every key compared: constant time
+                found = f"key{i}"
+        if scheme.lower() != "bearer" or not found:
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return found
+
+    async def serve(self, request: Request, chat: bool) -> Response:
+        """Answer one ``/v1/completions`` (``chat`` False) or ``/v1/chat/completions``; with
+        tracing on, under a ``router.request`` span (continuing the client's ``traceparent``)
+        that :class:`Answer` ends with the response.
+
+        Raises:
+            APIError: 401, 400 (bad input, more choices than the server runs at once), 413,
+                429 (past capacity or the key's share), 503 (no worker, a failed one).
+        """
+        if not tracing.enabled():
+            return await self.answer(request, chat)
+        span = tracing.start_span("router.request", tracing.extract(request.headers))
+        token = trace.REQUEST.set(span)
+        try:
+            return await self.answer(request, chat)
+        except BaseException as e:
+            tracing.end_span(span, error=str(e) or type(e).__name__)
+            raise
+        finally:
+            trace.REQUEST.reset(token)
+
+    async def answer(self, request: Request, chat: bool) -> Response:
+        """:meth:`serve` (under the request's span, when tracing is on)."""
         arrival = time.monotonic()
         router, config = self.router, self.config
-        self.check_api_key(request)
+        key = self.check_api_key(request)
+        current_key.set(key)  # the choices' tasks are made in this context: their seats' key
         req = parse_request(await read_body(request, config.max_body_bytes),
                             ChatCompletionRequest if chat else CompletionRequest, config.model,
                             max_prompts=config.max_prompts)
         limit = router.max_model_len
         jobs = (router.pre.chat_jobs(req, limit) if chat
                 else router.pre.completion_jobs(req, limit))
-        ticket = router.admission.admit(len(jobs) * req.n)  # 429 + Retry-After past capacity
+        span = trace.child("router.admission")
+        try:
+            ticket = router.admission.admit(len(jobs) * req.n, key)  # 400 / 429 past capacity
+        finally:
+            tracing.end_span(span)
         try:
             return await Answer(self, request, req, jobs, arrival, ticket).respond()
         except BaseException:
@@ -106,6 +140,11 @@ class Answer:
         self.render = Render(router.tokenizer, owner.config.model, req, self.rid)
         self.out, self.tasks, self.num_choices = router.execute(req, jobs, self.rid, arrival)
         self.accs: dict[int, ChoiceAcc] = {}
+        self.span = trace.REQUEST.get()  # the request's span (None: tracing off)
+        if self.span is not None:
+            tracing.set_attributes(self.span, {
+                "k3serve.request_id": self.rid,
+                "k3serve.prompt_tokens": sum(len(j.token_ids) for j in jobs)})
         self.gone = asyncio.ensure_future(put_when_gone(request.receive, self.out))
 
     async def next_item(self) -> Any:
@@ -139,6 +178,17 @@ class Answer:
         if self.jobs[0].decode is not None:
             self.metrics.e2e.labels(self.jobs[0].decode.name).observe(
                 time.monotonic() - self.arrival)
+
+    def end_trace(self, stream: Any = None) -> None:
+        """End the request's span (and ``stream``'s) with the completion and cached token
+        counts; once (later calls do nothing)."""
+        span, self.span = self.span, None
+        if span is None:
+            return
+        done = {"k3serve.completion_tokens": sum(len(a.token_ids) for a in self.accs.values()),
+                "k3serve.cached_tokens": sum(j.cached_tokens or 0 for j in self.jobs)}
+        tracing.end_span(stream, done)
+        tracing.end_span(span, done)
 
     async def release(self) -> None:
         """Stop watching the client, end the choices' tasks, give the capacity back."""
@@ -175,6 +225,7 @@ class Answer:
         if not self.req.stream:
             await self.release()
             self.observe_e2e()
+            self.end_trace()
             return JSONResponse(self.render.full(self.jobs, self.accs), headers=self.headers)
         self.first = first
         return SSEResponse(self.write, headers={**SSE_HEADERS, **(self.headers or {})})
@@ -187,6 +238,7 @@ class Answer:
         out, render, accs, num_choices = self.out, self.render, self.accs, self.num_choices
         item, seen, done = self.first, set(), 0
         pending = b""  # a choice's final chunk, held to go out with the end of the body
+        stream = None if self.span is None else tracing.start_span("router.stream", self.span)
         try:
             await send(start)
             while True:
@@ -232,6 +284,8 @@ class Answer:
             return
         finally:
             await self.release()
+            if self.span is not None:
+                self.end_trace(stream)
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -65,25 +65,31 @@ def create_app(config: RouterConfig,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if registry is not None:  # a replica (re)started: serve only once it knows the workers
+            await registry.catch_up(router.pool.registry)
         side = [asyncio.create_task(registry.watch(router.pool.registry)),
                 asyncio.create_task(_refresh_metrics(router))] if registry else []
         yield
         await cancel(side)
         await router.close()
 
-    app = FastAPI(title="k3serve router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="k3serve router", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # served by _install_openapi, behind the API key
     app.state.router = router
     install_handlers(app)
     completions = Completions(router, config, replica)
     _public_routes(app, router, config, completions)
     _internal_routes(app, router, config, registry)
-    _install_openapi(app, router, config)
+    _install_openapi(app, router, config, completions.check_api_key)
     return app
 
 
 def _public_routes(app: FastAPI, router: Router, config: RouterConfig,
                    handler: Completions) -> None:
-    """``/v1/*``, ``/health`` and ``/metrics``."""
+    """``/v1/*``, ``/health``, ``/livez``, ``/readyz`` and ``/metrics``.
+
+    With an API key set, ``/metrics`` and ``/health?detail=1`` (worker URLs and ports) ask
+    for it too (401); plain ``/health``, ``/livez`` and ``/readyz`` stay open for probes."""
     check_api_key = handler.check_api_key
 
     # The bodies are parsed by hand (parse_request: caps, surrogates, the model's name); the
@@ -115,10 +121,12 @@ def _public_routes(app: FastAPI, router: Router, config: RouterConfig,
 
     @app.get("/health", response_model=RouterHealth, response_model_exclude_none=True,
              responses={503: {"model": RouterHealth}})
-    async def health(detail: int = 0) -> JSONResponse:
+    async def health(request: Request, detail: int = 0) -> JSONResponse:
+        if detail:
+            check_api_key(request)
         reg, index = router.pool.registry, router.pool.index
         live_p, live_d = reg.live("prefill"), reg.live("decode")
-        ok = bool(live_d and (live_p or router.monolithic))  # monolithic: no prefill pool
+        ok = ready()
         body = RouterHealth(
             status="ok" if ok else "unavailable", model=config.model,
             num_workers=len(reg.workers), num_workers_healthy=len(live_p) + len(live_d),
@@ -130,7 +138,25 @@ def _public_routes(app: FastAPI, router: Router, config: RouterConfig,
                 resyncs=w.resyncs) for w in reg.workers.values()] if detail else None)
         return JSONResponse(body.model_dump(exclude_none=True), status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    def ready() -> bool:
+        """At least one usable decode worker and one usable prefill worker (or none needed:
+        monolithic decode workers)."""
+        reg = router.pool.registry
+        return bool(reg.live("decode") and (reg.live("prefill") or router.monolithic))
+
+    @app.get("/livez")
+    async def livez() -> dict[str, str]:
+        """Liveness: 200 while the process serves HTTP, whatever its workers."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", responses={503: {"description": "no usable prefill / decode worker"}})
+    async def readyz() -> JSONResponse:
+        """Readiness: 200 when a request can be served now (:func:`ready`), else 503."""
+        ok = ready()
+        return JSONResponse({"status": "ok" if ok else "unavailable"},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics", dependencies=[Depends(check_api_key)])
     async def metrics() -> Response:
         body, ctype = router.metrics.render()
         return Response(body, media_type=ctype)
@@ -171,9 +197,11 @@ def _internal_routes(app: FastAPI, router: Router, config: RouterConfig,
         return RegisterResponse(worker_id=w.name, role=w.role, url=w.url)
 
 
-def _install_openapi(app: FastAPI, router: Router, config: RouterConfig) -> None:
-    """The schema names the request models (the model's name as the one ``model`` value, the
-    token ids bounded by the vocabulary)."""
+def _install_openapi(app: FastAPI, router: Router, config: RouterConfig,
+                     check_api_key: Any) -> None:
+    """``GET /openapi.json`` (behind the API key when one is set): the schema names the
+    request models (the model's name as the one ``model`` value, the token ids bounded by
+    the vocabulary)."""
     base_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -191,6 +219,10 @@ def _install_openapi(app: FastAPI, router: Router, config: RouterConfig) -> None
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(check_api_key)])
+    async def openapi_json() -> JSONResponse:
+        return JSONResponse(app.openapi())
 
 
 async def _refresh_metrics(router: Router, every_s: float = 1.0) -> None:

@@ -1,5 +1,6 @@
-"""The placement sequence of one choice: hash the prompt → match the index → the workers'
-live views → :func:`router.placement.place`.
+"""The placement sequence of one choice: hash the prompt → match the index and the router's
+record of where it just sent prompts → the workers' live views → :func:`router.placement.place`
+→ record where this prompt goes.
 
 Both ways a choice is placed (a PD stack's prefill + decode pair, a monolithic stack's one
 worker) go through :func:`choose`.
@@ -8,6 +9,7 @@ worker) go through :func:`choose`.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 
 from router.index import STORE, GlobalIndex
@@ -20,6 +22,7 @@ from router.placement import (
 from router.policies import live_view
 from router.policies.table import place
 from router.preprocess import prompt_hashes
+from router.recent import RecentPlacements
 from router.workers import Worker
 
 
@@ -39,8 +42,19 @@ def affinity_key(ids: Sequence[int], hashes: Sequence[str], fingerprint: str,
 
 def choose(index: GlobalIndex, layout: tuple[str, int], prefill: Sequence[Worker],
            decode: Sequence[Worker], ids: list[int], cache_salt: str | None, max_new: int,
-           seq: int, policy: str, params: PlacementParams, prefill_rate: float) -> Placement:
-    """Place one choice over the given workers (pure but for reading their load accounts).
+           seq: int, policy: str, params: PlacementParams, prefill_rate: float,
+           recent: RecentPlacements | None = None, now: float | None = None) -> Placement:
+    """Place one choice over the given workers and record where it goes in ``recent``.
+
+    A worker's queue and load are priced at its measured prefill rate
+    (:attr:`Worker.measured_rate`), else the rate its info states, else ``prefill_rate``.
+    A prompt the router sent to a worker and whose cache events have not arrived counts as
+    held there (``recent.match``), and the work of the last prompt sent to a worker that this
+    one extends is named as such (``recent.extended``, decayed from when that prompt's compute
+    ended at the worker's rate: placement does not read it as load that pushes the extension
+    away). The chosen worker is recorded in ``recent`` right away, before
+    the caller sends the prompt, with its predicted uncached tokens and the boundaries it
+    snapshots (the prompt end and ``snapshot_at``).
 
     Args:
         index: The router's cache index.
@@ -54,7 +68,10 @@ def choose(index: GlobalIndex, layout: tuple[str, int], prefill: Sequence[Worker
         max_new: Most new tokens of the choice.
         seq: The round-robin / random sequence number.
         policy / params: The prefill policy's name and knobs.
-        prefill_rate: Prefill tokens/s of a worker that reports none.
+        prefill_rate: Prefill tokens/s of a worker that reports no measured rate and states
+            none in its info (the router's ``--prefill-rate``).
+        recent: Where the router just sent prompts (``None``: no such record).
+        now: Monotonic seconds (``None``: the clock).
 
     Raises:
         NoWorkerAvailable: as :func:`router.placement.place`.
@@ -65,10 +82,24 @@ def choose(index: GlobalIndex, layout: tuple[str, int], prefill: Sequence[Worker
                            key=affinity_key(ids, hashes, fingerprint, cache_salt))
     match = index.match(hashes, req.max_cached_blocks)
     store = match.get(STORE) if decode else None  # the shared store's content, if reported
-    rates = [w.info.prefill_rate or prefill_rate for w in prefill]
-    pstates = [live_view(w.url, match.get(w.url), store, w.placement_queued(r), r,
-                         w.placement_load)
-               for w, r in zip(prefill, rates, strict=True)]
+    t = time.monotonic() if now is None else now
+    pending = recent.match(hashes, req.max_cached_blocks, t) if recent is not None else {}
+    rates = {w.url: w.measured_rate or w.info.prefill_rate or prefill_rate for w in prefill}
+    chain = (recent.extended(hashes, t, prefill[0].recent.horizon_s, rates)
+             if recent is not None and prefill else {})
+    pstates = []
+    for w in prefill:
+        static = w.info.prefill_rate or prefill_rate
+        rate = rates[w.url]
+        pstates.append(live_view(w.url, match.get(w.url), store, w.placement_queued(rate, now),
+                                 static, w.placement_load, now, pending=pending.get(w.url),
+                                 measured_rate=w.measured_rate,
+                                 chain_tokens=chain.get(w.url, 0.0)))
     dstates = [DecodeWorkerState(w.url, w.placement_free_tokens(), w.placement_free_slots(),
                                  w.placement_running) for w in decode]
-    return place(req, pstates, dstates, policy, params)
+    p = place(req, pstates, dstates, policy, params)
+    if recent is not None:
+        recent.record(p.prefill, hashes,
+                      [req.max_cached_blocks, *(s // bs for s in p.snapshot_at)],
+                      len(ids) - p.predicted_cached_tokens, t)
+    return p

@@ -11,6 +11,8 @@ Every request-path call goes through the worker's circuit breaker (:meth:`callin
 bounded by the deadline on a worker that stopped answering (:meth:`bounded`). Every internal
 call carries the cluster token in ``CLUSTER_TOKEN_HEADER``; every body is a model of
 :mod:`k3serve.messages` (the request lifecycle: :mod:`k3serve.protocol`, steps 1–10).
+With tracing on, a request's calls run under call spans (:mod:`router.trace`) whose
+``traceparent`` header the workers continue.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import pybreaker
 import yarl
 from pydantic import BaseModel, ValidationError
 
+from k3serve import tracing
 from k3serve.messages import (
     AbortRequest,
     AttachRequest,
@@ -42,6 +45,7 @@ from k3serve.messages import (
     ResumeResponse,
 )
 from k3serve.protocol import CLUSTER_TOKEN_HEADER
+from router import trace
 from router.workers import PoolBusy, Worker, WorkerError
 
 log = logging.getLogger("k3serve.router")
@@ -206,24 +210,35 @@ class WorkerClient:
             self._slots.release()
 
     async def call(self, w: Worker, path: str, body: BaseModel) -> tuple[int, bytes]:
-        """``POST`` a message on the request path; returns (status, body bytes).
+        """``POST`` a message on the request path; returns (status, body bytes). Under a
+        traced request: in a call span, named to the worker by ``traceparent``.
 
         Raises:
             WorkerError: connection refused or failed (``retryable``), no answer within the
                 call timeout (``hung``), a broken answer; ``PoolBusy``: no free connection.
         """
-        async with self.slot(w, f"POST {path}"):
-            try:
-                async with self.session.post(url_of(w.url, path),
-                                             data=body.model_dump_json().encode()) as r:
-                    return r.status, await r.read()
-            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
-                raise WorkerError(w.url, f"POST {path}: {e!r}", retryable=True) from None
-            except TimeoutError as e:
-                raise WorkerError(w.url, f"POST {path}: no answer in time: {e!r}",
-                                  hung=True) from None
-            except aiohttp.ClientError as e:
-                raise WorkerError(w.url, f"POST {path}: {e!r}") from None
+        span = trace.call_span(path, w)
+        try:
+            async with self.slot(w, f"POST {path}"):
+                try:
+                    async with self.session.post(url_of(w.url, path),
+                                                 data=body.model_dump_json().encode(),
+                                                 headers=trace.headers(span)) as r:
+                        status, data = r.status, await r.read()
+                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+                    raise WorkerError(w.url, f"POST {path}: {e!r}", retryable=True) from None
+                except TimeoutError as e:
+                    raise WorkerError(w.url, f"POST {path}: no answer in time: {e!r}",
+                                      hung=True) from None
+                except aiohttp.ClientError as e:
+                    raise WorkerError(w.url, f"POST {path}: {e!r}") from None
+        except BaseException as e:
+            tracing.end_span(span, error=str(e) or type(e).__name__)
+            raise
+        if span is not None:
+            tracing.end_span(span, {"http.status_code": status},
+                             error=None if status // 100 == 2 else f"HTTP {status}")
+        return status, data
 
     async def post(self, w: Worker, path: str, body: BaseModel, answer: type[M]) -> M:
         """A request-path call: ``body`` posted to ``w``, the answer validated as ``answer``.
@@ -246,7 +261,8 @@ class WorkerClient:
     async def bounded(self, w: Worker, call: Any) -> Any:
         """Await an internal call in a task of its own; give up once it has waited
         ``deadline_s`` while ``w`` does not answer (:attr:`Worker.alive` or
-        :attr:`Worker.healthy` false: hung or dead). A worker that answers is busy, not hung:
+        :attr:`Worker.healthy` false: hung or dead), or 1 s once its liveness probes took it
+        out of placement (:attr:`Worker.alive` false: a stopped or wedged process). A worker that answers is busy, not hung:
         it is waited for up to the call timeout, whatever its breaker says.
 
         The task is cancelled at most once, here: a second cancellation of the caller
@@ -262,8 +278,9 @@ class WorkerClient:
                 done, _ = await asyncio.wait([t], timeout=min(1.0, self.deadline_s))
                 if done:
                     return t.result()
-                if (time.monotonic() - started >= self.deadline_s
-                        and not (w.alive and w.healthy)):
+                waited = time.monotonic() - started
+                if (waited >= self.deadline_s and not (w.alive and w.healthy)
+                        or waited >= min(self.deadline_s, 1.0) and not w.alive):
                     t.cancel()
                     raise WorkerError(w.url, f"no answer within {self.deadline_s:g} s from a "
                                              f"worker that stopped answering", hung=True)
@@ -318,9 +335,14 @@ class WorkerClient:
     def open_stream(self, w: Worker, path: str, body: BaseModel,
                     timeout: aiohttp.ClientTimeout) -> Any:
         """``POST path`` with ``body`` as an event stream (``/internal/stream``,
-        ``/internal/channel``): the response's async context manager, read by the caller."""
+        ``/internal/channel``): the response's async context manager, read by the caller.
+        A request's own stream carries its ``traceparent`` (a channel serves many requests:
+        none)."""
+        root = trace.REQUEST.get() if path == "/internal/stream" else None
         return self.session.post(url_of(w.url, path), data=body.model_dump_json().encode(),
-                                 headers=STREAM_HEADERS, timeout=timeout)
+                                 headers=STREAM_HEADERS if root is None
+                                 else {**STREAM_HEADERS, **trace.headers(root)},
+                                 timeout=timeout)
 
     async def abort(self, w: Worker, request_id: str) -> None:
         """Best-effort ``POST /internal/abort`` (errors are logged, never raised)."""

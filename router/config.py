@@ -12,8 +12,11 @@ import argparse
 import os
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from k3serve.process import FlagParser
 from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
+from k3serve.tracing import ENDPOINT_ENV
 from router.placement import PlacementParams
 from router.policies.home import HomeParams
 from router.policies.table import DEFAULT_POLICY, POLICIES
@@ -27,7 +30,12 @@ class RouterConfig:
     Attributes:
         model: Served model name (preset or checkpoint folder); requests must name it.
         policy: Prefill placement policy, a key of ``router.policies.table.POLICIES``.
-        api_key: Bearer token required on ``/v1/*``; ``None`` leaves the API open.
+        api_key: Bearer token required on ``/v1/*`` (and on ``/metrics``,
+            ``/health?detail=1``, ``/openapi.json``, ``/docs``, ``/redoc``); ``None`` leaves
+            the API open.
+        api_keys: Further accepted bearer tokens (``--api-key K1 K2``, ``--api-key-file``):
+            each key is a client of its own for admission's fair shares
+            (:mod:`router.admission`).
         cluster_token: Token exchanged with workers on every internal call.
         tokenizer: Tokenizer name or folder; ``None`` = the model's.
         add_bos: Prepend BOS to text prompts of ``/v1/completions`` (token-id prompts and
@@ -40,7 +48,8 @@ class RouterConfig:
         timeout_s: Timeout of one internal call, seconds (a stream: between two events).
         max_model_len: Longest prompt + output in tokens; ``None`` = the workers' (or the
             model config's) value.
-        prefill_rate: Prefill tokens/s assumed for workers that do not report one.
+        prefill_rate: Prefill tokens/s assumed for a worker until it reports a measured rate
+            (``WorkerLoad.prefill_rate``).
         busy_wait_s: How long a request waits for room while every decode worker answers
             ``busy`` (no free slot or pages) before it fails with 503, seconds.
         deadline_s: Seconds a request-path call (reserve, prefill, the wait between two
@@ -68,6 +77,8 @@ class RouterConfig:
         decode_channels: Read a decode worker's token streams on one decode channel per
             worker (when the worker serves them: ``WorkerInfo.channels``); False: one stream
             per request (``--no-decode-channels``).
+        otlp_traces_endpoint: OTLP/HTTP URL the request spans are exported to
+            (:mod:`k3serve.tracing`); ``None``: tracing off.
 
     Raises:
         ValueError: an unknown policy or a non-positive poll interval / timeout (named).
@@ -76,6 +87,7 @@ class RouterConfig:
     model: str = "k3-tiny"
     policy: str = DEFAULT_POLICY
     api_key: str | None = field(default=None, repr=False)  # secrets never in a log line
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     cluster_token: str | None = field(default=None, repr=False)
     tokenizer: str | None = None
     add_bos: bool = True
@@ -100,6 +112,7 @@ class RouterConfig:
     registry_dir: str | None = None
     metrics_dir: str | None = None
     decode_channels: bool = True
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -112,6 +125,10 @@ class RouterConfig:
         for name in ("max_connections", "breaker_fail_max", "max_prompts", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
+        if self.api_keys and not self.api_key:
+            raise ValueError("api_keys: set api_key too (the first key)")
+        if any(not k for k in self.api_keys):
+            raise ValueError("api_keys: an empty key")
         if self.max_queued < 0 or self.retry_after_s < 0:
             raise ValueError("max_queued, retry_after_s: must be >= 0")
 
@@ -119,15 +136,18 @@ class RouterConfig:
 def build_parser() -> argparse.ArgumentParser:
     """The flags of ``python -m router`` (the launcher passes ``--host --port --model
     --policy`` and optionally ``--api-key --poll-timeout``)."""
-    ap = argparse.ArgumentParser(prog="python -m router",
+    ap = FlagParser(prog="python -m router",
                                  description="k3serve router: OpenAI-compatible front of the "
                                              "prefill/decode cluster")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--model", default="k3-tiny")
     ap.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
-    ap.add_argument("--api-key", default=None,
-                    help=f"bearer token for /v1/* (default: ${API_KEY_ENV}, else open)")
+    ap.add_argument("--api-key", default=None, nargs="+", action="extend",
+                    help=f"bearer token(s) for /v1/*, /metrics, /health?detail=1 and the API "
+                         f"docs; repeat or list several (default: ${API_KEY_ENV}, else open)")
+    ap.add_argument("--api-key-file", default=None,
+                    help="a file of further API keys, one a line (# comments, blank lines)")
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--no-bos", action="store_true", help="do not prepend BOS to text prompts")
     ap.add_argument("--poll-interval", type=float, default=0.1, help="seconds")
@@ -141,10 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-queued", type=int, default=64,
                     help="choices admitted beyond the decode slots (then 429)")
     ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--prefill-rate", type=float, default=10_000.0, help="tokens/s")
+    ap.add_argument("--prefill-rate", type=float, default=10_000.0,
+                    help="prefill tokens/s assumed for a worker until it reports its measured "
+                         "rate with its cache events (then the measured rate prices its queue)")
     ap.add_argument("--log-level", default="warning")
     ap.add_argument("--no-decode-channels", action="store_true",
                     help="one decode stream per request, not one channel per decode worker")
+    ap.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                    help=f"export request spans over OTLP/HTTP to URL (default: "
+                         f"${ENDPOINT_ENV}, else tracing off)")
     ap.add_argument("--replicas", type=int, default=1,
                     help="router processes behind the one address (router/replicas.py)")
     ap.add_argument("--replica-index", type=int, default=None, help=argparse.SUPPRESS)
@@ -154,9 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The :class:`RouterConfig` of parsed flags and the two environment variables."""
+    keys = api_keys_of(args.api_key or [], args.api_key_file) or [
+        k for k in [os.environ.get(API_KEY_ENV)] if k]
     return RouterConfig(
         model=args.model, policy=args.policy,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=keys[0] if keys else None, api_keys=tuple(keys[1:]),
         cluster_token=os.environ.get(CLUSTER_TOKEN_ENV) or None, tokenizer=args.tokenizer,
         add_bos=not args.no_bos, poll_interval_s=args.poll_interval,
         poll_timeout_s=args.poll_timeout, deadline_s=args.deadline,
@@ -164,8 +191,27 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_queued=args.max_queued,
         max_model_len=args.max_model_len, prefill_rate=args.prefill_rate,
         replica=args.replica_index, decode_channels=not args.no_decode_channels,
+        otlp_traces_endpoint=args.otlp_traces_endpoint or os.environ.get(ENDPOINT_ENV) or None,
         registry_dir=os.environ.get(REGISTRY_ENV) if args.replica_index is not None else None,
         metrics_dir=os.environ.get(METRICS_ENV) if args.replica_index is not None else None)
+
+
+def api_keys_of(keys: list[str], path: str | None) -> list[str]:
+    """The API keys of ``--api-key`` and of the ``--api-key-file`` at ``path`` (one a line;
+    blank lines and ``#`` comments skipped), in that order, duplicates dropped.
+
+    Raises:
+        ValueError: the file cannot be read (named).
+    """
+    out = [k.strip() for k in keys if k.strip()]
+    if path:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"--api-key-file: cannot read {path}: {e.strerror}") from None
+        out += [ln.strip() for ln in text.splitlines()
+                if ln.strip() and not ln.strip().startswith("#")]
+    return list(dict.fromkeys(out))
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -6,7 +6,7 @@ The transport is D's decode channel (:class:`router.channel.DecodeChannels`: one
 per decode worker, every request's events on it) when D serves channels and the router uses
 them, else a ``POST /internal/stream`` of the request's own (:class:`PerRequestStreams`).
 Either way the stream goes through D's breaker and the wait between two batches is bounded
-(``deadline_s`` on an unavailable worker, ``timeout_s`` on any).
+(:data:`LEFT_S` once D left placement, ``timeout_s`` on any).
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ from router.workers import Worker, WorkerError
 
 #: Longest a stream's reader reads the rest of a body after D ended the stream (s).
 DRAIN_S = 1.0
+
+#: Seconds a stream waits for its next batch once its decode worker is out of placement (its
+#: liveness probes, polls or breaker took it out: stopped, wedged or failing) before it fails
+#: as hung, and its choice moves to another decode worker (:mod:`router.migrate`); also the
+#: period of the check, so a silent stream moves within ``2 × LEFT_S`` of D leaving placement
+#: (or ``deadline_s``, when smaller).
+LEFT_S = 1.0
 
 
 async def stop_reader(reader: asyncio.Task, draining: set[asyncio.Task]) -> None:
@@ -190,7 +197,8 @@ class DecodeStreams:
 
         Returns once the stream ended (an event with a ``finish_reason``, ``data: [DONE]``,
         the end of the body) or ``handle`` returned True. The wait between two batches is
-        bounded: ``deadline_s`` on an unavailable worker, ``timeout_s`` on any.
+        bounded: :data:`LEFT_S` (or ``deadline_s``, when smaller) once ``w`` is out of
+        placement (:attr:`Worker.available` false), ``timeout_s`` on any.
 
         Raises:
             WorkerError: connection failure, non-2xx status, malformed or error event
@@ -219,7 +227,7 @@ class DecodeStreams:
             transport = (self.channels if self.use_channels and w.info.channels
                          else self.per_request)
             stop = await transport.start(w, body, deliver, end, ended)
-            deadline_s, timeout_s = client.deadline_s, client.timeout_s
+            deadline_s, timeout_s = min(LEFT_S, client.deadline_s), client.timeout_s
             every = min(1.0, deadline_s, timeout_s)
             timer: asyncio.TimerHandle | None = None
 
@@ -227,8 +235,8 @@ class DecodeStreams:
                 nonlocal timer
                 waited = time.monotonic() - last
                 if waited >= deadline_s and not w.available:
-                    end(WorkerError(w.url, f"no answer within {deadline_s:g} s from an "
-                                           f"unavailable worker", hung=True))
+                    end(WorkerError(w.url, f"no event for {waited:.1f} s from a worker out "
+                                           f"of placement", hung=True))
                     return
                 if waited >= timeout_s:
                     end(WorkerError(w.url, f"stream: no event within {timeout_s:g} s",

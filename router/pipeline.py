@@ -29,6 +29,7 @@ from tenacity import (
     wait_fixed,
 )
 
+from k3serve import tracing
 from k3serve.messages import (
     GenerateRequest,
     PrefillRequest,
@@ -36,6 +37,7 @@ from k3serve.messages import (
     ResumeRequest,
     SamplingSpec,
 )
+from router import trace
 from router.admission import Admission
 from router.choose import choose
 from router.config import RouterConfig
@@ -154,7 +156,8 @@ class Router:
         """:func:`router.choose.choose` with this router's index, policy and sequence."""
         cfg = self.config
         return choose(self.pool.index, layout, prefill, decode, ids, cache_salt, max_new,
-                      next(self._seq), cfg.policy, cfg.placement, cfg.prefill_rate)
+                      next(self._seq), cfg.policy, cfg.placement, cfg.prefill_rate,
+                      self.pool.recent)
 
     # ------------------------------------------------------------------ token #1
     async def _reserve(self, job: PromptJob, spec: SamplingSpec, cache_salt: str | None,
@@ -166,7 +169,9 @@ class Router:
         deadline = time.monotonic() + self.config.busy_wait_s
 
         async def attempt(_: int) -> tuple[Placement, Worker, Worker, str, str, ExitStack]:
+            span = trace.child("router.placement")
             p, P, D = self.place(job.token_ids, cache_salt, job.max_new, exclude)
+            trace.placed(span, p, P, D)
             with ExitStack() as hold:
                 hold.enter_context(D.load(running=1, reserved_tokens=need))
                 try:
@@ -236,8 +241,10 @@ class Router:
         layout = self.registry.layout
         if not live or layout is None:
             raise NoWorkerAvailable("no healthy worker")
+        span = trace.child("router.placement")
         p = self._choose(layout, live, [], job.token_ids, cache_salt, job.max_new)
         W = self.registry.workers[p.prefill]
+        trace.placed(span, p, W, W)
         with ExitStack() as hold:
             hold.enter_context(W.load(running=1,
                                       reserved_tokens=len(job.token_ids) + job.max_new))
@@ -424,8 +431,10 @@ class Router:
 
         async def choice(j: int) -> Worker | None:
             q = first_out if j == 0 and n > 1 else out  # n = 1: nothing to wake
+            span = trace.child("router.queue")
             try:
                 async with self.admission.seat():  # a decode slot, in arrival order
+                    tracing.end_span(span)
                     return await self.run_choice(
                         job, job.prompt_index * n + j, j,
                         self.pre.sampling(req, job.max_new, j, base_seed), req.cache_salt,

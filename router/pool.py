@@ -10,7 +10,10 @@ one job:
 * :class:`~router.index_sync.IndexSync` (:attr:`WorkerPool.index_sync`): cache-event polls
   and prefill answers into the :class:`~router.index.GlobalIndex`;
 * :class:`~router.decode_stream.DecodeStreams` (:attr:`WorkerPool.streams`): a choice's
-  decode stream, over the worker's decode channel or a stream of its own.
+  decode stream, over the worker's decode channel or a stream of its own;
+* :class:`~router.recent.RecentPlacements` (:attr:`WorkerPool.recent`): where placement just
+  sent prompts, before the workers' cache events report them (a worker's entries are
+  forgotten when it leaves or registers again).
 """
 
 from __future__ import annotations
@@ -27,8 +30,13 @@ from router.config import RouterConfig
 from router.decode_stream import DecodeStreams
 from router.index import GlobalIndex
 from router.index_sync import IndexSync
+from router.recent import RecentPlacements
 from router.registry import WorkerRegistry
 from router.workers import Worker
+
+#: Seconds a placement counts as a pending hit on its worker (the prefill and the cache
+#: events that report it arrive well within it).
+RECENT_TTL_S = 30.0
 
 
 class WorkerPool:
@@ -52,6 +60,7 @@ class WorkerPool:
 
     Attributes:
         index: The cache index.
+        recent: Where placement just sent prompts (entries live :data:`RECENT_TTL_S`).
         workers: The registered workers by URL (the registry's).
     """
 
@@ -65,6 +74,7 @@ class WorkerPool:
                  live_interval_s: float = 0.5, live_timeout_s: float = 1.5,
                  live_misses: int = 2, channels: bool = True) -> None:
         self.index = GlobalIndex()
+        self.recent = RecentPlacements(RECENT_TTL_S)
         self.client = WorkerClient(cluster_token, timeout_s, transport,
                                    poll_timeout_s=poll_timeout_s, deadline_s=deadline_s,
                                    pool_timeout_s=pool_timeout_s,
@@ -81,6 +91,7 @@ class WorkerPool:
                                     unhealthy_after=unhealthy_after)
         self.registry.on_register = self.index_sync.start
         self.registry.on_remove = self.index_sync.stop
+        self.registry.on_forget = self.recent.forget
         self.streams = DecodeStreams(self.client, DecodeChannels(self.client, self.workers),
                                      use_channels=channels)
 

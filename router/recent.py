@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from router.index import PrefixMatch
@@ -164,7 +164,8 @@ class RecentPlacements:
                     usable[w] = i + 1
         return {w: PrefixMatch(d, usable.get(w, 0)) for w, d in mla.items()}
 
-    def extended(self, hashes: Sequence[str], now: float, horizon_s: float) -> dict[str, float]:
+    def extended(self, hashes: Sequence[str], now: float, horizon_s: float,
+                 rates: Mapping[str, float] | None = None) -> dict[str, float]:
         """Per worker, the decayed uncached tokens of the recent prompt this one extends.
 
         A record is extended when its whole chain is a prefix of ``hashes`` (equal included:
@@ -173,19 +174,26 @@ class RecentPlacements:
         since): then the work it did last is the prefix this prompt reuses.
         Its tokens decay as ``tokens · exp(−(now − at) / horizon_s)``, the decay of
         :class:`router.policies.load.RecentLoad`, so the figure is the part of that account
-        (``util`` · rate · H) the computation of that prompt put there.
+        (``util`` · rate · H) the computation of that prompt put there. With the worker's
+        prefill rate given, the decay starts when that computation ended,
+        ``at + tokens / rate``: an account fed from the worker's reports of computed tokens
+        (:class:`router.policies.load.PoolLoad`) holds the prompt's tokens from then on
+        (a long prefill on a slow worker ends many seconds after it was sent).
 
         Args:
             hashes: The prompt's chained block hashes.
             now: Seconds.
             horizon_s: The load account's time constant (> 0).
+            rates: Prefill tokens/s by worker (> 0; a worker missing: decay from ``at``).
         """
         self.expire(now)
         out: dict[str, float] = {}
         for h in hashes:
             for e in self._ends.get(h, ()):
                 if self._latest.get(e.worker_id) is e:
-                    out[e.worker_id] = e.tokens * math.exp(-max(0.0, now - e.at) / horizon_s)
+                    rate = rates.get(e.worker_id, 0.0) if rates else 0.0
+                    done = e.at + (e.tokens / rate if rate > 0 else 0.0)
+                    out[e.worker_id] = e.tokens * math.exp(-max(0.0, now - done) / horizon_s)
         return out
 
 

@@ -50,6 +50,9 @@ class WorkerRegistry:
         on_register: Awaited with each worker at every registration, before it is announced
             (the first pull of its cache events and its poller, :mod:`router.index_sync`).
         on_remove: Called with each worker removed (its poller stops).
+        on_forget: Called with the worker's URL when what the router recorded of its cache
+            is void: it was removed, or it registered again (a restart: a new event epoch,
+            an empty cache) — :meth:`router.recent.RecentPlacements.forget`.
     """
 
     def __init__(self, model: str, client: WorkerClient, index: GlobalIndex,
@@ -59,7 +62,8 @@ class WorkerRegistry:
                  live_misses: int = 2,
                  on_worker: Callable[[Worker], None] | None = None,
                  on_register: Callable[[Worker], Awaitable[None]] | None = None,
-                 on_remove: Callable[[Worker], None] | None = None) -> None:
+                 on_remove: Callable[[Worker], None] | None = None,
+                 on_forget: Callable[[str], None] | None = None) -> None:
         self.model = model
         self.client, self.index = client, index
         self.poll_timeout_s = poll_timeout_s
@@ -70,6 +74,7 @@ class WorkerRegistry:
         self.live_timeout_s = live_timeout_s
         self.live_misses = live_misses
         self.on_worker, self.on_register, self.on_remove = on_worker, on_register, on_remove
+        self.on_forget = on_forget
         self.workers: dict[str, Worker] = {}
         self.closed = False
 
@@ -128,6 +133,8 @@ class WorkerRegistry:
         else:  # a restart: new info, same load account; the new epoch forces a resync
             w.info, w.healthy, w.failures, w.alive, w.misses = info, True, 0, True, 0
             w.breaker.close()
+            if self.on_forget:
+                self.on_forget(w.url)
         if self.on_register:
             await self.on_register(w)
         if w.live_task is None or w.live_task.done():
@@ -155,6 +162,8 @@ class WorkerRegistry:
             w.live_task.cancel()
         if self.on_remove:
             self.on_remove(w)
+        if self.on_forget:
+            self.on_forget(w.url)
         log.info("removed %s worker %s (%s)", w.role, w.name, w.url)
         return w
 

@@ -13,7 +13,9 @@
   its ``POST /internal/register`` reaches; that replica records the worker's URL in a folder
   shared by the replicas, and every replica registers every URL recorded there (within
   ``REGISTRY_POLL_S``; again when the record changes: a worker that registers again after a
-  restart). A replica started again reads the folder at start, so it knows every worker.
+  restart). A replica started again registers every recorded worker before it serves
+  (:meth:`Registry.catch_up` in its app's startup; uvicorn accepts on the socket only after
+  it), so it never answers 503 for want of workers the others know.
 * **Load the workers report.** Placement reads the larger of a replica's own account and the
   load the workers report with their cache events (``CacheEvents.load``), so replicas that
   never talk to each other still see each other's requests (a poll late).
@@ -106,6 +108,24 @@ class Registry:
             self._seen[url] = mtime
             n += 1
         return n
+
+    async def catch_up(self, pool: WorkerRegistry, timeout_s: float = 10.0) -> int:
+        """Register every recorded worker before this replica serves (its app's startup,
+        before it accepts on the shared socket): :meth:`sync` until none is left to
+        register or ``timeout_s`` seconds passed (a recorded worker that is gone must not
+        keep the replica from serving the others). Returns how many registered."""
+        deadline = time.monotonic() + timeout_s
+        n = 0
+        while True:
+            with contextlib.suppress(OSError):
+                n += await self.sync(pool)
+            with contextlib.suppress(OSError):
+                if all(self._seen.get(u) == m for u, m in self.entries().items()):
+                    return n
+            if time.monotonic() >= deadline:
+                log.warning("replica: serving before every recorded worker registered")
+                return n
+            await asyncio.sleep(REGISTRY_POLL_S)
 
     async def watch(self, pool: WorkerRegistry, interval_s: float = REGISTRY_POLL_S) -> None:
         """:meth:`sync` every ``interval_s`` seconds until cancelled."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16
@@ -236,6 +237,21 @@ class FunctionDef(_Request):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> FunctionDef:
+        """``parameters`` must be a valid JSON Schema (checked against the metaschema its
+        ``$schema`` names, draft 2020-12 by default), whatever ``tool_choice`` says."""
+        if self.parameters is not None:
+            try:
+                jsonschema.validators.validator_for(
+                    self.parameters, jsonschema.Draft202012Validator).check_schema(
+                        self.parameters)
+            except jsonschema.SchemaError as e:
+                where = "/".join(str(p) for p in e.absolute_path) or "(root)"
+                raise ValueError(f"parameters: the tool `{self.name}` has an invalid JSON "
+                                 f"schema at {where}: {e.message}") from None
+        return self
 
 
 class ToolDef(_Request):

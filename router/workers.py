@@ -194,6 +194,13 @@ class Worker:
                         self.requests_since_report)
 
     @property
+    def measured_rate(self) -> float:
+        """The worker's measured prefill rate, tokens/s, from its last load report
+        (``WorkerLoad.prefill_rate``); 0.0 when it reported none."""
+        r = self.reported
+        return r.prefill_rate or 0.0 if r is not None else 0.0
+
+    @property
     def counts_prefills(self) -> bool:
         """The worker reports its prefill counters (``WorkerLoad.prefills`` /
         ``prefill_tokens``): :attr:`seen` follows them, not the cache events' blocks."""

@@ -235,8 +235,8 @@ class BaseWorker(abc.ABC):
     def load_report(self) -> WorkerLoad:  # engine thread
         """The load this worker reports with its cache events (``CacheEvents.load``): prompt
         tokens queued and not computed yet, requests running or reserved, free (+ evictable)
-        pages and free slots, and the prefill counters (router replicas balance on these,
-        router/replicas.py)."""
+        pages and free slots, the prefill counters (router replicas balance on these,
+        router/replicas.py) and the measured prefill rate (:class:`~worker.loop.PrefillMeter`)."""
         sched, u = self.engine.scheduler, self.engine.cm.usage()
         queued = sum(max(0, s.num_prompt_tokens - s.num_computed)
                      for s in (*sched.waiting, *sched.running))
@@ -244,7 +244,8 @@ class BaseWorker(abc.ABC):
                           running=len(sched.running) + self.disagg.num_reserved,
                           free_pages=max(0, u.num_pages - u.pages_used),
                           free_slots=max(0, u.num_slots - u.slots_used),
-                          prefills=self.prefills, prefill_tokens=self.prefill_tokens)
+                          prefills=self.prefills, prefill_tokens=self.prefill_tokens,
+                          prefill_rate=self.loop.prefill_meter.rate)
 
     def cache_events(self, after: int = 0, limit: int | None = None) -> CacheEvents:
         """``GET /internal/cache_events`` body: the engine's events and :meth:`load_report`

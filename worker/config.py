@@ -22,7 +22,9 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from k3serve.engine.spec.config import SpecConfig
+from k3serve.process import FlagParser
 from k3serve.protocol import CLUSTER_TOKEN_ENV
+from k3serve.tracing import ENDPOINT_ENV
 from kvstore import KVConfig
 from kvstore.store.client import StoreConfig
 from worker.device import DeviceProbe, Sizes, probe, resolve_sizes
@@ -50,6 +52,7 @@ class WorkerEnv(BaseSettings):
                                       repr=False)
     worker_threads: int = Field(default=1, ge=1, validation_alias=THREADS_ENV)
     test_hooks: bool = Field(default=False, validation_alias=TEST_HOOKS_ENV)
+    otlp_traces_endpoint: str | None = Field(default=None, validation_alias=ENDPOINT_ENV)
 
     @field_validator("cluster_token")
     @classmethod
@@ -85,6 +88,9 @@ class WorkerConfig:
             arithmetic, ``k3serve.cache.specs.auto_dense_snapshot_blocks``; 0: off).
         tp, ep: tensor- / expert-parallel ranks of the instance (``--tp`` / ``--ep``; 1: one
             process). This process is rank 0 and starts the others (``k3serve.parallel``).
+        remote_ranks: ranks 1 … W−1 are started by another launcher (Ray rank actors on
+            other nodes): this process hosts their rendezvous and prints its address
+            (``k3serve.parallel.ranks``) instead of starting them.
         expert_plan: a planner placement file (``k3serve experts plan --json OUT``) for EP,
             or ``None`` (experts split contiguously).
         gpu_memory_utilization: CUDA: this worker's share of the card's total memory, counted
@@ -105,6 +111,8 @@ class WorkerConfig:
             ``None`` (off); prefill workers ignore it (they sample token #1 only).
         num_speculative_tokens: ``k``, tokens proposed per sequence and step.
         speculative_draft_model: the draft model of ``draft`` (preset name or folder).
+        otlp_traces_endpoint: OTLP/HTTP URL the request spans are exported to
+            (:mod:`k3serve.tracing`); ``None``: tracing off.
     """
 
     role: Role
@@ -133,6 +141,7 @@ class WorkerConfig:
     tp: int = 1
     ep: int = 1
     expert_plan: str | None = None
+    remote_ranks: bool = False
 
     def __post_init__(self) -> None:
         for f in ("tp", "ep"):
@@ -151,6 +160,7 @@ class WorkerConfig:
     speculative: str | None = None
     num_speculative_tokens: int = 4
     speculative_draft_model: str | None = None
+    otlp_traces_endpoint: str | None = None
 
     def spec_config(self) -> SpecConfig | None:
         """The engine's speculative-decoding settings (``None``: off, or a prefill worker).
@@ -194,7 +204,7 @@ class WorkerConfig:
 
 def build_parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
     """The flags of ``python -m {role}.worker`` (defaults from ``env``)."""
-    ap = argparse.ArgumentParser(prog=f"python -m {role}.worker",
+    ap = FlagParser(prog=f"python -m {role}.worker",
                                  description=f"k3serve {role} worker")
     ap.add_argument("--host", default="127.0.0.1", help="bind address")
     ap.add_argument("--port", type=int, default=0, help="HTTP port (0: any free port)")
@@ -227,6 +237,8 @@ def build_parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
                     help="tensor-parallel ranks (KDA / MLA heads split; this process is rank 0)")
     ap.add_argument("--ep", type=int, default=1,
                     help="expert-parallel ranks (1 or the same as --tp when both are > 1)")
+    ap.add_argument("--remote-ranks", action="store_true",
+                    help="ranks 1.. are started elsewhere (Ray): host their rendezvous")
     ap.add_argument("--expert-plan", default=None, metavar="PLAN.json",
                     help="expert placement from `k3serve experts plan --json` (with --ep)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -257,6 +269,9 @@ def build_parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
     ap.add_argument("--max-queued", type=int, default=256, metavar="N",
                     help="most admission calls (reserve/prefill/generate/resume) held "
                          "unanswered at once; more: 503 busy + Retry-After (0: no bound)")
+    ap.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                    help=f"export request spans over OTLP/HTTP to URL (default: "
+                         f"${ENDPOINT_ENV}, else tracing off)")
     return ap
 
 
@@ -327,6 +342,7 @@ def parse_config(role: Role, argv: list[str] | None = None,
         gpu_memory_utilization=sizes.gpu_memory_utilization, max_num_seqs=sizes.max_num_seqs,
         cuda_graphs=a.cuda_graphs, drain_timeout_s=a.drain_timeout,
         max_prefill_backlog=a.max_prefill_backlog, max_queued=_max_queued(a.max_queued),
+        otlp_traces_endpoint=a.otlp_traces_endpoint or env.otlp_traces_endpoint or None,
         **_spec_flags(a, role))
 
 
@@ -374,7 +390,9 @@ def _parallel_flags(a: argparse.Namespace) -> dict:
         raise SystemExit(f"--ep: {a.ep} != --tp {a.tp} (one group of ranks serves both)")
     if a.expert_plan is not None and a.ep == 1:
         raise SystemExit("--expert-plan: needs --ep > 1")
-    return {"tp": a.tp, "ep": a.ep, "expert_plan": a.expert_plan}
+    if a.remote_ranks and max(a.tp, a.ep) == 1:
+        raise SystemExit("--remote-ranks: needs --tp or --ep > 1")
+    return {"tp": a.tp, "ep": a.ep, "expert_plan": a.expert_plan, "remote_ranks": a.remote_ranks}
 
 
 __all__ = [

@@ -21,6 +21,8 @@ import contextlib
 import logging
 import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -115,7 +117,8 @@ def instance_spec(config: WorkerConfig) -> Any:
 
 def build_parallel_engine(config: WorkerConfig) -> Any:
     """The engine of a multi-rank instance: this process becomes rank 0 and starts ranks
-    1 … W−1 (:func:`k3serve.parallel.runner.start_instance`); the engine drives rank 0's
+    1 … W−1 (:func:`k3serve.parallel.ranks.start_instance`), or, with ``remote_ranks``, waits
+    for the ranks another launcher starts (``start_remote_instance``); the engine drives rank 0's
     :class:`~k3serve.parallel.runner.ParallelModelRunner`, which broadcasts every op.
 
     Raises:
@@ -127,11 +130,12 @@ def build_parallel_engine(config: WorkerConfig) -> Any:
     from k3serve.engine.config import EngineConfig
     from k3serve.engine.engine import LLMEngine
     from k3serve.model.checkpoint_files import checkpoint_identity, random_init_identity
-    from k3serve.parallel.runner import start_instance
+    from k3serve.parallel.ranks import start_instance, start_remote_instance
     from k3serve.tokenizer import get_tokenizer
 
     spec = instance_spec(config)
-    runner = start_instance(spec)
+    runner = (start_remote_instance(spec, config.url_host) if config.remote_ranks
+              else start_instance(spec))
     try:
         cfg = runner.cfg
         tok = get_tokenizer(runner.folder if runner.folder else
@@ -154,6 +158,46 @@ def parallel_info(engine: Any) -> dict[str, int]:
     """``{"tp", "ep"}`` of the engine's instance (1, 1 for one process)."""
     spec = getattr(engine.runner, "spec", None)
     return {"tp": getattr(spec, "tp", 1), "ep": getattr(spec, "ep", 1)}
+
+
+class PrefillMeter:
+    """The worker's measured prefill rate: prompt tokens computed per second of the engine
+    steps that computed them, over the last ``window`` such steps::
+
+        rate = Σ prompt tokens / Σ step seconds   (steps with prompt tokens > 0 only)
+
+    A step that prefilled and decoded together counts whole (its decode rows are part of the
+    cost of that prefill); decode-only steps are left out, so the figure does not drift with
+    the decode batch. Engine thread only (steps are timed there, reports are built there).
+
+    Args:
+        window: Steps kept (≥ 1).
+    """
+
+    def __init__(self, window: int = 64) -> None:
+        if window < 1:
+            raise ValueError(f"window: must be >= 1, got {window!r}")
+        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self._tokens, self._seconds = 0, 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        """Count one step that computed ``tokens`` prompt tokens in ``seconds`` (steps with
+        no prompt tokens, or no measurable time, are ignored)."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        if len(self._steps) == self._steps.maxlen:
+            t0, s0 = self._steps[0]
+            self._tokens, self._seconds = self._tokens - t0, self._seconds - s0
+        self._steps.append((tokens, seconds))
+        self._tokens += tokens
+        self._seconds += seconds
+
+    @property
+    def rate(self) -> float | None:
+        """Tokens per second over the kept steps; ``None`` before the first."""
+        if not self._steps or self._seconds <= 0:
+            return None
+        return self._tokens / self._seconds
 
 
 class EngineLoop:
@@ -179,6 +223,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self.error: BaseException | None = None
         self.num_step_errors = 0
+        self.prefill_meter = PrefillMeter()
 
     def start(self) -> EngineLoop:
         """Start the thread; returns self."""
@@ -230,6 +275,17 @@ class EngineLoop:
             except queue.Empty:
                 return
 
+    def _timed_step(self) -> list:
+        """``engine.step()``, its prompt tokens (``EngineStats.prompt_tokens_computed``'s
+        increase) and seconds into :attr:`prefill_meter`."""
+        stats = getattr(self.engine, "stats", None)
+        before = getattr(stats, "prompt_tokens_computed", 0)
+        t0 = time.perf_counter()
+        outs = self.engine.step()
+        seconds = time.perf_counter() - t0
+        self.prefill_meter.add(getattr(stats, "prompt_tokens_computed", 0) - before, seconds)
+        return outs
+
     def _run(self) -> None:
         active = False
         while not self._stop.is_set():
@@ -240,7 +296,7 @@ class EngineLoop:
             try:
                 active = self._tick()
                 if self.engine.has_unfinished_requests():
-                    outs = self.engine.step()
+                    outs = self._timed_step()
                     self._on_outputs(outs)
                     active = self._tick() or active
             except Exception as e:
@@ -260,4 +316,4 @@ class EngineLoop:
                     item[0].set_exception(RuntimeError("worker is stopping"))
 
 
-__all__ = ["EngineLoop", "build_engine", "build_parallel_engine", "instance_spec", "parallel_info"]
+__all__ = ["EngineLoop", "PrefillMeter", "build_engine", "build_parallel_engine", "instance_spec", "parallel_info"]

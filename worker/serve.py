@@ -3,24 +3,35 @@
 The port is bound before the engine is built, so a taken port ends at once with one line on
 stderr (exit status 2), not a traceback after the model has loaded.
 
-SIGTERM drains (:class:`DrainingServer`): the worker stops admitting (``reserve`` / ``prefill``
-/ ``generate`` answer 503 ``draining``, ``/health`` 503 ``draining``), stops re-registering and
-deregisters from the router (which stops placing there at once), waits until every request it
-holds has finished (at most ``--drain-timeout`` seconds), then exits with status 0. A second
-SIGTERM, or SIGINT, stops at once.
+SIGTERM or SIGINT (Ctrl-C) drains (:class:`DrainingServer`): the worker stops admitting
+(``reserve`` / ``prefill`` / ``generate`` answer 503 ``draining``, ``/health`` 503
+``draining``), stops re-registering and deregisters from the router (which stops placing there
+at once), waits until every request it holds has finished (at most ``--drain-timeout``
+seconds), then exits with status 0. More SIGTERMs while draining are ignored (a signal sent to
+the whole process group and the launcher's own reach a worker both); a second SIGINT ends the
+drain at once (open streams get at most 3 s). A signal before the app has started ends the
+process quietly with status 0. No signal ends in a traceback.
+
+The process title is ``k3serve {role}-worker :PORT`` (setproctitle), so ``ps`` names the role.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import signal
 import socket
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
+
+from k3serve import tracing
+from k3serve.process import set_title
 
 from worker.base import BaseWorker
 from worker.config import Role, WorkerConfig, parse_config
@@ -28,7 +39,14 @@ from worker.config import Role, WorkerConfig, parse_config
 #: exit status when the HTTP port cannot be bound — not argparse's 2 (a usage error), so a
 #: launcher can tell a taken port (start again elsewhere) from a bad command line
 EXIT_PORT_IN_USE = 3
+#: signals that start a drain: ``kill`` / a launcher, and a terminal's Ctrl-C
+DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 log = logging.getLogger("k3serve.worker")
+
+
+def _quit_before_serving(signum: int, frame: FrameType | None) -> None:
+    """A drain signal while the engine is still being built: nothing is held, exit 0."""
+    raise SystemExit(0)
 
 
 class PortInUseError(OSError):
@@ -56,30 +74,59 @@ def _server_cls() -> type:
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
-        """uvicorn's server whose first SIGTERM drains the worker before shutting down."""
+        """uvicorn's server whose first SIGTERM / SIGINT drains the worker before shutting
+        down, and which never re-raises a handled signal after the run (uvicorn's own
+        ``capture_signals`` does, which ends the process with -15 or a KeyboardInterrupt
+        traceback)."""
 
         def __init__(self, config: Any, worker: BaseWorker, app: Any) -> None:
             super().__init__(config)
             self.worker, self.app = worker, app
             self.drain_task: asyncio.Task | None = None
 
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {s: signal.signal(s, self.handle_exit) for s in DRAIN_SIGNALS}
+            try:
+                yield
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             loop = self.worker.aloop
-            if sig != signal.SIGTERM or self.worker.draining or loop is None:
-                super().handle_exit(sig, frame)
+            if loop is None:  # the app has not started: nothing to drain
+                self.should_exit = True
                 return
-            self.worker.begin_drain()  # admissions stop now, before the loop runs again
-            loop.call_soon_threadsafe(self._start_drain)
+            if not self.worker.draining:
+                self.worker.begin_drain()  # admissions stop now, before the loop runs again
+                loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+                return
+            if sig == signal.SIGINT and not self.should_exit:
+                log.warning("SIGINT while draining: stopping now")
+                loop.call_soon_threadsafe(self._stop_now)
+                return
+            log.info("%s while draining: ignored (the drain ends within --drain-timeout)",
+                     signal.Signals(sig).name)
 
-        def _start_drain(self) -> None:
-            self.drain_task = asyncio.ensure_future(self._drain())
+        def _start_drain(self, signame: str) -> None:
+            self.drain_task = asyncio.ensure_future(self._drain(signame))
 
-        async def _drain(self) -> None:
+        def _stop_now(self) -> None:
+            if self.drain_task is not None:
+                self.drain_task.cancel()
+            self.worker.end_streams()
+            self.should_exit = True
+
+        async def _drain(self, signame: str) -> None:
             from worker.http import stop_registration
             from worker.registration import deregister
 
             w, cfg = self.worker, self.worker.config
-            log.warning("SIGTERM: draining (no new admissions; up to %.0f s)",
+            log.warning("%s: draining (no new admissions; up to %.0f s)", signame,
                         cfg.drain_timeout_s)
             await stop_registration(self.app)
             if cfg.router_url:
@@ -107,8 +154,8 @@ def _server_cls() -> type:
 
 
 def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = None) -> int:
-    """Run a worker of ``worker_cls`` until SIGTERM (a drain, see the module docstring);
-    returns the exit status.
+    """Run a worker of ``worker_cls`` until SIGTERM / SIGINT (a drain, see the module
+    docstring); returns the exit status.
 
     Returns:
         0 after a clean shutdown or a drain; :data:`EXIT_PORT_IN_USE` when the port cannot be bound
@@ -118,6 +165,8 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
 
     from worker.http import create_app
 
+    for sig in DRAIN_SIGNALS:
+        signal.signal(sig, _quit_before_serving)
     config: WorkerConfig = parse_config(role, argv)
     logging.basicConfig(level=config.log_level.upper(),
                         format=f"%(asctime)s {role} %(name)s %(levelname)s %(message)s")
@@ -127,6 +176,8 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
         print(f"k3serve {role} worker: error: {e.strerror}", file=sys.stderr, flush=True)
         return EXIT_PORT_IN_USE
     config = config.bound_to(sock.getsockname()[1])
+    set_title(f"k3serve {role}-worker :{config.port}")
+    tracing.configure(f"k3serve-{role}", config.otlp_traces_endpoint)
     if not config.cluster_token:
         log.warning("no cluster token (K3SERVE_CLUSTER_TOKEN): every internal endpoint of this "
                     "worker and its kvstore is open to anyone who can reach it")
@@ -138,8 +189,13 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
                                           timeout_graceful_shutdown=3, http="h11",
                                           loop="asyncio"), worker, app)
     print(f"k3serve {role} worker {worker.worker_id} listening on {worker.url}", flush=True)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        tracing.shutdown()  # flushes the spans not yet exported
+    for sig in DRAIN_SIGNALS:  # the process is ending: a late signal changes nothing
+        signal.signal(sig, signal.SIG_IGN)
     return 0
 
 
-__all__ = ["EXIT_PORT_IN_USE", "PortInUseError", "bind", "serve"]
+__all__ = ["DRAIN_SIGNALS", "EXIT_PORT_IN_USE", "PortInUseError", "bind", "serve"]

@@ -56,6 +56,11 @@ class WorkerLoad(Message):
             tokens it computes), a counter like ``prefills``. With both, every router replica
             accounts the worker's recent work and request rate over all replicas' requests
             (``router.policies.load.PoolLoad``), as one router counts its own.
+        prefill_rate: measured prefill throughput, tokens per second (> 0): prompt tokens
+            computed over the seconds of the engine steps that computed them, over its recent
+            such steps (``worker.loop.PrefillMeter``; decode-only steps excluded). ``None``:
+            no prefill measured yet. The router prices the worker's queue at it in place of
+            its static ``--prefill-rate``.
     """
 
     queued_prefill_tokens: StrictInt = Field(default=0, ge=0)
@@ -64,6 +69,7 @@ class WorkerLoad(Message):
     free_slots: StrictInt | None = Field(default=None, ge=0)
     prefills: StrictInt | None = Field(default=None, ge=0)
     prefill_tokens: StrictInt | None = Field(default=None, ge=0)
+    prefill_rate: float | None = Field(default=None, gt=0)
 
 
 class CacheEvents(Message):

@@ -14,16 +14,14 @@ on their shards, so the collectives inside the forward (all-reduce, all-to-all) 
 
 ``ParallelModelRunner`` has the methods of ``k3serve.engine.runner.ModelRunner`` (``forward``,
 ``prepare_slots``, ``save_snapshots``, ``fork``) so an engine on rank 0 can drive it unchanged.
-``start_instance`` makes the calling process rank 0 and starts ranks 1 … W−1 as processes
-(torch.multiprocessing, a FileStore rendezvous): a worker with ``tp``/``ep`` > 1.
+``k3serve.parallel.ranks`` starts the ranks: on one host (rank 0 starts the others) or as
+processes that another launcher places (Ray actors across nodes, a TCPStore rendezvous).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import tempfile
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -40,6 +38,9 @@ from k3serve.parallel import tp as tp_mod
 from k3serve.parallel.expert_plan import LayerPlan, Plan
 
 _log = logging.getLogger("k3serve.parallel")
+COLLECTIVE_TIMEOUT_S = 30.0
+INSTANCE_FAILED_EXIT = 70
+"""Exit code of a rank-0 process whose instance failed (a collective raised or timed out)."""
 
 
 class Row(NamedTuple):
@@ -66,9 +67,12 @@ class InstanceSpec:
         seed: random-init seed (every rank draws the same weights).
         device: ``cpu`` (every rank on the CPU, gloo) or ``cuda`` (rank r on ``cuda:r``).
         threads: torch intra-op threads of each rank process.
+        collective_timeout_s: seconds a collective of the model (all-reduce, all-to-all,
+            gather) may wait for a peer before it raises: a rank that hangs is detected
+            within this bound, and the instance fails as a whole (:class:`ParallelModelRunner`).
 
     Raises:
-        ValueError: ``tp``/``ep`` < 1, or both > 1 and different.
+        ValueError: ``tp``/``ep`` < 1, or both > 1 and different; ``collective_timeout_s`` ≤ 0.
     """
 
     model: str = "k3-tiny"
@@ -84,8 +88,11 @@ class InstanceSpec:
     seed: int = 0
     device: str = "cpu"
     threads: int = 1
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
 
     def __post_init__(self) -> None:
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s: must be > 0, got {self.collective_timeout_s}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -104,8 +111,11 @@ class InstanceSpec:
         return max(self.tp, self.ep)
 
     def rank_device(self, rank: int) -> str:
-        """Where rank ``rank`` lives: ``cpu`` or ``cuda:{rank}``."""
-        return "cpu" if self.device == "cpu" else f"cuda:{rank}"
+        """Where rank ``rank`` lives: ``cpu``, or ``cuda:{rank}`` where the process sees the
+        instance's cards (one host), ``cuda:0`` where it sees one (a Ray actor's card)."""
+        if self.device == "cpu":
+            return "cpu"
+        return f"cuda:{rank if self.world <= torch.cuda.device_count() else 0}"
 
     @property
     def backend(self) -> str:
@@ -276,6 +286,7 @@ class ParallelModelRunner(RankRunner):
         super().__init__(spec, 0, device)
         self._procs: list[Any] = []
         self._tmp: Any = None
+        self.rendezvous: Any = None  # a TCPStore rank 0 hosts for followers placed elsewhere
         self.staging: TransferPools | None = None
         if spec.tp > 1:
             c, p = self.cfg, self.pools
@@ -293,6 +304,20 @@ class ParallelModelRunner(RankRunner):
     def transfer_pools(self) -> Any:
         return self.staging if self.staging is not None else self.pools
 
+    def instance_failed(self, op: str, exc: BaseException) -> None:
+        """An op raised: its peers are mid-collective or gone, so the instance cannot go on.
+        Kills the followers this process started, logs, and ends this process with
+        :data:`INSTANCE_FAILED_EXIT` (its supervisor restarts the instance whole; followers
+        placed elsewhere fail in their next collective)."""
+        import sys
+
+        for p in self._procs:  # followers of this host: a stopped one would never leave
+            p.kill()
+        _log.critical("instance failed in %s: %r", op, exc, exc_info=exc)
+        print(f"k3serve: instance failed in {op}: {exc!r}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(INSTANCE_FAILED_EXIT)
+
     def _bcast(self, op: str, *args: Any) -> None:
         obj = [(op, args)]
         dist.broadcast_object_list(obj, src=0, group=_CTL_GROUP)
@@ -307,43 +332,44 @@ class ParallelModelRunner(RankRunner):
             hook(int(layer.idx))
         return logits
 
+    def _run(self, op: str, fn: Any, *args: Any) -> Any:
+        """Broadcast ``op`` and run ``fn(*args)`` here; any failure fails the instance."""
+        try:
+            self._bcast(op, *args)
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 — the peers cannot continue the collective
+            self.instance_failed(op, e)
+
     def forward(self, rows, layer_hook=None):
         rows = [Row(list(r.token_ids), r.num_cached, r.slot, list(r.block_table)) for r in rows]
-        self._bcast("forward", rows)
-        return super().forward(rows, layer_hook)
+        try:
+            self._bcast("forward", rows)
+            return super().forward(rows, layer_hook)
+        except Exception as e:  # noqa: BLE001 — as _run
+            self.instance_failed("forward", e)
 
     def prepare_slots(self, admissions):
-        admissions = list(admissions)
-        self._bcast("prepare_slots", admissions)
-        super().prepare_slots(admissions)
+        self._run("prepare_slots", super().prepare_slots, list(admissions))
 
     def save_snapshots(self, saves):
-        saves = list(saves)
-        self._bcast("save_snapshots", saves)
-        super().save_snapshots(saves)
+        self._run("save_snapshots", super().save_snapshots, list(saves))
 
     def fork(self, plan):
-        self._bcast("fork", plan)
-        super().fork(plan)
+        self._run("fork", super().fork, plan)
 
     def zero_slots(self, slots):
-        slots = list(slots)
-        self._bcast("zero_slots", slots)
-        super().zero_slots(slots)
+        self._run("zero_slots", super().zero_slots, list(slots))
 
     def gather_slots(self, slots):
         slots = [int(s) for s in slots]
         if self.staging is None or not slots:
             return
-        self._bcast("gather_slots", slots)
-        super().gather_slots(slots)
+        self._run("gather_slots", super().gather_slots, slots)
 
     def receive_cache(self, slot: int, pages: Sequence[int]) -> None:
         """The transfer of one request landed in :attr:`transfer_pools` (slot ``slot``, latent
         ``pages``): hand every rank its part (``scatter_cache``) before the request runs."""
-        pages = [int(p) for p in pages]
-        self._bcast("scatter_cache", int(slot), pages)
-        super().scatter_cache(int(slot), pages)
+        self._run("scatter_cache", super().scatter_cache, int(slot), [int(p) for p in pages])
 
     def stop(self) -> None:
         """Release the followers (their ``follow`` loops return)."""
@@ -354,12 +380,18 @@ class ParallelModelRunner(RankRunner):
         (a ``TemporaryDirectory``) that :meth:`close` stops and removes."""
         self._procs, self._tmp = list(procs), tmp
 
+    def follower_pids(self) -> list[int]:
+        """Process ids of the followers this process started (ranks 1 …; empty when another
+        launcher started them)."""
+        return [p.pid for p in self._procs]
+
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the follower processes ``start_instance`` started (idempotent; the ones that do
-        not leave within ``timeout`` seconds are killed) and leave the process group. Call it
-        when no other thread drives this runner any more."""
+        """Stop the followers (``stop``; the processes ``start_instance`` started and do not
+        leave within ``timeout`` seconds are killed; idempotent) and leave the process group.
+        Call it when no other thread drives this runner any more."""
         procs, self._procs = self._procs, []
-        if procs:
+        remote, self.rendezvous = self.rendezvous is not None, None
+        if procs or remote:
             try:
                 if all(p.is_alive() for p in procs):
                     self.stop()
@@ -381,24 +413,59 @@ class ParallelModelRunner(RankRunner):
 
 
 _CTL_GROUP: Any = None
-"""The group the op broadcasts use: a gloo side group when the model's collectives run over
-NCCL (``broadcast_object_list`` of Python values), ``None`` (the default group) on gloo."""
+"""The gloo group of the op broadcasts (Python values): a follower waits there for rank 0's
+next op as long as the instance lives, so its timeout there is :data:`CTL_TIMEOUT`; rank 0's
+broadcast completes when every follower received it, so rank 0's timeout there is the spec's
+``collective_timeout_s``, as for the model's collectives on the default group (gloo on CPU,
+NCCL on GPU)."""
+CTL_TIMEOUT = timedelta(days=30)
 
 
-def init_dist(spec: InstanceSpec, rank: int, store_path: str, timeout_s: float = 300.0) -> None:
-    """Join the instance's process group (FileStore rendezvous); on GPU also the gloo side
-    group of the op broadcasts."""
+def init_dist(spec: InstanceSpec, rank: int, store: str | dist.Store,
+              timeout_s: float = 300.0) -> dist.Store:
+    """Join the instance's process group and the gloo group of the op broadcasts.
+
+    Args:
+        spec: the instance (world size, backend, collective timeout).
+        rank: this rank.
+        store: the rendezvous: a ``FileStore`` path (ranks on one host) or a store object
+            (a ``TCPStore`` whose address went round through Ray).
+        timeout_s: seconds every rank waits for all the others to arrive.
+
+    Returns:
+        The store (for :func:`store_barrier`).
+
+    Raises:
+        RuntimeError: not every rank arrived within ``timeout_s``.
+    """
     global _CTL_GROUP
+    if isinstance(store, str):
+        store = dist.FileStore(store, spec.world)
+    store.set_timeout(timedelta(seconds=timeout_s))
+    store_barrier(store, "joined", rank, spec.world, timeout_s)
     if spec.device == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(spec.rank_device(rank))
     dist.init_process_group(
         spec.backend,
-        store=dist.FileStore(store_path, spec.world),
+        store=store,
         rank=rank,
         world_size=spec.world,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=spec.collective_timeout_s),
     )
-    _CTL_GROUP = dist.new_group(backend="gloo") if spec.backend != "gloo" else None
+    # rank 0's broadcast waits until every follower received it: bounded like a collective
+    ctl_timeout = CTL_TIMEOUT if rank else timedelta(seconds=spec.collective_timeout_s)
+    _CTL_GROUP = dist.new_group(backend="gloo", timeout=ctl_timeout)
+    return store
+
+
+def store_barrier(store: dist.Store, name: str, rank: int, world: int, timeout_s: float) -> None:
+    """Every rank sets ``name/rank`` and waits for all ``world`` keys.
+
+    Raises:
+        RuntimeError: (torch's ``DistStoreError``) not all within ``timeout_s`` seconds.
+    """
+    store.set(f"{name}/{rank}", "1")
+    store.wait([f"{name}/{r}" for r in range(world)], timedelta(seconds=timeout_s))
 
 
 def follow(runner: RankRunner) -> None:
@@ -414,69 +481,9 @@ def follow(runner: RankRunner) -> None:
         getattr(runner, op)(*args)
 
 
-# --------------------------------------------------------------------------- worker processes
-def _follower_entry(rank: int, spec: InstanceSpec, store_path: str) -> None:
-    """Process target of a worker's rank ≥ 1: join, build the rank, follow rank 0, leave."""
-    code = 0
-    try:
-        torch.set_num_threads(spec.threads)
-        init_dist(spec, rank, store_path)
-        try:
-            follow(RankRunner(spec, rank))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 — printed (the worker's log), then the exit code
-        traceback.print_exc()
-        code = 1
-    finally:
-        import sys
-
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def start_instance(spec: InstanceSpec, timeout_s: float = 300.0) -> ParallelModelRunner:
-    """Make the calling process rank 0 of a ``spec.world``-rank instance: start ranks
-    1 … W−1 as processes (``RankRunner`` + ``follow``; daemonic, so they end with this
-    process), join the group and build rank 0's :class:`ParallelModelRunner` (the worker's
-    engine drives it; ``close()`` stops the followers).
-
-    Raises:
-        RuntimeError: the group did not form within ``timeout_s`` seconds or a follower exited
-            early (exit codes in the message; their tracebacks are on stderr).
-        ValueError: as :class:`RankRunner` (e.g. a head count not divisible by ``tp``).
-    """
-    import torch.multiprocessing as mp
-
-    if spec.world == 1:
-        raise ValueError("tp/ep: start_instance needs tp > 1 or ep > 1")
-    ctx = mp.get_context("spawn")
-    tmp = tempfile.TemporaryDirectory(prefix="k3serve-ranks-")
-    store = os.path.join(tmp.name, "store")
-    procs = []
-    for r in range(1, spec.world):
-        p = ctx.Process(target=_follower_entry, args=(r, spec, store), daemon=True,
-                        name=f"k3serve-rank{r}")
-        p.start()
-        procs.append(p)
-    try:
-        init_dist(spec, 0, store, timeout_s)
-        runner = ParallelModelRunner(spec, 0)
-    except BaseException as e:
-        for p in procs:
-            p.kill()
-            p.join(5)
-        tmp.cleanup()
-        raise RuntimeError(
-            f"instance tp={spec.tp} ep={spec.ep}: rank 0 could not start ({e!r}; follower exit "
-            f"codes {[p.exitcode for p in procs]})"
-        ) from e
-    runner.own_followers(procs, tmp)
-    return runner
-
-
 __all__ = [
+    "COLLECTIVE_TIMEOUT_S",
+    "INSTANCE_FAILED_EXIT",
     "InstanceSpec",
     "ParallelModelRunner",
     "RankRunner",
@@ -484,5 +491,5 @@ __all__ = [
     "TransferPools",
     "follow",
     "init_dist",
-    "start_instance",
+    "store_barrier",
 ]

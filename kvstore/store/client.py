@@ -32,8 +32,10 @@ thread re-checks the keys it reported, ``reconcile_batch`` per pass, with one ba
 Failure model: puts are asynchronous and bounded (``max_pending_bytes``; beyond it a put is
 dropped and counted), never on the engine thread. A store that is down (master gone: RPC
 errors) or full (no space for a put) turns lookups into misses and puts into counted failures,
-with ONE log line per change of state; a probe every ``retry_s`` notices the master's return
-(the Mooncake client re-mounts its segment by itself) and logs one line again.
+with ONE log line per change of state; a probe notices the master's return (the Mooncake
+client re-mounts its segment by itself) and logs one line again. The probe waits ``retry_s``,
+then twice as long after each failed probe, at most ``retry_max_s`` (each failed call makes the
+Mooncake client log an error line of its own).
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ class StoreConfig(BaseSettings):
         protocol: ``tcp`` (one machine, CI) or ``rdma``.
         hostname: this client's address (loopback on one machine).
         max_pending_mb: queued put bytes beyond which puts are dropped (MiB).
-        retry_s: probe interval while the store is down (s).
+        retry_s: first probe interval while the store is down (s); doubled after each
+            failed probe up to ``retry_max_s``.
+        retry_max_s: longest probe interval while the store is down (s).
         reconcile_s: interval of the writer's check that reported keys are still there (s).
         reconcile_batch: keys checked per reconciliation pass (one ``batch_is_exist``).
         max_reported: reported keys remembered for reconciliation (the oldest are forgotten).
@@ -85,6 +89,7 @@ class StoreConfig(BaseSettings):
     hostname: str = "127.0.0.1"
     max_pending_mb: int = Field(default=64, ge=1)
     retry_s: float = Field(default=1.0, gt=0)
+    retry_max_s: float = Field(default=16.0, gt=0)
     reconcile_s: float = Field(default=2.0, gt=0)
     reconcile_batch: int = Field(default=4096, ge=1)
     max_reported: int = Field(default=200_000, ge=1)
@@ -174,6 +179,7 @@ class KVStore:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="store-writer", daemon=True)
         self._next_probe = 0.0
+        self._probe_wait = config.retry_s
         self._idle = threading.Event()
         self._idle.set()
         #: ``(hash, is_snapshot, stored)`` changes of what the store holds, in order, for the
@@ -400,16 +406,20 @@ class KVStore:
         self.stats.failures += n
         self._set_state(state, why)
         if state is StoreState.DOWN:
-            self._next_probe = time.monotonic() + self.config.retry_s
+            self._probe_wait = self.config.retry_s
+            self._next_probe = time.monotonic() + self._probe_wait
 
     def _probe(self) -> bool:
-        """While DOWN: one cheap call every ``retry_s``; True (and UP) once it answers."""
+        """While DOWN: one cheap call after ``retry_s``, then at doubling intervals up to
+        ``retry_max_s``; True (and UP) once it answers."""
         if self.state is not StoreState.DOWN:
             return True
         now = time.monotonic()
         if now < self._next_probe:
             return False
-        self._next_probe = now + self.config.retry_s
+        self._probe_wait = min(self._probe_wait * 2, max(self.config.retry_max_s,
+                                                         self.config.retry_s))
+        self._next_probe = now + self._probe_wait
         try:
             ok = self._client.is_exist(f"k3s/{self.fingerprint[:16]}/probe") >= 0
         except Exception:  # noqa: BLE001

@@ -85,7 +85,7 @@ def test_children_exit_when_the_launcher_is_killed(tmp_path):
     env = dict(os.environ, K3SERVE_API_KEY="secret-key-not-on-the-command-line")
     p = subprocess.Popen(
         [sys.executable, "-m", "cli", "serve", "--prefill", "1", "--decode", "1",
-         "--port", str(port), "--block-size", "16"],
+         "--port", str(port), "--block-size", "16", "--no-store"],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
     kids: list[int] = []

@@ -109,9 +109,10 @@ def test_real_prometheus_records_the_routers_hit_rate(tmp_path):
                         sd_dir=str(tmp_path / "targets"))
     prom = None
     try:
-        health = httpx.get(f"{stack.url}/health", params={"detail": 1}, timeout=5).json()
+        health = httpx.get(f"{stack.url}/health", params={"detail": 1}, timeout=5,
+                           headers={"Authorization": "Bearer k"}).json()
         assert {w["url"] for w in health["workers"]} | {stack.url} <= _sd_urls(tmp_path / "targets")
-        prom = Prometheus(prepare_config(tmp_path / "run", 1.0, tmp_path / "targets"),
+        prom = Prometheus(prepare_config(tmp_path / "run", 1.0, tmp_path / "targets", "k"),
                           tmp_path / "data")
         # wait for every target up and the router's zero-initialised counters scraped, so the
         # rate windows start at 0 (no extrapolation difference between the series)

@@ -1,10 +1,12 @@
-"""deploy/ray_backend.py on this CPU machine.
+"""deploy/ray_backend.py on this CPU machine, each Ray a cluster of its own (temp dir, free
+ports: ``tests/parallel/ray_cluster.py``), so the tests pass beside another Ray.
 
 1. ``ray.cluster_utils.Cluster`` with 8 nodes × 8 logical GPUs: the supernode-64 plan's 64 rank
    actors (zero-CPU placeholders) land where the config says, read back through Ray's state API.
-2. A real local Ray run of the tiny model: router + 2 prefill + 1 decode actors serve chat
-   completions (openai client); killing the decode actor → Ray restarts it on fresh ports, the
-   router registers it again, the next request succeeds; Ray stops and leaves no process.
+2. The README's ``k3serve serve --ray --config deploy/configs/local-cpu.yaml`` deployment, its
+   only change ``router.port`` (a fixed, free port): router + 2 prefill + 1 decode actors serve
+   chat completions (openai client); killing the decode actor → Ray restarts it on fresh ports,
+   the router registers it again, the next request succeeds; Ray stops and leaves no process.
 """
 
 from __future__ import annotations
@@ -26,33 +28,11 @@ ray = pytest.importorskip("ray", reason="Ray is an extra: pip install -e '.[ray]
 from deploy.config import load_deploy_config
 from deploy.plan import make_plan
 from deploy.ray_backend import deploy, init_local_ray, placement_layout
+from tests.parallel.ray_cluster import alive as _alive
+from tests.parallel.ray_cluster import free_port, local_cluster
+from tests.parallel.ray_cluster import pids_with as _pids_with
 
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
-SMALL_STORE = 80 * 2**20
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is gone for our purposes
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
-
-
-def _pids_with(text: str) -> list[int]:
-    found = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                if text in (d / "cmdline").read_bytes().decode(errors="replace"):
-                    found.append(int(d.name))
-            except OSError:
-                pass
-    return [p for p in found if _alive(p)]
 
 
 def test_placement_layout_gives_k3_instances_whole_nodes():
@@ -63,19 +43,9 @@ def test_placement_layout_gives_k3_instances_whole_nodes():
 
 
 def test_supernode_64_actors_land_where_the_config_says():
-    from ray.cluster_utils import Cluster
     from ray.util.state import list_actors, list_placement_groups
 
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "num_gpus": 0, "object_store_memory": SMALL_STORE,
-        "node_ip_address": "127.0.0.1", "include_dashboard": True,  # the state API's server
-        "dashboard_host": "127.0.0.1"})
-    try:
-        for _ in range(8):
-            cluster.add_node(num_cpus=0, num_gpus=8, object_store_memory=SMALL_STORE,
-                             node_ip_address="127.0.0.1")
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
+    with local_cluster(8, gpus_per_node=8, dashboard=True):  # the state API's server
         dc = load_deploy_config(CONFIGS / "supernode-64.yaml")
         # zero-CPU placeholders: 64 ranks fit this 2-core machine
         dc = dataclasses.replace(dc, cluster=dataclasses.replace(dc.cluster, cpus_per_rank=0))
@@ -111,9 +81,6 @@ def test_supernode_64_actors_land_where_the_config_says():
             assert t["strategy"] == "STRICT_SPREAD"
             assert len(set(t["bundles_to_node_id"].values())) == 2  # two whole nodes
         stack.stop()
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 @pytest.mark.slow
@@ -125,11 +92,15 @@ def test_local_ray_serves_restarts_and_cleans_up(tmp_path):
     children: list[int] = []
     try:
         init_local_ray(num_cpus=2, temp_dir=temp)
-        stack = deploy(CONFIGS / "local-cpu.yaml", router_port=0, sd_dir=sd, api_key="k",
-                       ready_timeout=240)
+        dc = load_deploy_config(CONFIGS / "local-cpu.yaml")
+        port = free_port()
+        dc = dataclasses.replace(dc, router=dataclasses.replace(dc.router, port=port))
+        stack = deploy(dc, sd_dir=sd, api_key="k", ready_timeout=240)
         try:
             children += [ray.get(h.info.remote())["pid"] for h in stack.workers.values()]
-            children.append(ray.get(stack.router.info.remote())["pid"])
+            rinfo = ray.get(stack.router.info.remote())
+            children.append(rinfo["pid"])
+            assert stack.url == rinfo["url"] == f"http://127.0.0.1:{port}"
             client = OpenAI(base_url=f"{stack.url}/v1", api_key="k", timeout=120)
             msg = [{"role": "user", "content": "The capital of France is"}]
             r = client.chat.completions.create(model="k3-tiny", messages=msg, max_tokens=6)
@@ -155,7 +126,8 @@ def test_local_ray_serves_restarts_and_cleans_up(tmp_path):
             # the restarted worker came back on a fresh port and registered itself again
             import httpx
             while time.monotonic() < deadline:
-                body = httpx.get(f"{stack.url}/health", params={"detail": 1}, timeout=5).json()
+                body = httpx.get(f"{stack.url}/health", params={"detail": 1}, timeout=5,
+                                 headers={"Authorization": "Bearer k"}).json()
                 state = {w["url"]: w["healthy"] for w in body["workers"]}
                 if state.get(new) and not state.get(old):
                     break

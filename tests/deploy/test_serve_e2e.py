@@ -26,9 +26,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from k3serve.protocol import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER
+
 ROOT = Path(__file__).resolve().parents[2]
 B = 16
 KEY = "sk-e2e-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}  # the router's /metrics, /health?detail=1
 MODEL = "k3-tiny"
 
 
@@ -57,7 +60,8 @@ def _wait_indexed(stack, min_blocks: int, timeout: float = 5.0) -> None:
     """Let the router pull the workers' cache events (it polls every 0.1 s)."""
     t_end = time.monotonic() + timeout
     while time.monotonic() < t_end:
-        ws = httpx.get(stack.url + "/health", params={"detail": 1}, timeout=5).json()["workers"]
+        ws = httpx.get(stack.url + "/health", params={"detail": 1}, headers=AUTH,
+                       timeout=5).json()["workers"]
         if sum(w["blocks"] for w in ws if w["role"] == "prefill") >= min_blocks:
             return
         time.sleep(0.1)
@@ -131,7 +135,7 @@ def test_stop_string_cuts_the_text(client):
 
 def test_metrics_have_the_design_names(stack, client):
     client.completions.create(model=MODEL, prompt="metrics " * 8, max_tokens=2, temperature=0)
-    text = httpx.get(stack.url + "/metrics", timeout=10).text
+    text = httpx.get(stack.url + "/metrics", headers=AUTH, timeout=10).text
     for name in ("k3serve:request_prompt_tokens_total", "k3serve:request_cached_tokens_total",
                  "k3serve:router_predicted_cached_tokens_total", "k3serve:cache_hit_rate",
                  "k3serve:time_to_first_token_seconds", "k3serve:inter_token_latency_seconds",
@@ -206,7 +210,8 @@ def test_bad_input_sweep(stack, path, body, status):
 # ============================================================================ failures
 def _health(stack) -> dict:
     try:
-        return httpx.get(stack.url + "/health", params={"detail": 1}, timeout=5).json()
+        return httpx.get(stack.url + "/health", params={"detail": 1}, headers=AUTH,
+                         timeout=5).json()
     except httpx.HTTPError:
         return {}
 
@@ -281,9 +286,12 @@ def test_k3serve_serve_prints_url_and_sigterm_stops_every_child(tmp_path):
 
     port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", str(port), "--prefill", "1", "--decode", "1",
-                          "--block-size", str(B), "--max-prompts", "2", "--num-pages", "96"],
+                          "--block-size", str(B), "--max-prompts", "2", "--num-pages", "96",
+                          "--no-store"],
                          cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+                         stderr=subprocess.STDOUT, text=True,
+                         # setproctitle leaves /proc/PID/environ readable (the cluster token)
+                         env={**os.environ, "SPT_NOENV": "1"})
     kids: list[int] = []
     try:
         url, lines = None, []
@@ -303,10 +311,20 @@ def test_k3serve_serve_prints_url_and_sigterm_stops_every_child(tmp_path):
         r = httpx.post(url + "/v1/completions", timeout=10, json={
             "model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_prompts"
-        argvs = {k: open(f"/proc/{k}/cmdline").read().split("\0") for k in kids}
-        workers = [a for a in argvs.values() if any(x.endswith(".worker") for x in a)]
-        assert len(workers) == 2 and all(
-            a[a.index("--num-pages") + 1] == "96" for a in workers), argvs
+        # `ps` names each process by its role (setproctitle); the workers got --num-pages 96
+        titles = {k: Path(f"/proc/{k}/cmdline").read_text().replace("\0", " ").strip()
+                  for k in kids}
+        assert Path(f"/proc/{p.pid}/cmdline").read_text().strip("\0 ") == "k3serve serve"
+        assert sorted(t.split()[1] for t in titles.values()) == [
+            "decode-worker", "prefill-worker", "router"], titles
+        assert all(t.startswith("k3serve ") for t in titles.values()), titles
+        for k, t in titles.items():
+            if t.split()[1].endswith("-worker"):
+                env = dict(x.split("=", 1) for x in Path(f"/proc/{k}/environ").read_text().split(
+                    "\0") if "=" in x)
+                info = httpx.get(f"http://127.0.0.1{t.split()[2]}/internal/info", timeout=10,
+                                 headers={CLUSTER_TOKEN_HEADER: env[CLUSTER_TOKEN_ENV]}).json()
+                assert info["capacity"]["num_pages"] == 96, (t, info["capacity"])
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
     finally:

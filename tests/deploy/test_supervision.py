@@ -37,6 +37,7 @@ from tests.worker_procs import _sampling, _stream
 
 B = 16
 KEY = "sk-supervision-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}  # the router's /metrics, /health?detail=1
 PROMPT = "The quick brown fox jumps over the lazy dog and"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 N_STREAMS = 4
@@ -59,12 +60,12 @@ def stack(tmp_path_factory):
 
 def _complete(stack: Stack) -> httpx.Response:
     return httpx.post(stack.url + "/v1/completions", timeout=120,
-                      headers={"Authorization": f"Bearer {KEY}"},
+                      headers=AUTH,
                       json={"model": "k3-tiny", "prompt": PROMPT, "max_tokens": 4})
 
 
 def _router_workers(stack: Stack) -> dict[str, bool]:
-    body = httpx.get(stack.url + "/health", params={"detail": 1}, timeout=5).json()
+    body = httpx.get(stack.url + "/health", params={"detail": 1}, headers=AUTH, timeout=5).json()
     return {w["url"]: w["healthy"] for w in body.get("workers", ())}
 
 
@@ -127,7 +128,7 @@ def test_the_only_decode_worker_killed_mid_stream_restarts_and_its_streams_migra
     assert new_url != old_url  # restarted by the supervisor, on a fresh port
     ws = _router_workers(stack)
     assert ws.get(new_url) and old_url not in ws, ws
-    text = httpx.get(stack.url + "/metrics", timeout=10).text
+    text = httpx.get(stack.url + "/metrics", headers=AUTH, timeout=10).text
     migrated = sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
                    if ln.startswith("k3serve:router_migrations_total"))
     assert migrated >= 1

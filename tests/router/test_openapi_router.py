@@ -93,7 +93,7 @@ def test_health_body_is_the_router_health_model(app):
     from k3serve.messages import RouterHealth
 
     with TestClient(app) as c:
-        r = c.get("/health", params={"detail": 1})
+        r = c.get("/health", params={"detail": 1}, headers={"Authorization": "Bearer sk-x"})
         assert r.status_code == 503
         h = RouterHealth.model_validate(r.json())
         assert h.status == "unavailable" and h.workers == [] and h.model == MODEL

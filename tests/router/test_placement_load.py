@@ -125,7 +125,8 @@ def test_default_policy_spreads_cold_work_by_recent_load():
             with router.pool.workers["http://p0"].load(queued_tokens=len(ids)):
                 pass
         got = []
-        for _ in range(40):
+        for k in range(40):  # distinct prompts (a repeat would be a pending hit where it went)
+            ids = list(range(1 + 200 * k, 161 + 200 * k))
             p, P, _ = router.place(ids, None, 4)
             with P.load(queued_tokens=len(ids) - p.predicted_cached_tokens):
                 got.append(P.url)

@@ -71,7 +71,8 @@ def test_a_large_batch_that_the_client_gives_up_on_leaves_every_worker_healthy()
     connection pool that the health polls shared; they failed with ``PoolTimeout`` and every
     worker was marked unhealthy while each answered its own /health. Choices now run on the
     decode slots (``Admission.seat``) and the polls have their own pool."""
-    s = Stack(num_prefill=1, num_decode=1, api_key=None, poll_timeout_s=1.0)
+    # max_queued: the 120 choices fit in what the router runs at once (8 slots + 128 queued)
+    s = Stack(num_prefill=1, num_decode=1, api_key=None, poll_timeout_s=1.0, max_queued=128)
     try:
         (dec, _), = s.decode
         dec.hang_after = 1  # every stream stalls after one token until the router aborts it

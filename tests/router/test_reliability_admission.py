@@ -55,10 +55,16 @@ def test_a_batch_of_2000_prompts_is_refused_at_once_and_health_keeps_answering(s
         stop.set()
         t.join(10)
     assert health and set(health) == {200}
-    # at the cap it is served
+    # at the prompt cap, but past the choices the server runs at once (8 decode slots + 16
+    # queued): refused up front, naming that limit
     r = httpx.post(stack.url + "/v1/completions", json={**body, "prompt": body["prompt"][:32]},
                    timeout=60)
-    assert r.status_code == 200 and len(r.json()["choices"]) == 32
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_choices", r.text
+    assert "24" in r.json()["error"]["message"]
+    # at the choice limit it is served
+    r = httpx.post(stack.url + "/v1/completions", json={**body, "prompt": body["prompt"][:24]},
+                   timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 24
     # a single prompt of many token ids is one prompt
     r = httpx.post(stack.url + "/v1/completions",
                    json={**body, "prompt": [100] * 300}, timeout=10)

@@ -23,7 +23,7 @@ def _served_config(monkeypatch) -> uvicorn.Config:
         def run(self, sockets=None) -> None:
             seen["sockets"] = sockets
 
-    monkeypatch.setattr(uvicorn, "Server", Server)
+    monkeypatch.setattr(rm, "StoppingServer", Server)  # router/__main__.py's uvicorn.Server
     monkeypatch.setattr(rm, "tune_gc", lambda: None)  # not this test process's collector
     assert rm.main(["--host", "127.0.0.1", "--port", "0", "--model", "k3-tiny"]) == 0
     assert seen["sockets"]

@@ -44,15 +44,14 @@ def spans_of(body: bytes) -> list[dict]:
 
 def main(port_file: str, out: str) -> None:
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's name
+        def do_POST(self):
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             if self.path.rstrip("/") != "/v1/traces":
                 self.send_response(404)
                 self.end_headers()
                 return
             with open(out, "a") as f:
-                for s in spans_of(body):
-                    f.write(json.dumps(s) + "\n")
+                f.writelines(json.dumps(s) + "\n" for s in spans_of(body))
             reply = ExportTraceServiceResponse().SerializeToString()
             self.send_response(200)
             self.send_header("Content-Type", "application/x-protobuf")

@@ -2,44 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 
 from k3serve import tracing
-
-HERE = Path(__file__).resolve().parent
-
-
-@pytest.fixture()
-def receiver(tmp_path):
-    """(endpoint URL, spans file) of a receiver process, stopped afterwards."""
-    port_file, out = tmp_path / "port", tmp_path / "spans.jsonl"
-    proc = subprocess.Popen([sys.executable, str(HERE / "otlp_receiver.py"), str(port_file),
-                             str(out)])
-    try:
-        deadline = time.monotonic() + 20
-        while not port_file.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "receiver did not start"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port_file.read_text()}", out
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def read_spans(path: Path, n: int, timeout: float = 20.0) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        spans = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-        if len(spans) >= n:
-            return spans
-        time.sleep(0.05)
-    raise AssertionError(f"{len(spans)} spans received, expected {n}")
+from tests.tracing.spans import read_spans
 
 
 def test_off_by_default_costs_nothing():

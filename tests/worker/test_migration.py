@@ -44,6 +44,7 @@ import pytest
 
 B = 16
 KEY = "sk-migr"
+AUTH = {"Authorization": f"Bearer {KEY}"}  # the router's /metrics, /health?detail=1
 MODEL = "k3-tiny"
 N_STREAMS = 50  # must-show 1: the kill -9 of a decode worker
 N_LOAD = 16  # the other faults' load (the first N_LOAD requests)
@@ -140,7 +141,7 @@ def run_all(url: str, bodies: list[dict], during=None) -> list[tuple[str, str | 
 
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels``."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", headers=AUTH, timeout=10).text
     want = [f'{k}="{v}"' for k, v in labels.items()]
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith((name + "{", name + " "))
@@ -153,7 +154,7 @@ def usage(stack, url: str) -> dict:
 
 
 def router_health(url: str) -> dict:
-    return httpx.get(url + "/health", params={"detail": 1}, timeout=10).json()
+    return httpx.get(url + "/health", params={"detail": 1}, headers=AUTH, timeout=10).json()
 
 
 async def watch_health(url: str, seen: list[bool], stop: asyncio.Event) -> None:
@@ -162,7 +163,8 @@ async def watch_health(url: str, seen: list[bool], stop: asyncio.Event) -> None:
     matter)."""
     async with httpx.AsyncClient(timeout=10) as c:
         while not stop.is_set():
-            ws = (await c.get(url + "/health", params={"detail": 1})).json()["workers"]
+            ws = (await c.get(url + "/health", params={"detail": 1},
+                              headers=AUTH)).json()["workers"]
             seen.append(len(ws) == 4 and all(w["healthy"] for w in ws))
             await asyncio.sleep(0.1)
 

@@ -31,8 +31,9 @@ from worker.http import create_app
 
 TOKEN = "security-test-token-0123456789"
 API_KEY = "sk-security-test"
-# everything else: /internal → cluster token, /v1 → API key; the public API's schema is public
-ROUTER_PUBLIC = {"/health", "/metrics", "/openapi.json"}
+# everything else: /internal → cluster token, /v1 and ROUTER_KEYED → API key
+ROUTER_PUBLIC = {"/health", "/livez", "/readyz"}
+ROUTER_KEYED = {"/metrics", "/openapi.json"}
 BAD = [
     {},
     {CLUSTER_TOKEN_HEADER: "wrong"},
@@ -152,8 +153,10 @@ def test_every_router_route_needs_the_token_or_the_api_key():
     routes = _routes(app)
     internal = [(m, p) for m, p in routes if p.startswith("/internal/")]
     public_api = [(m, p) for m, p in routes if p.startswith("/v1/")]
-    assert {p for _, p in routes} - {p for _, p in internal + public_api} <= ROUTER_PUBLIC, (
-        "a router route that is neither /internal (token) nor /v1 (API key) nor listed public")
+    assert {p for _, p in routes} - {p for _, p in internal + public_api} <= (
+        ROUTER_PUBLIC | ROUTER_KEYED), (
+        "a router route that is neither /internal (token) nor /v1 (API key) nor listed")
+    public_api += [("GET", p) for p in sorted(ROUTER_KEYED)] + [("GET", "/health?detail=1")]
     assert {"/internal/register", "/internal/deregister"} <= {p for _, p in internal}
     with TestClient(app, raise_server_exceptions=False) as client:
         for method, path in internal:

@@ -1,0 +1,99 @@
+"""A local Ray cluster of its own for a test: ``ray.cluster_utils.Cluster`` on loopback with its
+own temp dir (not ``/tmp/ray``) and free ports for everything Ray would otherwise bind at a
+fixed number (GCS 6379, dashboard 8265, dashboard agent 52365, …), so it runs beside another
+Ray on the same machine. ``with local_cluster(nodes, gpus) as c:`` connects this process
+(``ray.init``) and shuts everything down on exit, leaving no Ray process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback (before ray import)
+
+SMALL_STORE = 80 * 2**20
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (127.0.0.1)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_ports() -> dict[str, Any]:
+    """Free ports for the per-node servers Ray starts on fixed defaults."""
+    return {"node_manager_port": free_port(), "object_manager_port": free_port(),
+            "dashboard_agent_listen_port": free_port(), "metrics_agent_port": free_port(),
+            "metrics_export_port": free_port(), "runtime_env_agent_port": free_port()}
+
+
+def alive(pid: int) -> bool:
+    """``pid`` runs and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def pids_with(text: str) -> list[int]:
+    """Live processes (not this one) whose command line contains ``text``."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if text in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(d.name))
+            except OSError:
+                pass
+    return [p for p in found if alive(p)]
+
+
+@contextmanager
+def local_cluster(nodes: int, gpus_per_node: int = 0, cpus_per_node: float = 0,
+                  dashboard: bool = False) -> Iterator[Any]:
+    """A head node without resources plus ``nodes`` worker nodes, this process connected.
+
+    Args:
+        nodes: worker nodes.
+        gpus_per_node / cpus_per_node: logical resources of each worker node.
+        dashboard: start the dashboard (Ray's state API needs it) on a free port.
+
+    Yields:
+        the ``Cluster``; its ``temp_dir`` attribute is the cluster's own temp folder.
+    """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    temp = tempfile.mkdtemp(prefix="k3ray", dir="/tmp")  # Ray's socket paths must stay short
+    head = {"num_cpus": 0, "num_gpus": 0, "object_store_memory": SMALL_STORE,
+            "node_ip_address": "127.0.0.1", "temp_dir": temp, "gcs_server_port": free_port(),
+            "include_dashboard": dashboard, "dashboard_host": "127.0.0.1",
+            "dashboard_port": free_port(), "ray_client_server_port": free_port(),
+            **node_ports()}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    try:
+        for _ in range(nodes):
+            cluster.add_node(num_cpus=cpus_per_node, num_gpus=gpus_per_node,
+                             object_store_memory=SMALL_STORE, node_ip_address="127.0.0.1",
+                             **node_ports())
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        cluster.temp_dir = temp
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and pids_with(temp):
+            time.sleep(0.5)
+        shutil.rmtree(temp, ignore_errors=True)
