@@ -256,12 +256,18 @@ class BaseWorker(abc.ABC):
     def gauges(self) -> dict[str, float]:  # engine thread
         """The metric gauges now (:meth:`WorkerMetrics.set_gauges`)."""
         u = self.engine.cm.usage()
-        return {
+        g = {
             "kda_snapshots": u.snapshots_used + u.snapshots_cached,
             "cache_usage_ratio": u.usage_ratio,
             "num_requests_running": len(self.engine.scheduler.running),
             "num_requests_waiting": self.num_waiting(),
         }
+        spec = getattr(self.engine, "spec", None)
+        if spec is not None:  # speculative decoding counters (WorkerMetrics.set_gauges)
+            st = spec.stats
+            g.update(spec_proposed_tokens=st.proposed, spec_accepted_tokens=st.accepted,
+                     spec_emitted_tokens=st.emitted, spec_verify_rows=st.rows)
+        return g
 
 
 class _Collector:

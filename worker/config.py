@@ -21,6 +21,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from k3serve.engine.spec.config import SpecConfig
 from k3serve.process import FlagParser
 from k3serve.protocol import CLUSTER_TOKEN_ENV
 from k3serve.tracing import ENDPOINT_ENV
@@ -106,6 +107,10 @@ class WorkerConfig:
             ``resume``) this worker holds unanswered at once — its queue; one more is answered
             503 ``busy`` with ``Retry-After`` (:mod:`worker.http`) and the router places it
             elsewhere. 0: no bound.
+        speculative: decode workers: speculative decoding method (``ngram`` / ``draft``) or
+            ``None`` (off); prefill workers ignore it (they sample token #1 only).
+        num_speculative_tokens: ``k``, tokens proposed per sequence and step.
+        speculative_draft_model: the draft model of ``draft`` (preset name or folder).
         otlp_traces_endpoint: OTLP/HTTP URL the request spans are exported to
             (:mod:`k3serve.tracing`); ``None``: tracing off.
     """
@@ -152,7 +157,21 @@ class WorkerConfig:
     drain_timeout_s: float = 60.0
     max_prefill_backlog: int | None = None
     max_queued: int = 256
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_draft_model: str | None = None
     otlp_traces_endpoint: str | None = None
+
+    def spec_config(self) -> SpecConfig | None:
+        """The engine's speculative-decoding settings (``None``: off, or a prefill worker).
+
+        Raises:
+            ValueError: bad speculative flags (``SpecConfig`` names the field).
+        """
+        if self.speculative is None or self.role != "decode":
+            return None
+        return SpecConfig(self.speculative, self.num_speculative_tokens,
+                          draft_model=self.speculative_draft_model)
 
     @property
     def url_host(self) -> str:
@@ -239,6 +258,14 @@ def build_parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
     ap.add_argument("--max-prefill-backlog", type=int, default=None, metavar="TOKENS",
                     help="prefill: admit no new prompt while the running prefills have this "
                          "many tokens left (default: --max-num-batched-tokens; 0: no cap)")
+    ap.add_argument("--speculative", default=None, choices=("ngram", "draft"),
+                    help="decode: speculative decoding by n-gram prompt lookup or a draft "
+                         "model (default: off; prefill workers ignore it)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                    help="decode: tokens proposed per sequence and step (with --speculative)")
+    ap.add_argument("--speculative-draft-model", default=None, metavar="MODEL",
+                    help="decode: the draft model of --speculative draft (preset or folder, "
+                         "the target's vocabulary)")
     ap.add_argument("--max-queued", type=int, default=256, metavar="N",
                     help="most admission calls (reserve/prefill/generate/resume) held "
                          "unanswered at once; more: 503 busy + Retry-After (0: no bound)")
@@ -315,7 +342,28 @@ def parse_config(role: Role, argv: list[str] | None = None,
         gpu_memory_utilization=sizes.gpu_memory_utilization, max_num_seqs=sizes.max_num_seqs,
         cuda_graphs=a.cuda_graphs, drain_timeout_s=a.drain_timeout,
         max_prefill_backlog=a.max_prefill_backlog, max_queued=_max_queued(a.max_queued),
-        otlp_traces_endpoint=a.otlp_traces_endpoint or env.otlp_traces_endpoint or None)
+        otlp_traces_endpoint=a.otlp_traces_endpoint or env.otlp_traces_endpoint or None,
+        **_spec_flags(a, role))
+
+
+def _spec_flags(a: argparse.Namespace, role: str) -> dict:
+    """``speculative``, ``num_speculative_tokens``, ``speculative_draft_model``, checked
+    (a decode worker refuses to start with settings ``SpecConfig`` rejects).
+
+    Raises:
+        SystemExit: a bad combination (the message names the field).
+    """
+    out = {"speculative": a.speculative, "num_speculative_tokens": a.num_speculative_tokens,
+           "speculative_draft_model": a.speculative_draft_model}
+    if a.speculative is not None and role == "decode":
+        if a.tp > 1 or a.ep > 1:
+            raise SystemExit("--speculative: not supported with --tp / --ep > 1")
+        try:
+            SpecConfig(a.speculative, a.num_speculative_tokens,
+                       draft_model=a.speculative_draft_model)
+        except ValueError as e:
+            raise SystemExit(f"--speculative: {e}") from None
+    return out
 
 
 def _max_queued(n: int) -> int:

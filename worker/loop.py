@@ -56,7 +56,7 @@ def build_engine(config: WorkerConfig) -> Any:
         max_num_batched_tokens=config.max_num_batched_tokens,
         dense_snapshot_blocks=config.dense_snapshot_blocks,
         gpu_memory_utilization=config.gpu_memory_utilization, max_num_seqs=config.max_num_seqs,
-        cuda_graphs=config.cuda_graphs,
+        cuda_graphs=config.cuda_graphs, speculative=config.spec_config(),
     )
     warm(llm.engine)
     return llm.engine

@@ -32,6 +32,13 @@ class WorkerMetrics:
         k3serve:kv_faults_injected_total{worker,role,kind}      K3SERVE_KV_FAULT_* (fail|hang|pair)
         k3serve:requests_resumed_total{worker,role}             migrated requests resumed here
         k3serve:expert_routed_tokens_total{worker,role,layer,expert}  routed tokens
+        k3serve:spec_proposed_tokens_total{worker,role}         speculative tokens proposed
+        k3serve:spec_accepted_tokens_total{worker,role}         … and accepted by the target
+        k3serve:spec_emitted_tokens_total{worker,role}          tokens verify steps appended
+        k3serve:spec_verify_rows_total{worker,role}             sequence-steps verified
+        k3serve:spec_acceptance_rate{worker,role}               gauge, accepted / proposed
+        k3serve:spec_mean_accepted_length{worker,role}          gauge, emitted / verify rows
+                                                                (decode workers that speculate)
 
     Transfers are counted once, by the side that owns the figure: bytes, seconds and outcomes
     by the sender (prefill worker), fallbacks by the decode worker.
@@ -85,6 +92,18 @@ class WorkerMetrics:
         self._shed = Counter("k3serve:requests_shed",
                              "Admissions refused with 503 busy + Retry-After: the worker's "
                              "queue (--max-queued) was full.", lab, registry=r)
+        self._spec = {k: Counter(f"k3serve:spec_{k}", doc, lab, registry=r) for k, doc in (
+            ("proposed_tokens", "Speculative tokens proposed (and verified)."),
+            ("accepted_tokens", "Speculative tokens the target accepted."),
+            ("emitted_tokens", "Tokens speculative verify steps appended."),
+            ("verify_rows", "Sequence-steps verified speculatively."))}
+        self._spec_rate = Gauge("k3serve:spec_acceptance_rate",
+                                "Speculative tokens accepted / proposed, since start.", lab,
+                                registry=r)
+        self._spec_len = Gauge("k3serve:spec_mean_accepted_length",
+                               "Tokens emitted per speculative sequence-step, since start.", lab,
+                               registry=r)
+        self._spec_seen: dict[str, float] = {}
         for fam in (self._queries, self._bytes, self._write_bytes, self._write_seconds,
                     self._fallbacks, self._expiries, self._resumed,
                     self._shed):
@@ -141,6 +160,16 @@ class WorkerMetrics:
         self._shed.labels(**self.labels).inc()
 
     def set_gauges(self, g: dict[str, float]) -> None:
+        if "spec_proposed_tokens" in g:  # cumulative engine counters → counter increments
+            for k, fam in self._spec.items():
+                v = g[f"spec_{k}"]
+                fam.labels(**self.labels).inc(max(0.0, v - self._spec_seen.get(k, 0.0)))
+                self._spec_seen[k] = v
+            p, rows = g["spec_proposed_tokens"], g["spec_verify_rows"]
+            self._spec_rate.labels(**self.labels).set(
+                g["spec_accepted_tokens"] / p if p else 0.0)
+            self._spec_len.labels(**self.labels).set(
+                g["spec_emitted_tokens"] / rows if rows else 0.0)
         self._snapshots.labels(**self.labels).set(g["kda_snapshots"])
         self._usage.labels(**self.labels).set(g["cache_usage_ratio"])
         self._running.labels(**self.labels).set(g["num_requests_running"])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from k3serve.engine.spec.config import SpecConfig
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -36,6 +38,8 @@ class EngineConfig:
         cuda_graphs: CUDA only: replay captured decode graphs
             (:class:`~k3serve.engine.cuda_graphs.CUDAGraphRunner`; buckets up to
             ``max_num_seqs`` or ``num_slots``); the pools get one scratch slot and page.
+        speculative: speculative decoding (:class:`~k3serve.engine.spec.config.SpecConfig`)
+            or ``None`` (off).
     """
 
     block_size: int = 64
@@ -53,6 +57,7 @@ class EngineConfig:
     max_events: int = 100_000
     gpu_memory_utilization: float | None = None
     cuda_graphs: bool = True
+    speculative: SpecConfig | None = None
 
     def __post_init__(self) -> None:
         def check(fld: str, lo: int, optional: bool = False) -> None:
@@ -80,6 +85,10 @@ class EngineConfig:
             )
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"EngineConfig.cuda_graphs: must be a bool, got {self.cuda_graphs!r}")
+        if self.speculative is not None and not isinstance(self.speculative, SpecConfig):
+            raise ValueError(
+                f"EngineConfig.speculative: must be a SpecConfig or None, got {self.speculative!r}"
+            )
         frac = self.rolling_snapshot_fraction
         if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac <= 1:
             raise ValueError(

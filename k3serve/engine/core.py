@@ -11,6 +11,10 @@ One :meth:`EngineCore.step`::
         detokenize, stop checks; finished → cm.finish (end-of-request snapshot)
     outputs
 
+With speculative decoding on (``spec``), the decode group may instead run one verify step
+(:meth:`EngineCore._speculate`): rows carry the last token and the proposed ones, the KDA
+states are replayed over the accepted tokens only (:mod:`k3serve.model.capture`).
+
 A connector (:class:`~k3serve.engine.connector.KVConnector`, ``None`` for an offline or
 colocated engine) is called at the points its docstring lists. :class:`~k3serve.engine.engine.LLMEngine`
 builds the parts and adds the request and connector API.
@@ -31,6 +35,8 @@ from k3serve.engine.sampler import SampleResult, SamplingRow, sample
 from k3serve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from k3serve.engine.sequence import Request, SeqStatus
 from k3serve.engine.sequence import Sequence as Seq
+from k3serve.engine.spec.speculator import Speculator
+from k3serve.model.capture import KDACapture
 from k3serve.protocol import RequestOutput
 
 
@@ -44,6 +50,8 @@ class EngineCore:
 
     Attributes:
         connector: the attached connector or ``None`` (then the step calls none).
+        spec: the :class:`~k3serve.engine.spec.speculator.Speculator` (``None``: no
+            speculative decoding; the decode group then runs the plain step).
         requests: live requests by id (held ones included; reservations are the connector's).
         stats: :class:`~k3serve.engine.config.EngineStats`.
     """
@@ -64,6 +72,7 @@ class EngineCore:
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
         self.connector: KVConnector | None = None
+        self.spec: Speculator | None = None
 
     def attach(self, connector: KVConnector) -> None:
         """Put ``connector`` at the engine's edge (and in the scheduler's hook).
@@ -95,6 +104,8 @@ class EngineCore:
                 self.scheduler.remove(seq)
                 if self.cm.has(seq.seq_id):
                     self.cm.remove(seq.seq_id)
+                if self.spec is not None:
+                    self.spec.forget(seq.seq_id)
                 seq.status = SeqStatus.FINISHED
         return True
 
@@ -114,9 +125,9 @@ class EngineCore:
             are recomputed later (or handed to the connector), the engine stays consistent.
         """
         plan = self._schedule()
-        for group in (plan.prefills, plan.decodes):
+        for decode, group in ((False, plan.prefills), (True, plan.decodes)):
             group = [s for s in group if s.seq.status is SeqStatus.RUNNING]  # aborted by a hook
-            if group:
+            if group and not (decode and self._speculate(group, plan)):
                 self._sample(self._run(group))
         return self._collect()
 
@@ -224,6 +235,10 @@ class EngineCore:
             self._append(seq, res, lg)
 
     def _append(self, seq: Seq, res: SampleResult, lg: torch.Tensor) -> None:
+        self._after_sampled(seq, [res], self._record(seq, res, lg))
+
+    def _record(self, seq: Seq, res: SampleResult, lg: torch.Tensor) -> bool:
+        """Append a sampled token (logprobs, logits, detokenizer); True when it finishes."""
         req = seq.request
         req.dirty = True
         seq.token_ids.append(res.token_id)
@@ -233,9 +248,15 @@ class EngineCore:
         if self.config.record_logits:
             seq.logits.append(lg.detach().clone())
         self.stats.generation_tokens += 1
-        finished = seq.detok.step(res.token_id).finished
-        if self.connector is not None and self.connector.on_sampled(seq, res):
-            return  # HELD: the connector owns what happens next
+        return seq.detok.step(res.token_id).finished
+
+    def _after_sampled(self, seq: Seq, results: list[SampleResult], finished: bool) -> None:
+        """The connector sees each recorded token; then finish, or queue an unforked child."""
+        req = seq.request
+        if self.connector is not None:
+            for res in results:
+                if self.connector.on_sampled(seq, res):
+                    return  # HELD: the connector owns what happens next
         if finished:
             self._finish_seq(seq)
         elif not self.cm.has(seq.seq_id):  # an unforked child: recompute from the cache
@@ -246,8 +267,97 @@ class EngineCore:
         self.scheduler.remove(seq)
         if self.cm.has(seq.seq_id):
             self.cm.finish(seq.seq_id)
+        if self.spec is not None:
+            self.spec.forget(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.request.dirty = True
+
+    # ================================================================== speculation
+    def _speculate(self, group: list[ScheduledSeq], plan: SchedulerOutput) -> bool:
+        """The decode group as one speculative verify step (:mod:`k3serve.engine.spec`)::
+
+            proposals (policy, max_tokens, grammar) → pages for 1 + k_i tokens each
+            verify forward: rows [t0, d_1 … d_k]; logits of every token; states untouched
+            accept → record the emitted tokens (up to a stop) → replay the m_i computed ones
+            into the slots and commit them, cut at block boundaries (rolling snapshots)
+            → connector / finish
+
+        Returns:
+            False (nothing done) when speculation is off or nothing was proposed: the caller
+            runs the plain decode.
+        """
+        spec = self.spec
+        if spec is None or any(s.seq.request.needs_fork for s in group):
+            return False
+        seqs = [s.seq for s in group]
+        drafts = spec.propose(seqs, self.scheduler.max_num_batched_tokens - plan.num_tokens)
+        for i, seq in enumerate(seqs):  # pages for the proposals: drop what does not fit
+            k = len(drafts[i].tokens)
+            while k and not self.cm.can_allocate(seq.seq_id, 1 + k):
+                k -= 1
+            if k < len(drafts[i].tokens):
+                d = drafts[i]
+                drafts[i] = d._replace(tokens=d.tokens[:k],
+                                       probs=d.probs[:k] if d.probs is not None else None,
+                                       allowed=d.allowed[: k + 1] if d.allowed is not None
+                                       else None)  # fmt: skip
+            if k:
+                self.cm.allocate(seq.seq_id, 1 + k)
+        if not any(d.tokens for d in drafts):
+            return False
+        rows = tuple(
+            Row([seq.token_ids[-1], *d.tokens], seq.num_computed, self.cm.slot(seq.seq_id),  # type: ignore[arg-type]
+                self.cm.block_table(seq.seq_id))
+            for seq, d in zip(seqs, drafts)
+        )  # fmt: skip
+        hook = self.connector.layer_hook(group) if self.connector is not None else None
+        try:
+            logits, capture = self.runner.verify(RunBatch(rows, hook))
+        except BaseException:
+            self._drop_failed_forward(group)
+            raise
+        self.stats.num_forwards += 1
+        spec.stats.steps += 1
+        cu = capture.cu_seqlens
+        done: list[tuple[int, Seq, list[SampleResult], bool]] = []
+        for i, seq in enumerate(seqs):
+            if seq.status is not SeqStatus.RUNNING:  # aborted by a layer hook
+                continue
+            lg = logits[cu[i] : cu[i + 1]]
+            results = spec.accept(seq, drafts[i], lg)
+            kept, finished = [], False
+            for j, res in enumerate(results):
+                kept.append(res)
+                if self._record(seq, res, lg[j]):
+                    finished = True
+                    break
+            spec.stats.emitted += len(kept)
+            done.append((i, seq, kept, finished))
+        self._replay_commit(capture, [(i, seq, len(kept)) for i, seq, kept, _ in done])
+        for _, seq, kept, finished in done:
+            self._after_sampled(seq, kept, finished)
+        return True
+
+    def _replay_commit(self, capture: KDACapture, items: list[tuple[int, Seq, int]]) -> None:
+        """Replay each row's first ``m`` fed tokens into its slot and commit them, in rounds
+        that stop at block boundaries (each boundary's rolling snapshot sees its state)."""
+        B = self.cm.block_size
+        pos = {i: 0 for i, _, _ in items}
+        while True:
+            part = []
+            for i, seq, m in items:
+                n = min(m - pos[i], B - seq.num_computed % B)
+                if n > 0:
+                    part.append((i, seq, n))
+            if not part:
+                return
+            self.runner.replay(capture, [i for i, _, _ in part],
+                               [self.cm.slot(seq.seq_id) for _, seq, _ in part],  # type: ignore[misc]
+                               [pos[i] for i, _, _ in part], [n for _, _, n in part])  # fmt: skip
+            for i, seq, n in part:
+                pos[i] += n
+                seq.num_computed += n
+                self.runner.save_snapshots(self.cm.commit(seq.seq_id, seq.token_ids, n))
 
     # ================================================================== outputs
     def _collect(self) -> list[RequestOutput]:

@@ -37,6 +37,8 @@ from k3serve.engine.runner import ModelRunner
 from k3serve.engine.scheduler import Scheduler
 from k3serve.engine.sequence import Request, SeqStatus, as_token_ids
 from k3serve.engine.sequence import Sequence as Seq
+from k3serve.engine.spec.build import build_speculator
+from k3serve.engine.spec.proposer import Proposer
 from k3serve.protocol import CacheHandle, RequestOutput
 from k3serve.sampling import SamplingParams
 
@@ -65,6 +67,8 @@ class LLMEngine(EngineCore):
             stays here, slot and page numbers mean the same on every rank), ``execute``, the
             cache copies, ``transfer_pools``, ``fingerprint_fields()`` (added to
             :attr:`fingerprint_fields`) and ``receive_cache(slot, pages)``.
+        proposer: the speculative proposer to use instead of the one
+            ``config.speculative`` names (any :class:`~k3serve.engine.spec.proposer.Proposer`).
 
     Attributes:
         connector: the attached connector or ``None`` (then the step calls none).
@@ -76,7 +80,8 @@ class LLMEngine(EngineCore):
             ``PoolLayout`` extra): the model's ``fingerprint_fields()`` plus ``weights``.
 
     Raises:
-        ValueError: inconsistent capacities.
+        ValueError: inconsistent capacities; speculation with a multi-rank runner; a draft
+            model whose vocabulary differs.
     """
 
     def __init__(
@@ -90,8 +95,10 @@ class LLMEngine(EngineCore):
         weights_id: str | None = None,
         connector: KVConnector | None = None,
         runner: Any = None,
+        proposer: Proposer | None = None,
     ):
         c = config or EngineConfig()
+        given_runner = runner is not None
         dev = torch.device(device)
         use_graphs = c.cuda_graphs and dev.type == "cuda"
         extra = 1 if use_graphs else 0  # the graphs' scratch slot and page (never allocated)
@@ -151,6 +158,11 @@ class LLMEngine(EngineCore):
             runner = ModelRunner(model, self.pools, device)
         inputs = InputProcessor(model_config, tokenizer, self.max_model_len)
         super().__init__(c, cm, scheduler, runner, inputs)
+        if c.speculative is not None:
+            if given_runner:
+                raise ValueError("speculative: not supported with a multi-rank runner")
+            self.spec = build_speculator(c, model_config, inputs.grammar, self.max_model_len,
+                                         dev, dtype, proposer)  # fmt: skip
         if connector is not None:
             self.attach(connector)
 

@@ -48,7 +48,8 @@ class LLM:
         **engine_kwargs: :class:`EngineConfig` fields (``block_size``, ``num_pages``,
             ``num_slots``, ``num_snapshots``, ``max_num_batched_tokens``, ``max_num_seqs``,
             ``gpu_memory_utilization`` (CUDA: size the pools from free memory after the weights
-            load), ``cuda_graphs`` (CUDA: replay captured decode graphs; default on), …).
+            load), ``cuda_graphs`` (CUDA: replay captured decode graphs; default on),
+            ``speculative`` (a :class:`~k3serve.engine.spec.config.SpecConfig`), …).
 
     Raises:
         ValueError: unknown model or engine field; ``CheckpointError`` (a ValueError) for

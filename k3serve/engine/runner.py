@@ -5,7 +5,10 @@ runner carries out on :class:`~k3serve.cache.pools.KVPools`:
 
 * admission: zero the slot (fresh sequence) or load a snapshot into it (prefix hit);
 * after a forward: copy slots into snapshots (:class:`~k3serve.cache.types.SnapshotSave`);
-* ``n > 1``: copy the parent's slot and its partial last page (:class:`ForkPlan`).
+* ``n > 1``: copy the parent's slot and its partial last page (:class:`ForkPlan`);
+* speculative decoding: a verify forward (:meth:`ModelRunner.verify`: every token's logits,
+  the slots' states read but not written) and the replay of the accepted tokens into the
+  slots (:meth:`ModelRunner.replay`, :mod:`k3serve.model.capture`).
 
 Packing of one forward (``T`` new tokens of ``N`` sequences)::
 
@@ -24,6 +27,7 @@ tensor copies outside the graph.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +36,7 @@ import torch
 from k3serve.cache.pools import KVPools
 from k3serve.cache.types import Admission, ForkPlan, SnapshotSave
 from k3serve.model.batch import make_batch
+from k3serve.model.capture import KDACapture, replay
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,43 @@ class ModelRunner:
         else:
             ids = ids.to(self.device)
         return self.model(ids, batch, self.pools, layer_hook=layer_hook)
+
+    @torch.inference_mode()
+    def verify(self, batch: RunBatch) -> tuple[torch.Tensor, KDACapture]:
+        """A speculative verify forward: logits of every new token, no KDA/conv state written.
+
+        Each row carries the last sampled token and its proposed tokens. The slots' states are
+        read, left as they were, and each KDA layer's state-update inputs are kept
+        (:mod:`k3serve.model.capture`); the latents of every token are written at its position.
+        Always the eager multi-token path (no CUDA graph).
+
+        Returns:
+            ``([T, V] float32 logits in row order, the capture)`` for :meth:`replay`.
+
+        Raises:
+            ValueError: as :meth:`forward`; whatever the layer hook raises (nothing of the
+                slots' states changed then).
+        """
+        rows = batch.rows
+        fb = make_batch(
+            [len(r.token_ids) for r in rows], [r.num_cached for r in rows],
+            [r.slot for r in rows], [r.block_table for r in rows], self.block_size,
+            device=self.device, all_logits=True,
+        )  # fmt: skip
+        assert fb.host is not None
+        capture = KDACapture(fb.host.cu_seqlens)
+        fb = dataclasses.replace(fb, is_decode=False, capture=capture)
+        ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64)
+        logits = self.model(ids.to(self.device), fb, self.pools, layer_hook=batch.layer_hook)
+        return logits, capture
+
+    @torch.inference_mode()
+    def replay(self, capture: KDACapture, rows: Sequence[int], slots: Sequence[int],
+               starts: Sequence[int], lengths: Sequence[int]) -> None:
+        """Advance ``slots`` over the captured tokens ``[starts, starts + lengths)`` of their
+        verify rows (:func:`k3serve.model.capture.replay`). Mutates the pools."""
+        replay(capture, self.pools.kda_state, self.pools.conv_state, rows, slots, starts,
+               lengths)
 
     @torch.inference_mode()
     def prepare_slots(self, admissions: Iterable[Admission]) -> None:

@@ -259,6 +259,64 @@ def _sample_random(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor
     return cand_ids.gather(1, j)[:, 0]
 
 
+def filtered_logits(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The random rows' sampling distribution as logits: ``softmax`` of the result is exactly
+    the distribution :func:`sample` draws a non-greedy row from (``x / T``, then min-p, top-k
+    with ties, top-p as in :func:`_sample_random`), filtered tokens at ``-inf``.
+
+    Args:
+        x: Penalised (and grammar-masked) logits, float32 ``[R, V]``; not modified.
+        rows: The R rows (non-greedy params).
+
+    Returns:
+        Float32 ``[R, V]``.
+    """
+    vocab = x.shape[1]
+    dev = x.device
+    params = [row.params for row in rows]
+    x = x / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_p, float("-inf"))
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+    if all(k == vocab for k in top_k) and not bool((top_p < 1).any()):
+        return x
+    sx, order = x.sort(dim=-1, descending=True, stable=True)
+    kth = sx.gather(1, torch.tensor(top_k, device=dev)[:, None] - 1)
+    sx = sx.masked_fill(sx < kth, float("-inf"))
+    probs = torch.softmax(sx, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sx = sx.masked_fill((mass_before >= top_p) & (top_p < 1), float("-inf"))
+    return torch.full_like(x, float("-inf")).scatter_(1, order, sx)
+
+
+def raw_logprobs(raw: torch.Tensor, tokens: Sequence[int],
+                 rows: Sequence[SamplingRow]) -> list[SampleResult]:
+    """:class:`SampleResult` of given tokens: each one's raw logprob and the row's top
+    ``params.logprobs`` alternatives (as :func:`sample` reports them).
+
+    Args:
+        raw: Float32 ``[N, V]`` raw logits. tokens: N chosen ids. rows: the N rows.
+    """
+    logprobs = torch.log_softmax(raw.float(), dim=-1)
+    idx = torch.tensor(list(tokens), dtype=torch.int64, device=raw.device)
+    chosen = logprobs.gather(1, idx[:, None])[:, 0].tolist()
+    max_n = max((r.params.logprobs or 0) for r in rows) if rows else 0
+    top_ids: list[list[int]] = [[] for _ in rows]
+    top_lp: list[list[float]] = [[] for _ in rows]
+    if max_n > 0:
+        vals, ids = logprobs.topk(min(max_n, raw.shape[1]), dim=-1)
+        top_ids, top_lp = ids.tolist(), vals.tolist()
+    out = []
+    for i, (r, tok) in enumerate(zip(rows, tokens)):
+        k = r.params.logprobs
+        top = None if k is None else tuple(zip(top_ids[i][:k], top_lp[i][:k]))
+        out.append(SampleResult(int(tok), chosen[i], top))
+    return out
+
+
 # ---------------------------------------------------------------------- entry point
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow],
            allowed: torch.Tensor | None = None) -> list[SampleResult]:

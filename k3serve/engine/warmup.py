@@ -10,7 +10,9 @@ replays its captured decode buckets — on throw-away rows:
   after ``C`` cached tokens), a ragged one, several short prompts in one batch;
 * mixed steps: ``k`` decode rows beside a prefill chunk filling the step, for ``k`` = 1 and
   the decode buckets;
-* decode batches at every captured bucket (eager buckets on a runner without graphs).
+* decode batches at every captured bucket (eager buckets on a runner without graphs);
+* with speculative decoding on, a verify forward of ``k + 1`` tokens per row and its state
+  replay at every bucket (the draft model of a draft proposer is not warmed here).
 
 The rows use slots ``0 … N−1`` and pages ``0 … P−1`` before the cache manager has handed any
 out: nothing is registered, hashed or evented, and every admission zeroes (or loads) its slot
@@ -134,6 +136,16 @@ def warm_up(engine, force: bool = False) -> WarmupReport:
             continue
         runner.execute(RunBatch(rows))
         n, used = n + 1, max(used, len(rows))
+    spec = getattr(engine, "spec", None)
+    if spec is not None:  # verify forwards (multi-token rows, capture) and their replay
+        k1 = spec.config.num_speculative_tokens + 1
+        for b in sorted(set(buckets)):
+            rows = _rows([(k1, DECODE_CONTEXT)] * b, c.block_size, slots, pages)
+            if rows is None or b * k1 > c.max_num_batched_tokens + b:
+                continue
+            _, cap = runner.verify(RunBatch(rows))
+            runner.replay(cap, list(range(b)), list(range(b)), [0] * b, [k1] * b)
+            n, used = n + 1, max(used, b)
     for s in range(used):
         pools.zero_slot(s)
     if runner.device.type == "cuda":

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from k3serve.model.capture import KDACapture
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,10 @@ class ForwardBatch:
             (:class:`BatchHost`), or None. :func:`make_batch` sets it; with it the prefill
             forward reads nothing back from the device (none is needed when it is None either,
             but then each consumer reads ``cu_seqlens`` etc. back once per forward).
+        capture: a speculative verify forward: the KDA layers read their slots' states, write
+            neither, and keep each token's state-update inputs here
+            (:class:`~k3serve.model.capture.KDACapture`; the engine replays the accepted
+            prefix). ``None``: states are written as usual.
     """
 
     cu_seqlens: torch.Tensor
@@ -67,6 +75,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None
     max_seq_len: int | None = None
     host: BatchHost | None = None
+    capture: KDACapture | None = None
 
     def __post_init__(self) -> None:
         n = self.num_cached.shape[0]

@@ -31,6 +31,7 @@ from k3serve.config import ModelConfig
 from k3serve.kernels import dispatch
 from k3serve.kernels.kda.naive import kda_gate
 from k3serve.kernels.naive import l2norm
+from k3serve.model.capture import KDACapture
 from k3serve.model.fused_weights import StackedWeights
 from k3serve.model.layers import GatedRMSNorm
 
@@ -132,6 +133,7 @@ class KDAMixer(nn.Module):
     def _forward_prefill_stacked(
         self, x: torch.Tensor, cu_seqlens: torch.Tensor, state_slots: torch.Tensor,
         state_pool: torch.Tensor, conv_pool: torch.Tensor, cu_host: Sequence[int] | None,
+        capture: tuple[KDACapture, int] | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Prefill with the decode step's stacked input projection: one GEMM for
         ``q | k | v | g | f_a | b``, the varlen conv on its column slice, one launch for the
@@ -147,18 +149,22 @@ class KDAMixer(nn.Module):
         b_off = fa_off + cfg.kda_gate_rank
         hist = conv_pool[state_slots]
         qkv, new_hist = dispatch.conv_varlen(proj[:, :g_off], conv_w, cu_seqlens, hist)
-        conv_pool[state_slots] = new_hist.to(conv_pool.dtype)
+        if capture is None:
+            conv_pool[state_slots] = new_hist.to(conv_pool.dtype)
         qk = dispatch.l2norm_heads(qkv[:, : 2 * hk].view(t, 2, h, k), dtype=x.dtype)
         v = qkv[:, 2 * hk :].view(t, h, k)
         f = self.f_b_proj(proj[:, fa_off:b_off]).view(t, h, k)
         beta = torch.sigmoid(proj[:, b_off : b_off + h].float())
+        gate = (self.A_log, self.dt_bias, cfg.kda_gate_lower_bound)
         o, final = dispatch.chunk_kda(
             qk[0][None], qk[1][None], v[None], f[None], beta[None],
-            initial_state=state_pool[state_slots], output_final_state=True,
-            cu_seqlens=cu_seqlens, cu_seqlens_host=cu_host,
-            gate=(self.A_log, self.dt_bias, cfg.kda_gate_lower_bound),
+            initial_state=state_pool[state_slots], output_final_state=capture is None,
+            cu_seqlens=cu_seqlens, cu_seqlens_host=cu_host, gate=gate,
         )  # fmt: skip
-        state_pool[state_slots] = final.float()
+        if capture is None:
+            state_pool[state_slots] = final.float()
+        else:
+            capture[0].put(capture[1], proj[:, :g_off], qk[1], v, kda_gate(f, *gate), beta)
         o = self.o_norm(o[0].to(x.dtype).view(t, h, k), proj[:, g_off:fa_off].view(t, h, k))
         return self.o_proj(o.reshape(t, hk))
 
@@ -171,6 +177,7 @@ class KDAMixer(nn.Module):
         conv_pool: torch.Tensor | None = None,
         is_decode: bool = False,
         cu_host: Sequence[int] | None = None,
+        capture: tuple[KDACapture, int] | None = None,
     ) -> torch.Tensor:
         """Mix the new tokens of N packed sequences; read and write their cached state.
 
@@ -183,6 +190,9 @@ class KDAMixer(nn.Module):
             is_decode: every sequence has one new token → recurrent step kernel.
             cu_host: ``cu_seqlens`` as host ints (``ForwardBatch.host``), or None; the chunked
                 prefill kernel then builds its chunk tables without reading the device.
+            capture: ``(KDACapture, j)`` for a verify forward (not decode): read the slots'
+                states, write neither, keep the state-update inputs as layer ``j``'s
+                (:mod:`k3serve.model.capture`).
 
         Returns:
             ``[T, d]`` in ``x.dtype``.
@@ -198,6 +208,8 @@ class KDAMixer(nn.Module):
         ):
             raise ValueError("state_slots/state_pool/conv_pool: give all three or none")
         decode = is_decode and state_pool is not None
+        if capture is not None and (decode or state_pool is None):
+            raise ValueError("capture: needs the pools and a non-decode forward")
         if (
             decode
             and cfg.kda_output_gate_rank is None
@@ -215,15 +227,15 @@ class KDAMixer(nn.Module):
             and not torch.is_grad_enabled()
         ):
             return self._forward_prefill_stacked(
-                x, cu_seqlens, state_slots, state_pool, conv_pool, cu_host
+                x, cu_seqlens, state_slots, state_pool, conv_pool, cu_host, capture
             )
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
+        qkv = pre = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         if decode:  # shifts conv_pool[state_slots] in place
             qkv = dispatch.causal_conv_step(qkv, conv_pool, self.conv_weight(), state_slots)
         else:
             hist = conv_pool[state_slots] if conv_pool is not None else None
             qkv, new_hist = dispatch.conv_varlen(qkv, self.conv_weight(), cu_seqlens, hist)
-            if conv_pool is not None:
+            if conv_pool is not None and capture is None:
                 conv_pool[state_slots] = new_hist.to(conv_pool.dtype)
         q, kk, v = qkv.view(t, 3, h, k).unbind(1)
         q, kk = l2norm(q).to(x.dtype), l2norm(kk).to(x.dtype)
@@ -245,12 +257,14 @@ class KDAMixer(nn.Module):
                 g[None],
                 beta[None],
                 initial_state=init,
-                output_final_state=state_pool is not None,
+                output_final_state=state_pool is not None and capture is None,
                 cu_seqlens=cu_seqlens,
                 cu_seqlens_host=cu_host,
             )
             o = o[0]
-            if state_pool is not None:
+            if capture is not None:
+                capture[0].put(capture[1], pre, kk, v, g, beta)
+            elif state_pool is not None:
                 state_pool[state_slots] = final.float()
         if cfg.kda_output_gate_rank is None:
             gate = self.g_proj(x)

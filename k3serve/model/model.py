@@ -308,6 +308,7 @@ class K3ForCausalLM(nn.Module):
                 pools.conv_state[j],
                 batch.is_decode,
                 cu_host=batch.host.cu_seqlens if batch.host is not None else None,
+                capture=(batch.capture, j) if batch.capture is not None else None,
             )
 
         x = self.model.embed_tokens(input_ids)
