@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,9 +122,10 @@ class ReplicaStack:
         """Replica index → pid of the live replicas."""
         out = {}
         for c in psutil.Process(self.proc.pid).children():
-            with_idx = c.cmdline()
-            if "--replica-index" in with_idx:
-                out[int(with_idx[with_idx.index("--replica-index") + 1])] = c.pid
+            # its process title (``k3serve router replica I :PORT``), or its argv before that
+            m = re.search(r"(?:--replica-index|router replica) (\d+)", " ".join(c.cmdline()))
+            if m:
+                out[int(m.group(1))] = c.pid
         return out
 
     def metrics(self) -> dict[str, float]:
