@@ -230,29 +230,12 @@ def _sample_random(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor
     id), which makes small nuclei cheap. Which path a row takes depends on the other rows, but
     both pick the same token (they could differ only on an exact float tie of logit + noise).
     """
-    vocab = x.shape[1]
-    dev = x.device
-    params = [row.params for row in rows]
     keys = [row_key(row.seed, row.choice, row.position) for row in rows]
-    x = x / torch.tensor([p.temperature for p in params], device=dev)[:, None]
-
-    min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
-    if bool((min_p > 0).any()):
-        probs = torch.softmax(x, dim=-1)
-        x = x.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_p, float("-inf"))
-
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
-    if all(k == vocab for k in top_k) and not bool((top_p < 1).any()):
-        noise = gumbel_noise(keys, torch.arange(vocab, device=dev))
+    x, top_k, top_p = _scaled(x, rows)
+    if top_k is None:
+        noise = gumbel_noise(keys, torch.arange(x.shape[1], device=x.device))
         return (x + noise).argmax(dim=-1)
-
-    sx, order = x.sort(dim=-1, descending=True, stable=True)
-    kth = sx.gather(1, torch.tensor(top_k, device=dev)[:, None] - 1)
-    sx = sx.masked_fill(sx < kth, float("-inf"))
-    probs = torch.softmax(sx, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    sx = sx.masked_fill((mass_before >= top_p) & (top_p < 1), float("-inf"))
+    sx, order = _sorted_top_k_top_p(x, top_k, top_p)
     width = max(1, int((sx > float("-inf")).sum(dim=-1).max()))
     cand, cand_ids = sx[:, :width], order[:, :width]
     j = (cand + gumbel_noise(keys, cand_ids)).argmax(dim=-1, keepdim=True)
@@ -271,8 +254,18 @@ def filtered_logits(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
     Returns:
         Float32 ``[R, V]``.
     """
-    vocab = x.shape[1]
-    dev = x.device
+    x, top_k, top_p = _scaled(x, rows)
+    if top_k is None:
+        return x
+    sx, order = _sorted_top_k_top_p(x, top_k, top_p)
+    return torch.full_like(x, float("-inf")).scatter_(1, order, sx)
+
+
+def _scaled(x: torch.Tensor, rows: Sequence[SamplingRow],
+            ) -> tuple[torch.Tensor, list[int] | None, torch.Tensor]:
+    """``x / T`` with min-p applied, the rows' top-k (``None`` when neither top-k nor top-p
+    filters any row) and top-p ``[R, 1]``."""
+    vocab, dev = x.shape[1], x.device
     params = [row.params for row in rows]
     x = x / torch.tensor([p.temperature for p in params], device=dev)[:, None]
     min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
@@ -282,14 +275,20 @@ def filtered_logits(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tenso
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
     if all(k == vocab for k in top_k) and not bool((top_p < 1).any()):
-        return x
+        return x, None, top_p
+    return x, top_k, top_p
+
+
+def _sorted_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: torch.Tensor,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` sorted descending (stable) with the tokens past top-k (ties kept) and past
+    top-p at ``-inf``, and the sort order."""
     sx, order = x.sort(dim=-1, descending=True, stable=True)
-    kth = sx.gather(1, torch.tensor(top_k, device=dev)[:, None] - 1)
+    kth = sx.gather(1, torch.tensor(top_k, device=x.device)[:, None] - 1)
     sx = sx.masked_fill(sx < kth, float("-inf"))
     probs = torch.softmax(sx, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    sx = sx.masked_fill((mass_before >= top_p) & (top_p < 1), float("-inf"))
-    return torch.full_like(x, float("-inf")).scatter_(1, order, sx)
+    return sx.masked_fill((mass_before >= top_p) & (top_p < 1), float("-inf")), order
 
 
 def raw_logprobs(raw: torch.Tensor, tokens: Sequence[int],
