@@ -440,6 +440,7 @@ class DecodeWorker(BaseWorker):
                 out[r.rid] = RequestState(
                     phase=r.phase.value, fallback=r.fallback,
                     ticket_state=rx.state.name if rx is not None else None,
+                    ticket_error=rx.error if rx is not None else None,
                     reservation_open=r.reservation_open, tokens_sent=r.sent)
         return RequestsDebug(requests=out)
 

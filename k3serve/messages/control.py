@@ -191,6 +191,7 @@ class RequestState(Message):
     phase: str | None = None
     sender_state: str | None = None
     ticket_state: str | None = None
+    ticket_error: str | None = None
     fallback: bool | None = None
     held: bool | None = None
     answered: bool | None = None

@@ -318,5 +318,6 @@ def test_kill_prefill_mid_load_loses_no_request(stack, baseline):
         if not (u["slots_used"] or u["num_engine_requests"] or u["open_tickets"]
                 or u["unreleased_tickets"]):
             break
-        assert time.monotonic() < t_end, u
+        assert time.monotonic() < t_end, (u, httpx.get(survivor + "/internal/requests",
+                                                       headers=h, timeout=10).json())
         time.sleep(0.3)
