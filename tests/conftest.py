@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -25,3 +27,42 @@ if torch is not None:
         # kernel test files set it too, but a directory or file run alone may import the
         # kernels through k3serve.model before them).
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+#: Files whose tests start live stacks (router + worker processes), Ray clusters or
+#: multi-process groups, or bound how long a fault takes to handle. ``make test`` runs them in
+#: one process after the rest (``-m serial``), so their processes have the machine's cores to
+#: themselves; everything else runs on two pytest-xdist workers first (``-m "not serial"``).
+SERIAL = (
+    "tests/bench/",
+    "tests/deploy/",
+    "tests/parallel/",
+    "tests/worker/",
+    "tests/kvstore/test_control_isolation.py",
+    "tests/kvstore/test_kvstore.py",
+    "tests/kvstore/test_store.py",
+    "tests/router/test_channels.py",
+    "tests/router/test_fuzz_api.py",
+    "tests/router/test_index_kick.py",
+    "tests/router/test_isolation.py",
+    "tests/router/test_openapi_router.py",
+    "tests/router/test_placement_live.py",
+    "tests/router/test_regressions_router.py",
+    "tests/router/test_reliability.py",
+    "tests/router/test_reliability_admission.py",
+    "tests/router/test_replicas.py",
+    "tests/router/test_tools_e2e.py",
+    "tests/spec/test_served.py",
+    "tests/test_cli.py",
+    "tests/tracing/test_stack_tracing.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests of :data:`SERIAL`'s files ``serial``."""
+    root = config.rootpath
+    for item in items:
+        rel = item.path.relative_to(root).as_posix()
+        if rel.startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)
