@@ -108,6 +108,28 @@ def instance_cache_bytes(
             "instance": tp * (kda + mla)}
 
 
+def attention_groups(tp: int, ep: int) -> int:
+    """Attention groups ``dp`` of an instance of ``max(tp, ep)`` ranks.
+
+    ``tp`` > 1 and ``ep`` > ``tp``: ``dp = ep / tp`` groups of ``tp`` ranks (ranks
+    ``g·tp … g·tp + tp − 1`` form group g), each running attention for its own sequences, the
+    MoE expert-parallel over all ``ep`` ranks (``k3serve.parallel.groups``). Otherwise one group:
+    ``tp`` = ``ep`` (heads and experts over the same ranks), ``ep`` = 1 (tensor parallel only)
+    or ``tp`` = 1 (attention replicated on every rank, experts split).
+
+    Raises:
+        ValueError: ``tp`` or ``ep`` < 1, or ``tp`` > 1 < ``ep`` with ``ep`` not a multiple of
+            ``tp`` (naming the field).
+    """
+    for name, v in (("tp", tp), ("ep", ep)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: must be an int ≥ 1, got {v!r}")
+    if tp > 1 and ep > 1 and ep % tp:
+        raise ValueError(f"ep: {ep} is not a multiple of tp {tp} (attention groups of tp ranks "
+                         f"over the ep ranks)")
+    return ep // tp if tp > 1 and ep > tp else 1
+
+
 def check_pair(local_tp: int, remote_tp: int) -> list[tuple[int, int]]:
     """The rank pairing of a prefill → decode hand-off.
 
@@ -125,6 +147,7 @@ def check_pair(local_tp: int, remote_tp: int) -> list[tuple[int, int]]:
 __all__ = [
     "ParallelMismatch",
     "RankCacheSpec",
+    "attention_groups",
     "check_pair",
     "instance_cache_bytes",
     "rank_cache_spec",
