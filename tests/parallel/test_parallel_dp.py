@@ -10,7 +10,9 @@ import torch
 
 from k3serve.parallel.layout import attention_groups
 from k3serve.parallel.runner import InstanceSpec, RankRunner
-from tests.parallel.helpers import greedy_generate, spawn_instance
+from k3serve.engine.config import EngineConfig
+from k3serve.engine.engine import LLMEngine
+from tests.parallel.helpers import engine_rounds, greedy_generate, spawn_instance
 
 PROMPTS = [
     [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100],
@@ -18,7 +20,13 @@ PROMPTS = [
     [256, 84, 104, 101],
 ]
 NEW = 5
-SPEC = InstanceSpec(tp=2, ep=4)
+SPEC = InstanceSpec(tp=2, ep=4, num_snapshots=8)
+A = [256, *range(40, 79)]  # 40 tokens: a snapshot at 32
+ROUNDS = [
+    [(A, 1)],
+    [(A + [99, 98, 97, 96, 95, 94, 93, 92], 1), ([256, *range(120, 139)], 1)],  # a prefix hit
+    [([256, *range(150, 167)], 2)],  # n = 2: a fork
+]
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +73,12 @@ def test_an_idle_group_joins_the_expert_exchange(instance, reference) -> None:
     # one prompt in slot 0: group 1 has no sequence in any forward
     toks, _ = instance.generate(PROMPTS[1:2], NEW)
     assert toks == reference[3]
+
+
+def test_an_engine_over_the_groups_answers_as_over_one_process(instance) -> None:
+    r = RankRunner(InstanceSpec(num_snapshots=8))
+    ec = EngineConfig(block_size=16, num_pages=64, num_slots=8, num_snapshots=8)
+    want = engine_rounds(LLMEngine(r.model, r.cfg, None, ec, runner=r), ROUNDS, NEW)
+    assert want[1][0][1] == 32  # the second round's first request hit A's 32 cached tokens
+    assert len(want[2][0][0]) == 2
+    assert instance.engine_rounds(ROUNDS, NEW) == want
