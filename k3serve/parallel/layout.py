@@ -9,7 +9,9 @@ Per rank r of a TP-``tp`` instance (``k3serve.parallel.tp``)::
     MLA latent  [L_mla, P, B, kv_lora+rope] every token's latent             replicated
 
 so one sequence's KDA bytes per rank are 1/tp of the whole, while every rank stores every
-latent page: the instance's latent memory is tp × one copy.
+latent page: the instance's latent memory is tp × one copy. With ``dp`` attention groups
+(:func:`attention_groups`, ``k3serve.parallel.groups``) every rank has these pools; a slot's
+state is live on the group that owns it, latents and snapshots are replicated over the groups.
 
 Disaggregated pairing: a prefill instance hands off to a decode
 instance only when both have the same ``tp`` — rank r sends to rank r exactly the bytes it

@@ -12,6 +12,10 @@ on their shards, so the collectives inside the forward (all-reduce, all-to-all) 
        model(ids, batch, pools)  ◀─ all-reduce / all-to-all ─▶ model(ids, batch, pools)
        → logits (rank 0 samples)                                   └─ loop until "stop"
 
+With ``dp`` > 1 attention groups (``ep = tp · dp``, ``k3serve.parallel.groups``) every rank still
+receives every op and runs its group's part of it (its slots' rows, their cache copies); rank 0
+gathers the other groups' logits.
+
 ``ParallelModelRunner`` has the methods of ``k3serve.engine.runner.ModelRunner`` (``forward``,
 ``prepare_slots``, ``save_snapshots``, ``fork``) so an engine on rank 0 can drive it unchanged.
 ``k3serve.parallel.ranks`` starts the ranks: on one host (rank 0 starts the others) or as

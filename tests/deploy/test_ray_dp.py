@@ -100,7 +100,7 @@ def test_tp2_dp2_ep4_instance_spans_two_nodes_and_matches_the_offline_engine(tmp
             assert len(nodes["decode-0"]) == 4
             assert sorted(Counter(nodes["decode-0"]).values()) == [2, 2], nodes  # 2 nodes
             assert not set(nodes["prefill-0"]) & set(nodes["decode-0"]), nodes
-            for name, hs in stack.ranks.items():
+            for hs in stack.ranks.values():
                 infos = ray.get([h.info.remote() for h in hs], timeout=60)
                 pids += [i["pid"] for i in infos]
                 assert all(i["generation"] == 1 and alive(i["pid"]) for i in infos[1:]), infos

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3serve.parallel.layout import attention_groups
-from k3serve.parallel.runner import InstanceSpec, RankRunner
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
+from k3serve.parallel.layout import attention_groups
+from k3serve.parallel.runner import InstanceSpec, RankRunner
 from tests.parallel.helpers import engine_rounds, greedy_generate, spawn_instance
 
 PROMPTS = [
