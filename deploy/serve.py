@@ -23,8 +23,9 @@ import sys
 import time
 from types import FrameType
 
-from deploy.launcher import PortInUseError, Stack, StartupCancelled, StartupError, start_stack
 from k3serve.process import FlagParser, set_title
+
+from deploy.launcher import PortInUseError, Stack, StartupCancelled, StartupError, start_stack
 
 #: a worker's ``--drain-timeout`` when not given (worker/config.py)
 DEFAULT_DRAIN_TIMEOUT_S = 60.0
