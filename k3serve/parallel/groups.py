@@ -108,7 +108,8 @@ class AttentionGroups:
         mine = [r for r, g in zip(rows, owners, strict=True) if g == self.group]
         logits = run(mine) if mine else self.idle_forward(model)
         self.share_pages(pools, rows, owners)
-        return self.gather_logits(logits, owners, model.cfg.vocab_size)
+        return self.gather_logits(logits, owners, model.cfg.vocab_size,
+                                  model.lm_head.weight.device)
 
     @torch.inference_mode()
     def idle_forward(self, model: torch.nn.Module) -> None:
@@ -145,12 +146,12 @@ class AttentionGroups:
                 pools.mla_latent.index_copy_(1, idx, lat)
 
     @torch.inference_mode()
-    def gather_logits(self, logits: torch.Tensor | None, owners: Sequence[int],
-                      vocab: int) -> torch.Tensor | None:
-        """Rank 0 gathers every group's logits (from each group's first rank) into row order."""
+    def gather_logits(self, logits: torch.Tensor | None, owners: Sequence[int], vocab: int,
+                      dev: torch.device) -> torch.Tensor | None:
+        """Rank 0 gathers every group's logits ``[n_g, V]`` (from each group's first rank, padded
+        to the largest ``n_g``) into row order ``[N, V]`` float32, on ``dev``."""
         counts = [sum(1 for o in owners if o == g) for g in range(self.dp)]
         n_max = max(counts)
-        dev = logits.device if logits is not None else torch.device("cpu")
         pad = torch.zeros(n_max, vocab, dtype=torch.float32, device=dev)
         if logits is not None:
             pad[: logits.shape[0]] = logits
