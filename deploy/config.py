@@ -55,9 +55,10 @@ class PoolSpec:
         ep: expert-parallel ranks = ranks of one instance (a multiple of ``tp``).
         placement: ``"pack"`` (instances on as few nodes as possible) or ``"spread"`` (one per
             node where possible); an instance spanning nodes always gets whole nodes.
-        num_slots: KDA state slots per attention group (running sequences).
-        num_snapshots: KDA snapshot budget per attention group.
-        min_tokens: MLA latent tokens an attention group must hold at least.
+        num_slots: KDA state slots of each rank's pool: the instance's running sequences
+            (slot s belongs to attention group ``s mod dp``, whose ranks hold its live state).
+        num_snapshots: KDA snapshot budget of each rank (replicated over the attention groups).
+        min_tokens: MLA latent tokens each rank must hold at least (latents are replicated).
     """
 
     role: str

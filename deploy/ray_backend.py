@@ -74,6 +74,7 @@ from deploy.config import DeployConfig, load_deploy_config
 from deploy.plan import InstancePlan, Plan, make_plan
 from deploy.ray_actors import ProcessActor, RankActor
 from deploy.service_discovery import ScrapeTarget, TargetWriter
+from k3serve.config import ModelConfig
 from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
 
 log = logging.getLogger("k3serve.ray")
@@ -183,18 +184,43 @@ class RayStack:
             self.sd.clear()
 
 
-def check_runnable(dc: DeployConfig) -> None:
-    """Refuse a pool shape the parallel engine cannot run, before anything starts.
+def check_runnable(dc: DeployConfig, model: ModelConfig | None = None) -> None:
+    """Refuse a pool shape the parallel engine cannot run, before anything starts: the
+    engine's shape rules (``k3serve.parallel``) checked on the config alone.
+
+    An instance of ``ep`` ranks runs ``dp = ep / tp`` attention groups of ``tp`` ranks
+    (``k3serve.parallel.layout.attention_groups``): the heads (KDA, MLA), the dense MLP and the
+    shared experts are split over the ``tp`` ranks of a group, the routed experts over all ``ep``.
+
+    Args:
+        dc: the deployment config.
+        model: the model config (default: ``load_config(dc.model)``).
 
     Raises:
-        ValueError: ``tp`` > 1 with ``ep`` ≠ ``tp`` (several attention groups of ``tp``
-            ranks each: the engine runs one group of ranks for both), naming the field.
+        ValueError: naming the field — ``pools.ROLE.ep`` not a multiple of ``tp`` or not
+            dividing the routed experts; ``pools.ROLE.tp`` not dividing a head count, the dense
+            MLP width or the shared experts' width.
     """
+    from k3serve.config import load_config
+    from k3serve.parallel.layout import attention_groups
+
+    cfg = model or load_config(dc.model)
     for role, pool in dc.pools.items():
-        if pool.tp > 1 and pool.ep != pool.tp:
-            raise ValueError(
-                f"pools.{role}.ep: {pool.ep} ranks in {pool.ep // pool.tp} attention groups of "
-                f"tp {pool.tp}: the parallel engine runs one group (ep = tp, or tp = 1)")
+        where = f"pools.{role}"
+        try:
+            attention_groups(pool.tp, pool.ep)
+        except ValueError as e:
+            raise ValueError(f"{where}.{e}") from None
+        if cfg.n_routed_experts and cfg.n_routed_experts % pool.ep:
+            raise ValueError(f"{where}.ep: {pool.ep} ranks do not divide the "
+                             f"{cfg.n_routed_experts} routed experts")
+        widths = {"kda_num_heads": cfg.kda_num_heads,
+                  "mla_num_heads": cfg.mla_num_heads if cfg.mla_layers else 0,
+                  "dense_intermediate_size": cfg.dense_intermediate_size,
+                  "shared experts' width": cfg.n_shared_experts * cfg.moe_intermediate_size}
+        for what, n in widths.items():
+            if n and n % pool.tp:
+                raise ValueError(f"{where}.tp: {pool.tp} does not divide {what} = {n}")
 
 
 def worker_argv(dc: DeployConfig, inst: InstancePlan, router_url: str) -> list[str]:
@@ -239,9 +265,9 @@ def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     dc = config if isinstance(config, DeployConfig) else load_deploy_config(config)
-    plan = make_plan(dc)
     if not placeholders:
         check_runnable(dc)
+    plan = make_plan(dc)
     groups, slots = placement_layout(plan)
     pgs = [placement_group(b, strategy=s, name=f"k3serve-{dc.name}-{i}")
            for i, (b, s) in enumerate(groups)]

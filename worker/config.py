@@ -148,9 +148,9 @@ class WorkerConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{f}: must be an int ≥ 1, got {v!r}")
-        if self.tp > 1 and self.ep > 1 and self.tp != self.ep:
-            raise ValueError(f"ep: {self.ep} != tp {self.tp}; one instance uses one group of "
-                             f"ranks for both")
+        if self.tp > 1 and self.ep > 1 and self.ep % self.tp:
+            raise ValueError(f"ep: {self.ep} is not a multiple of tp {self.tp} (attention groups "
+                             f"of tp ranks)")
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
     cuda_graphs: bool = True
@@ -236,7 +236,8 @@ def build_parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel ranks (KDA / MLA heads split; this process is rank 0)")
     ap.add_argument("--ep", type=int, default=1,
-                    help="expert-parallel ranks (1 or the same as --tp when both are > 1)")
+                    help="expert-parallel ranks (1, or a multiple of --tp: ep / tp attention "
+                         "groups)")
     ap.add_argument("--remote-ranks", action="store_true",
                     help="ranks 1.. are started elsewhere (Ray): host their rendezvous")
     ap.add_argument("--expert-plan", default=None, metavar="PLAN.json",
@@ -386,8 +387,8 @@ def _parallel_flags(a: argparse.Namespace) -> dict:
     for flag in ("tp", "ep"):
         if getattr(a, flag) < 1:
             raise SystemExit(f"--{flag}: must be ≥ 1, got {getattr(a, flag)}")
-    if a.tp > 1 and a.ep > 1 and a.tp != a.ep:
-        raise SystemExit(f"--ep: {a.ep} != --tp {a.tp} (one group of ranks serves both)")
+    if a.tp > 1 and a.ep > 1 and a.ep % a.tp:
+        raise SystemExit(f"--ep: {a.ep} is not a multiple of --tp {a.tp} (attention groups)")
     if a.expert_plan is not None and a.ep == 1:
         raise SystemExit("--expert-plan: needs --ep > 1")
     if a.remote_ranks and max(a.tp, a.ep) == 1:

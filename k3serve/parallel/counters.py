@@ -7,6 +7,8 @@ once per chosen expert). These helpers read them — a host copy, so call them f
 scrape or between steps, never inside the step — reset them, and expose them to Prometheus.
 
 The readout is what ``k3serve experts plan --counts FILE`` takes: ``[L_moe][E]`` lists.
+Each rank counts the tokens it routes: every token of the instance when attention runs as one
+group, its own attention group's tokens when there are several (``k3serve.parallel.groups``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,22 @@
 """Expert parallelism for the (latent) MoE: static-shape all-to-all dispatch and combine.
 
-The MoE input ``z [T, W]`` (and the router's choices) are the same on every rank of the EP group
-(attention is replicated or tensor-parallel, both end with the full hidden on every rank). Each
-rank takes its own chunk of ``S = ⌈T / P⌉`` tokens (rank p: rows ``p·S … p·S+S−1``, zero padding
-past T), sends each of its S·K token-choices to the rank holding the chosen copy of the expert,
-the receivers run their local experts, the results come back, and an all-gather of the chunks
-restores ``[T, W]`` on every rank::
+The MoE input ``z [T, W]`` (and the router's choices) are the same on every rank of a token
+group of G ranks: the whole EP group (G = P: attention replicated or tensor-parallel over all
+ranks), or one attention group of ``tp`` ranks when the instance runs ``dp = P / tp`` of them
+(``k3serve.parallel.groups``: each group its own T_g tokens, G = tp). Each rank takes its own
+chunk of ``S`` tokens of its group's — position t in the group: rows ``t·S … t·S+S−1``, zero
+padding past T — with ``S = ⌈T / P⌉`` for one group and ``S = max_g ⌈T_g / tp⌉`` (an all-reduce
+of the token counts) for several, so every (source, destination) block has the same size on
+every rank (a group with no tokens sends only padding). Each rank sends its S·K token-choices to
+the ranks holding the chosen copies of the experts, the receivers run their local experts, the
+results come back, and an all-gather of the chunks over the token group restores ``[T, W]`` on
+every rank of it::
 
     send[p]  [P, S·K, W+2]   block d, row s·K+k = (z_s, local slot, weight) if choice (s, k)
                               goes to rank d, else zeros with slot −1        (all_to_all #1)
     recv     [P, S·K, W+2]   block q = what rank q sent here
     back     [P, S·K, W]     w · E_slot(z) per received row, zeros elsewhere (all_to_all #2)
-    out_p    [S, W]          Σ_d Σ_k back_from_d[s·K+k]                       (all_gather)
+    out_p    [S, W]          Σ_d Σ_k back_from_d[s·K+k]           (all_gather, token group)
 
 Static shapes — the MoonEP S×K idea (Kimi K3 report): every (source, destination) pair has a
 fixed capacity of exactly S·K rows, the worst case (all of a rank's choices on one
@@ -101,6 +106,9 @@ class EPExperts:
         rank: this rank in ``group``.
         world: EP group size P.
         group: the process group (None = default group).
+        tokens: ``(G, t, group)`` — the token group this rank belongs to (its size, this rank's
+            position in it, its process group), when the EP group runs several attention
+            groups; None: every rank of ``group`` holds the same tokens.
 
     Raises:
         ValueError: the plan has another rank count than ``world`` or names an expert the
@@ -108,7 +116,8 @@ class EPExperts:
     """
 
     def __init__(
-        self, moe, plan: LayerPlan | None, rank: int, world: int, group=None
+        self, moe, plan: LayerPlan | None, rank: int, world: int, group=None,
+        tokens: tuple[int, int, object] | None = None,
     ) -> None:
         e_num = moe.cfg.n_routed_experts
         plan = plan if plan is not None else contiguous_plan(e_num, world)
@@ -117,6 +126,7 @@ class EPExperts:
         plan.validate(e_num)
         self.cfg = moe.cfg
         self.rank, self.world, self.group = rank, world, group
+        self.tokens = tokens
         dev = moe.gate.weight.device
         self.tables = PlacementTables(plan, rank, dev)
         self.experts = [moe.experts[e] for e in self.tables.local]
@@ -128,7 +138,8 @@ class EPExperts:
         """``Σ_e w_e E_e(z)`` for all T tokens, on every rank (same as ``MoE.routed_loop``).
 
         Args:
-            z: ``[T, W]`` expert inputs (identical on every rank).
+            z: ``[T, W]`` expert inputs (identical on every rank of the token group; T may
+                differ between attention groups and be 0).
             weights: ``[T, K]`` float32 routing weights.
             idx: ``[T, K]`` int64 expert ids.
 
@@ -138,8 +149,15 @@ class EPExperts:
         p, rank = self.world, self.rank
         t, k = idx.shape
         w = z.shape[1]
-        s = -(-t // p)  # token slots per rank
-        lo, hi = rank * s, min(rank * s + s, t)
+        if self.tokens is None:
+            g_size, pos, g_group = p, rank, self.group
+            s = -(-t // p)  # token slots per rank
+        else:
+            g_size, pos, g_group = self.tokens
+            most = torch.tensor([-(-t // g_size)], dtype=torch.int64, device=z.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+            s = max(int(most.item()), 1)
+        lo, hi = pos * s, min(pos * s + s, t)
         n = max(hi - lo, 0)
         zc = z.new_zeros(s, w, dtype=torch.float32)
         ic = idx.new_zeros(s, k)
@@ -147,7 +165,7 @@ class EPExperts:
         if n:
             zc[:n], ic[:n], wc[:n] = z[lo:hi].float(), idx[lo:hi], weights[lo:hi].float()
         valid = (torch.arange(s, device=z.device) < n)[:, None].expand(s, k).reshape(-1)
-        dest, slot = self.tables.choose(ic, lo)
+        dest, slot = self.tables.choose(ic, rank * s)
         dest, slot = dest.reshape(-1), slot.reshape(-1)
         onehot = (dest[None, :] == torch.arange(p, device=z.device)[:, None]) & valid[None, :]
         payload = torch.cat(
@@ -169,8 +187,8 @@ class EPExperts:
         back = torch.empty(p, s * k, w, dtype=torch.float32, device=z.device)
         dist.all_to_all_single(back, y.view(p, s * k, w), group=self.group)
         mine = back.view(p, s, k, w).sum((0, 2))  # [S, W]
-        parts = [torch.empty_like(mine) for _ in range(p)]
-        dist.all_gather(parts, mine, group=self.group)
+        parts = [torch.empty_like(mine) for _ in range(g_size)]
+        dist.all_gather(parts, mine, group=g_group)
         return torch.cat(parts, 0)[:t]
 
 
@@ -189,9 +207,10 @@ def routed_reference(
     return out
 
 
-def install_ep(model, plans: list[LayerPlan] | None, rank: int, world: int, group=None) -> None:
+def install_ep(model, plans: list[LayerPlan] | None, rank: int, world: int, group=None,
+               tokens: tuple[int, int, object] | None = None) -> None:
     """Give every MoE layer of ``model`` an ``EPExperts`` (mutates ``model``; ``plans`` in MoE
-    layer order, None = contiguous everywhere).
+    layer order, None = contiguous everywhere; ``tokens`` as ``EPExperts``).
 
     Raises:
         ValueError: ``plans`` with another length than the number of MoE layers.
@@ -202,7 +221,8 @@ def install_ep(model, plans: list[LayerPlan] | None, rank: int, world: int, grou
     if plans is not None and len(plans) != len(layers):
         raise ValueError(f"plans: {len(plans)} layers, the model has {len(layers)} MoE layers")
     for j, moe in enumerate(layers):
-        moe.ep = EPExperts(moe, None if plans is None else plans[j], rank, world, group)
+        moe.ep = EPExperts(moe, None if plans is None else plans[j], rank, world, group,
+                           tokens)
 
 
 def free_remote_experts(model) -> int:

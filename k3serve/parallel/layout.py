@@ -9,7 +9,9 @@ Per rank r of a TP-``tp`` instance (``k3serve.parallel.tp``)::
     MLA latent  [L_mla, P, B, kv_lora+rope] every token's latent             replicated
 
 so one sequence's KDA bytes per rank are 1/tp of the whole, while every rank stores every
-latent page: the instance's latent memory is tp × one copy.
+latent page: the instance's latent memory is tp × one copy. With ``dp`` attention groups
+(:func:`attention_groups`, ``k3serve.parallel.groups``) every rank has these pools; a slot's
+state is live on the group that owns it, latents and snapshots are replicated over the groups.
 
 Disaggregated pairing: a prefill instance hands off to a decode
 instance only when both have the same ``tp`` — rank r sends to rank r exactly the bytes it
@@ -108,6 +110,28 @@ def instance_cache_bytes(
             "instance": tp * (kda + mla)}
 
 
+def attention_groups(tp: int, ep: int) -> int:
+    """Attention groups ``dp`` of an instance of ``max(tp, ep)`` ranks.
+
+    ``tp`` > 1 and ``ep`` > ``tp``: ``dp = ep / tp`` groups of ``tp`` ranks (ranks
+    ``g·tp … g·tp + tp − 1`` form group g), each running attention for its own sequences, the
+    MoE expert-parallel over all ``ep`` ranks (``k3serve.parallel.groups``). Otherwise one group:
+    ``tp`` = ``ep`` (heads and experts over the same ranks), ``ep`` = 1 (tensor parallel only)
+    or ``tp`` = 1 (attention replicated on every rank, experts split).
+
+    Raises:
+        ValueError: ``tp`` or ``ep`` < 1, or ``tp`` > 1 < ``ep`` with ``ep`` not a multiple of
+            ``tp`` (naming the field).
+    """
+    for name, v in (("tp", tp), ("ep", ep)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: must be an int ≥ 1, got {v!r}")
+    if tp > 1 and ep > 1 and ep % tp:
+        raise ValueError(f"ep: {ep} is not a multiple of tp {tp} (attention groups of tp ranks "
+                         f"over the ep ranks)")
+    return ep // tp if tp > 1 and ep > tp else 1
+
+
 def check_pair(local_tp: int, remote_tp: int) -> list[tuple[int, int]]:
     """The rank pairing of a prefill → decode hand-off.
 
@@ -125,6 +149,7 @@ def check_pair(local_tp: int, remote_tp: int) -> list[tuple[int, int]]:
 __all__ = [
     "ParallelMismatch",
     "RankCacheSpec",
+    "attention_groups",
     "check_pair",
     "instance_cache_bytes",
     "rank_cache_spec",

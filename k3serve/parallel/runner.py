@@ -12,6 +12,10 @@ on their shards, so the collectives inside the forward (all-reduce, all-to-all) 
        model(ids, batch, pools)  ◀─ all-reduce / all-to-all ─▶ model(ids, batch, pools)
        → logits (rank 0 samples)                                   └─ loop until "stop"
 
+With ``dp`` > 1 attention groups (``ep = tp · dp``, ``k3serve.parallel.groups``) every rank still
+receives every op and runs its group's part of it (its slots' rows, their cache copies); rank 0
+gathers the other groups' logits.
+
 ``ParallelModelRunner`` has the methods of ``k3serve.engine.runner.ModelRunner`` (``forward``,
 ``prepare_slots``, ``save_snapshots``, ``fork``) so an engine on rank 0 can drive it unchanged.
 ``k3serve.parallel.ranks`` starts the ranks: on one host (rank 0 starts the others) or as
@@ -36,6 +40,9 @@ from k3serve.engine.runner import ModelRunner
 from k3serve.parallel import ep as ep_mod
 from k3serve.parallel import tp as tp_mod
 from k3serve.parallel.expert_plan import LayerPlan, Plan
+from k3serve.parallel.groups import AttentionGroups
+from k3serve.parallel.layout import attention_groups
+from k3serve.parallel.transfer import gather_states, scatter_state
 
 _log = logging.getLogger("k3serve.parallel")
 COLLECTIVE_TIMEOUT_S = 30.0
@@ -58,9 +65,11 @@ class InstanceSpec:
 
     Attributes:
         model: preset name or checkpoint folder (``k3serve.model.checkpoint.load_model``).
-        tp: tensor-parallel ranks (1 or the world size).
-        ep: expert-parallel ranks (1 or the world size).
-        num_slots / num_pages / block_size / num_snapshots: cache pool sizes (per rank).
+        tp: tensor-parallel ranks of one attention group.
+        ep: expert-parallel ranks: 1, or the world size (a multiple of ``tp``: ``dp = ep / tp``
+            attention groups, :func:`k3serve.parallel.layout.attention_groups`).
+        num_slots / num_pages / block_size / num_snapshots: cache pool sizes (per rank; slot
+            and page numbers are the instance's, the same on every rank).
         plan: expert placement (``Plan.to_dict()`` form) or None (contiguous).
         random_init: random weights when the preset has no checkpoint.
         dtype: parameter / latent + conv pool dtype name (``float32``, ``bfloat16``).
@@ -72,7 +81,8 @@ class InstanceSpec:
             within this bound, and the instance fails as a whole (:class:`ParallelModelRunner`).
 
     Raises:
-        ValueError: ``tp``/``ep`` < 1, or both > 1 and different; ``collective_timeout_s`` ≤ 0.
+        ValueError: ``tp``/``ep`` < 1, or both > 1 and ``ep`` not a multiple of ``tp``;
+            ``collective_timeout_s`` ≤ 0 (naming the field).
     """
 
     model: str = "k3-tiny"
@@ -97,18 +107,16 @@ class InstanceSpec:
             raise ValueError(f"device: 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: float32, bfloat16 or float16, got {self.dtype!r}")
-        for f in ("tp", "ep"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{f}: must be an int ≥ 1, got {v!r}")
-        if self.tp > 1 and self.ep > 1 and self.tp != self.ep:
-            raise ValueError(
-                f"ep: {self.ep} != tp {self.tp}; one instance uses one group of ranks for both"
-            )
+        attention_groups(self.tp, self.ep)
 
     @property
     def world(self) -> int:
         return max(self.tp, self.ep)
+
+    @property
+    def dp(self) -> int:
+        """Attention groups (:func:`k3serve.parallel.layout.attention_groups`)."""
+        return attention_groups(self.tp, self.ep)
 
     def rank_device(self, rank: int) -> str:
         """Where rank ``rank`` lives: ``cpu``, or ``cuda:{rank}`` where the process sees the
@@ -125,7 +133,9 @@ class InstanceSpec:
 
 class RankRunner(ModelRunner):
     """One rank's model + pools; runs ops locally (no broadcast). The forward, slot, snapshot
-    and fork ops are :class:`~k3serve.engine.runner.ModelRunner`'s, on this rank's shard.
+    and fork ops are :class:`~k3serve.engine.runner.ModelRunner`'s, on this rank's shard; with
+    several attention groups (``spec.dp`` > 1) :class:`~k3serve.parallel.groups.AttentionGroups`
+    runs this group's part of each.
 
     Args:
         spec: what to build.
@@ -134,6 +144,7 @@ class RankRunner(ModelRunner):
 
     Attributes:
         folder: the checkpoint folder the weights came from (``None``: random init).
+        groups: the attention groups (``spec.dp`` > 1; the process group must exist), or None.
     """
 
     def __init__(self, spec: InstanceSpec, rank: int = 0, device: str | None = None) -> None:
@@ -147,12 +158,18 @@ class RankRunner(ModelRunner):
         self.folder: str | None = folder
         self.cfg: ModelConfig = cfg
         self.local_cfg = tp_mod.local_config(cfg, spec.tp)
-        tp_mod.shard_model(model, rank if spec.tp > 1 else 0, spec.tp)
+        self.groups: AttentionGroups | None = None
+        tp_group, tokens = None, None
+        if spec.dp > 1:
+            self.groups = AttentionGroups(spec.tp, spec.dp, rank, spec.backend,
+                                          spec.collective_timeout_s)
+            tp_group, tokens = self.groups.tp_group, self.groups.token_group()
+        tp_mod.shard_model(model, rank % spec.tp, spec.tp, tp_group)
         if spec.ep > 1:
             plans: list[LayerPlan] | None = None
             if spec.plan is not None:
                 plans = Plan.from_dict(spec.plan).layers
-            ep_mod.install_ep(model, plans, rank, spec.ep)
+            ep_mod.install_ep(model, plans, rank, spec.ep, None, tokens)
             ep_mod.free_remote_experts(model)
         pools = KVPools(
             self.local_cfg,
@@ -173,70 +190,46 @@ class RankRunner(ModelRunner):
     def receive_cache(self, slot: int, pages: Sequence[int]) -> None:
         """A transferred cache landed in :attr:`transfer_pools` (nothing to do on one rank)."""
 
+    def forward(self, rows, layer_hook=None):
+        """:meth:`ModelRunner.forward`; with attention groups, this group's rows (logits of
+        every row on rank 0: :meth:`AttentionGroups.forward`)."""
+        if self.groups is None:
+            return super().forward(rows, layer_hook)
+        run = super().forward
+        return self.groups.forward(rows, lambda mine: run(mine, layer_hook), self.model,
+                                   self.pools)
+
+    def prepare_slots(self, admissions) -> None:
+        if self.groups is None:
+            return super().prepare_slots(admissions)
+        self.groups.prepare_slots(self.pools, admissions)
+
+    def save_snapshots(self, saves) -> None:
+        if self.groups is None:
+            return super().save_snapshots(saves)
+        self.groups.save_snapshots(self.pools, saves)
+
+    def fork(self, plan) -> None:
+        if self.groups is None:
+            return super().fork(plan)
+        self.groups.fork(self.pools, plan)
+
     def zero_slots(self, slots: Sequence[int]) -> None:
-        """Zero the KDA / conv state of ``slots`` (fresh sequences)."""
+        """Zero the KDA / conv state of ``slots`` (fresh sequences; on their owner group)."""
+        if self.groups is not None:
+            return self.groups.zero_slots(self.pools, slots)
         for s in slots:
             self.pools.zero_slot(s)
 
-    # ------------------------------------------------------------------ transfer collectives
-    @torch.inference_mode()
     def gather_slots(self, slots: Sequence[int]) -> None:
-        """Collective (every rank): rank 0 assembles the full-head KDA and conv states of
-        ``slots`` in its staging pools (:class:`TransferPools`).
+        """Collective: rank 0's staging gets the full-head states of ``slots``
+        (:func:`k3serve.parallel.transfer.gather_states`; a no-op for TP 1)."""
+        gather_states(self, slots)
 
-        Rank r contributes ``kda_state[:, slots]`` ``[L_kda, n, H/tp, K, V]`` (heads
-        ``r·H/tp …``) and ``conv_state[:, slots]`` ``[L_kda, n, W−1, 3·H/tp·K]`` (channels
-        ``q_r | k_r | v_r``); rank 0 writes ``[L_kda, n, H, K, V]`` (heads concatenated in
-        rank order) and ``[L_kda, n, W−1, 3·H·K]`` = ``q_0 … q_{tp−1} | k_0 … | v_0 …`` — the
-        channel order of one TP-1 process (``KDAMixer.conv_weight``). A no-op for TP 1.
-        """
-        tp = self.spec.tp
-        if tp == 1 or not slots:
-            return
-        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
-        kda = self.pools.kda_state.index_select(1, idx).contiguous()
-        conv = self.pools.conv_state.index_select(1, idx).contiguous()
-        if self.rank != 0:
-            dist.gather(kda, None, dst=0)
-            dist.gather(conv, None, dst=0)
-            return
-        kl = [torch.empty_like(kda) for _ in range(tp)]
-        cl = [torch.empty_like(conv) for _ in range(tp)]
-        dist.gather(kda, kl, dst=0)
-        dist.gather(conv, cl, dst=0)
-        st = self.staging
-        st.kda_state.index_copy_(1, idx, torch.cat(kl, dim=2))
-        parts = [c.chunk(3, dim=-1) for c in cl]  # per rank: (q_r, k_r, v_r)
-        st.conv_state.index_copy_(1, idx, torch.cat([p[j] for j in range(3) for p in parts], -1))
-
-    @torch.inference_mode()
     def scatter_cache(self, slot: int, pages: Sequence[int]) -> None:
-        """Collective (every rank): rank 0's received cache of one request becomes every
-        rank's — the inverse of :meth:`gather_slots` for the KDA / conv state of ``slot``
-        (TP > 1: each rank gets its heads / channels; TP 1: the whole state is broadcast) and
-        a broadcast of the MLA latent ``pages`` (replicated on every rank)."""
-        tp = self.spec.tp
-        kda_out = self.pools.kda_state[:, slot].contiguous()  # [L, H/tp, K, V]
-        conv_out = self.pools.conv_state[:, slot].contiguous()  # [L, W-1, 3·H/tp·K]
-        if tp > 1:
-            kda_in = conv_in = None
-            if self.rank == 0:
-                st = self.staging
-                kda_in = [c.contiguous() for c in st.kda_state[:, slot].chunk(tp, dim=1)]
-                q, k, v = (c.chunk(tp, dim=-1) for c in st.conv_state[:, slot].chunk(3, dim=-1))
-                conv_in = [torch.cat([q[r], k[r], v[r]], -1).contiguous() for r in range(tp)]
-            dist.scatter(kda_out, kda_in, src=0)
-            dist.scatter(conv_out, conv_in, src=0)
-        else:
-            dist.broadcast(kda_out, src=0)
-            dist.broadcast(conv_out, src=0)
-        self.pools.kda_state[:, slot].copy_(kda_out)
-        self.pools.conv_state[:, slot].copy_(conv_out)
-        if pages and self.pools.mla_latent.shape[0]:
-            idx = torch.tensor(list(pages), dtype=torch.int64, device=self.device)
-            lat = self.pools.mla_latent.index_select(1, idx).contiguous()
-            dist.broadcast(lat, src=0)
-            self.pools.mla_latent.index_copy_(1, idx, lat)
+        """Collective: rank 0's received cache of one request becomes every rank's
+        (:func:`k3serve.parallel.transfer.scatter_state`)."""
+        scatter_state(self, slot, pages)
 
 
 _OPS = ("forward", "prepare_slots", "save_snapshots", "fork", "zero_slots", "gather_slots",

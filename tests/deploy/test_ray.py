@@ -27,7 +27,7 @@ ray = pytest.importorskip("ray", reason="Ray is an extra: pip install -e '.[ray]
 
 from deploy.config import load_deploy_config
 from deploy.plan import make_plan
-from deploy.ray_backend import deploy, init_local_ray, placement_layout
+from deploy.ray_backend import check_runnable, deploy, init_local_ray, placement_layout
 from tests.parallel.ray_cluster import alive as _alive
 from tests.parallel.ray_cluster import free_port, local_cluster
 from tests.parallel.ray_cluster import pids_with as _pids_with
@@ -49,6 +49,7 @@ def test_supernode_64_actors_land_where_the_config_says():
         dc = load_deploy_config(CONFIGS / "supernode-64.yaml")
         # zero-CPU placeholders: 64 ranks fit this 2-core machine
         dc = dataclasses.replace(dc, cluster=dataclasses.replace(dc.cluster, cpus_per_rank=0))
+        check_runnable(dc)  # the engine's shape rules pass (tp 8 × dp 2, ep 16)
         stack = deploy(dc, placeholders=True, ready_timeout=150)
         ids = {h._actor_id.hex(): (name, r) for name, hs in stack.ranks.items()
                for r, h in enumerate(hs)}

@@ -7,8 +7,9 @@ ports), the tiny model on the CPU (gloo):
   the openai client's greedy chat completion equals the single-process offline engine's, every
   KV transfer went over Mooncake (0 fallbacks), and both ranks of each instance joined (rank
   1's process runs ``k3serve.parallel.ranks``; ``/internal/info`` says tp / ep);
-* a config the engine cannot run (tp 2 × dp 2 attention groups) is refused before any actor
-  starts, naming the field.
+* a config the engine cannot run (``ep`` not a multiple of ``tp``, ``ep`` not dividing the
+  experts, ``tp`` not dividing the heads) is refused before any actor starts, naming the field;
+  ``supernode-64.yaml`` (tp 8 × dp 2 attention groups, ep 16) passes the engine's shape rules.
 """
 
 from __future__ import annotations
@@ -166,23 +167,28 @@ def _wait_gone(pid: int, timeout: float = 30.0) -> bool:
     return False
 
 
-def test_a_config_the_engine_cannot_run_is_refused_before_any_actor(tmp_path):
+@pytest.mark.parametrize(("tp", "ep", "match"), [
+    (2, 3, r"pools\.decode\.ep: 3 is not a multiple of tp 2"),
+    (2, 6, r"pools\.decode\.ep: 6 ranks do not divide the 8 routed experts"),
+    (3, 1, r"pools\.decode\.tp: 3 does not divide kda_num_heads = 4"),
+], ids=["ep-not-multiple-of-tp", "ep-not-dividing-experts", "tp-not-dividing-heads"])
+def test_a_config_the_engine_cannot_run_is_refused_before_any_actor(tmp_path, tp, ep, match):
     dc = load_deploy_config(ranks_config(tmp_path, 1, 2))
-    pool = dataclasses.replace(dc.pools["decode"], tp=2, ep=4)
+    pool = dataclasses.replace(dc.pools["decode"], tp=tp, ep=ep)
     dc = dataclasses.replace(dc, pools={**dc.pools, "decode": pool},
-                             cluster=dataclasses.replace(dc.cluster, nodes=8))
-    with pytest.raises(ValueError, match=r"pools\.decode\.ep"):
+                             cluster=dataclasses.replace(dc.cluster, nodes=16))
+    with pytest.raises(ValueError, match=match):
         deploy(dc)  # no ray.init here: refused before Ray is touched
 
 
-def test_supernode_64_plans_but_its_attention_groups_are_refused_naming_the_field():
+def test_supernode_64_plans_and_passes_the_engine_shape_rules():
     from deploy.plan import make_plan
 
     dc = load_deploy_config(Path(__file__).resolve().parents[2] / "deploy" / "configs"
                             / "supernode-64.yaml")
-    assert [i.ranks for i in make_plan(dc).instances] == [16] * 4
-    with pytest.raises(ValueError, match=r"pools\.prefill\.ep: 16 ranks in 2 attention groups"):
-        check_runnable(dc)
+    insts = make_plan(dc).instances
+    assert [(i.ranks, i.tp, i.dp, i.nodes) for i in insts] == [(16, 8, 2, 2)] * 4
+    check_runnable(dc)  # tp 8 × dp 2 attention groups, ep 16: runnable
 
 
 def test_the_router_program_port_is_read_from_its_argv():

@@ -73,6 +73,39 @@ def greedy_generate(
     return out, steps
 
 
+def engine_rounds(engine: Any, rounds: Sequence[Sequence[tuple[Sequence[int], int]]],
+                  max_tokens: int) -> list[list[tuple[list[list[int]], int]]]:
+    """Greedy requests through an ``LLMEngine``, round after round (each round's requests are
+    added together and run to completion; the cache carries over to the next round).
+
+    Args:
+        engine: the engine (its prefix cache and snapshots on, as the test sets them).
+        rounds: per round, ``(prompt ids, n)`` per request.
+        max_tokens: tokens per choice.
+
+    Returns:
+        Per round, per request: ``(token ids of each choice, num_cached_tokens)``.
+    """
+    from k3serve import SamplingParams
+
+    out = []
+    for k, rnd in enumerate(rounds):
+        rids = []
+        for j, (ids, n) in enumerate(rnd):
+            rid = f"r{k}-{j}"
+            engine.add_request(rid, list(ids), SamplingParams(temperature=0.0, n=n,
+                                                              max_tokens=max_tokens))
+            rids.append(rid)
+        final: dict[str, Any] = {}
+        while len(final) < len(rids):
+            for o in engine.step():
+                if o.finished:
+                    final[o.request_id] = o
+        out.append([([list(c.token_ids) for c in final[r].outputs], final[r].num_cached_tokens)
+                    for r in rids])
+    return out
+
+
 # --------------------------------------------------------------------------- processes
 def _rank_main(rank: int, spec: InstanceSpec, store_path: str, conn: Any) -> None:
     torch.set_num_threads(spec.threads)
@@ -98,6 +131,14 @@ def _rank_main(rank: int, spec: InstanceSpec, store_path: str, conn: Any) -> Non
                     runner.gather_slots(args[0])
                     st, idx = runner.transfer_pools, list(args[0])
                     res = (st.kda_state[:, idx].clone(), st.conv_state[:, idx].clone())
+                elif op == "engine_rounds":  # an LLMEngine driving this instance
+                    from k3serve.engine.config import EngineConfig
+                    from k3serve.engine.engine import LLMEngine
+
+                    ec = EngineConfig(block_size=spec.block_size, num_pages=spec.num_pages,
+                                      num_slots=spec.num_slots, num_snapshots=spec.num_snapshots)
+                    engine = LLMEngine(runner.model, runner.cfg, None, ec, runner=runner)
+                    res = engine_rounds(engine, *args)
                 elif op == "expert_load":
                     from k3serve.parallel.counters import expert_load
 
@@ -173,6 +214,11 @@ class InstanceClient:
         transfer layout holds them after ``gather_slots`` (full heads, TP-1 order)."""
         return self._call("gathered_state", list(slots))
 
+    def engine_rounds(self, rounds, max_tokens: int):
+        """:func:`engine_rounds` on an ``LLMEngine`` over the instance (a fresh engine)."""
+        return self._call("engine_rounds", [[(list(i), n) for i, n in r] for r in rounds],
+                          max_tokens)
+
     def expert_load(self) -> dict[int, Any]:
         """Rank 0's expert load counters (every rank routes all tokens: they agree)."""
         return self._call("expert_load")
@@ -231,4 +277,4 @@ def spawn_instance(spec: InstanceSpec, ready_timeout: float = 300.0) -> Instance
     return client
 
 
-__all__ = ["InstanceClient", "greedy_generate", "spawn_instance"]
+__all__ = ["InstanceClient", "engine_rounds", "greedy_generate", "spawn_instance"]

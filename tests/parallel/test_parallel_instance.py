@@ -62,7 +62,7 @@ def test_per_rank_cache_shapes() -> None:
 
 def test_bad_parallel_spec_names_the_field() -> None:
     with pytest.raises(ValueError, match="ep"):
-        InstanceSpec(tp=2, ep=4)
+        InstanceSpec(tp=2, ep=3)
     with pytest.raises(ValueError, match="tp"):
         InstanceSpec(tp=0)
     with pytest.raises(ValueError, match="kda_num_heads"):

@@ -31,8 +31,10 @@ def test_flags_build_the_instance_spec(tmp_path) -> None:
     assert s.ep == 2 and s.plan == plan
     with pytest.raises(ValueError, match="expert_plan: .* 2 ranks, --ep is 4"):
         instance_spec(parse_config("prefill", ["--ep", "4", "--expert-plan", str(f)]))
-    with pytest.raises(SystemExit, match="--ep"):
-        parse_config("prefill", ["--tp", "2", "--ep", "4"])
+    with pytest.raises(SystemExit, match="--ep: 3 is not a multiple of --tp 2"):
+        parse_config("prefill", ["--tp", "2", "--ep", "3"])
+    s = instance_spec(parse_config("prefill", ["--tp", "2", "--ep", "4"]))
+    assert (s.tp, s.ep, s.dp, s.world) == (2, 4, 2, 4)
     with pytest.raises(SystemExit, match="--expert-plan"):
         parse_config("prefill", ["--expert-plan", str(f)])
     with pytest.raises(SystemExit, match="--tp"):
