@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from k3serve import tracing
 from k3serve.messages import same_secret
 from router import trace
-from router.admission import Ticket, current_key, overloaded
+from router.admission import Ticket, current_key, overloaded, request_cost
 from router.config import RouterConfig
 from router.errors import APIError, unavailable
 from router.pipeline import Router, cancel
@@ -111,7 +111,7 @@ class Completions:
                 else router.pre.completion_jobs(req, limit))
         span = trace.child("router.admission")
         try:
-            ticket = router.admission.admit(len(jobs) * req.n, key)  # 400 / 429 past capacity
+            ticket = router.admission.admit(request_cost(jobs, req.n), key)  # 400/429/503
         finally:
             tracing.end_span(span)
         try:

@@ -67,6 +67,10 @@ class RouterConfig:
         max_queued: Choices admitted beyond the decode workers' slots (Σ ``num_slots`` of the
             available decode workers); they wait for a slot in arrival order. A request that
             would pass ``slots + max_queued`` is refused at once with 429 and ``Retry-After``.
+        max_admitted_tokens: The token part of admission's limit: prompt tokens +
+            ``max_tokens`` per choice, summed over the admitted requests
+            (:mod:`router.admission`); ``None``: the decode workers' cache tokens
+            (Σ ``num_pages × block_size``) × ``(slots + max_queued) / slots``.
         retry_after_s: The ``Retry-After`` of a shed request (429, 503), seconds.
         placement: Placement knobs (``HomeParams``: the cache-aware ones and ``prefix_home``'s).
         replica: This process's index among the router replicas (``--replicas N``,
@@ -106,6 +110,7 @@ class RouterConfig:
     max_prompts: int = 256
     max_body_bytes: int = 4 << 20
     max_queued: int = 64
+    max_admitted_tokens: int | None = None
     retry_after_s: int = 1
     placement: PlacementParams = field(default_factory=HomeParams)
     replica: int | None = None
@@ -131,6 +136,8 @@ class RouterConfig:
             raise ValueError("api_keys: an empty key")
         if self.max_queued < 0 or self.retry_after_s < 0:
             raise ValueError("max_queued, retry_after_s: must be >= 0")
+        if self.max_admitted_tokens is not None and self.max_admitted_tokens < 1:
+            raise ValueError("max_admitted_tokens: must be >= 1")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
     ap.add_argument("--max-queued", type=int, default=64,
                     help="choices admitted beyond the decode slots (then 429)")
+    ap.add_argument("--max-admitted-tokens", type=int, default=None, metavar="TOKENS",
+                    help="tokens admitted at once (prompt + max_tokens per choice, summed; "
+                         "then 429); default: the decode workers' cache tokens scaled by "
+                         "(slots + max-queued) / slots")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--prefill-rate", type=float, default=10_000.0,
                     help="prefill tokens/s assumed for a worker until it reports its measured "
@@ -188,7 +199,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         add_bos=not args.no_bos, poll_interval_s=args.poll_interval,
         poll_timeout_s=args.poll_timeout, deadline_s=args.deadline,
         max_prompts=args.max_prompts, max_body_bytes=args.max_body_bytes,
-        max_queued=args.max_queued,
+        max_queued=args.max_queued, max_admitted_tokens=args.max_admitted_tokens,
         max_model_len=args.max_model_len, prefill_rate=args.prefill_rate,
         replica=args.replica_index, decode_channels=not args.no_decode_channels,
         otlp_traces_endpoint=args.otlp_traces_endpoint or os.environ.get(ENDPOINT_ENV) or None,
