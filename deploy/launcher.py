@@ -235,16 +235,18 @@ def start_stack(
         env[API_KEY_ENV] = api_key
     stack = Stack(url=f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}",
                   api_key=api_key, cluster_token=token)
-    def spawn(spec: Spec) -> None:
-        stack.procs.append(launch.spawn(spec.name, spec.module, spec.args, spec.env))
-        stack.specs.append(spec)
+    def spawn(spec: Spec, at: int | None = None) -> None:
+        at = len(stack.procs) if at is None else at
+        stack.procs.insert(at, launch.spawn(spec.name, spec.module, spec.args, spec.env))
+        stack.specs.insert(at, spec)
 
     try:
+        store_args = _store_args(stack, store, log_dir)  # the router shows it on /health
         spawn(Spec("router", "router", [
             "--host", host, "--port", str(port), "--policy", policy, "--model", model,
-            *(["--replicas", str(routers)] if routers > 1 else []),
-            *(extra_router_args or [])], env, "router"))
-        extra_worker_args = [*(extra_worker_args or []), *_store_args(stack, store, log_dir)]
+            *(["--replicas", str(routers)] if routers > 1 else []), *store_args,
+            *(extra_router_args or [])], env, "router"), at=0)
+        extra_worker_args = [*(extra_worker_args or []), *store_args]
         workers = [("prefill", i) for i in range(num_prefill)] + [
             ("decode", i) for i in range(num_decode)]
         ihost = launch.internal_host

@@ -103,9 +103,11 @@ class Completions:
         router, config = self.router, self.config
         key = self.check_api_key(request)
         current_key.set(key)  # the choices' tasks are made in this context: their seats' key
-        req = parse_request(await read_body(request, config.max_body_bytes),
-                            ChatCompletionRequest if chat else CompletionRequest, config.model,
-                            max_prompts=config.max_prompts)
+        body = await read_body(request, config.max_body_bytes)
+        router.memory.note(len(body))
+        req = parse_request(body, ChatCompletionRequest if chat else CompletionRequest,
+                            config.model, max_prompts=config.max_prompts)
+        del body
         limit = router.max_model_len
         jobs = (router.pre.chat_jobs(req, limit) if chat
                 else router.pre.completion_jobs(req, limit))

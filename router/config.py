@@ -22,6 +22,10 @@ from router.policies.home import HomeParams
 from router.policies.table import DEFAULT_POLICY, POLICIES
 from router.replicas import METRICS_ENV, REGISTRY_ENV
 
+#: The store master's address when ``--store-url`` is not given (the workers' store clients
+#: read the same variable: kvstore.store.client.StoreConfig).
+STORE_URL_ENV = "K3SERVE_STORE_URL"
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -83,6 +87,9 @@ class RouterConfig:
             per request (``--no-decode-channels``).
         otlp_traces_endpoint: OTLP/HTTP URL the request spans are exported to
             (:mod:`k3serve.tracing`); ``None``: tracing off.
+        store_url: The shared store's master, ``host:port`` (``--store-url``, else
+            ``$K3SERVE_STORE_URL``): ``/health`` reports whether it is reachable
+            (:mod:`router.store_health`); ``None``: no store known.
 
     Raises:
         ValueError: an unknown policy or a non-positive poll interval / timeout (named).
@@ -118,6 +125,7 @@ class RouterConfig:
     metrics_dir: str | None = None
     decode_channels: bool = True
     otlp_traces_endpoint: str | None = None
+    store_url: str | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -138,6 +146,10 @@ class RouterConfig:
             raise ValueError("max_queued, retry_after_s: must be >= 0")
         if self.max_admitted_tokens is not None and self.max_admitted_tokens < 1:
             raise ValueError("max_admitted_tokens: must be >= 1")
+        if self.store_url is not None:
+            host, _, port = self.store_url.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"store_url: {self.store_url!r} is not host:port")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                     help=f"export request spans over OTLP/HTTP to URL (default: "
                          f"${ENDPOINT_ENV}, else tracing off)")
+    ap.add_argument("--store-url", default=None, metavar="HOST:PORT",
+                    help=f"the shared store's master (mooncake_master RPC address), shown on "
+                         f"/health (default: ${STORE_URL_ENV}, else none)")
     ap.add_argument("--replicas", type=int, default=1,
                     help="router processes behind the one address (router/replicas.py)")
     ap.add_argument("--replica-index", type=int, default=None, help=argparse.SUPPRESS)
@@ -203,6 +218,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_model_len=args.max_model_len, prefill_rate=args.prefill_rate,
         replica=args.replica_index, decode_channels=not args.no_decode_channels,
         otlp_traces_endpoint=args.otlp_traces_endpoint or os.environ.get(ENDPOINT_ENV) or None,
+        store_url=args.store_url or os.environ.get(STORE_URL_ENV) or None,
         registry_dir=os.environ.get(REGISTRY_ENV) if args.replica_index is not None else None,
         metrics_dir=os.environ.get(METRICS_ENV) if args.replica_index is not None else None)
 

@@ -42,6 +42,7 @@ from router import trace
 from router.admission import Admission, decode_capacity
 from router.choose import choose
 from router.config import RouterConfig
+from router.memory import MemoryTrimmer
 from router.metrics import RouterMetrics
 from router.placement import NoWorkerAvailable, Placement
 from router.pool import WorkerPool
@@ -100,6 +101,7 @@ class Router:
             config.retry_after_s, max_tokens=config.max_admitted_tokens,
             configured=lambda: decode_capacity(
                 w for w in self.registry.workers.values() if w.role == "decode"))
+        self.memory = MemoryTrimmer()  # the heap freed by large bodies goes back to the kernel
         self.tokenizer = get_tokenizer(config.tokenizer or config.model)
         self.pre = Preprocessor(self.tokenizer, config.add_bos)
         # ``seq`` drives only round_robin / random now (cost ties break by the prompt's content,
