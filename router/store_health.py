@@ -50,7 +50,7 @@ class StoreProbe:
         try:
             _, writer = await asyncio.wait_for(
                 asyncio.open_connection(self.host, self.port), self.timeout_s)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             ok = False
         else:
             ok = True

@@ -10,7 +10,6 @@ import random
 import threading
 import time
 
-import httpx
 import pytest
 
 from deploy.fake_stack import Stack
@@ -122,7 +121,7 @@ def test_a_stopped_decode_worker_turns_a_valid_request_into_503_not_400():
     is 503 + ``Retry-After`` (it fits once the worker is back), one of 22 is still 400."""
     s = Stack(num_prefill=1, num_decode=2, api_key=None, max_queued=4, poll_timeout_s=0.2,
               unhealthy_after=2)
-    (d0, _), (d1, _) = s.decode
+    _, (d1, _) = s.decode
     body16 = {"model": MODEL, "prompt": "within", "n": 16, "max_tokens": 4}
     body22 = {"model": MODEL, "prompt": ["over a", "over b"], "n": 11, "max_tokens": 4}
     try:
