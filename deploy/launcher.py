@@ -235,17 +235,15 @@ def start_stack(
         env[API_KEY_ENV] = api_key
     stack = Stack(url=f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}",
                   api_key=api_key, cluster_token=token)
-    def spawn(spec: Spec, at: int | None = None) -> None:
-        at = len(stack.procs) if at is None else at
-        stack.procs.insert(at, launch.spawn(spec.name, spec.module, spec.args, spec.env))
-        stack.specs.insert(at, spec)
+    def spawn(spec: Spec, first: bool = False) -> None:
+        add_component(stack, launch.spawn(spec.name, spec.module, spec.args, spec.env), spec, first)
 
     try:
         store_args = _store_args(stack, store, log_dir)  # the router shows it on /health
         spawn(Spec("router", "router", [
             "--host", host, "--port", str(port), "--policy", policy, "--model", model,
             *(["--replicas", str(routers)] if routers > 1 else []), *store_args,
-            *(extra_router_args or [])], env, "router"), at=0)
+            *(extra_router_args or [])], env, "router"), first=True)
         extra_worker_args = [*(extra_worker_args or []), *store_args]
         workers = [("prefill", i) for i in range(num_prefill)] + [
             ("decode", i) for i in range(num_decode)]
@@ -279,6 +277,14 @@ def start_stack(
         stack.stop()
         raise
     return stack
+
+
+def add_component(stack: Stack, proc: Component, spec: Spec, first: bool = False) -> None:
+    """Add a started component to ``stack``: at the end, or ``first`` (the router, started
+    after the store's master, whose address it is given, still comes first in ``procs``)."""
+    at = 0 if first else len(stack.procs)
+    stack.procs.insert(at, proc)
+    stack.specs.insert(at, spec)
 
 
 def gpu_args(device: str | None, num_workers: int) -> list[str]:
@@ -423,6 +429,7 @@ __all__ = [
     "Stack",
     "StartupCancelled",
     "StartupError",
+    "add_component",
     "address_warning",
     "backend",
     "check_port_free",
