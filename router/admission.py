@@ -205,8 +205,7 @@ class Admission:
                 the key's its share (or the total twice the limit).
         """
         live = self.live()
-        if live.slots:
-            self._check_size(cost, self.configured(), live)
+        self._check_size(cost, self.configured(), live)
         limit = self.limit(live)
         mine = self.by_key.get(key, Cost(0, 0))
         self.seen[key] = time.monotonic()
@@ -223,7 +222,11 @@ class Admission:
         return Ticket(self, cost, key)
 
     def _check_size(self, cost: Cost, configured: DecodeCapacity, live: DecodeCapacity) -> None:
-        """400 past the configured limit, 503 past only the live one (see :meth:`admit`)."""
+        """400 past the configured limit, 503 past only the live one (see :meth:`admit`); no
+        check without a registered decode worker, no 503 without a usable one (placement
+        answers 503 then)."""
+        if not configured.slots:
+            return
         cfg = self.limit(configured)
         if cost.choices > cfg.choices:
             self.rejected += 1
@@ -238,7 +241,7 @@ class Admission:
                            f"at once: send it in parts or lower max_tokens",
                            param="max_tokens", code="too_many_tokens")
         now = self.limit(live)
-        if not cost.fits(now):
+        if live.slots and not cost.fits(now):
             self.rejected += 1
             raise overloaded(f"the request ({cost.choices} choices, {cost.tokens} tokens) "
                              f"needs more than the usable decode capacity now ({live.slots} of "
