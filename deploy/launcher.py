@@ -235,16 +235,16 @@ def start_stack(
         env[API_KEY_ENV] = api_key
     stack = Stack(url=f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}",
                   api_key=api_key, cluster_token=token)
-    def spawn(spec: Spec) -> None:
-        stack.procs.append(launch.spawn(spec.name, spec.module, spec.args, spec.env))
-        stack.specs.append(spec)
+    def spawn(spec: Spec, first: bool = False) -> None:
+        add_component(stack, launch.spawn(spec.name, spec.module, spec.args, spec.env), spec, first)
 
     try:
+        store_args = _store_args(stack, store, log_dir)  # the router shows it on /health
         spawn(Spec("router", "router", [
             "--host", host, "--port", str(port), "--policy", policy, "--model", model,
-            *(["--replicas", str(routers)] if routers > 1 else []),
-            *(extra_router_args or [])], env, "router"))
-        extra_worker_args = [*(extra_worker_args or []), *_store_args(stack, store, log_dir)]
+            *(["--replicas", str(routers)] if routers > 1 else []), *store_args,
+            *(extra_router_args or [])], env, "router"), first=True)
+        extra_worker_args = [*(extra_worker_args or []), *store_args]
         workers = [("prefill", i) for i in range(num_prefill)] + [
             ("decode", i) for i in range(num_decode)]
         ihost = launch.internal_host
@@ -277,6 +277,14 @@ def start_stack(
         stack.stop()
         raise
     return stack
+
+
+def add_component(stack: Stack, proc: Component, spec: Spec, first: bool = False) -> None:
+    """Add a started component to ``stack``: at the end, or ``first`` (the router, started
+    after the store's master, whose address it is given, still comes first in ``procs``)."""
+    at = 0 if first else len(stack.procs)
+    stack.procs.insert(at, proc)
+    stack.specs.insert(at, spec)
 
 
 def gpu_args(device: str | None, num_workers: int) -> list[str]:
@@ -421,6 +429,7 @@ __all__ = [
     "Stack",
     "StartupCancelled",
     "StartupError",
+    "add_component",
     "address_warning",
     "backend",
     "check_port_free",

@@ -4,8 +4,9 @@ Ctrl-C / SIGTERM.
 Stopping (:class:`Stopper`): the first SIGTERM or SIGINT — sent to the launcher alone (``kill
 -TERM PID``) or to its whole process group (a terminal's Ctrl-C, ``kill -TERM -PGID``) — stops
 supervision at once, then :meth:`deploy.launcher.Stack.stop` sends one SIGTERM to the router and
-every worker: the workers drain what they hold (up to the workers' ``--drain-timeout``, 60 s by
-default), the router finishes its open streams, everything exits 0 and the launcher exits 0.
+every worker: the workers drain what they hold (up to ``--drain-timeout``, :data:`DEFAULT_DRAIN_TIMEOUT_S`
+by default, passed to every worker), the router finishes its open streams, everything exits 0
+and the launcher exits 0.
 A second signal to the launcher kills what is left at once. A signal during startup stops
 what has started. The process title is ``k3serve serve`` (setproctitle).
 
@@ -23,12 +24,16 @@ import sys
 import time
 from types import FrameType
 
+from deploy.launcher import PortInUseError, Stack, StartupCancelled, StartupError, start_stack
 from k3serve.process import FlagParser, set_title
 
-from deploy.launcher import PortInUseError, Stack, StartupCancelled, StartupError, start_stack
-
-#: a worker's ``--drain-timeout`` when not given (worker/config.py)
-DEFAULT_DRAIN_TIMEOUT_S = 60.0
+#: every worker's ``--drain-timeout`` when ``k3serve serve`` is not given one, seconds: long
+#: enough for the streams in flight to end by themselves. A drain ends as soon as nothing is
+#: held; this bounds it. 1,024-token streams, 8 at once on a loaded 2-core CPU box, run at
+#: about 9 tokens/s each (about 520 tokens in 60 s: docs/results/shutdown.md), so they need
+#: about 115 s; 180 s leaves room for a slower box or longer outputs (at 6 tokens/s a stream of
+#: 1,024 tokens ends within it). On a GPU a stream of that length ends in seconds.
+DEFAULT_DRAIN_TIMEOUT_S = 180.0
 #: seconds past the drain timeout a component has to exit before it is killed (a drained
 #: worker's server closes its connections within 3 s, then releases its engine)
 STOP_GRACE_S = 15.0
@@ -162,8 +167,9 @@ def _add_passthrough(p: argparse.ArgumentParser) -> None:
         if dest in added:  # a flag of _BOTH: added with the router's
             continue
         added.add(dest)
-        shown = "" if a.default in (None, False) or "default" in (a.help or "") else (
-            f"(default: {a.default})")
+        default = DEFAULT_DRAIN_TIMEOUT_S if dest == "drain_timeout" else a.default
+        shown = "" if default in (None, False) or "default" in (a.help or "") else (
+            f"(default: {default})")
         kwargs: dict = {"dest": dest, "default": argparse.SUPPRESS, "metavar": a.metavar,
                         "help": " ".join(filter(None, [a.help, shown])) or None}
         if isinstance(a, argparse.BooleanOptionalAction):
@@ -211,6 +217,16 @@ def use_store(flag: bool | None) -> bool:
     return True
 
 
+def drain_timeout(args: argparse.Namespace, extra: dict[str, list[str]]) -> float:
+    """The workers' drain timeout of ``args``, seconds: ``--drain-timeout`` as given, else
+    :data:`DEFAULT_DRAIN_TIMEOUT_S`, which is then added to the workers' flags in ``extra``
+    (:func:`passthrough_args`; a worker's own default is shorter)."""
+    if hasattr(args, "drain_timeout"):
+        return float(args.drain_timeout)
+    extra["worker"] += ["--drain-timeout", str(DEFAULT_DRAIN_TIMEOUT_S)]
+    return DEFAULT_DRAIN_TIMEOUT_S
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the stack of ``args`` (:func:`build_parser`) until Ctrl-C / SIGTERM, restarting
     crashed components (exit status 1 when the router cannot be restarted); returns the exit
@@ -235,7 +251,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--config: only used with --ray (the local backend takes flags)")
     stopper = Stopper()
     stopper.install()
-    drain_s = getattr(args, "drain_timeout", DEFAULT_DRAIN_TIMEOUT_S)
+    drain_s = drain_timeout(args, extra)
     try:
         stack = start_stack(
             model=args.model, host=args.host, port=args.port, num_prefill=args.prefill,
@@ -291,5 +307,5 @@ def main(argv: list[str] | None = None) -> int:
     return run(build_parser().parse_args(argv))
 
 
-__all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "STOP_GRACE_S", "Stopper", "build_parser", "main",
-           "passthrough_args", "run", "serve"]
+__all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "STOP_GRACE_S", "Stopper", "build_parser", "drain_timeout",
+           "main", "passthrough_args", "run", "serve"]

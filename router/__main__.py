@@ -33,6 +33,7 @@ from router.config import (
     listen,
     tune_gc,
 )
+from router.memory import fix_mmap_threshold
 from router.replicas import supervise
 
 #: signals that stop the router gracefully: ``kill`` / a launcher, and a terminal's Ctrl-C
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         access_log=not isinstance(level, int) or level <= logging.INFO))
     tracing.configure("k3serve-router", config.otlp_traces_endpoint)
     tune_gc()
+    fix_mmap_threshold()
     try:
         server.run(sockets=[sock])
     finally:

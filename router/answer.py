@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from k3serve import tracing
 from k3serve.messages import same_secret
 from router import trace
-from router.admission import Ticket, current_key, overloaded
+from router.admission import Ticket, current_key, overloaded, request_cost
 from router.config import RouterConfig
 from router.errors import APIError, unavailable
 from router.pipeline import Router, cancel
@@ -103,15 +103,17 @@ class Completions:
         router, config = self.router, self.config
         key = self.check_api_key(request)
         current_key.set(key)  # the choices' tasks are made in this context: their seats' key
-        req = parse_request(await read_body(request, config.max_body_bytes),
-                            ChatCompletionRequest if chat else CompletionRequest, config.model,
-                            max_prompts=config.max_prompts)
+        body = await read_body(request, config.max_body_bytes)
+        router.memory.note(len(body))
+        req = parse_request(body, ChatCompletionRequest if chat else CompletionRequest,
+                            config.model, max_prompts=config.max_prompts)
+        del body
         limit = router.max_model_len
         jobs = (router.pre.chat_jobs(req, limit) if chat
                 else router.pre.completion_jobs(req, limit))
         span = trace.child("router.admission")
         try:
-            ticket = router.admission.admit(len(jobs) * req.n, key)  # 400 / 429 past capacity
+            ticket = router.admission.admit(request_cost(jobs, req.n), key)  # 400/429/503
         finally:
             tracing.end_span(span)
         try:

@@ -42,6 +42,7 @@ from router.responses import (
     ModelList,
 )
 from router.schemas import ChatCompletionRequest, CompletionRequest
+from router.store_health import StoreProbe
 from router.workers import WorkerError
 
 __all__ = ["Router", "RouterConfig", "create_app"]
@@ -60,6 +61,7 @@ def create_app(config: RouterConfig,
         The app; ``app.state.router`` is its ``Router``.
     """
     router = Router(config, transport)
+    store = StoreProbe(config.store_url) if config.store_url else None
     registry = Registry(config.registry_dir) if config.registry_dir else None
     replica = {REPLICA_HEADER: str(config.replica)} if config.replica is not None else None
 
@@ -69,6 +71,9 @@ def create_app(config: RouterConfig,
             await registry.catch_up(router.pool.registry)
         side = [asyncio.create_task(registry.watch(router.pool.registry)),
                 asyncio.create_task(_refresh_metrics(router))] if registry else []
+        if store is not None:
+            side.append(asyncio.create_task(store.run()))
+        side.append(asyncio.create_task(router.memory.run()))
         yield
         await cancel(side)
         await router.close()
@@ -78,15 +83,16 @@ def create_app(config: RouterConfig,
     app.state.router = router
     install_handlers(app)
     completions = Completions(router, config, replica)
-    _public_routes(app, router, config, completions)
+    _public_routes(app, router, config, completions, store)
     _internal_routes(app, router, config, registry)
     _install_openapi(app, router, config, completions.check_api_key)
     return app
 
 
 def _public_routes(app: FastAPI, router: Router, config: RouterConfig,
-                   handler: Completions) -> None:
-    """``/v1/*``, ``/health``, ``/livez``, ``/readyz`` and ``/metrics``.
+                   handler: Completions, store: StoreProbe | None) -> None:
+    """``/v1/*``, ``/health``, ``/livez``, ``/readyz`` and ``/metrics``; ``/health`` carries
+    the store master's reachability (``store``) when ``store`` is given.
 
     With an API key set, ``/metrics`` and ``/health?detail=1`` (worker URLs and ports) ask
     for it too (401; ``/health?detail=1`` also takes the cluster token, which the workers show
@@ -138,7 +144,8 @@ def _public_routes(app: FastAPI, router: Router, config: RouterConfig,
                 url=w.url, name=w.name, role=w.role, healthy=w.available,
                 queued_tokens=w.queued_tokens, running=w.running,
                 blocks=index.num_blocks(w.url), snapshots=index.num_snapshots(w.url),
-                resyncs=w.resyncs) for w in reg.workers.values()] if detail else None)
+                resyncs=w.resyncs) for w in reg.workers.values()] if detail else None,
+            store=store.health(bool(detail)) if store is not None else None)
         return JSONResponse(body.model_dump(exclude_none=True), status_code=200 if ok else 503)
 
     def ready() -> bool:

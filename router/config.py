@@ -22,6 +22,10 @@ from router.policies.home import HomeParams
 from router.policies.table import DEFAULT_POLICY, POLICIES
 from router.replicas import METRICS_ENV, REGISTRY_ENV
 
+#: The store master's address when ``--store-url`` is not given (the workers' store clients
+#: read the same variable: kvstore.store.client.StoreConfig).
+STORE_URL_ENV = "K3SERVE_STORE_URL"
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -67,6 +71,10 @@ class RouterConfig:
         max_queued: Choices admitted beyond the decode workers' slots (Σ ``num_slots`` of the
             available decode workers); they wait for a slot in arrival order. A request that
             would pass ``slots + max_queued`` is refused at once with 429 and ``Retry-After``.
+        max_admitted_tokens: The token part of admission's limit: prompt tokens +
+            ``max_tokens`` per choice, summed over the admitted requests
+            (:mod:`router.admission`); ``None``: the decode workers' cache tokens
+            (Σ ``num_pages × block_size``) × ``(slots + max_queued) / slots``.
         retry_after_s: The ``Retry-After`` of a shed request (429, 503), seconds.
         placement: Placement knobs (``HomeParams``: the cache-aware ones and ``prefix_home``'s).
         replica: This process's index among the router replicas (``--replicas N``,
@@ -79,6 +87,9 @@ class RouterConfig:
             per request (``--no-decode-channels``).
         otlp_traces_endpoint: OTLP/HTTP URL the request spans are exported to
             (:mod:`k3serve.tracing`); ``None``: tracing off.
+        store_url: The shared store's master, ``host:port`` (``--store-url``, else
+            ``$K3SERVE_STORE_URL``): ``/health`` reports whether it is reachable
+            (:mod:`router.store_health`); ``None``: no store known.
 
     Raises:
         ValueError: an unknown policy or a non-positive poll interval / timeout (named).
@@ -106,6 +117,7 @@ class RouterConfig:
     max_prompts: int = 256
     max_body_bytes: int = 4 << 20
     max_queued: int = 64
+    max_admitted_tokens: int | None = None
     retry_after_s: int = 1
     placement: PlacementParams = field(default_factory=HomeParams)
     replica: int | None = None
@@ -113,6 +125,7 @@ class RouterConfig:
     metrics_dir: str | None = None
     decode_channels: bool = True
     otlp_traces_endpoint: str | None = None
+    store_url: str | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -131,6 +144,12 @@ class RouterConfig:
             raise ValueError("api_keys: an empty key")
         if self.max_queued < 0 or self.retry_after_s < 0:
             raise ValueError("max_queued, retry_after_s: must be >= 0")
+        if self.max_admitted_tokens is not None and self.max_admitted_tokens < 1:
+            raise ValueError("max_admitted_tokens: must be >= 1")
+        if self.store_url is not None:
+            host, _, port = self.store_url.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"store_url: {self.store_url!r} is not host:port")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
     ap.add_argument("--max-queued", type=int, default=64,
                     help="choices admitted beyond the decode slots (then 429)")
+    ap.add_argument("--max-admitted-tokens", type=int, default=None, metavar="TOKENS",
+                    help="tokens admitted at once (prompt + max_tokens per choice, summed; "
+                         "then 429); default: the decode workers' cache tokens scaled by "
+                         "(slots + max-queued) / slots")
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--prefill-rate", type=float, default=10_000.0,
                     help="prefill tokens/s assumed for a worker until it reports its measured "
@@ -170,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                     help=f"export request spans over OTLP/HTTP to URL (default: "
                          f"${ENDPOINT_ENV}, else tracing off)")
+    ap.add_argument("--store-url", default=None, metavar="HOST:PORT",
+                    help=f"the shared store's master (mooncake_master RPC address), shown on "
+                         f"/health (default: ${STORE_URL_ENV}, else none)")
     ap.add_argument("--replicas", type=int, default=1,
                     help="router processes behind the one address (router/replicas.py)")
     ap.add_argument("--replica-index", type=int, default=None, help=argparse.SUPPRESS)
@@ -188,10 +214,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         add_bos=not args.no_bos, poll_interval_s=args.poll_interval,
         poll_timeout_s=args.poll_timeout, deadline_s=args.deadline,
         max_prompts=args.max_prompts, max_body_bytes=args.max_body_bytes,
-        max_queued=args.max_queued,
+        max_queued=args.max_queued, max_admitted_tokens=args.max_admitted_tokens,
         max_model_len=args.max_model_len, prefill_rate=args.prefill_rate,
         replica=args.replica_index, decode_channels=not args.no_decode_channels,
         otlp_traces_endpoint=args.otlp_traces_endpoint or os.environ.get(ENDPOINT_ENV) or None,
+        store_url=args.store_url or os.environ.get(STORE_URL_ENV) or None,
         registry_dir=os.environ.get(REGISTRY_ENV) if args.replica_index is not None else None,
         metrics_dir=os.environ.get(METRICS_ENV) if args.replica_index is not None else None)
 

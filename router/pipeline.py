@@ -39,9 +39,10 @@ from k3serve.messages import (
     SamplingSpec,
 )
 from router import trace
-from router.admission import Admission
+from router.admission import Admission, decode_capacity
 from router.choose import choose
 from router.config import RouterConfig
+from router.memory import MemoryTrimmer
 from router.metrics import RouterMetrics
 from router.placement import NoWorkerAvailable, Placement
 from router.pool import WorkerPool
@@ -96,8 +97,11 @@ class Router:
                                   lambda w: self.metrics.add_worker(w.name, w.role))
         self.registry, self.client = self.pool.registry, self.pool.client
         self.admission = Admission(
-            lambda: sum(w.info.capacity.num_slots for w in self.registry.live("decode")),
-            config.max_queued, config.retry_after_s)
+            lambda: decode_capacity(self.registry.live("decode")), config.max_queued,
+            config.retry_after_s, max_tokens=config.max_admitted_tokens,
+            configured=lambda: decode_capacity(
+                w for w in self.registry.workers.values() if w.role == "decode"))
+        self.memory = MemoryTrimmer()  # the heap freed by large bodies goes back to the kernel
         self.tokenizer = get_tokenizer(config.tokenizer or config.model)
         self.pre = Preprocessor(self.tokenizer, config.add_bos)
         # ``seq`` drives only round_robin / random now (cost ties break by the prompt's content,

@@ -55,6 +55,9 @@ sys.path.insert(0, str(ROOT))
 from k3serve.messages import ResumeRequest, ResumeResponse
 
 TOKEN = "sigstop-secret"
+#: max_tokens of a stream: within the fake workers' model length (4,096 tokens with the
+#: prompt); the fake workers' token delay stretches it past the stop
+STREAM_TOKENS = 3000
 
 
 def resumable_decode(token: str, token_delay_s: float):
@@ -266,11 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=110.0, help="seconds stopped")
     ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--stream-tokens", type=int, default=0,
-                    help="max_tokens of a stream (default: long enough to outlast the stop)")
+    ap.add_argument("--stream-tokens", type=int, default=STREAM_TOKENS,
+                    help="max_tokens of a stream (within the fake workers' model length)")
     ap.add_argument("--probe-every", type=float, default=2.0, help="seconds")
-    ap.add_argument("--token-delay", type=float, default=0.02,
-                    help="fake workers: seconds per token")
+    ap.add_argument("--token-delay", type=float, default=None,
+                    help="fake workers: seconds per token (default: slow enough for a "
+                         "stream to outlast the stop by 10 s, at least 0.02)")
     ap.add_argument("--router-url", default=None, help="a running stack (else fakes)")
     ap.add_argument("--model", default="k3-tiny")
     ap.add_argument("--victim-pid", type=int, default=None)
@@ -282,14 +286,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_victim is not None:
         _serve_victim(args.serve_victim)
         return 0
-    tokens = args.stream_tokens or int((args.duration + 10) / args.token_delay)
+    tokens = args.stream_tokens
+    delay = (args.token_delay if args.token_delay is not None
+             else max(0.02, (args.duration + 10) / tokens))
     setup = None
     if args.router_url:
         if args.victim_pid is None or args.victim_url is None:
             ap.error("--router-url needs --victim-pid and --victim-url")
         url, model, pid, vurl = args.router_url, args.model, args.victim_pid, args.victim_url
     else:
-        setup = FakeSetup(args.token_delay)
+        setup = FakeSetup(delay)
         url, model, pid, vurl = setup.url, setup.model, setup.victim_pid, setup.victim_url
     try:
         res = scenario(url, model, pid, vurl, args.duration, args.api_key, args.streams,

@@ -236,9 +236,23 @@ class RouterWorkerStatus(Message):
     resyncs: StrictInt = 0
 
 
+class StoreHealth(Message):
+    """The shared store's master as the router sees it (``RouterHealth.store``): ``up`` while
+    its RPC port accepts a connection, ``down`` while not, ``unknown`` before the first check;
+    ``since``: Unix seconds of the last change, ``for_s``: seconds since; ``url`` only with
+    ``?detail=1``."""
+
+    status: Literal["up", "down", "unknown"]
+    since: float
+    for_s: float = 0.0
+    url: str | None = None
+
+
 class RouterHealth(Message):
     """``GET /health`` of the router: 200 when at least one prefill and one decode worker are
-    healthy, else 503; ``workers`` only with ``?detail=1``."""
+    healthy, else 503; ``workers`` only with ``?detail=1``; ``store`` when the router knows
+    the store's master (``--store-url``; a store down keeps the status: requests are served
+    without it)."""
 
     status: Literal["ok", "unavailable"]
     model: str
@@ -247,6 +261,7 @@ class RouterHealth(Message):
     num_prefill_healthy: StrictInt
     num_decode_healthy: StrictInt
     workers: list[RouterWorkerStatus] | None = None
+    store: StoreHealth | None = None
 
 
 __all__ = [name for name, obj in list(globals().items())

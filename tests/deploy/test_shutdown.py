@@ -43,3 +43,25 @@ def test_one_signal_drains_every_stream_and_stops_everything_cleanly(mode):
     assert [t for t in r["titles"] if not t.startswith("k3serve")] == [
         t for t in r["titles"] if "mooncake_master" in t], r["titles"]
     assert r["ok"], r
+
+
+def test_serve_gives_every_worker_a_drain_long_enough_for_normal_streams():
+    """``k3serve serve`` without ``--drain-timeout`` passes its own default (180 s: a
+    1,024-token stream at 6 tokens/s ends within it) to every worker, and waits that long
+    plus the grace before killing; a given value is passed once, as given."""
+    from deploy.serve import (
+        DEFAULT_DRAIN_TIMEOUT_S,
+        build_parser,
+        drain_timeout,
+        passthrough_args,
+    )
+
+    assert DEFAULT_DRAIN_TIMEOUT_S == 180.0 and 1024 / 6 <= DEFAULT_DRAIN_TIMEOUT_S
+    args = build_parser().parse_args([])
+    extra = passthrough_args(args)
+    assert drain_timeout(args, extra) == 180.0
+    assert extra["worker"] == ["--drain-timeout", "180.0"] and extra["router"] == []
+    args = build_parser().parse_args(["--drain-timeout", "30"])
+    extra = passthrough_args(args)
+    assert drain_timeout(args, extra) == 30.0
+    assert extra["worker"] == ["--drain-timeout", "30.0"]

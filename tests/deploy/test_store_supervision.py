@@ -90,3 +90,40 @@ def test_a_killed_store_master_comes_back_on_its_port_and_the_errors_stop(stack)
             errors = [ln for ln in f if re.match(r"^E\d{4} ", ln) or " ERROR " in ln]
         assert errors == [], (n, errors[:5])
     assert back_s < 20
+
+
+def _router_store(url: str, **params) -> dict:
+    return httpx.get(url + "/health", params=params, timeout=10).json()["store"]
+
+
+def test_the_router_s_health_shows_a_store_master_that_stays_down(stack):
+    """The launcher gives the router the master's address (``--store-url``): ``/health``
+    says ``up``; with the master killed and left down (no restart left) it says ``down`` and
+    since when, while ``/health`` and ``/readyz`` stay 200 and requests are served without
+    the store; started again, ``up``."""
+    i = next(k for k, s in enumerate(stack.specs) if s.kind == "store")
+    spec = stack.specs[i]
+    st = _router_store(stack.url, detail=1)
+    assert st["status"] == "up" and st["url"] == spec.url
+    spec.restarts = stack.supervisor.max_restarts  # the supervisor leaves it down now
+    os.kill(stack.procs[i].pid, signal.SIGKILL)
+    t_kill = time.time()
+    deadline = time.monotonic() + 10
+    while (st := _router_store(stack.url))["status"] != "down":
+        assert time.monotonic() < deadline, st
+        time.sleep(0.1)
+    assert st["since"] >= t_kill - 0.01 and "url" not in st
+    assert httpx.get(stack.url + "/health", timeout=10).status_code == 200
+    assert httpx.get(stack.url + "/readyz", timeout=10).status_code == 200
+    for k in range(3):
+        assert _complete(stack.url, 100 + k).status_code == 200
+    time.sleep(1.5)
+    later = _router_store(stack.url)
+    assert later["status"] == "down" and later["since"] == st["since"] and later["for_s"] >= 1
+    stack.procs[i] = spec.start()  # back on its port, as the supervisor would
+    deadline = time.monotonic() + 20
+    while (back := _router_store(stack.url))["status"] != "up":
+        assert time.monotonic() < deadline, back
+        time.sleep(0.1)
+    assert back["since"] > st["since"]
+    assert _complete(stack.url, 200).status_code == 200

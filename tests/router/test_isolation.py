@@ -26,7 +26,7 @@ import pytest
 
 from deploy.fake_stack import Stack
 from deploy.fake_workers import MODEL
-from router.admission import Admission, current_key
+from router.admission import Admission, Cost, DecodeCapacity, current_key
 from router.errors import APIError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,27 +75,32 @@ def test_a_request_past_the_whole_budget_is_refused_and_later_requests_are_serve
         s.close()
 
 
+def _adm(slots: int, max_queued: int, kv_tokens: int = 1 << 40, **kw) -> Admission:
+    return Admission(lambda: DecodeCapacity(slots, kv_tokens), max_queued=max_queued,
+                     retry_after_s=1, **kw)
+
+
 def test_keys_share_the_limit_and_seats_go_round_robin():
-    adm = Admission(lambda: 8, max_queued=16, retry_after_s=1)
-    a = [adm.admit(4, "key0") for _ in range(6)]  # key0 alone may fill the limit (24)
+    adm = _adm(8, 16)
+    a = [adm.admit(Cost(4, 40), "key0") for _ in range(6)]  # key0 alone may fill the limit (24)
     with pytest.raises(APIError) as e:
-        adm.admit(4, "key0")
+        adm.admit(Cost(4, 40), "key0")
     assert e.value.status == 429
-    b = adm.admit(4, "key1")  # within key1's share (12) although the limit is full
-    assert adm.admitted == 28
+    b = adm.admit(Cost(4, 40), "key1")  # within key1's share (12) although the limit is full
+    assert adm.admitted == 28 and adm.admitted_tokens == 280
     with pytest.raises(APIError):
-        adm.admit(4, "key0")  # key0 is past its share now
+        adm.admit(Cost(4, 40), "key0")  # key0 is past its share now
     b.release()
     a[0].release()
-    assert adm.by_key == {"key0": 20} and adm.admitted == 20
+    assert adm.by_key == {"key0": Cost(20, 200)} and adm.admitted == 20
     with pytest.raises(APIError) as e:
-        adm.admit(25, "key1")
+        adm.admit(Cost(25, 250), "key1")
     assert e.value.status == 400 and "24" in str(e.value.body())
 
     import asyncio
 
     async def seating() -> list[str]:
-        adm2 = Admission(lambda: 1, max_queued=100, retry_after_s=1)
+        adm2 = _adm(1, 100)
         order: list[str] = []
         gate = asyncio.Event()
 
