@@ -51,6 +51,8 @@ SERIAL = (
     "tests/router/test_reliability.py",
     "tests/router/test_reliability_admission.py",
     "tests/router/test_replicas.py",
+    "tests/router/test_router_memory.py",
+    "tests/router/test_store_health.py",
     "tests/router/test_tools_e2e.py",
     "tests/spec/test_served.py",
     "tests/test_cli.py",
