@@ -127,10 +127,19 @@ def cmd_experts_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """``k3serve bench``: :func:`cli.bench.command.main`."""
+    """``k3serve bench``: :func:`cli.bench.command.main`; an error answer from the router or
+    no answer at all ends in one line on stderr (exit status 2): the status, the URL and the
+    server's message (:func:`cli.bench.client.describe_error`)."""
+    import httpx
+
+    from cli.bench.client import describe_error
     from cli.bench.command import main as bench_main
 
-    return bench_main(args)
+    try:
+        return bench_main(args)
+    except httpx.HTTPError as e:
+        print(f"k3serve bench: error: {describe_error(e)}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -201,13 +210,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # bad input, a missing or unwritable file
         print(f"k3serve: error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:
-        import httpx  # the bench's client: a server that is not there
-
-        if isinstance(e, httpx.HTTPError):
-            print(f"k3serve: error: {e!r}", file=sys.stderr)
-            return 2
-        raise
 
 
 if __name__ == "__main__":

@@ -5,9 +5,13 @@ line."""
 
 from __future__ import annotations
 
+import http.server
+import json
 import re
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -146,3 +150,96 @@ def test_bench_prints_the_summary(monkeypatch, capsys, tmp_path):
     out = capsys.readouterr().out
     assert "None" not in out and "oracle_hit_rate          n/a" in out
     assert drawn == [False] and (tmp_path / "hit_rate.png").exists()
+
+
+class _Unauthorized(http.server.BaseHTTPRequestHandler):
+    """Answers every request 401 with the router's OpenAI-style body unless it carries
+    ``Bearer right``; records each Authorization header."""
+
+    seen: list[str | None] = []
+
+    def _answer(self) -> None:
+        self.seen.append(self.headers.get("Authorization"))
+        if self.headers.get("Authorization") == "Bearer right":
+            body, status = b"k3serve:num_requests_waiting 0\n", 200
+        else:
+            body, status = json.dumps({"error": {
+                "message": "Incorrect API key provided.", "type": "invalid_request_error",
+                "param": None, "code": "invalid_api_key"}}).encode(), 401
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def unauthorized_server():
+    _Unauthorized.seen = []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Unauthorized)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+BENCH_ARGS = ["--rate", "inf", "--num", "1", "--input-len", "4", "--output-len", "1",
+              "--no-progress"]
+
+
+def test_bench_401_is_one_line_with_the_servers_message(unauthorized_server, monkeypatch,
+                                                        capsys):
+    monkeypatch.delenv("K3SERVE_API_KEY", raising=False)
+    rc = main(["bench", "--url", unauthorized_server, "--api-key", "wrong", *BENCH_ARGS])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err == [f"k3serve bench: error: HTTP 401 Unauthorized from GET {unauthorized_server}"
+                   "/metrics: Incorrect API key provided. (give the key with --api-key or "
+                   "K3SERVE_API_KEY)"], err
+    assert _Unauthorized.seen == ["Bearer wrong"]
+
+
+def test_bench_reads_the_api_key_from_the_environment(unauthorized_server, monkeypatch,
+                                                      capsys):
+    """``K3SERVE_API_KEY`` is the bearer key when ``--api-key`` is not given; ``--api-key``
+    wins over it. A request that fails with an HTTP error is one line, with the message."""
+    monkeypatch.setenv("K3SERVE_API_KEY", "right")
+    rc = main(["bench", "--url", unauthorized_server, *BENCH_ARGS])
+    out = capsys.readouterr()
+    assert _Unauthorized.seen and set(_Unauthorized.seen) == {"Bearer right"}
+    # /metrics answers 200, the completion too (a body without events): no token came
+    assert rc == 1 and "num_failed               1 requests" in out.out, out
+    _Unauthorized.seen.clear()
+    assert main(["bench", "--url", unauthorized_server, "--api-key", "wrong", *BENCH_ARGS]) == 2
+    assert _Unauthorized.seen == ["Bearer wrong"]
+
+
+def test_bench_without_a_server_is_one_line(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    assert main(["bench", "--url", f"http://127.0.0.1:{port}", *BENCH_ARGS]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"k3serve bench: error: cannot reach GET http://127.0.0.1:{port}/metrics: "), err
+
+
+def test_bench_failed_request_prints_the_servers_message():
+    """A completion answered 4xx is recorded as ``HTTP 4xx: MESSAGE`` (no raw bytes repr)."""
+    import httpx
+
+    from cli.bench.client import error_message
+
+    r = httpx.Response(400, json={"error": {"message": "max_tokens: must be >= 1",
+                                            "type": "invalid_request_error", "code": None}})
+    assert error_message(r) == "max_tokens: must be >= 1"
+    assert error_message(httpx.Response(503, json={"error": "draining",
+                                                   "message": "worker is draining"})) == (
+        "worker is draining")
+    assert error_message(httpx.Response(502, text="Bad Gateway")) == "Bad Gateway"
