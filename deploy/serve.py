@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import time
+import threading
 from types import FrameType
 
-from k3serve.process import FlagParser, set_title
+from k3serve.process import FlagParser, exit_now, set_title
 
 from deploy.launcher import PortInUseError, Stack, StartupCancelled, StartupError, start_stack
 
@@ -43,6 +43,8 @@ class Stopper:
     def __init__(self) -> None:
         self.stack: Stack | None = None
         self.requested = False
+        #: set by the first signal: :func:`serve`'s watch loop wakes at once
+        self.event = threading.Event()
 
     def cancelled(self) -> bool:
         return self.requested
@@ -60,6 +62,7 @@ class Stopper:
                 self.stack.kill()
             return
         self.requested = True
+        self.event.set()
         if self.stack is not None:
             self.stack.stopping = True
         print(f"k3serve: {name}: stopping; the workers drain their requests first "
@@ -213,8 +216,10 @@ def use_store(flag: bool | None) -> bool:
 
 def serve(args: argparse.Namespace) -> int:
     """Run the stack of ``args`` (:func:`build_parser`) until Ctrl-C / SIGTERM, restarting
-    crashed components (exit status 1 when the router cannot be restarted); returns the exit
-    status. ``--ray`` runs it on the Ray backend (deploy/ray_backend.py).
+    crashed components; once every component has stopped, the process ends
+    (:func:`k3serve.process.exit_now`) with exit status 0, or 1 when the router could not be
+    restarted. Returns only when the start was cancelled (0). ``--ray`` runs it on the Ray
+    backend (deploy/ray_backend.py) and returns its exit status.
 
     Raises:
         ValueError: ``--ray`` without ``--config``, or ``--config`` without ``--ray``.
@@ -265,11 +270,11 @@ def serve(args: argparse.Namespace) -> int:
                 print(f"k3serve: {sup.fatal}; stopping the stack", file=sys.stderr, flush=True)
                 status = 1
                 break
-            time.sleep(0.5)
+            stopper.event.wait(0.5)
     finally:
         stack.stop(timeout=drain_s + STOP_GRACE_S)
     print("k3serve: stopped", flush=True)
-    return status
+    exit_now(status)  # every component has exited; skip the interpreter's finalization
 
 
 def run(args: argparse.Namespace) -> int:
