@@ -155,11 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     pg = sub.add_parser("generate", formatter_class=fmt, help="generate a continuation offline (no server)")
     pg.add_argument("--model", default=DEFAULT_MODEL, help="preset name or checkpoint folder")
-    pg.add_argument("--prompt", required=True)
-    pg.add_argument("--max-tokens", type=int, default=64)
-    pg.add_argument("--temperature", type=float, default=0.0)
-    pg.add_argument("--top-p", type=float, default=1.0)
-    pg.add_argument("--seed", type=int, default=None)
+    pg.add_argument("--prompt", required=True, help="the text to continue")
+    pg.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    pg.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature (0: greedy)")
+    pg.add_argument("--top-p", type=float, default=1.0,
+                    help="nucleus sampling: the smallest set of tokens with this probability")
+    pg.add_argument("--seed", type=int, default=None,
+                    help="sampling seed (default: none, a fresh draw each run)")
     pg.set_defaults(fn=cmd_generate)
 
     pb = sub.add_parser("bench", formatter_class=fmt,

@@ -103,9 +103,11 @@ def check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as e:
-            why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e})"
-            raise PortInUseError(f"port {port} on {host} {why}; choose another with --port") \
-                from None
+            if e.errno == errno.EADDRINUSE:
+                msg = f"port {port} on {host} is already in use; choose another with --port"
+            else:
+                msg = f"{host}:{port} cannot be bound ({e}); check --host and --port"
+            raise PortInUseError(msg) from None
 
 
 @dataclass

@@ -12,6 +12,7 @@
 * :func:`exit_now` — end a process that has released what it holds without the interpreter's
   finalization (module teardown, the native destructors of torch and Mooncake: seconds of a
   stopping worker on a small machine); logging and stdio are flushed first.
+* :class:`CommandParser` — an ``argparse.ArgumentParser`` whose usage errors are one line.
 * :class:`FlagParser` — an ``argparse.ArgumentParser`` that lists the actions of its arguments
   in ``flags``, so ``k3serve serve`` can pass the router's and the workers' own flags through
   without reading argparse's private fields.
@@ -60,6 +61,15 @@ def exit_now(status: int = 0) -> NoReturn:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(status)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr,
+    ``PROG: error: MESSAGE (PROG --help lists the flags)``, exit status 2 (argparse's own
+    prints the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
 
 
 class FlagParser(argparse.ArgumentParser):

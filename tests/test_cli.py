@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import re
 import socket
 import subprocess
@@ -243,3 +244,147 @@ def test_bench_failed_request_prints_the_servers_message():
                                                    "message": "worker is draining"})) == (
         "worker is draining")
     assert error_message(httpx.Response(502, text="Bad Gateway")) == "Bad Gateway"
+
+
+def _parsers():
+    """Every parser behind ``k3serve`` (each subcommand, nested ones included) and the
+    router's and workers' entry points: ``(name, parser)``."""
+    import argparse
+
+    from cli.main import build_parser
+    from deploy.plan import build_parser as plan_parser
+    from deploy.serve import build_parser as serve_parser
+    from router.config import build_parser as router_parser
+    from simulate.cli import build_parser as simulate_parser
+    from worker.config import WorkerEnv
+    from worker.config import build_parser as worker_parser
+
+    out = []
+
+    def walk(name: str, p: argparse.ArgumentParser) -> None:
+        out.append((name, p))
+        for a in p._actions:  # noqa: SLF001 - argparse keeps its actions there
+            if isinstance(a, argparse._SubParsersAction):  # noqa: SLF001
+                for sub, sp in a.choices.items():
+                    if sub not in ("serve", "plan", "simulate"):  # their flags: below
+                        walk(f"{name} {sub}", sp)
+
+    walk("k3serve", build_parser())
+    for name, p in [("k3serve serve", serve_parser()), ("k3serve plan", plan_parser()),
+                    ("k3serve simulate", simulate_parser()), ("python -m router", router_parser()),
+                    ("python -m prefill.worker", worker_parser("prefill", WorkerEnv())),
+                    ("python -m decode.worker", worker_parser("decode", WorkerEnv()))]:
+        walk(name, p)
+    return out
+
+
+def _options(p):
+    import argparse
+
+    return [a for a in p._actions  # noqa: SLF001
+            if a.option_strings and a.help != argparse.SUPPRESS]
+
+
+@pytest.mark.parametrize("name,parser", _parsers(), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_option_has_a_help_text(name, parser):
+    missing = [a.option_strings[0] for a in _options(parser) if not (a.help or "").strip()]
+    assert not missing, f"{name}: options without a help text: {missing}"
+
+
+@pytest.mark.parametrize("name,parser", _parsers(), ids=lambda x: x if isinstance(x, str) else "")
+def test_help_texts_name_only_flags_of_their_command(name, parser):
+    """A help text that points at another flag (``default: 0.9 / --workers-per-gpu``) names
+    one this command has; another command's flag is named with its owner (``the router's
+    --prefill-rate``, ``k3serve serve --block-size``, a command in backticks)."""
+    flags = {f for a in parser._actions for f in a.option_strings}  # noqa: SLF001
+    flags |= {"--no-" + f[2:] for f in flags}
+    owned = r"`[^`]*`|(?:'s|\bk3serve(?: [a-z]+)+|python -m \S+) --[a-z0-9-]+"
+    wrong = {(a.option_strings[0], f) for a in _options(parser)
+             for f in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*",
+                                 re.sub(owned, "", a.help or ""))
+             if f not in flags}
+    assert not wrong, f"{name}: help names flags it does not have: {sorted(wrong)}"
+
+
+def _no_stack(monkeypatch):
+    """``k3serve serve`` must refuse before starting anything: starting fails the test."""
+    import deploy.serve
+
+    def start_stack(**kw):
+        raise AssertionError("a stack was started")
+
+    monkeypatch.setattr(deploy.serve, "start_stack", start_stack)
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--model", "/nonexistent"], "--model: /nonexistent does not exist; give a model checkout "
+                                  "folder or a preset (k3, k3-mini, k3-tiny)"),
+    (["--prefill", "0"], "--prefill: must be >= 1 (got 0)"),
+    (["--decode", "0"], "--decode: must be >= 1 (got 0)"),
+    (["--routers", "0"], "--routers: must be >= 1 (got 0)"),
+    (["--monolithic", "-1"], "--monolithic: must be >= 0 (got -1)"),
+    (["--block-size", "0"], "--block-size: must be >= 1 (got 0)"),
+    (["--port", "70000"], "--port: must be 0-65535 (got 70000)"),
+])
+def test_serve_refuses_bad_flags_in_one_line(flags, line, monkeypatch, capsys):
+    _no_stack(monkeypatch)
+    assert main(["serve", *flags]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"k3serve serve: error: {line}"]
+
+
+def test_serve_refuses_a_folder_that_is_not_a_model(tmp_path, monkeypatch, capsys):
+    _no_stack(monkeypatch)
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"k3serve serve: error: --model: {tmp_path} is not a model checkout (no config.json "
+        "in it)"]
+    (tmp_path / "config.json").write_text("{not json")
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"k3serve serve: error: --model: {tmp_path}: its config cannot be used ("), err
+    file = tmp_path / "config.json"
+    assert main(["serve", "--model", str(file)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"k3serve serve: error: --model: {file} is not a folder; give a model checkout folder "
+        "or a preset (k3, k3-mini, k3-tiny)"]
+
+
+def test_serve_refuses_a_taken_port_and_a_bad_choice_in_one_line(monkeypatch, capsys):
+    _no_stack(monkeypatch)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"k3serve serve: error: port {port} on 127.0.0.1 is already in use; choose another "
+        "with --port"]
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--policy", "bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "k3serve serve: error: argument --policy: invalid choice: 'bogus'"), err
+
+
+def test_serve_with_a_missing_model_from_the_shell_starts_nothing():
+    r = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--model", "/nonexistent"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    out, err = r.communicate(timeout=120)
+    assert r.returncode == 2, err
+    assert "Traceback" not in err and err.strip().splitlines() == [
+        "k3serve serve: error: --model: /nonexistent does not exist; give a model checkout "
+        "folder or a preset (k3, k3-mini, k3-tiny)"], err
+    assert out == ""
+    left = []  # anything still in the launcher's session (it was its leader)
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == r.pid and fields[0] != "Z":
+            left.append(d)
+    assert left == []
