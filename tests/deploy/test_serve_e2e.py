@@ -20,6 +20,7 @@ router's 401 message.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -325,6 +326,9 @@ def test_k3serve_serve_prints_url_and_sigterm_stops_every_child(tmp_path):
             if "serving" in line and f":{port}" in line:
                 url = f"http://127.0.0.1:{port}"
         assert url, "".join(lines[-30:])
+        # Mooncake's glog lines (the store client's setup prints one E line) stay off the
+        # terminal: they go to the kvstore.mooncake logger at DEBUG
+        assert not [ln for ln in lines if re.match(r"[IWEF]\d{4} ", ln)], "".join(lines)
         kids = _children(p.pid)
         # router + 1 prefill + 1 decode, and the store's master where mooncake is installed
         ours = [k for k in kids if "mooncake_master" not in Path(f"/proc/{k}/cmdline").read_text()]
