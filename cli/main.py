@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from cli.help import HelpFormatter, use_formatter
@@ -203,16 +204,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``k3serve ARGV``; bad input, a missing file or an unreachable server end in one
-    line on stderr (exit status 2)."""
+    line on stderr (exit status 2). A reader that stops reading (``k3serve plan ... | head``)
+    ends the command quietly (exit status 1, as ``python -c ... | head`` recommends)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] and argv[0] in OUTER:  # their flags belong to deploy/ and simulate/
-        return OUTER[argv[0]](argv[1:])
-    args = build_parser().parse_args(argv)
     try:
-        return int(args.fn(args) or 0)
-    except (ValueError, OSError) as e:  # bad input, a missing or unwritable file
-        print(f"k3serve: error: {e}", file=sys.stderr)
-        return 2
+        if argv[:1] and argv[0] in OUTER:  # their flags belong to deploy/ and simulate/
+            return OUTER[argv[0]](argv[1:])
+        args = build_parser().parse_args(argv)
+        try:
+            return int(args.fn(args) or 0)
+        except BrokenPipeError:
+            raise
+        except (ValueError, OSError) as e:  # bad input, a missing or unwritable file
+            print(f"k3serve: error: {e}", file=sys.stderr)
+            return 2
+    except BrokenPipeError:
+        # stdout's reader is gone: later writes (the interpreter's last flush) go nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -388,3 +388,16 @@ def test_serve_with_a_missing_model_from_the_shell_starts_nothing():
         if int(fields[3]) == r.pid and fields[0] != "Z":
             left.append(d)
     assert left == []
+
+
+@pytest.mark.parametrize("cmd", [["plan", "--config", "deploy/configs/supernode-64.yaml"],
+                                 ["experts", "plan", "--counts",
+                                  "tests/data/expert_load_zipf_896x12.json", "--ranks", "64",
+                                  "--redundant", "64"]], ids=["plan", "experts-plan"])
+def test_a_reader_that_stops_reading_ends_the_command_quietly(cmd):
+    """``k3serve plan ... | head -1``: no traceback and no error line when head exits."""
+    p = subprocess.Popen([sys.executable, "-m", "cli", *cmd], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # before the command writes: its first write meets a closed pipe
+    err = p.stderr.read()
+    assert p.wait(120) == 1 and err == "", err
