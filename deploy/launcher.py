@@ -237,8 +237,7 @@ def start_stack(
         check_port_free(host, port)
     port = port or launch.free_port(host)
     token = secrets.token_hex(16)
-    env = dict(os.environ)
-    env[CLUSTER_TOKEN_ENV] = token
+    env = {**os.environ, CLUSTER_TOKEN_ENV: token}
     env.setdefault("PYTHONUNBUFFERED", "1")
     if api_key:  # through the environment, so it does not show in `ps`
         env[API_KEY_ENV] = api_key
