@@ -24,8 +24,6 @@ import sys
 import threading
 from types import FrameType
 
-from k3serve.process import CommandParser, FlagParser, exit_now, set_title
-
 from deploy.launcher import (
     PortInUseError,
     Stack,
@@ -34,6 +32,7 @@ from deploy.launcher import (
     check_port_free,
     start_stack,
 )
+from k3serve.process import CommandParser, FlagParser, exit_now, set_title
 
 #: a worker's ``--drain-timeout`` when not given (worker/config.py)
 DEFAULT_DRAIN_TIMEOUT_S = 60.0

@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import NoReturn
 
-
 #: The launcher sets this in the environment of a worker whose role is not its module's:
 #: ``monolithic`` for a decode worker that also prefills (``k3serve serve --monolithic N``).
 TITLE_ROLE_ENV = "K3SERVE_TITLE_ROLE"

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -157,7 +158,7 @@ class _Unauthorized(http.server.BaseHTTPRequestHandler):
     """Answers every request 401 with the router's OpenAI-style body unless it carries
     ``Bearer right``; records each Authorization header."""
 
-    seen: list[str | None] = []
+    seen: ClassVar[list[str | None]] = []
 
     def _answer(self) -> None:
         self.seen.append(self.headers.get("Authorization"))
@@ -200,9 +201,9 @@ def test_bench_401_is_one_line_with_the_servers_message(unauthorized_server, mon
     rc = main(["bench", "--url", unauthorized_server, "--api-key", "wrong", *BENCH_ARGS])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
-    assert err == [f"k3serve bench: error: HTTP 401 Unauthorized from GET {unauthorized_server}"
+    assert err == [(f"k3serve bench: error: HTTP 401 Unauthorized from GET {unauthorized_server}"
                    "/metrics: Incorrect API key provided. (give the key with --api-key or "
-                   "K3SERVE_API_KEY)"], err
+                   "K3SERVE_API_KEY)")], err
     assert _Unauthorized.seen == ["Bearer wrong"]
 
 
@@ -263,8 +264,8 @@ def _parsers():
 
     def walk(name: str, p: argparse.ArgumentParser) -> None:
         out.append((name, p))
-        for a in p._actions:  # noqa: SLF001 - argparse keeps its actions there
-            if isinstance(a, argparse._SubParsersAction):  # noqa: SLF001
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
                 for sub, sp in a.choices.items():
                     if sub not in ("serve", "plan", "simulate"):  # their flags: below
                         walk(f"{name} {sub}", sp)
@@ -281,7 +282,7 @@ def _parsers():
 def _options(p):
     import argparse
 
-    return [a for a in p._actions  # noqa: SLF001
+    return [a for a in p._actions
             if a.option_strings and a.help != argparse.SUPPRESS]
 
 
@@ -296,7 +297,7 @@ def test_help_texts_name_only_flags_of_their_command(name, parser):
     """A help text that points at another flag (``default: 0.9 / --workers-per-gpu``) names
     one this command has; another command's flag is named with its owner (``the router's
     --prefill-rate``, ``k3serve serve --block-size``, a command in backticks)."""
-    flags = {f for a in parser._actions for f in a.option_strings}  # noqa: SLF001
+    flags = {f for a in parser._actions for f in a.option_strings}
     flags |= {"--no-" + f[2:] for f in flags}
     owned = r"`[^`]*`|(?:'s|\bk3serve(?: [a-z]+)+|python -m \S+) --[a-z0-9-]+"
     wrong = {(a.option_strings[0], f) for a in _options(parser)
@@ -317,8 +318,8 @@ def _no_stack(monkeypatch):
 
 
 @pytest.mark.parametrize("flags,line", [
-    (["--model", "/nonexistent"], "--model: /nonexistent does not exist; give a model checkout "
-                                  "folder or a preset (k3, k3-mini, k3-tiny)"),
+    (["--model", "/nonexistent"], ("--model: /nonexistent does not exist; give a model checkout "
+                                  "folder or a preset (k3, k3-mini, k3-tiny)")),
     (["--prefill", "0"], "--prefill: must be >= 1 (got 0)"),
     (["--decode", "0"], "--decode: must be >= 1 (got 0)"),
     (["--routers", "0"], "--routers: must be >= 1 (got 0)"),
@@ -336,8 +337,8 @@ def test_serve_refuses_a_folder_that_is_not_a_model(tmp_path, monkeypatch, capsy
     _no_stack(monkeypatch)
     assert main(["serve", "--model", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"k3serve serve: error: --model: {tmp_path} is not a model checkout (no config.json "
-        "in it)"]
+        (f"k3serve serve: error: --model: {tmp_path} is not a model checkout (no config.json "
+        "in it)")]
     (tmp_path / "config.json").write_text("{not json")
     assert main(["serve", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -346,8 +347,8 @@ def test_serve_refuses_a_folder_that_is_not_a_model(tmp_path, monkeypatch, capsy
     file = tmp_path / "config.json"
     assert main(["serve", "--model", str(file)]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"k3serve serve: error: --model: {file} is not a folder; give a model checkout folder "
-        "or a preset (k3, k3-mini, k3-tiny)"]
+        (f"k3serve serve: error: --model: {file} is not a folder; give a model checkout folder "
+        "or a preset (k3, k3-mini, k3-tiny)")]
 
 
 def test_serve_refuses_a_taken_port_and_a_bad_choice_in_one_line(monkeypatch, capsys):
@@ -358,8 +359,8 @@ def test_serve_refuses_a_taken_port_and_a_bad_choice_in_one_line(monkeypatch, ca
         port = s.getsockname()[1]
         assert main(["serve", "--port", str(port)]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"k3serve serve: error: port {port} on 127.0.0.1 is already in use; choose another "
-        "with --port"]
+        (f"k3serve serve: error: port {port} on 127.0.0.1 is already in use; choose another "
+        "with --port")]
     with pytest.raises(SystemExit) as e:
         main(["serve", "--policy", "bogus"])
     assert e.value.code == 2
@@ -375,8 +376,8 @@ def test_serve_with_a_missing_model_from_the_shell_starts_nothing():
     out, err = r.communicate(timeout=120)
     assert r.returncode == 2, err
     assert "Traceback" not in err and err.strip().splitlines() == [
-        "k3serve serve: error: --model: /nonexistent does not exist; give a model checkout "
-        "folder or a preset (k3, k3-mini, k3-tiny)"], err
+        ("k3serve serve: error: --model: /nonexistent does not exist; give a model checkout "
+        "folder or a preset (k3, k3-mini, k3-tiny)")], err
     assert out == ""
     left = []  # anything still in the launcher's session (it was its leader)
     for d in filter(str.isdigit, os.listdir("/proc")):

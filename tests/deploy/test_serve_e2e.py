@@ -194,9 +194,9 @@ def test_bench_takes_the_key_from_the_environment(stack, monkeypatch, capsys):
     monkeypatch.setenv("K3SERVE_API_KEY", "sk-wrong")
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"k3serve bench: error: HTTP 401 Unauthorized from GET {stack.url}/metrics: "
+    assert err == [(f"k3serve bench: error: HTTP 401 Unauthorized from GET {stack.url}/metrics: "
                    "Incorrect API key provided. (give the key with --api-key or "
-                   "K3SERVE_API_KEY)"], err
+                   "K3SERVE_API_KEY)")], err
 
 
 @pytest.mark.parametrize("path,body,status", [
