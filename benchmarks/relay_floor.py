@@ -21,7 +21,7 @@ Relays (``--relays``):
 Relay CPU = user + system seconds of the relay process over the load (psutil), medians of
 ``--rounds``. Usage::
 
-    python benchmarks/relay_floor.py [--relays raw,fastapi,queue] [--requests 200]
+    python benchmarks/relay_floor.py [--relays raw,fastapi,queue] [--requests 200] [--json PATH]
 """
 
 from __future__ import annotations
@@ -217,6 +217,17 @@ async def main_async(args) -> list[dict]:
     return rows
 
 
+def result(args: argparse.Namespace, rows: list[dict]) -> dict:
+    """The JSON of ``--json``: the settings and one row per relay (``ms_per_stream``: relay
+    CPU ms per stream; ``us_per_token``: relay CPU µs per relayed token; ``chunks``: client
+    chunks per stream; medians over ``rounds``)."""
+    return {"benchmark": "relay_floor", "requests": args.requests,
+            "concurrency": args.concurrency, "tokens": args.tokens, "rounds": args.rounds,
+            "units": {"ms_per_stream": "ms CPU / stream", "us_per_token": "µs CPU / token",
+                      "chunks": "chunks / stream"},
+            "relays": rows}
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve-source":
         serve_source(int(sys.argv[2]), int(sys.argv[3]))
@@ -225,13 +236,19 @@ def main() -> int:
         serve_relay(int(sys.argv[2]), sys.argv[3], sys.argv[4])
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--relays", default="raw,fastapi,queue", type=lambda s: s.split(","))
-    ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--relays", default="raw,fastapi,queue", type=lambda s: s.split(","),
+                    help="relays to measure, comma-separated: raw, fastapi, queue")
+    ap.add_argument("--requests", type=int, default=200, help="streams per round")
+    ap.add_argument("--concurrency", type=int, default=32, help="streams open at once")
+    ap.add_argument("--tokens", type=int, default=128, help="one-token events per stream")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per relay (medians)")
+    ap.add_argument("--json", default=None, metavar="PATH",
+                    help="write the settings and every relay's figures to PATH as JSON")
     args = ap.parse_args()
     rows = asyncio.run(main_async(args))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result(args, rows), indent=1) + "\n")
     print(f"\n{args.requests} streams of {args.tokens} tokens at concurrency {args.concurrency}; "
           "relay CPU (psutil), medians\n")
     print("| relay | CPU / stream | CPU / relayed token | chunks per stream |")

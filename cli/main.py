@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from cli.help import HelpFormatter, use_formatter
@@ -127,10 +128,19 @@ def cmd_experts_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """``k3serve bench``: :func:`cli.bench.command.main`."""
+    """``k3serve bench``: :func:`cli.bench.command.main`; an error answer from the router or
+    no answer at all ends in one line on stderr (exit status 2): the status, the URL and the
+    server's message (:func:`cli.bench.client.describe_error`)."""
+    import httpx
+
+    from cli.bench.client import describe_error
     from cli.bench.command import main as bench_main
 
-    return bench_main(args)
+    try:
+        return bench_main(args)
+    except httpx.HTTPError as e:
+        print(f"k3serve bench: error: {describe_error(e)}", file=sys.stderr)
+        return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,11 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     pg = sub.add_parser("generate", formatter_class=fmt, help="generate a continuation offline (no server)")
     pg.add_argument("--model", default=DEFAULT_MODEL, help="preset name or checkpoint folder")
-    pg.add_argument("--prompt", required=True)
-    pg.add_argument("--max-tokens", type=int, default=64)
-    pg.add_argument("--temperature", type=float, default=0.0)
-    pg.add_argument("--top-p", type=float, default=1.0)
-    pg.add_argument("--seed", type=int, default=None)
+    pg.add_argument("--prompt", required=True, help="the text to continue")
+    pg.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    pg.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature (0: greedy)")
+    pg.add_argument("--top-p", type=float, default=1.0,
+                    help="nucleus sampling: the smallest set of tokens with this probability")
+    pg.add_argument("--seed", type=int, default=None,
+                    help="sampling seed (default: none, a fresh draw each run)")
     pg.set_defaults(fn=cmd_generate)
 
     pb = sub.add_parser("bench", formatter_class=fmt,
@@ -191,23 +204,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``k3serve ARGV``; bad input, a missing file or an unreachable server end in one
-    line on stderr (exit status 2)."""
+    line on stderr (exit status 2). A reader that stops reading (``k3serve plan ... | head``)
+    ends the command quietly (exit status 1, as ``python -c ... | head`` recommends)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] and argv[0] in OUTER:  # their flags belong to deploy/ and simulate/
-        return OUTER[argv[0]](argv[1:])
-    args = build_parser().parse_args(argv)
     try:
-        return int(args.fn(args) or 0)
-    except (ValueError, OSError) as e:  # bad input, a missing or unwritable file
-        print(f"k3serve: error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:
-        import httpx  # the bench's client: a server that is not there
-
-        if isinstance(e, httpx.HTTPError):
-            print(f"k3serve: error: {e!r}", file=sys.stderr)
+        if argv[:1] and argv[0] in OUTER:  # their flags belong to deploy/ and simulate/
+            return OUTER[argv[0]](argv[1:])
+        args = build_parser().parse_args(argv)
+        try:
+            return int(args.fn(args) or 0)
+        except BrokenPipeError:
+            raise
+        except (ValueError, OSError) as e:  # bad input, a missing or unwritable file
+            print(f"k3serve: error: {e}", file=sys.stderr)
             return 2
-        raise
+    except BrokenPipeError:
+        # stdout's reader is gone: later writes (the interpreter's last flush) go nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

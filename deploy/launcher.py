@@ -35,6 +35,7 @@ from pydantic import ValidationError
 
 from deploy.supervisor import Spec, Supervisor
 from k3serve.messages import RouterHealth
+from k3serve.process import TITLE_ROLE_ENV
 from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
 
 
@@ -102,9 +103,11 @@ def check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as e:
-            why = "is already in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e})"
-            raise PortInUseError(f"port {port} on {host} {why}; choose another with --port") \
-                from None
+            if e.errno == errno.EADDRINUSE:
+                msg = f"port {port} on {host} is already in use; choose another with --port"
+            else:
+                msg = f"{host}:{port} cannot be bound ({e}); check --host and --port"
+            raise PortInUseError(msg) from None
 
 
 @dataclass
@@ -126,26 +129,32 @@ class Stack:
         """Stop the stack: no restart from here on, one SIGTERM to the router(s) and every
         worker (a worker drains its requests, the router finishes its open streams; a
         component that already received the signal, sent to the whole process group, ignores
-        the repeat), then the store's master once they have exited; whatever is left after
-        ``timeout`` seconds is killed. Idempotent: a second call sends no second SIGTERM."""
+        the repeat); whatever is left after ``timeout`` seconds is killed. Once they have
+        exited, the store's master is killed: the launcher starts it without snapshots or an
+        operation log (deploy/local.py), so it holds nothing that outlives the stack, and its
+        own SIGTERM path takes about 1 s. Idempotent: a second call sends no second SIGTERM."""
         self.stopping = True
         if self.supervisor is not None:
             self.supervisor.stop()
         last = [i for i, s in enumerate(self.specs) if s.kind == "store"]
         first = [i for i in range(len(self.procs)) if i not in last]
         deadline = time.monotonic() + timeout
-        for group in (first, last):
-            for i in group:
-                if i not in self.signalled and self.procs[i].poll() is None:
-                    self.signalled.add(i)
-                    self.procs[i].terminate()
-            for i in group:
-                p = self.procs[i]
-                try:
-                    p.wait(max(0.1, deadline - time.monotonic()))
-                except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired or a backend's own
-                    p.kill()
-                    p.wait()
+        for i in first:
+            if i not in self.signalled and self.procs[i].poll() is None:
+                self.signalled.add(i)
+                self.procs[i].terminate()
+        for i in first:
+            p = self.procs[i]
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired or a backend's own
+                p.kill()
+                p.wait()
+        for i in last:
+            self.signalled.add(i)
+            if self.procs[i].poll() is None:
+                self.procs[i].kill()
+            self.procs[i].wait()
         if self.supervisor is not None:
             self.supervisor.close()
 
@@ -228,8 +237,7 @@ def start_stack(
         check_port_free(host, port)
     port = port or launch.free_port(host)
     token = secrets.token_hex(16)
-    env = dict(os.environ)
-    env[CLUSTER_TOKEN_ENV] = token
+    env = {**os.environ, CLUSTER_TOKEN_ENV: token}
     env.setdefault("PYTHONUNBUFFERED", "1")
     if api_key:  # through the environment, so it does not show in `ps`
         env[API_KEY_ENV] = api_key
@@ -261,7 +269,8 @@ def start_stack(
                 "--router-url", f"http://127.0.0.1:{port}", "--block-size", str(block_size),
                 *gpu_args(device, len(workers)), "--worker-id", name,
                 *(extra_worker_args or [])],
-                env, "worker", url_index=len(stack.worker_urls) - 1))
+                {**env, TITLE_ROLE_ENV: "monolithic"} if monolithic else env, "worker",
+                url_index=len(stack.worker_urls) - 1))
         wait_ready(stack, num_prefill + num_decode, ready_timeout, launch=launch,
                    cancelled=cancelled)
         if supervise:

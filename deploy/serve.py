@@ -19,13 +19,21 @@ The local backend runs :func:`deploy.launcher.start_stack` with a supervisor; ``
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
-import time
+import threading
 from types import FrameType
 
-from deploy.launcher import PortInUseError, Stack, StartupCancelled, StartupError, start_stack
-from k3serve.process import FlagParser, set_title
+from deploy.launcher import (
+    PortInUseError,
+    Stack,
+    StartupCancelled,
+    StartupError,
+    check_port_free,
+    start_stack,
+)
+from k3serve.process import CommandParser, FlagParser, exit_now, set_title
 
 #: every worker's ``--drain-timeout`` when ``k3serve serve`` is not given one, seconds: long
 #: enough for the streams in flight to end by themselves. A drain ends as soon as nothing is
@@ -48,6 +56,8 @@ class Stopper:
     def __init__(self) -> None:
         self.stack: Stack | None = None
         self.requested = False
+        #: set by the first signal: :func:`serve`'s watch loop wakes at once
+        self.event = threading.Event()
 
     def cancelled(self) -> bool:
         return self.requested
@@ -65,6 +75,7 @@ class Stopper:
                 self.stack.kill()
             return
         self.requested = True
+        self.event.set()
         if self.stack is not None:
             self.stack.stopping = True
         print(f"k3serve: {name}: stopping; the workers drain their requests first "
@@ -73,8 +84,8 @@ class Stopper:
 
 def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
     """The flags of ``k3serve serve`` (= ``python -m deploy``)."""
-    p = argparse.ArgumentParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                description="start router + prefill and decode workers")
+    p = CommandParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                      description="start router + prefill and decode workers")
     p.add_argument("--model", default="k3-tiny", help="preset name or checkpoint folder")
     p.add_argument("--host", default="127.0.0.1", help="router bind address")
     p.add_argument("--port", type=int, default=8000, help="router port")
@@ -88,9 +99,11 @@ def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
                         "from the workers' events; router/replicas.py)")
     p.add_argument("--api-key", default=None,
                    help="bearer token required on the public API (or set K3SERVE_API_KEY)")
-    p.add_argument("--policy", default="prefix_home",
-                   help="placement policy: prefix_home | cache_aware | approx_radix | "
-                        "round_robin | least_load | random")
+    from router.policies.table import DEFAULT_POLICY, POLICIES
+
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                   metavar="POLICY",
+                   help="prefill placement policy: " + " | ".join(sorted(POLICIES)))
     p.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
     p.add_argument("--device", default=None,
                    help="worker device, cpu or cuda (default: cuda when torch sees a GPU)")
@@ -154,6 +167,16 @@ def _passthrough_specs() -> list[tuple[str, argparse.Action, str, list[str]]]:
     return out
 
 
+#: Help texts of passed-through flags whose component help names a flag the launcher sets
+#: itself (``--workers-per-gpu``): what the flag means under ``k3serve serve``.
+SERVE_HELP = {
+    "gpu_memory_utilization": "CUDA: each worker's share of the card's total memory (weights + "
+    "activations + pools, counted against what the worker holds); sizes the pools after the "
+    "weights load (default: 0.9 split evenly among the workers k3serve serve places on the "
+    "card, or none with an explicit --num-pages)",
+}
+
+
 def _add_passthrough(p: argparse.ArgumentParser) -> None:
     """Add the router's and the workers' own flags (those the launcher does not set) to
     ``p``, in two groups, defaulting to "not given" so only what the user typed is passed on
@@ -167,11 +190,12 @@ def _add_passthrough(p: argparse.ArgumentParser) -> None:
         if dest in added:  # a flag of _BOTH: added with the router's
             continue
         added.add(dest)
+        text = SERVE_HELP.get(a.dest, a.help)
         default = DEFAULT_DRAIN_TIMEOUT_S if dest == "drain_timeout" else a.default
-        shown = "" if default in (None, False) or "default" in (a.help or "") else (
+        shown = "" if default in (None, False) or "default" in (text or "") else (
             f"(default: {default})")
         kwargs: dict = {"dest": dest, "default": argparse.SUPPRESS, "metavar": a.metavar,
-                        "help": " ".join(filter(None, [a.help, shown])) or None}
+                        "help": " ".join(filter(None, [text, shown])) or None}
         if isinstance(a, argparse.BooleanOptionalAction):
             kwargs["action"] = argparse.BooleanOptionalAction
         elif a.nargs == 0:  # store_true
@@ -197,6 +221,50 @@ def passthrough_args(args: argparse.Namespace) -> dict[str, list[str]]:
         else:
             out[name] += [flag, str(value)]
     return out
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse flags the local stack cannot start with, before anything starts: a ``--model``
+    that is neither a preset nor a model checkout, counts out of range, a router address that
+    cannot be bound.
+
+    Raises:
+        ValueError: the flag and the value (one line).
+        PortInUseError: ``--host:--port`` is taken or cannot be bound.
+    """
+    check_model(args.model)
+    for flag, value, least in (("--prefill", args.prefill, 1), ("--decode", args.decode, 1),
+                               ("--monolithic", args.monolithic, 0), ("--routers", args.routers, 1),
+                               ("--block-size", args.block_size, 1),
+                               ("--max-restarts", args.max_restarts, 0)):
+        if value < least:
+            raise ValueError(f"{flag}: must be >= {least} (got {value})")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port: must be 0-65535 (got {args.port})")
+    if args.port:
+        check_port_free(args.host, args.port)
+
+
+def check_model(model: str) -> None:
+    """Raise ``ValueError`` naming ``--model`` and the path when ``model`` is neither a preset
+    nor a folder with a readable ``config.json`` / ``k3serve_config.json`` of this model
+    family (:func:`k3serve.config.load_config`)."""
+    from k3serve.config import PRESETS, load_config
+
+    if model in PRESETS:
+        return
+    presets = ", ".join(sorted(PRESETS))
+    if not os.path.isdir(model):
+        what = "is not a folder" if os.path.exists(model) else "does not exist"
+        raise ValueError(f"--model: {model} {what}; give a model checkout folder or a preset "
+                         f"({presets})")
+    if not any(os.path.isfile(os.path.join(model, f))
+               for f in ("k3serve_config.json", "config.json")):
+        raise ValueError(f"--model: {model} is not a model checkout (no config.json in it)")
+    try:
+        load_config(model)
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise ValueError(f"--model: {model}: its config cannot be used ({e!s:.200})") from None
 
 
 def use_store(flag: bool | None) -> bool:
@@ -229,8 +297,10 @@ def drain_timeout(args: argparse.Namespace, extra: dict[str, list[str]]) -> floa
 
 def serve(args: argparse.Namespace) -> int:
     """Run the stack of ``args`` (:func:`build_parser`) until Ctrl-C / SIGTERM, restarting
-    crashed components (exit status 1 when the router cannot be restarted); returns the exit
-    status. ``--ray`` runs it on the Ray backend (deploy/ray_backend.py).
+    crashed components; once every component has stopped, the process ends
+    (:func:`k3serve.process.exit_now`) with exit status 0, or 1 when the router could not be
+    restarted. Returns only when the start was cancelled (0). ``--ray`` runs it on the Ray
+    backend (deploy/ray_backend.py) and returns its exit status.
 
     Raises:
         ValueError: ``--ray`` without ``--config``, or ``--config`` without ``--ray``.
@@ -246,9 +316,12 @@ def serve(args: argparse.Namespace) -> int:
                              "(deploy/configs/*.yaml)")
         from deploy.ray_backend import serve_ray
 
+        set_title("k3serve serve")
         return serve_ray(args)
     if args.config:
         raise ValueError("--config: only used with --ray (the local backend takes flags)")
+    check_args(args)
+    set_title("k3serve serve")
     stopper = Stopper()
     stopper.install()
     drain_s = drain_timeout(args, extra)
@@ -281,20 +354,23 @@ def serve(args: argparse.Namespace) -> int:
                 print(f"k3serve: {sup.fatal}; stopping the stack", file=sys.stderr, flush=True)
                 status = 1
                 break
-            time.sleep(0.5)
+            stopper.event.wait(0.5)
     finally:
         stack.stop(timeout=drain_s + STOP_GRACE_S)
     print("k3serve: stopped", flush=True)
-    return status
+    exit_now(status)  # every component has exited; skip the interpreter's finalization
 
 
 def run(args: argparse.Namespace) -> int:
-    """:func:`serve` ``args``; a taken port, a component that exits during startup or a bad
-    flag value end with one line on stderr (exit status 1, 2)."""
-    set_title("k3serve serve")
+    """:func:`serve` ``args``; a bad flag value (:func:`check_args`: exit status 2), a taken
+    port, a missing program or file, or a component that exits during startup (exit status 1)
+    end with one line on stderr."""
     try:
         return serve(args)
     except (PortInUseError, StartupError) as e:
+        print(f"k3serve serve: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except FileNotFoundError as e:  # --store without mooncake_master, --sd-dir, ...
         print(f"k3serve serve: error: {e}", file=sys.stderr, flush=True)
         return 1
     except ValueError as e:
@@ -307,5 +383,5 @@ def main(argv: list[str] | None = None) -> int:
     return run(build_parser().parse_args(argv))
 
 
-__all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "STOP_GRACE_S", "Stopper", "build_parser", "drain_timeout",
-           "main", "passthrough_args", "run", "serve"]
+__all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "STOP_GRACE_S", "Stopper", "build_parser", "check_args",
+           "check_model", "drain_timeout", "main", "passthrough_args", "run", "serve"]

@@ -1,12 +1,18 @@
 """Process-level helpers shared by the launcher, the router and the workers.
 
 * :func:`set_title` — the process title that ``ps`` shows (``k3serve serve``,
-  ``k3serve router :8000``, ...). setproctitle writes the title over the process's argv area;
+  ``k3serve router :8000``, ...); :func:`worker_title` a worker's
+  (``k3serve prefill-worker :PORT``, ``k3serve decode-worker :PORT``,
+  ``k3serve monolithic-worker :PORT``). setproctitle writes the title over the process's argv area;
   with ``SPT_NOENV`` set (the default here, unless the environment sets it) it leaves the
   environment block alone, so ``/proc/PID/environ`` stays readable and a long title is cut to
   the argv area's length.
 * :func:`handled_signals` — route signals to a handler for the length of a ``with`` block
   (a server's run), then restore the previous handlers; nothing is re-raised afterwards.
+* :func:`exit_now` — end a process that has released what it holds without the interpreter's
+  finalization (module teardown, the native destructors of torch and Mooncake: seconds of a
+  stopping worker on a small machine); logging and stdio are flushed first.
+* :class:`CommandParser` — an ``argparse.ArgumentParser`` whose usage errors are one line.
 * :class:`FlagParser` — an ``argparse.ArgumentParser`` that lists the actions of its arguments
   in ``flags``, so ``k3serve serve`` can pass the router's and the workers' own flags through
   without reading argparse's private fields.
@@ -16,11 +22,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
+from typing import NoReturn
+
+#: The launcher sets this in the environment of a worker whose role is not its module's:
+#: ``monolithic`` for a decode worker that also prefills (``k3serve serve --monolithic N``).
+TITLE_ROLE_ENV = "K3SERVE_TITLE_ROLE"
+
+
+def worker_title(role: str, port: int) -> str:
+    """``k3serve {role}-worker :{port}``, with ``role`` replaced by ``$K3SERVE_TITLE_ROLE``
+    when the launcher set it (``k3serve monolithic-worker :PORT``)."""
+    return f"k3serve {os.environ.get(TITLE_ROLE_ENV) or role}-worker :{port}"
 
 
 def set_title(title: str) -> None:
@@ -29,6 +48,27 @@ def set_title(title: str) -> None:
     from setproctitle import setproctitle
 
     setproctitle(title)
+
+
+def exit_now(status: int = 0) -> NoReturn:
+    """End this process with exit status ``status`` now: flush and close the logging handlers,
+    flush stdout and stderr, then ``os._exit`` (no atexit handlers, no interpreter
+    finalization). Call it only once the process has closed what others depend on (its
+    sockets, its registrations, its exporters)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr,
+    ``PROG: error: MESSAGE (PROG --help lists the flags)``, exit status 2 (argparse's own
+    prints the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
 
 
 class FlagParser(argparse.ArgumentParser):

@@ -22,7 +22,8 @@ How to bring one up is :class:`kvstore.config.EngineConfig` (re-exported here).
   address peers dial (:mod:`kvstore.listen`); where they cannot be, a warning names them.
 * Logs: Mooncake writes its glog lines to stderr; ``MC_LOG_LEVEL`` (default here ``ERROR``,
   ``INFO`` when the ``kvstore`` logger is at DEBUG) is set before the first engine, and what
-  ``initialize`` prints goes to the ``kvstore.mooncake`` logger at DEBUG (WARNING when it fails).
+  ``initialize`` prints goes to the ``kvstore.mooncake`` logger at DEBUG (WARNING when it fails);
+  the store client (kvstore/store/client.py) routes what its ``setup`` prints the same way.
 * Notifications: ``batch_transfer_sync(..., notify=TransferNotify(name, msg))`` delivers
   ``(name, msg)`` to the peer's ``get_notifies()`` after the (tiny) write; messages of a few
   hundred KiB work, 4 MB are dropped by the receiver *while the sender sees success* — keep
@@ -57,6 +58,14 @@ _SCRATCH_BYTES = 4096
 _BAD_BATCH_IDS = (0, (1 << 64) - 1)
 
 
+def set_log_level() -> None:
+    """Set ``MC_LOG_LEVEL`` unless the environment has it: ``ERROR``, or ``INFO`` when the
+    ``kvstore`` logger is at DEBUG. Mooncake reads it once, when its first engine or store
+    client starts: call this before."""
+    if "MC_LOG_LEVEL" not in os.environ:
+        os.environ["MC_LOG_LEVEL"] = "INFO" if mc_log.isEnabledFor(logging.DEBUG) else "ERROR"
+
+
 def import_mooncake() -> Any:
     """Import ``mooncake.engine`` lazily.
 
@@ -64,8 +73,7 @@ def import_mooncake() -> Any:
         MooncakeUnavailable: the wheel or one of its shared libraries is missing; the message
             says what to install.
     """
-    if "MC_LOG_LEVEL" not in os.environ:  # read once, when the first engine starts
-        os.environ["MC_LOG_LEVEL"] = "INFO" if mc_log.isEnabledFor(logging.DEBUG) else "ERROR"
+    set_log_level()
     try:
         from mooncake import engine as mc
     except ImportError as e:  # includes missing libibverbs.so / libnuma.so
@@ -162,7 +170,7 @@ class KVEngine:
         self._te = self._mc.TransferEngine()
         c = self.config
         before = listening_sockets()
-        rc, printed = _capture_stderr(
+        rc, printed = capture_stderr(
             lambda: self._te.initialize(c.hostname, c.metadata_server, c.protocol, c.device_name))
         for line in printed:
             mc_log.log(logging.DEBUG if rc == 0 else logging.WARNING, "%s", line)
@@ -437,9 +445,10 @@ class KVEngine:
         self.close()
 
 
-def _capture_stderr(fn: Any) -> tuple[Any, list[str]]:
+def capture_stderr(fn: Any) -> tuple[Any, list[str]]:
     """``(fn(), lines written to file descriptor 2 meanwhile)``: Mooncake's start-up log goes
-    to the caller, not to the terminal."""
+    to the caller, not to the terminal (the engine's ``initialize``, the store client's
+    ``setup``)."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as tmp:
@@ -461,5 +470,7 @@ __all__ = [
     "EngineConfig",
     "KVEngine",
     "TransferHandle",
+    "capture_stderr",
     "import_mooncake",
+    "set_log_level",
 ]

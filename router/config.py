@@ -158,16 +158,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap = FlagParser(prog="python -m router",
                                  description="k3serve router: OpenAI-compatible front of the "
                                              "prefill/decode cluster")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--model", default="k3-tiny")
-    ap.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
+    ap.add_argument("--host", default="127.0.0.1", help="bind address")
+    ap.add_argument("--port", type=int, default=8000, help="HTTP port")
+    ap.add_argument("--model", default="k3-tiny",
+                    help="served model: preset name or checkpoint folder (its tokenizer and "
+                         "context length)")
+    ap.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                    help="prefill placement policy")
     ap.add_argument("--api-key", default=None, nargs="+", action="extend",
                     help=f"bearer token(s) for /v1/*, /metrics, /health?detail=1 and the API "
                          f"docs; repeat or list several (default: ${API_KEY_ENV}, else open)")
     ap.add_argument("--api-key-file", default=None,
                     help="a file of further API keys, one a line (# comments, blank lines)")
-    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer name or folder (default: the model's)")
     ap.add_argument("--no-bos", action="store_true", help="do not prepend BOS to text prompts")
     ap.add_argument("--poll-interval", type=float, default=0.1, help="seconds")
     ap.add_argument("--poll-timeout", type=float, default=10.0,
@@ -176,18 +180,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a request waits on an unavailable (hung) worker")
     ap.add_argument("--max-prompts", type=int, default=256,
                     help="most prompts in one /v1/completions batch")
-    ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    ap.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                    help="largest request body in bytes (more: 413)")
     ap.add_argument("--max-queued", type=int, default=64,
                     help="choices admitted beyond the decode slots (then 429)")
     ap.add_argument("--max-admitted-tokens", type=int, default=None, metavar="TOKENS",
                     help="tokens admitted at once (prompt + max_tokens per choice, summed; "
                          "then 429); default: the decode workers' cache tokens scaled by "
                          "(slots + max-queued) / slots")
-    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="longest prompt + output in tokens (default: the workers' context "
+                         "length)")
     ap.add_argument("--prefill-rate", type=float, default=10_000.0,
                     help="prefill tokens/s assumed for a worker until it reports its measured "
                          "rate with its cache events (then the measured rate prices its queue)")
-    ap.add_argument("--log-level", default="warning")
+    ap.add_argument("--log-level", default="warning",
+                    help="logging level: debug, info, warning, error")
     ap.add_argument("--no-decode-channels", action="store_true",
                     help="one decode stream per request, not one channel per decode worker")
     ap.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",

@@ -5,10 +5,16 @@ line."""
 
 from __future__ import annotations
 
+import http.server
+import json
+import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -146,3 +152,253 @@ def test_bench_prints_the_summary(monkeypatch, capsys, tmp_path):
     out = capsys.readouterr().out
     assert "None" not in out and "oracle_hit_rate          n/a" in out
     assert drawn == [False] and (tmp_path / "hit_rate.png").exists()
+
+
+class _Unauthorized(http.server.BaseHTTPRequestHandler):
+    """Answers every request 401 with the router's OpenAI-style body unless it carries
+    ``Bearer right``; records each Authorization header."""
+
+    seen: ClassVar[list[str | None]] = []
+
+    def _answer(self) -> None:
+        self.seen.append(self.headers.get("Authorization"))
+        if self.headers.get("Authorization") == "Bearer right":
+            body, status = b"k3serve:num_requests_waiting 0\n", 200
+        else:
+            body, status = json.dumps({"error": {
+                "message": "Incorrect API key provided.", "type": "invalid_request_error",
+                "param": None, "code": "invalid_api_key"}}).encode(), 401
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def unauthorized_server():
+    _Unauthorized.seen = []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Unauthorized)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+BENCH_ARGS = ["--rate", "inf", "--num", "1", "--input-len", "4", "--output-len", "1",
+              "--no-progress"]
+
+
+def test_bench_401_is_one_line_with_the_servers_message(unauthorized_server, monkeypatch,
+                                                        capsys):
+    monkeypatch.delenv("K3SERVE_API_KEY", raising=False)
+    rc = main(["bench", "--url", unauthorized_server, "--api-key", "wrong", *BENCH_ARGS])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err == [(f"k3serve bench: error: HTTP 401 Unauthorized from GET {unauthorized_server}"
+                   "/metrics: Incorrect API key provided. (give the key with --api-key or "
+                   "K3SERVE_API_KEY)")], err
+    assert _Unauthorized.seen == ["Bearer wrong"]
+
+
+def test_bench_reads_the_api_key_from_the_environment(unauthorized_server, monkeypatch,
+                                                      capsys):
+    """``K3SERVE_API_KEY`` is the bearer key when ``--api-key`` is not given; ``--api-key``
+    wins over it. A request that fails with an HTTP error is one line, with the message."""
+    monkeypatch.setenv("K3SERVE_API_KEY", "right")
+    rc = main(["bench", "--url", unauthorized_server, *BENCH_ARGS])
+    out = capsys.readouterr()
+    assert _Unauthorized.seen and set(_Unauthorized.seen) == {"Bearer right"}
+    # /metrics answers 200, the completion too (a body without events): no token came
+    assert rc == 1 and "num_failed               1 requests" in out.out, out
+    _Unauthorized.seen.clear()
+    assert main(["bench", "--url", unauthorized_server, "--api-key", "wrong", *BENCH_ARGS]) == 2
+    assert _Unauthorized.seen == ["Bearer wrong"]
+
+
+def test_bench_without_a_server_is_one_line(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    assert main(["bench", "--url", f"http://127.0.0.1:{port}", *BENCH_ARGS]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"k3serve bench: error: cannot reach GET http://127.0.0.1:{port}/metrics: "), err
+
+
+def test_bench_failed_request_prints_the_servers_message():
+    """A completion answered 4xx is recorded as ``HTTP 4xx: MESSAGE`` (no raw bytes repr)."""
+    import httpx
+
+    from cli.bench.client import error_message
+
+    r = httpx.Response(400, json={"error": {"message": "max_tokens: must be >= 1",
+                                            "type": "invalid_request_error", "code": None}})
+    assert error_message(r) == "max_tokens: must be >= 1"
+    assert error_message(httpx.Response(503, json={"error": "draining",
+                                                   "message": "worker is draining"})) == (
+        "worker is draining")
+    assert error_message(httpx.Response(502, text="Bad Gateway")) == "Bad Gateway"
+
+
+def _parsers():
+    """Every parser behind ``k3serve`` (each subcommand, nested ones included) and the
+    router's and workers' entry points: ``(name, parser)``."""
+    import argparse
+
+    from cli.main import build_parser
+    from deploy.plan import build_parser as plan_parser
+    from deploy.serve import build_parser as serve_parser
+    from router.config import build_parser as router_parser
+    from simulate.cli import build_parser as simulate_parser
+    from worker.config import WorkerEnv
+    from worker.config import build_parser as worker_parser
+
+    out = []
+
+    def walk(name: str, p: argparse.ArgumentParser) -> None:
+        out.append((name, p))
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub, sp in a.choices.items():
+                    if sub not in ("serve", "plan", "simulate"):  # their flags: below
+                        walk(f"{name} {sub}", sp)
+
+    walk("k3serve", build_parser())
+    for name, p in [("k3serve serve", serve_parser()), ("k3serve plan", plan_parser()),
+                    ("k3serve simulate", simulate_parser()), ("python -m router", router_parser()),
+                    ("python -m prefill.worker", worker_parser("prefill", WorkerEnv())),
+                    ("python -m decode.worker", worker_parser("decode", WorkerEnv()))]:
+        walk(name, p)
+    return out
+
+
+def _options(p):
+    import argparse
+
+    return [a for a in p._actions
+            if a.option_strings and a.help != argparse.SUPPRESS]
+
+
+@pytest.mark.parametrize("name,parser", _parsers(), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_option_has_a_help_text(name, parser):
+    missing = [a.option_strings[0] for a in _options(parser) if not (a.help or "").strip()]
+    assert not missing, f"{name}: options without a help text: {missing}"
+
+
+@pytest.mark.parametrize("name,parser", _parsers(), ids=lambda x: x if isinstance(x, str) else "")
+def test_help_texts_name_only_flags_of_their_command(name, parser):
+    """A help text that points at another flag (``default: 0.9 / --workers-per-gpu``) names
+    one this command has; another command's flag is named with its owner (``the router's
+    --prefill-rate``, ``k3serve serve --block-size``, a command in backticks)."""
+    flags = {f for a in parser._actions for f in a.option_strings}
+    flags |= {"--no-" + f[2:] for f in flags}
+    owned = r"`[^`]*`|(?:'s|\bk3serve(?: [a-z]+)+|python -m \S+) --[a-z0-9-]+"
+    wrong = {(a.option_strings[0], f) for a in _options(parser)
+             for f in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*",
+                                 re.sub(owned, "", a.help or ""))
+             if f not in flags}
+    assert not wrong, f"{name}: help names flags it does not have: {sorted(wrong)}"
+
+
+def _no_stack(monkeypatch):
+    """``k3serve serve`` must refuse before starting anything: starting fails the test."""
+    import deploy.serve
+
+    def start_stack(**kw):
+        raise AssertionError("a stack was started")
+
+    monkeypatch.setattr(deploy.serve, "start_stack", start_stack)
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--model", "/nonexistent"], ("--model: /nonexistent does not exist; give a model checkout "
+                                  "folder or a preset (k3, k3-mini, k3-tiny)")),
+    (["--prefill", "0"], "--prefill: must be >= 1 (got 0)"),
+    (["--decode", "0"], "--decode: must be >= 1 (got 0)"),
+    (["--routers", "0"], "--routers: must be >= 1 (got 0)"),
+    (["--monolithic", "-1"], "--monolithic: must be >= 0 (got -1)"),
+    (["--block-size", "0"], "--block-size: must be >= 1 (got 0)"),
+    (["--port", "70000"], "--port: must be 0-65535 (got 70000)"),
+])
+def test_serve_refuses_bad_flags_in_one_line(flags, line, monkeypatch, capsys):
+    _no_stack(monkeypatch)
+    assert main(["serve", *flags]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"k3serve serve: error: {line}"]
+
+
+def test_serve_refuses_a_folder_that_is_not_a_model(tmp_path, monkeypatch, capsys):
+    _no_stack(monkeypatch)
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        (f"k3serve serve: error: --model: {tmp_path} is not a model checkout (no config.json "
+        "in it)")]
+    (tmp_path / "config.json").write_text("{not json")
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"k3serve serve: error: --model: {tmp_path}: its config cannot be used ("), err
+    file = tmp_path / "config.json"
+    assert main(["serve", "--model", str(file)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        (f"k3serve serve: error: --model: {file} is not a folder; give a model checkout folder "
+        "or a preset (k3, k3-mini, k3-tiny)")]
+
+
+def test_serve_refuses_a_taken_port_and_a_bad_choice_in_one_line(monkeypatch, capsys):
+    _no_stack(monkeypatch)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        (f"k3serve serve: error: port {port} on 127.0.0.1 is already in use; choose another "
+        "with --port")]
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--policy", "bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "k3serve serve: error: argument --policy: invalid choice: 'bogus'"), err
+
+
+def test_serve_with_a_missing_model_from_the_shell_starts_nothing():
+    r = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--model", "/nonexistent"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    out, err = r.communicate(timeout=120)
+    assert r.returncode == 2, err
+    assert "Traceback" not in err and err.strip().splitlines() == [
+        ("k3serve serve: error: --model: /nonexistent does not exist; give a model checkout "
+        "folder or a preset (k3, k3-mini, k3-tiny)")], err
+    assert out == ""
+    left = []  # anything still in the launcher's session (it was its leader)
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == r.pid and fields[0] != "Z":
+            left.append(d)
+    assert left == []
+
+
+@pytest.mark.parametrize("cmd", [["plan", "--config", "deploy/configs/supernode-64.yaml"],
+                                 ["experts", "plan", "--counts",
+                                  "tests/data/expert_load_zipf_896x12.json", "--ranks", "64",
+                                  "--redundant", "64"]], ids=["plan", "experts-plan"])
+def test_a_reader_that_stops_reading_ends_the_command_quietly(cmd):
+    """``k3serve plan ... | head -1``: no traceback and no error line when head exits."""
+    p = subprocess.Popen([sys.executable, "-m", "cli", *cmd], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # before the command writes: its first write meets a closed pipe
+    err = p.stderr.read()
+    assert p.wait(120) == 1 and err == "", err

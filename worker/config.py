@@ -222,7 +222,8 @@ def build_parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="tokens per engine step (default: CPU 512; CUDA 8192 on a card of "
                          "≥ 70 GiB, else 2048; worker/device.py)")
-    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="do not reuse cached prompt prefixes")
     ap.add_argument("--device", default=None,
                     help="cpu or cuda[:N] (default: cuda when torch sees a GPU, else cpu)")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
@@ -231,7 +232,8 @@ def build_parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="random-init seed (no checkpoint)")
     ap.add_argument("--threads", type=int, default=env.worker_threads,
                     help=f"torch threads (default ${THREADS_ENV} or 1)")
-    ap.add_argument("--log-level", default="warning")
+    ap.add_argument("--log-level", default="warning",
+                    help="logging level: debug, info, warning, error")
     _store_flags(ap)
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel ranks (KDA / MLA heads split; this process is rank 0)")

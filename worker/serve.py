@@ -12,7 +12,8 @@ the whole process group and the launcher's own reach a worker both); a second SI
 drain at once (open streams get at most 3 s). A signal before the app has started ends the
 process quietly with status 0. No signal ends in a traceback.
 
-The process title is ``k3serve {role}-worker :PORT`` (setproctitle), so ``ps`` names the role.
+The process title is ``k3serve {role}-worker :PORT`` (setproctitle; ``monolithic-worker`` for
+a decode worker started by ``k3serve serve --monolithic N``), so ``ps`` names the role.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from types import FrameType
 from typing import Any
 
 from k3serve import tracing
-from k3serve.process import handled_signals, set_title
+from k3serve.process import exit_now, handled_signals, set_title, worker_title
 from worker.base import BaseWorker
 from worker.config import Role, WorkerConfig, parse_config
 
@@ -146,8 +147,9 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
     docstring); returns the exit status.
 
     Returns:
-        0 after a clean shutdown or a drain; :data:`EXIT_PORT_IN_USE` when the port cannot be bound
-        (one line on stderr).
+        :data:`EXIT_PORT_IN_USE` when the port cannot be bound (one line on stderr). After a
+        clean shutdown or a drain the process ends with status 0 right after the worker has
+        closed (:func:`k3serve.process.exit_now`: no interpreter finalization).
     """
     import uvicorn
 
@@ -164,7 +166,7 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
         print(f"k3serve {role} worker: error: {e.strerror}", file=sys.stderr, flush=True)
         return EXIT_PORT_IN_USE
     config = config.bound_to(sock.getsockname()[1])
-    set_title(f"k3serve {role}-worker :{config.port}")
+    set_title(worker_title(role, config.port))
     tracing.configure(f"k3serve-{role}", config.otlp_traces_endpoint)
     if not config.cluster_token:
         log.warning("no cluster token (K3SERVE_CLUSTER_TOKEN): every internal endpoint of this "
@@ -183,7 +185,7 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
         tracing.shutdown()  # flushes the spans not yet exported
     for sig in DRAIN_SIGNALS:  # the process is ending: a late signal changes nothing
         signal.signal(sig, signal.SIG_IGN)
-    return 0
+    exit_now(0)
 
 
 __all__ = ["DRAIN_SIGNALS", "EXIT_PORT_IN_USE", "PortInUseError", "bind", "serve"]

@@ -80,8 +80,48 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return out
 
 
+def error_message(response: httpx.Response) -> str:
+    """The server's error text of ``response``: the ``message`` of an OpenAI-style body
+    (``{"error": {"message": ..., "code": ...}}``) or of an internal one (``{"error": CODE,
+    "message": ...}``), else the first 200 characters of the body (``""``: none)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:200]
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message") or err.get("code") or "").strip()
+    if isinstance(body, dict) and body.get("message"):
+        return str(body["message"]).strip()
+    return str(err or body).strip()[:200]
+
+
+def describe_error(e: httpx.HTTPError) -> str:
+    """One line for ``e``: ``HTTP 401 Unauthorized from GET URL: MESSAGE`` for an error
+    answer (the server's message, :func:`error_message`), ``cannot reach URL: WHY`` when no
+    answer came."""
+    if isinstance(e, httpx.HTTPStatusError):
+        r = e.response
+        msg = error_message(r)
+        line = f"HTTP {r.status_code} {r.reason_phrase} from {e.request.method} {e.request.url}"
+        line += f": {msg}" if msg else ""
+        if r.status_code == 401:
+            line += " (give the key with --api-key or K3SERVE_API_KEY)"
+        return line
+    try:
+        where = f"{e.request.method} {e.request.url}"
+    except RuntimeError:  # an error raised outside a request
+        return f"{type(e).__name__}: {e}"
+    return f"cannot reach {where}: {e or type(e).__name__}"
+
+
 async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, float]:
-    """The router's ``/metrics`` summed by name (:func:`parse_prometheus`)."""
+    """The router's ``/metrics`` summed by name (:func:`parse_prometheus`).
+
+    Raises:
+        httpx.HTTPStatusError: an error answer (401 without the right API key).
+        httpx.RequestError: no answer (the router is not there).
+    """
     r = await client.get(url.rstrip("/") + "/metrics", timeout=10.0)
     r.raise_for_status()
     return parse_prometheus(r.text)
@@ -95,7 +135,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, req: BenchReques
     try:
         async with client.stream("POST", url.rstrip("/") + "/v1/completions", json=body) as r:
             if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+                await r.aread()
+                res.error = f"HTTP {r.status_code}: {error_message(r)}"[:300]
                 return
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
@@ -120,7 +161,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, req: BenchReques
                     else:
                         res.chunk_s.append(now)
     except httpx.HTTPError as e:
-        res.error = repr(e)[:300]
+        res.error = describe_error(e)[:300]
     finally:
         res.done_s = time.monotonic() - t0
 
@@ -195,5 +236,5 @@ def run_load(url: str, requests: list[BenchRequest], **kw) -> RunOutcome:
     return asyncio.run(run_load_async(url, requests, **kw))
 
 
-__all__ = ["RequestResult", "RunOutcome", "parse_prometheus", "run_load", "run_load_async",
-           "scrape"]
+__all__ = ["RequestResult", "RunOutcome", "describe_error", "error_message", "parse_prometheus",
+           "run_load", "run_load_async", "scrape"]

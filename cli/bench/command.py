@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+
+from k3serve.protocol import API_KEY_ENV
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -13,7 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="router base URL (http://host:port)")
     p.add_argument("--model", default="k3-tiny",
                    help="served model (its vocabulary and context length are read from it)")
-    p.add_argument("--api-key", default=None, help="bearer token of the public API")
+    p.add_argument("--api-key", default=None,
+                   help=f"bearer token of the public API (default: ${API_KEY_ENV} when set)")
     p.add_argument("--trace", default=None, help="Mooncake-style JSONL trace to replay")
     p.add_argument("--limit", type=int, default=None, help="first N trace rows only")
     p.add_argument("--time-scale", type=float, default=1.0,
@@ -60,17 +64,31 @@ def build_workload(args: argparse.Namespace):
                        num=args.num, vocab_size=cfg.vocab_size, seed=args.seed)
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The bearer key: ``--api-key``, else ``$K3SERVE_API_KEY`` (as the openai client reads
+    ``$OPENAI_API_KEY``), else none."""
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the bench of ``args``; print a summary (:func:`~cli.bench.report.format_summary`),
-    write JSON / PNGs. Exit status 0, or 1 when a request failed."""
+    write JSON / PNGs. Exit status 0, or 1 when a request failed (each distinct error is
+    printed on stderr, at most 5).
+
+    Raises:
+        httpx.HTTPError: the router's ``/metrics`` answered an error or did not answer
+            (``k3serve bench`` prints it as one line, :func:`cli.bench.client.describe_error`).
+    """
     from cli.bench.client import run_load
     from cli.bench.report import format_summary, summarize
 
     work = build_workload(args)
-    run = run_load(args.url, work.requests, model=args.model, api_key=args.api_key,
+    run = run_load(args.url, work.requests, model=args.model, api_key=api_key(args),
                    progress=not args.no_progress)
     rep = summarize(run, work, slo_ttft=args.slo_ttft, slo_itl=args.slo_itl)
     print("\n".join(format_summary(rep)))
+    for err in rep["errors"]:
+        print(f"k3serve bench: failed request: {err}", file=sys.stderr)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rep, indent=2) + "\n")
@@ -82,4 +100,4 @@ def main(args: argparse.Namespace) -> int:
     return 1 if rep["num_failed"] else 0
 
 
-__all__ = ["add_arguments", "build_workload", "main"]
+__all__ = ["add_arguments", "api_key", "build_workload", "main"]

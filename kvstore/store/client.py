@@ -240,15 +240,25 @@ class KVStore:
     def _connect(self) -> bool:
         if self._client is not None:
             return True
+        from kvstore.engine import capture_stderr, mc_log, set_log_level
+
+        set_log_level()
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
             self._set_state(StoreState.DOWN, f"mooncake.store unavailable: {e}")
             return False
+
         c = self.config
         client = MooncakeDistributedStore()
-        rc = client.setup(c.hostname, "P2PHANDSHAKE", c.segment_mb << 20, c.local_buffer_mb << 20,
-                          c.protocol, "", c.url)
+        # setup prints "Local segment descriptor not found" at glog level E on every start
+        # (its own segment is looked up before it is registered): what it prints goes to the
+        # kvstore.mooncake logger, at DEBUG when setup succeeds and WARNING when it fails
+        rc, printed = capture_stderr(lambda: client.setup(
+            c.hostname, "P2PHANDSHAKE", c.segment_mb << 20, c.local_buffer_mb << 20, c.protocol,
+            "", c.url))
+        for line in printed:
+            mc_log.log(logging.DEBUG if rc == 0 else logging.WARNING, "%s", line)
         if rc != 0:
             with contextlib.suppress(Exception):
                 client.close()

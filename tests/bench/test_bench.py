@@ -202,3 +202,18 @@ def test_simulate_cli_live_shape_lists_every_policy(capsys):
     body = lines[next(i for i, x in enumerate(lines) if x.startswith("---")) + 1:]
     rows = [line.split()[0] for line in body if line.strip()]
     assert set(POLICIES) <= set(rows), rows
+
+
+def test_ps_names_each_worker_by_its_role(live):
+    """``ps`` titles (k3serve.process.worker_title): a monolithic stack's workers are
+    ``k3serve monolithic-worker :PORT``, a PD stack's ``prefill-worker`` / ``decode-worker``."""
+    st = live.stack
+    workers = [(p, s) for p, s in zip(st.procs, st.specs, strict=True) if s.kind == "worker"]
+    titles = sorted(Path(f"/proc/{p.pid}/cmdline").read_text().replace("\0", " ").strip()
+                    for p, _ in workers)
+    ports = sorted(":" + u.rsplit(":", 1)[1] for u in st.worker_urls)
+    mono = [s.name for _, s in workers if s.name.startswith("mono-")]
+    roles = ["monolithic"] * 3 if mono else ["decode", "prefill", "prefill"]
+    assert sorted(t.split()[1] for t in titles) == [f"{r}-worker" for r in roles], titles
+    assert all(t.startswith("k3serve ") for t in titles), titles
+    assert sorted(t.split()[2] for t in titles) == ports, (titles, ports)

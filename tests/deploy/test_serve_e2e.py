@@ -11,12 +11,16 @@ for this module (k3-tiny, block size 16, an API key); tests then talk OpenAI to 
 * the API key is enforced (401 with an OpenAI error body);
 * a bad-input sweep against the live stack: 400 with an OpenAI-style body, never 5xx.
 
-And ``k3serve serve`` as a subprocess: prints the URL; SIGTERM stops every child process.
+And ``k3serve serve`` as a subprocess: prints the URL; SIGTERM stops an idle stack (every child
+process, the store's master included) within :data:`IDLE_STOP_S`. ``k3serve bench`` against
+the module's stack takes its key from ``K3SERVE_API_KEY``; a wrong key is one line with the
+router's 401 message.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,6 +37,9 @@ B = 16
 KEY = "sk-e2e-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}  # the router's /metrics, /health?detail=1
 MODEL = "k3-tiny"
+#: an idle stack's stop, SIGTERM to the launcher's exit (a correctness bound, not a speed
+#: figure: the drain polls, the servers' shutdown and the store's teardown each take < 1.5 s)
+IDLE_STOP_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +183,22 @@ def test_api_key_enforced(stack):
     assert err["type"] and err["message"] and err["code"] == "invalid_api_key"
 
 
+def test_bench_takes_the_key_from_the_environment(stack, monkeypatch, capsys):
+    from cli.main import main
+
+    args = ["bench", "--url", stack.url, "--rate", "inf", "--num", "2", "--input-len", "8",
+            "--output-len", "2", "--no-progress"]
+    monkeypatch.setenv("K3SERVE_API_KEY", KEY)
+    assert main(args) == 0, capsys.readouterr()
+    assert "num_failed               0 requests" in capsys.readouterr().out
+    monkeypatch.setenv("K3SERVE_API_KEY", "sk-wrong")
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [(f"k3serve bench: error: HTTP 401 Unauthorized from GET {stack.url}/metrics: "
+                   "Incorrect API key provided. (give the key with --api-key or "
+                   "K3SERVE_API_KEY)")], err
+
+
 @pytest.mark.parametrize("path,body,status", [
     ("/v1/completions", b'{"model": "k3-tiny", "prompt": ', 400),                # malformed
     ("/v1/completions", b"[1, 2, 3]", 400),                                        # not object
@@ -286,8 +309,7 @@ def test_k3serve_serve_prints_url_and_sigterm_stops_every_child(tmp_path):
 
     port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", str(port), "--prefill", "1", "--decode", "1",
-                          "--block-size", str(B), "--max-prompts", "2", "--num-pages", "96",
-                          "--no-store"],
+                          "--block-size", str(B), "--max-prompts", "2", "--num-pages", "96"],
                          cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True,
                          # setproctitle leaves /proc/PID/environ readable (the cluster token)
@@ -304,8 +326,13 @@ def test_k3serve_serve_prints_url_and_sigterm_stops_every_child(tmp_path):
             if "serving" in line and f":{port}" in line:
                 url = f"http://127.0.0.1:{port}"
         assert url, "".join(lines[-30:])
+        # Mooncake's glog lines (the store client's setup prints one E line) stay off the
+        # terminal: they go to the kvstore.mooncake logger at DEBUG
+        assert not [ln for ln in lines if re.match(r"[IWEF]\d{4} ", ln)], "".join(lines)
         kids = _children(p.pid)
-        assert len(kids) == 3, kids  # router + 1 prefill + 1 decode
+        # router + 1 prefill + 1 decode, and the store's master where mooncake is installed
+        ours = [k for k in kids if "mooncake_master" not in Path(f"/proc/{k}/cmdline").read_text()]
+        assert len(ours) == 3 and len(kids) <= 4, kids
         assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == MODEL
         # the router's and the workers' own flags pass through `k3serve serve`
         r = httpx.post(url + "/v1/completions", timeout=10, json={
@@ -313,7 +340,7 @@ def test_k3serve_serve_prints_url_and_sigterm_stops_every_child(tmp_path):
         assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_prompts"
         # `ps` names each process by its role (setproctitle); the workers got --num-pages 96
         titles = {k: Path(f"/proc/{k}/cmdline").read_text().replace("\0", " ").strip()
-                  for k in kids}
+                  for k in ours}
         assert Path(f"/proc/{p.pid}/cmdline").read_text().strip("\0 ") == "k3serve serve"
         assert sorted(t.split()[1] for t in titles.values()) == [
             "decode-worker", "prefill-worker", "router"], titles
@@ -325,8 +352,13 @@ def test_k3serve_serve_prints_url_and_sigterm_stops_every_child(tmp_path):
                 info = httpx.get(f"http://127.0.0.1{t.split()[2]}/internal/info", timeout=10,
                                  headers={CLUSTER_TOKEN_HEADER: env[CLUSTER_TOKEN_ENV]}).json()
                 assert info["capacity"]["num_pages"] == 96, (t, info["capacity"])
+        # idle (no request in flight): one SIGTERM stops everything within IDLE_STOP_S
+        t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
+        stop_s = time.monotonic() - t0
+        assert stop_s <= IDLE_STOP_S, f"an idle stack took {stop_s:.1f} s to stop"
+        assert not [k for k in kids if _alive(k)]  # the launcher waited for each child
     finally:
         if p.poll() is None:
             p.kill()
