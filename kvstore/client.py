@@ -9,13 +9,18 @@ with :attr:`BootstrapError.retryable` whether another can help.
 Background jobs run per peer (:meth:`BootstrapClient.submit` with the peer's address): each
 decode peer has its own small executor, so a peer that stops answering holds only its own
 threads; pairing and completion messages to every other peer go on. Best-effort jobs (failure
-reports) are dropped when the peer already has :attr:`BootstrapClient.max_backlog` jobs queued
-or running.
+reports) are dropped when the peer does not answer: it already has
+:attr:`BootstrapClient.max_backlog` jobs queued or running *and* none of its jobs got an answer
+(a job that returned, or an HTTP reply of any status) within the last ``answer_window_s``. A
+peer that answers slowly under load keeps a long queue; its reports are queued, never dropped
+(a dropped report leaves the decode side holding the reservation until the sender's announced
+quiesce time).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -44,17 +49,22 @@ class BootstrapClient:
         workers: background threads per peer.
         cluster_token: sent on every call (the decode side's server requires it).
         max_backlog: best-effort jobs for a peer are dropped while it has this many jobs
-            queued or running.
+            queued or running and did not answer within ``answer_window_s``.
+        answer_window_s: a peer counts as answering while one of its jobs got an answer
+            within this many seconds (default: twice ``http_timeout_s``).
     """
 
     def __init__(self, http_timeout_s: float = 2.0, workers: int = 2,
-                 cluster_token: str | None = None, max_backlog: int = 8) -> None:
+                 cluster_token: str | None = None, max_backlog: int = 8,
+                 answer_window_s: float | None = None) -> None:
         headers = {CLUSTER_TOKEN_HEADER: cluster_token} if cluster_token else {}
         self._http = httpx.Client(timeout=http_timeout_s, trust_env=False, headers=headers)
         self.workers, self.max_backlog = workers, max_backlog
         self._join_s = http_timeout_s + 1.0
         self._peers: dict[str, PeerExecutor] = {}
         self._backlog: dict[str, int] = {}
+        self.answer_window_s = 2 * http_timeout_s if answer_window_s is None else answer_window_s
+        self._answered_at: dict[str, float] = {}  # peer -> latest answer (monotonic s)
         self._lock = threading.Lock()
         self._closed = False
         self._sessions: set[str] = set()
@@ -128,19 +138,23 @@ class BootstrapClient:
                 pool = self._peers[peer] = PeerExecutor(f"kv-ctl-{peer or 'any'}", self.workers)
             self._backlog[peer] = self._backlog.get(peer, 0) + 1
         fut = pool.submit(fn, *args)
-        fut.add_done_callback(lambda _: self._job_done(peer))
+        fut.add_done_callback(lambda f: self._job_done(peer, f))
         return fut
 
     def submit_best_effort(self, fn: Callable[..., Any], *args: Any, peer: str) -> Future | None:
-        """:meth:`submit`, unless ``peer`` already has :attr:`max_backlog` jobs queued or
-        running (a peer that does not answer) or the client is closed: then nothing runs and
-        the result is ``None``."""
+        """:meth:`submit`, unless the client is closed or ``peer`` does not answer: it already
+        has :attr:`max_backlog` jobs queued or running and none of its jobs got an answer in
+        the last :attr:`answer_window_s` seconds. Then nothing runs and the result is
+        ``None``."""
+        now = time.monotonic()
         with self._lock:
-            busy = self._closed or self._backlog.get(peer, 0) >= self.max_backlog
+            silent = now - self._answered_at.get(peer, -math.inf) > self.answer_window_s
+            busy = self._closed or (silent and self._backlog.get(peer, 0) >= self.max_backlog)
         if busy:
             log.warning("kv control: dropping a best-effort message to %s (%s)", peer,
                         "client closed" if self._closed else
-                        f"{self.max_backlog} jobs already pending: the peer does not answer")
+                        f"{self.max_backlog} jobs already pending and no answer in "
+                        f"{self.answer_window_s:g} s: the peer does not answer")
             return None
         return self.submit(fn, *args, peer=peer)
 
@@ -156,9 +170,16 @@ class BootstrapClient:
         with self._lock:
             return self._backlog.get(peer, 0)
 
-    def _job_done(self, peer: str) -> None:
+    def _job_done(self, peer: str, fut: Future) -> None:
+        answered = False
+        if not fut.cancelled():
+            err = fut.exception()
+            # a BootstrapError with a status is the peer's HTTP reply (a refusal, a 5xx)
+            answered = err is None or (isinstance(err, BootstrapError) and err.status > 0)
         with self._lock:
             self._backlog[peer] -= 1
+            if answered:
+                self._answered_at[peer] = time.monotonic()
 
     def close(self, wait: bool = True) -> None:
         """Stop taking jobs, let queued ones run and close the HTTP client. With ``wait``,

@@ -21,8 +21,11 @@ Use from the prefill worker::
 Failures: a failed write (or pairing that could not reach the server, or a lost completion
 message) is retried up to ``max_retries`` times in total, with exponential backoff
 (:class:`kvstore.retry.RetryBudget`); then the sender drains (waits until none of its writes
-is in flight), reports ``failed`` to the decode side (best effort: dropped when that peer has
-a backlog of unanswered messages) and becomes FAILED. A fingerprint mismatch or a refused
+is in flight), reports ``failed`` to the decode side (best effort: dropped only when that peer
+does not answer, :meth:`~kvstore.client.BootstrapClient.submit_best_effort`) and becomes FAILED.
+The report goes out whenever a pairing request was sent, also when its answer never came back
+(a pairing job given up on, a reply lost to a timeout): the decode side may have paired this
+sender, and until it hears from it, it holds the reservation until the announced quiesce time. A fingerprint mismatch or a refused
 ticket is not retried. Control messages run on the decode peer's own executor of the
 :class:`~kvstore.client.BootstrapClient`; a failing sender waits at most ``job_grace_s`` for
 one still running (a peer that does not answer) before it gives up on it.
@@ -137,6 +140,7 @@ class KVSender:
         self._dst: CacheRef | None = None
         self._dst_layout: PoolLayout | None = None
         self._pair_job: Future | None = None
+        self._pair_sent = False  # a pairing request went out: the decode side may have paired us
         self._progress_pending: dict[int, int] = {}  # layer -> bytes, not yet reported
         self._done_due = False  # the completion message is to be sent
         self._job: tuple[str, Future] | None = None
@@ -291,6 +295,7 @@ class KVSender:
             return resp
 
         self._pair_job = self._ch.submit(self._retrying, pair, "pairing")
+        self._pair_sent = True
 
     def _take_peer(self, resp: PairResponse) -> None:
         self._ch.session, self._ch.notify_addr = resp.session_id, int(resp.notify_addr)
@@ -433,7 +438,9 @@ class KVSender:
         self._progress_pending.clear()
 
     def _report_failure(self) -> None:
-        if self._dst is not None:  # never paired: the decode side has nothing to learn from us
+        # no pairing request sent: the decode side has nothing to learn from us; one sent but
+        # not answered (or its answer lost): it may have paired us, so it hears from us too
+        if self._dst is not None or self._pair_sent:
             self._ch.report(self._status(self._fail_kind, error=str(self.error), quiesced=True))
 
     def _maybe_release(self) -> None:

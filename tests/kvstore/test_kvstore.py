@@ -3,6 +3,7 @@ two-process loopback transfers over the real Mooncake Transfer Engine (tcp, 127.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -27,6 +28,7 @@ from k3serve.messages import (
 )
 from kvstore import (
     BootstrapClient,
+    BootstrapError,
     CacheRef,
     EngineConfig,
     FingerprintMismatch,
@@ -834,6 +836,80 @@ def test_failed_ticket_of_a_dead_sender_is_released_without_its_quiesce_wait(pai
     run_until(lambda: rxs[0].released, 5, *rxs)
     for rx in rxs:
         rx.close()
+
+
+def test_failure_report_reaches_a_busy_peer_that_answers(pair):
+    """A sender whose ticket expired mid-transfer (the receiver's deadline passed while the
+    sender, paired, wrote nothing) fails at its own deadline and reports it; the reservation
+    is released then, not at the quiesce time it announced (its deadline + 2 × the engine's
+    transfer timeout) — also while the peer's control queue is longer than the client's
+    ``max_backlog``: the peer answers (here: status messages for other tickets, refused), so
+    the report is queued behind them, not dropped."""
+    srv, n = pair["server"], 2 * B
+    client = BootstrapClient(workers=1, max_backlog=2)
+    released: list[float] = []
+    rx = KVReceiver(srv, CacheRef(2, (44, 45), n), timeout_s=0.3, pair_timeout_s=10,
+                    on_release=lambda: released.append(time.monotonic()))
+    tx = make_sender({**pair, "client": client}, rx, CacheRef(0, (46, 47), n), fault="hang",
+                     timeout_s=2.0)
+    t_deadline = time.monotonic() + tx.timeout_s
+    tx.finish(meta_for(n))
+    other = StatusMessage(ticket="other", sender="s", kind="layer", layers={0: 1}, runs=1,
+                          attempts=1, elapsed_s=0.0)
+
+    def chatter() -> None:  # another sender's progress message: answered (409 unknown ticket)
+        with contextlib.suppress(BootstrapError):
+            client.post_status(srv.address, other)
+        time.sleep(0.02)
+
+    try:
+        while not tx.poll().terminal:
+            while client.backlog(srv.address) < 2 * client.max_backlog:
+                client.submit(chatter, peer=srv.address)
+            rx.poll()
+            assert time.monotonic() < t_deadline + 3, "the hung sender did not expire"
+            time.sleep(0.005)
+        assert rx.state == KVPoll.FAILED and rx.expired and "sender paired" in rx.error
+        assert tx.state == KVPoll.FAILED and tx.expired and tx.bytes_sent == 0
+        assert client.backlog(srv.address) >= client.max_backlog  # the report is queued
+        run_until(lambda: rx.released, 3, rx)
+        assert released[0] < t_deadline + 1.5  # the announced quiesce time: + 20 s
+        # quiesced by the sender's report (its engine's port answers the liveness probes)
+        assert srv.get(rx.ticket).quiesced and "gone" not in rx.error
+    finally:
+        client.close()
+    rx.close()
+
+
+def test_failure_report_goes_out_when_the_pairing_reply_never_came(pair):
+    """A sender that fails while its pairing request is still unanswered gives up on it
+    (``job_grace_s``) and reports anyway: the decode side paired it and releases the
+    reservation on that report instead of holding it to the sender's quiesce time."""
+    srv, n = pair["server"], B
+    client = BootstrapClient()
+    real_pair = client.pair
+
+    def slow_pair(*a):  # paired there, the reply late
+        resp = real_pair(*a)
+        time.sleep(3.0)
+        return resp
+
+    client.pair = slow_pair
+    rx = KVReceiver(srv, CacheRef(2, (48,), n), timeout_s=30)
+    tx = make_sender({**pair, "client": client}, rx, CacheRef(0, (49,), n), timeout_s=30,
+                     job_grace_s=0.3)
+    try:
+        run_until(lambda: rx.state == KVPoll.WAITING_FOR_INPUT, 5, rx)
+        assert tx.poll() == KVPoll.BOOTSTRAPPING
+        t0 = time.monotonic()
+        tx.abort("the request ended")
+        run_until(lambda: tx.state.terminal and rx.released, 2.5, tx, rx)
+        assert time.monotonic() - t0 < 2.5  # before the pairing reply (3 s), not at 30 + 20 s
+        assert rx.state == KVPoll.FAILED and "sender aborted" in rx.error
+        assert tx.state == KVPoll.FAILED and "t_paired" not in tx.stats
+    finally:
+        client.close(wait=False)
+    rx.close()
 
 
 def test_inprocess_manifest_short_and_timeout(pair):
