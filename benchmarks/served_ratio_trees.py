@@ -11,8 +11,8 @@ measures, on the same machine and with the same arguments:
    every request at once, streaming ``/v1/completions``, ``ignore_eos``);
 3. prefill + decode — ``start_stack(num_prefill=1, num_decode=1)``, the same load.
 
-Each implementation is warmed up the same way (one short request, or a short ``generate``)
-before it is timed. A tree's ratio is served output tok/s ÷ its own offline output tok/s; the
+Each implementation is warmed up the same way: the same load once, untimed (other prompts),
+before the timed one. A tree's ratio is served output tok/s ÷ its own offline output tok/s; the
 rounds alternate the trees (A, B, A, B, …) so that load on a shared machine hits both, and the
 summary gives each tree's median ratio over the rounds. The figures are printed and, with
 ``--json``, written with every round.
@@ -46,9 +46,10 @@ llm = LLM(model)
 g = torch.Generator().manual_seed(1)
 vocab = llm.engine.model_config.vocab_size
 mk = lambda n: [torch.randint(3, vocab, (il,), generator=g).tolist() for _ in range(n)]
-llm.generate(mk(1), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+sp = SamplingParams(max_tokens=ol, temperature=0, ignore_eos=True)
+llm.generate(mk(num), sp)  # warm-up: the same load once
 t = time.perf_counter()
-outs = llm.generate(mk(num), SamplingParams(max_tokens=ol, temperature=0, ignore_eos=True))
+llm.generate(mk(num), sp)
 wall = time.perf_counter() - t
 res = {"offline_tok_s": num * ol / wall}
 del llm
@@ -67,7 +68,7 @@ for mode, kw in (("monolithic", dict(monolithic=1)), ("pd", dict(num_prefill=1, 
                 raise SystemExit(f"bench failed: {r.stderr[-2000:]}")
             s = json.load(open(path))
             return s.get("summary", s)
-        bench(1, 4, os.path.join(logs, "warm.json"))
+        bench(num, ol, os.path.join(logs, "warm.json"))  # warm-up: the same load once
         s = bench(num, ol, os.path.join(logs, "load.json"))
         res[f"{mode}_tok_s"] = s["output_tokens_per_s"]
     finally:
