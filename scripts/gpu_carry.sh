@@ -9,10 +9,9 @@
 #
 # Produces (git-ignored through .git/info/exclude; ~17 MB, under the 64 MiB carry limit with
 # the tree):
-#   .devcarry/whl/        cp312 wheels: fla-core 0.6.0, fastapi, starlette, pydantic(+core),
-#                         pydantic-settings, python-dotenv, annotated-types, typing-inspection,
-#                         typing-extensions, uvicorn, sse-starlette, tenacity, pybreaker,
-#                         llguidance, opentelemetry-api, aiohttp (+ its deps)
+#   .devcarry/whl/        cp312 wheels: WHEELS below (fla-core 0.6.0, the HTTP stack, pydantic,
+#                         jsonschema, msgspec, setproctitle, prometheus-client, aiohttp and
+#                         their dependencies)
 #   .devcarry/mc.tar.xz   mooncake-transfer-engine-cuda13 0.3.14 slimmed to the transfer engine:
 #                         mooncake/{__init__.py,engine.so,libetcd_wrapper.so,libasio.so} and the
 #                         wheel's glog/gflags/yaml-cpp/jsoncpp, stripped (the 50 MB wheel with
@@ -33,10 +32,17 @@ T=$(mktemp -d)
 PIP=(python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
      --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
      --platform manylinux2014_x86_64 --platform any)
-"${PIP[@]}" -q -d "$D/whl" fla-core==0.6.0 fastapi starlette pydantic pydantic-core \
-  pydantic-settings python-dotenv annotated-types typing-inspection typing-extensions uvicorn \
-  sse-starlette tenacity pybreaker llguidance opentelemetry-api aiohttp \
-  aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna
+# What the serving path imports beyond the device image's packages (ON_IMAGE), with their
+# dependencies; tests/test_gpu_carry.py checks that every third-party import of the runtime
+# packages is in one of the two lists.
+WHEELS=(fla-core==0.6.0 fastapi starlette pydantic pydantic-core pydantic-settings python-dotenv
+  annotated-types typing-inspection typing-extensions uvicorn sse-starlette tenacity pybreaker
+  llguidance opentelemetry-api aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict
+  propcache yarl idna jsonschema jsonschema-specifications referencing rpds-py msgspec
+  setproctitle prometheus-client)
+# On the device image (its PyTorch / Hugging Face stack): not carried.
+ON_IMAGE=(torch triton numpy safetensors tokenizers jinja2 httpx pyyaml tqdm)
+"${PIP[@]}" -q -d "$D/whl" "${WHEELS[@]}"
 "${PIP[@]}" -q -d "$T" mooncake-transfer-engine-cuda13==0.3.14
 (cd "$T" && mkdir x slim && cd x && unzip -q ../mooncake_transfer_engine_cuda13-*.whl \
   && mkdir -p ../slim/mooncake ../slim/mooncake_transfer_engine_cuda13.libs \
