@@ -11,8 +11,8 @@ measures, on the same machine and with the same arguments:
    every request at once, streaming ``/v1/completions``, ``ignore_eos``);
 3. prefill + decode — ``start_stack(num_prefill=1, num_decode=1)``, the same load.
 
-Each implementation is warmed up the same way: the same load once, untimed (other prompts),
-before the timed one. A tree's ratio is served output tok/s ÷ its own offline output tok/s; the
+Each implementation is warmed up the same way: the same load once, untimed, with other random
+prompts (``bench --seed``), so that the timed run gets no prefix hit from it. A tree's ratio is served output tok/s ÷ its own offline output tok/s; the
 rounds alternate the trees (A, B, A, B, …) so that load on a shared machine hits both, and the
 summary gives each tree's median ratio over the rounds. The figures are printed and, with
 ``--json``, written with every round.
@@ -58,18 +58,19 @@ for mode, kw in (("monolithic", dict(monolithic=1)), ("pd", dict(num_prefill=1, 
     logs = tempfile.mkdtemp(prefix=f"ratio-{mode}-")
     stack = start_stack(model=model, log_dir=logs, ready_timeout=300, **kw)
     try:
-        def bench(n, out_len, path):
+        def bench(n, out_len, path, seed):
             r = subprocess.run([sys.executable, "-m", bench_mod, "bench", "--url", stack.url,
                                 "--model", model, "--rate", "inf", "--num", str(n),
                                 "--input-len", str(il), "--output-len", str(out_len),
-                                "--no-progress", "--json", path],
+                                "--seed", str(seed), "--no-progress", "--json", path],
                                capture_output=True, text=True, timeout=1800)
             if r.returncode != 0:
                 raise SystemExit(f"bench failed: {r.stderr[-2000:]}")
             s = json.load(open(path))
             return s.get("summary", s)
-        bench(num, ol, os.path.join(logs, "warm.json"))  # warm-up: the same load once
-        s = bench(num, ol, os.path.join(logs, "load.json"))
+        # warm-up: the same load once, other prompts (no prefix hit for the timed run)
+        bench(num, ol, os.path.join(logs, "warm.json"), 1)
+        s = bench(num, ol, os.path.join(logs, "load.json"), 2)
         res[f"{mode}_tok_s"] = s["output_tokens_per_s"]
     finally:
         stack.stop()
