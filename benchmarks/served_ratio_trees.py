@@ -12,8 +12,8 @@ measures, on the same machine and with the same arguments:
 3. prefill + decode — ``start_stack(num_prefill=1, num_decode=1)``, the same load.
 
 Each implementation is warmed up the same way: the same load once, untimed, with other random
-prompts (``bench --seed``), so that the timed run gets no prefix hit from it. A tree's ratio is served output tok/s ÷ its own offline output tok/s; the
-rounds alternate the trees (A, B, A, B, …) so that load on a shared machine hits both, and the
+prompts (``bench --seed``), so that the timed run gets no prefix hit from it. A tree's ratio is
+served output tok/s ÷ its own offline output tok/s; the rounds alternate the trees (A, B, A, B, …) so that load on a shared machine hits both, and the
 summary gives each tree's median ratio over the rounds. The figures are printed and, with
 ``--json``, written with every round.
 
@@ -83,7 +83,7 @@ def run_tree(tree: Path, a: argparse.Namespace) -> dict:
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-c", CHILD, a.model, str(a.num), str(a.input_len),
                         str(a.output_len)], cwd=tree, env=env, capture_output=True, text=True,
-                       timeout=a.timeout)
+                       timeout=a.timeout, check=False)
     line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT ")), None)
     if r.returncode != 0 or line is None:
         raise SystemExit(f"{tree}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")

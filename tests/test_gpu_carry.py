@@ -33,7 +33,7 @@ MODULE_OF = {"fla-core": "fla", "pydantic-core": "pydantic_core", "pyyaml": "yam
 
 def bash_array(name: str) -> list[str]:
     """The words of ``NAME=(…)`` in the script (versions dropped)."""
-    m = re.search(rf"^{name}=\((.*?)\)", SCRIPT.read_text(), re.S | re.M)
+    m = re.search(rf"^{name}=\((.*?)\)", SCRIPT.read_text(), re.DOTALL | re.MULTILINE)
     assert m, f"{SCRIPT.name} has no {name}=(…) list"
     return [re.split(r"[=<>]", w)[0] for w in m.group(1).split()]
 
