@@ -13,8 +13,9 @@ measures, on the same machine and with the same arguments:
 
 Each implementation is warmed up the same way: the same load once, untimed, with other random
 prompts (``bench --seed``), so that the timed run gets no prefix hit from it. A tree's ratio is
-served output tok/s ÷ its own offline output tok/s; the rounds alternate the trees (A, B, A, B, …) so that load on a shared machine hits both, and the
-summary gives each tree's median ratio over the rounds. The figures are printed and, with
+served output tok/s ÷ its own offline output tok/s; the rounds alternate the trees (A, B, A, B,
+…) so that load on a shared machine hits both, and the summary gives each tree's median ratio
+over the rounds. The figures are printed and, with
 ``--json``, written with every round.
 
     git worktree add /tmp/base b2691b0
