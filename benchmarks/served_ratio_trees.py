@@ -103,7 +103,7 @@ def bench(tree: Path, url: str, a: argparse.Namespace, seed: int) -> dict:
                            timeout=a.timeout, check=False)
         if r.returncode != 0:
             raise SystemExit(f"{tree}: bench exit {r.returncode}\n{r.stderr[-2000:]}")
-        s = json.load(open(f.name))
+        s = json.loads(Path(f.name).read_text())
     s = s.get("summary", s)
     return {k: s[k] for k in ("output_tokens_per_s", "ttft_p50_s", "itl_p50_s")}
 
