@@ -343,6 +343,7 @@ class CUDAGraphRunner(ModelRunner):
         outputs. A no-op without verify shapes."""
         if self.vstatic is None:
             return
+        self.vstatic.clear()
         for b, k in sorted(self.verify_shapes, key=lambda s: -s[0] * (s[1] + 1)):
             lg, _ = self._run_static_verify(b, k)
             if self._vlogits is None:  # [Bmax·(K+1), V], V from the first warm-up

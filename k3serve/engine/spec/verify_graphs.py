@@ -179,14 +179,33 @@ class StaticVerifyBuffers:
             h[2 * t + bm + i] = r.slot
             bt[i, : len(table)] = table
             bt[i, len(table) :] = -1
-        # padding rows n … bucket−1: token 0 at positions 0 … k of the scratch slot and page
-        h[n * q : bucket * q] = 0
-        h[t + n * q : t + bucket * q] = [self.scratch_page * bs + j
-                                         for _ in range(n, bucket) for j in range(q)]
-        h[2 * t + n : 2 * t + bucket] = 0
-        h[2 * t + bm + n : 2 * t + bm + bucket] = self.scratch_slot
-        bt[n:bucket] = -1
-        bt[n:bucket, 0] = self.scratch_page
+        self._pad_host(n, bucket, q)
+        self._send()
+
+    def clear(self) -> None:
+        """Every row a padding row (for the warm-up and capture runs: they write latents to
+        the scratch page only)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._pad_host(0, self.max_batch, self.max_k + 1)
+        self._send()
+
+    def _pad_host(self, n: int, end: int, q: int) -> None:
+        """Padding rows ``n … end−1`` of ``q`` tokens into the host copy: token 0 at positions
+        ``0 … q−1`` of the scratch slot and page."""
+        bm, t, w, bs = self.max_batch, self._tok, self.width, self.block_size
+        h = self.host.numpy()
+        bt = h[2 * t + 2 * bm :].reshape(bm, w)
+        h[n * q : end * q] = 0
+        h[t + n * q : t + end * q] = [self.scratch_page * bs + j
+                                      for _ in range(n, end) for j in range(q)]
+        h[2 * t + n : 2 * t + end] = 0
+        h[2 * t + bm + n : 2 * t + bm + end] = self.scratch_slot
+        bt[n:end] = -1
+        bt[n:end, 0] = self.scratch_page
+
+    def _send(self) -> None:
+        """The host copy → the device buffers, one asynchronous copy on CUDA."""
         self.meta.copy_(self.host, non_blocking=self.device.type == "cuda")
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
