@@ -15,9 +15,7 @@ import httpx
 import pytest
 
 from k3serve.messages import CacheEvents
-from k3serve.sampling import SamplingParams
 from router.spec_metrics import SPEC_COUNTERS, SpecTotals
-from tests.spec.helpers import make_engine, repo_prompts, run
 from tests.worker_procs import HEADERS, Proc, _metric, _request, _stream, stop_all
 
 CONFIGS = [("ngram", 1), ("draft", 4), ("ngram", 8)]
@@ -49,11 +47,9 @@ async def _monolithic(c: httpx.AsyncClient, D: Proc, rid: str, ids: list[int]) -
     return [first["token_id"], *rest]
 
 
-def test_served_greedy_equals_offline(stack, tiny):
+def test_served_greedy_equals_offline(stack, greedy20):
     P, decoders = stack
-    prompts = repo_prompts(tiny[2], 20, 16, 64)
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in run(make_engine(tiny), prompts, params)]
+    prompts, ref = greedy20
 
     async def all_runs():  # every worker, both modes, all prompts at once
         async with httpx.AsyncClient(headers=HEADERS, timeout=600) as c:

@@ -22,7 +22,7 @@ from k3serve.engine.spec.build import build_speculator
 from k3serve.engine.spec.verify_graphs import StaticVerifyBuffers, verify_eligible, verify_shapes
 from k3serve.model.capture import replay
 from k3serve.sampling import SamplingParams
-from tests.spec.helpers import make_engine, repo_prompts, run
+from tests.spec.helpers import GREEDY, repo_prompts, run
 
 SLOTS, PAGES, B = 24, 256, 16
 
@@ -176,12 +176,11 @@ def rerun_recorder(recorded: list):
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_verify_replays_recorded_graphs_and_greedy_equals_plain(tiny, method):
+def test_verify_replays_recorded_graphs_and_greedy_equals_plain(tiny, greedy20, method):
     sc = SpecConfig(method, 3, ngram_min=2, ngram_max=6, draft_model="k3-tiny",
                     cost_per_token=0.0)
-    prompts = repo_prompts(tiny[2], 3, 24, 60)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in run(make_engine(tiny), prompts, params)]
+    prompts, ref = greedy20[0][:3], greedy20[1][:3]
+    params = GREEDY
     eng = _graph_engine(tiny, sc)
     recorded: list = []
     eng.runner.capture_verify(rerun_recorder(recorded))
