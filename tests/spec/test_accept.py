@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 
-import pytest
 import torch
 
 from k3serve.engine.sampler import SamplingRow

@@ -8,10 +8,9 @@ import asyncio
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
-from deploy.fake_workers import FINGERPRINT, MODEL
 from pydantic import ValidationError
 
+from deploy.fake_workers import FINGERPRINT, MODEL
 from k3serve.messages import Capacity, SpecCounters, WorkerInfo, WorkerLoad
 from router.config import RouterConfig
 from router.pipeline import Router

@@ -8,7 +8,6 @@ which the router sums (``router.spec_metrics``)."""
 from __future__ import annotations
 
 import asyncio
-
 import types
 
 import httpx
