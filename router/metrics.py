@@ -14,6 +14,9 @@ without it)::
     k3serve:e2e_request_latency_seconds{worker}            histogram
     k3serve:num_requests_running{worker}                   gauge
     k3serve:num_requests_waiting{worker}                   gauge
+    k3serve:spec_*_total                                   counters  the decode workers'
+                                                                     speculative-decoding totals
+                                                                     (router/spec_metrics.py)
 
 ``worker`` is the chosen worker of the figure's stage: the prefill worker for prompt, cached,
 predicted tokens, TTFT and waiting requests (sent to prefill, token #1 not back yet); the decode
@@ -36,12 +39,13 @@ import bisect
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from k3serve.prometheus import render as _render
+from router.spec_metrics import ReportingWorker, SpecTotals
 
 CACHE_SOURCES = ("local", "store")
 HIT_RATE_WINDOW_S = 300.0
@@ -295,6 +299,20 @@ class RouterMetrics:
             "k3serve:router_migrations",
             "Choices moved to another decode worker after theirs failed mid-stream.",
             registry=r)
+
+    def add_spec_totals(self, workers: Callable[[], Iterable[ReportingWorker]]) -> SpecTotals:
+        """Expose the cluster totals of the workers' speculative-decoding counters, read from
+        their load reports at every scrape (:mod:`router.spec_metrics`; in multiprocess mode
+        this replica's view, not summed over replicas).
+
+        Args:
+            workers: the registered workers now.
+        """
+        totals = SpecTotals(workers)
+        self.registry.register(totals)
+        if self.multiprocess_dir is not None:
+            self._render_registry.register(totals)
+        return totals
 
     def add_worker(self, worker: str, role: str) -> None:
         """Create a worker's series at zero so dashboards see it before its first request.

@@ -96,6 +96,7 @@ class Router:
         self.pool = WorkerPool.of(config, transport,
                                   lambda w: self.metrics.add_worker(w.name, w.role))
         self.registry, self.client = self.pool.registry, self.pool.client
+        self.metrics.add_spec_totals(lambda: self.registry.workers.values())
         self.admission = Admission(
             lambda: decode_capacity(self.registry.live("decode")), config.max_queued,
             config.retry_after_s, max_tokens=config.max_admitted_tokens,

@@ -19,6 +19,7 @@ from k3serve.messages import (
     ErrorBody,
     RequestsDebug,
     SamplingSpec,
+    SpecCounters,
     WorkerInfo,
     WorkerLoad,
     WorkerUsage,
@@ -236,7 +237,8 @@ class BaseWorker(abc.ABC):
         """The load this worker reports with its cache events (``CacheEvents.load``): prompt
         tokens queued and not computed yet, requests running or reserved, free (+ evictable)
         pages and free slots, the prefill counters (router replicas balance on these,
-        router/replicas.py) and the measured prefill rate (:class:`~worker.loop.PrefillMeter`)."""
+        router/replicas.py), the measured prefill rate (:class:`~worker.loop.PrefillMeter`)
+        and the speculative-decoding counters (the router sums them, router/spec_metrics.py)."""
         sched, u = self.engine.scheduler, self.engine.cm.usage()
         queued = sum(max(0, s.num_prompt_tokens - s.num_computed)
                      for s in (*sched.waiting, *sched.running))
@@ -245,7 +247,19 @@ class BaseWorker(abc.ABC):
                           free_pages=max(0, u.num_pages - u.pages_used),
                           free_slots=max(0, u.num_slots - u.slots_used),
                           prefills=self.prefills, prefill_tokens=self.prefill_tokens,
-                          prefill_rate=self.loop.prefill_meter.rate)
+                          prefill_rate=self.loop.prefill_meter.rate,
+                          spec=self.spec_counters())
+
+    def spec_counters(self) -> SpecCounters | None:  # engine thread
+        """The engine's speculative-decoding counters, or ``None`` when it does not speculate."""
+        spec = getattr(self.engine, "spec", None)
+        if spec is None:
+            return None
+        st = spec.stats
+        return SpecCounters(verify_steps=st.steps, verify_rows=st.rows,
+                            proposed_tokens=st.proposed, accepted_tokens=st.accepted,
+                            emitted_tokens=st.emitted,
+                            accepted_per_position=list(st.accepted_per_position))
 
     def cache_events(self, after: int = 0, limit: int | None = None) -> CacheEvents:
         """``GET /internal/cache_events`` body: the engine's events and :meth:`load_report`
@@ -262,11 +276,12 @@ class BaseWorker(abc.ABC):
             "num_requests_running": len(self.engine.scheduler.running),
             "num_requests_waiting": self.num_waiting(),
         }
-        spec = getattr(self.engine, "spec", None)
-        if spec is not None:  # speculative decoding counters (WorkerMetrics.set_gauges)
-            st = spec.stats
-            g.update(spec_proposed_tokens=st.proposed, spec_accepted_tokens=st.accepted,
-                     spec_emitted_tokens=st.emitted, spec_verify_rows=st.rows)
+        sc = self.spec_counters()
+        if sc is not None:  # speculative decoding counters (WorkerMetrics.set_gauges)
+            g.update({f"spec_{k}": v for k, v in sc.model_dump().items()
+                      if k != "accepted_per_position"})
+            g.update({f"spec_accepted_position_{j}": v
+                      for j, v in enumerate(sc.accepted_per_position)})
         return g
 
 

@@ -36,6 +36,10 @@ class WorkerMetrics:
         k3serve:spec_accepted_tokens_total{worker,role}         … and accepted by the target
         k3serve:spec_emitted_tokens_total{worker,role}          tokens verify steps appended
         k3serve:spec_verify_rows_total{worker,role}             sequence-steps verified
+        k3serve:spec_verify_steps_total{worker,role}            verify forwards
+        k3serve:spec_accepted_tokens_per_position_total{worker,role,position}
+                                                                rows accepting the proposal at
+                                                                ``position`` (0-based)
         k3serve:spec_acceptance_rate{worker,role}               gauge, accepted / proposed
         k3serve:spec_mean_accepted_length{worker,role}          gauge, emitted / verify rows
                                                                 (decode workers that speculate)
@@ -96,7 +100,11 @@ class WorkerMetrics:
             ("proposed_tokens", "Speculative tokens proposed (and verified)."),
             ("accepted_tokens", "Speculative tokens the target accepted."),
             ("emitted_tokens", "Tokens speculative verify steps appended."),
-            ("verify_rows", "Sequence-steps verified speculatively."))}
+            ("verify_rows", "Sequence-steps verified speculatively."),
+            ("verify_steps", "Speculative verify forwards."))}
+        self._spec_pos = Counter("k3serve:spec_accepted_tokens_per_position",
+                                 "Verified rows whose proposal at this position (0-based) "
+                                 "was accepted.", lab + ["position"], registry=r)
         self._spec_rate = Gauge("k3serve:spec_acceptance_rate",
                                 "Speculative tokens accepted / proposed, since start.", lab,
                                 registry=r)
@@ -165,6 +173,13 @@ class WorkerMetrics:
                 v = g[f"spec_{k}"]
                 fam.labels(**self.labels).inc(max(0.0, v - self._spec_seen.get(k, 0.0)))
                 self._spec_seen[k] = v
+            j = 0
+            while f"spec_accepted_position_{j}" in g:
+                key = f"spec_accepted_position_{j}"
+                self._spec_pos.labels(**self.labels, position=str(j)).inc(
+                    max(0.0, g[key] - self._spec_seen.get(key, 0.0)))
+                self._spec_seen[key] = g[key]
+                j += 1
             p, rows = g["spec_proposed_tokens"], g["spec_verify_rows"]
             self._spec_rate.labels(**self.labels).set(
                 g["spec_accepted_tokens"] / p if p else 0.0)

@@ -27,17 +27,46 @@ padding tokens are counted in the MoE ``expert_load`` counters (the placement pl
 Capture needs the model's MoE expert stacks built first (``MoE.stacked_experts()`` allocates):
 :meth:`CUDAGraphRunner.capture` builds them, warms every bucket up eagerly once (Triton
 compiles), then captures the buckets largest first into one shared memory pool.
+
+Speculative verify steps (``verify_k`` > 0) are captured too, one graph per ``(bucket, k)``
+shape (:mod:`k3serve.engine.spec.verify_graphs`: planning, static buffers, padding) into the
+same pool, each warmed up eagerly just before its capture; their logits go to one shared
+static buffer. :meth:`CUDAGraphRunner.verify` replays a uniform verify batch (every row
+``k + 1`` tokens, no layer hook) and falls back to the eager
+:meth:`~k3serve.engine.runner.ModelRunner.verify` otherwise; :meth:`verify_padded` runs the
+graphs' computation eagerly (the reference). :meth:`CUDAGraphRunner.capture_verify` takes the
+recording function, so the capture and replay bookkeeping also runs off CUDA with a stand-in
+graph object.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from k3serve.cache.pools import KVPools
 from k3serve.engine.runner import ModelRunner, Row, RunBatch
+from k3serve.engine.spec.verify_graphs import (
+    StaticVerifyBuffers,
+    real_rows,
+    verify_eligible,
+    verify_shapes,
+)
 from k3serve.model.batch import ForwardBatch
+from k3serve.model.capture import KDACapture
+
+
+class Graph(Protocol):
+    """A recorded computation that :meth:`replay` re-runs on the same static buffers
+    (``torch.cuda.CUDAGraph``, or a CPU stand-in in tests)."""
+
+    def replay(self) -> None: ...
+
+
+Recorder = Callable[[Callable[[], Any]], tuple[Graph, Any]]
+"""``record(fn) → (graph, fn's outputs)``: the graph re-runs ``fn`` into those outputs."""
 
 
 def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -217,6 +246,10 @@ class CUDAGraphRunner(ModelRunner):
         buckets: captured batch sizes (default :func:`default_buckets` of ``max_num_seqs``).
         max_num_seqs: running sequences at most (sizes the default buckets).
         scratch_slot, scratch_page: default: the pools' last slot and last page.
+        verify_k: the most speculative tokens of a verify step (``K``; 0: no verify graphs).
+        verify_max_batch: the most sequences a verify step has (the speculation's batch
+            limit); shapes up to the smallest bucket holding it.
+        max_num_batched_tokens: a verify shape's ``b·(k+1)`` at most.
 
     Raises:
         ValueError: an empty bucket list or a bucket < 1.
@@ -232,6 +265,9 @@ class CUDAGraphRunner(ModelRunner):
         max_num_seqs: int = 256,
         scratch_slot: int | None = None,
         scratch_page: int | None = None,
+        verify_k: int = 0,
+        verify_max_batch: int = 0,
+        max_num_batched_tokens: int = 1 << 30,
     ) -> None:
         super().__init__(model, pools, device)
         bk = tuple(sorted(set(buckets))) if buckets is not None else default_buckets(max_num_seqs)
@@ -248,6 +284,21 @@ class CUDAGraphRunner(ModelRunner):
         self._logits: dict[int, torch.Tensor] = {}
         self.num_replays = 0
         self.num_eager = 0
+        kv = min(verify_k, pools.block_size - 1)
+        self.verify_shapes = verify_shapes(bk, kv, verify_max_batch, pools.block_size,
+                                           max_num_batched_tokens)
+        self.vstatic: StaticVerifyBuffers | None = None
+        if self.verify_shapes:
+            self.vstatic = StaticVerifyBuffers(
+                max(b for b, _ in self.verify_shapes), max(k for _, k in self.verify_shapes),
+                max_model_len, pools.block_size, self.static.scratch_slot,
+                self.static.scratch_page, device,
+            )  # fmt: skip
+        self.verify_graphs: dict[tuple[int, int], Graph] = {}
+        self._vout: dict[tuple[int, int], KDACapture] = {}
+        self._vlogits: torch.Tensor | None = None
+        self.num_verify_replays = 0
+        self.num_verify_eager = 0
 
     def _scratch_zero(self) -> None:
         s = self.static.scratch_slot
@@ -282,6 +333,83 @@ class CUDAGraphRunner(ModelRunner):
                 self._logits[b] = self._run_static(b)
             self.graphs[b] = g
         torch.cuda.synchronize(self.device)
+        self.capture_verify(_cuda_recorder(self.device, pool))
+
+    @torch.inference_mode()
+    def capture_verify(self, record: Recorder) -> None:
+        """Capture every verify shape with ``record`` (largest first): each shape runs once
+        eagerly (compiles, caches its chunk tables), then is recorded. Its logits are copied
+        into one shared static buffer inside the graph; its KDA inputs stay the graph's own
+        outputs. A no-op without verify shapes."""
+        if self.vstatic is None:
+            return
+        self.vstatic.clear()
+        for b, k in sorted(self.verify_shapes, key=lambda s: -s[0] * (s[1] + 1)):
+            lg, _ = self._run_static_verify(b, k)
+            if self._vlogits is None:  # [Bmax·(K+1), V], V from the first warm-up
+                self._vlogits = lg.new_empty(self.vstatic.max_batch * (self.vstatic.max_k + 1),
+                                             lg.shape[1])
+            del lg
+            fb = self.vstatic.batch(b, k)
+            out = self._vlogits
+
+            def fn(fb=fb, out=out):
+                self._scratch_zero()
+                lg = self.model(self.vstatic.input_ids[: fb.num_tokens], fb, self.pools)
+                out[: fb.num_tokens].copy_(lg)
+                return fb.capture
+
+            g, cap = record(fn)
+            self.verify_graphs[(b, k)] = g
+            self._vout[(b, k)] = cap
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _run_static_verify(self, bucket: int, k: int) -> tuple[torch.Tensor, KDACapture]:
+        assert self.vstatic is not None
+        self._scratch_zero()
+        fb = self.vstatic.batch(bucket, k)
+        lg = self.model(self.vstatic.input_ids[: fb.num_tokens], fb, self.pools)
+        assert fb.capture is not None
+        return lg, fb.capture
+
+    def verify(self, batch: RunBatch) -> tuple[torch.Tensor, KDACapture]:
+        """Replay the ``(bucket, k)`` graph of a uniform verify batch, else the eager verify.
+
+        Returns:
+            As :meth:`ModelRunner.verify`: ``[T, V]`` float32 logits of every token (a fresh
+            tensor) and the capture (views of the graph's outputs: read before the next
+            verify replay).
+
+        Raises:
+            ValueError: as :meth:`ModelRunner.verify` / :meth:`StaticVerifyBuffers.fill`.
+        """
+        shape = verify_eligible(batch, self.verify_shapes)
+        if shape is None or shape not in self.verify_graphs:
+            self.num_verify_eager += 1
+            return super().verify(batch)
+        assert self.vstatic is not None and self._vlogits is not None
+        with torch.inference_mode():
+            self.vstatic.fill(batch.rows, *shape)
+            self.verify_graphs[shape].replay()
+            self.num_verify_replays += 1
+            return real_rows(self._vlogits, self._vout[shape], len(batch.rows), shape[1])
+
+    @torch.inference_mode()
+    def verify_padded(self, rows: Sequence[Row], bucket: int, k: int,
+                      ) -> tuple[torch.Tensor, KDACapture]:
+        """The verify graphs' computation run eagerly: ``rows`` padded to ``bucket`` through
+        the static buffers (the replay's reference; on CPU the check of padding and of the
+        per-query MLA path). Returns what :meth:`verify` returns.
+
+        Raises:
+            ValueError: no verify shapes; as :meth:`StaticVerifyBuffers.fill`.
+        """
+        if self.vstatic is None:
+            raise ValueError("verify_padded: this runner has no verify shapes (verify_k = 0)")
+        self.vstatic.fill(rows, bucket, k)
+        lg, cap = self._run_static_verify(bucket, k)
+        return real_rows(lg, cap, len(rows), k)
 
     def execute(self, batch: RunBatch) -> torch.Tensor:
         """Replay the bucket's graph for an eligible decode batch, else run eagerly.
@@ -317,8 +445,23 @@ class CUDAGraphRunner(ModelRunner):
         return self._run_static(bucket)[: len(rows)].clone()
 
 
+def _cuda_recorder(device: torch.device, pool: Any) -> Recorder:
+    """Records ``fn`` as a ``torch.cuda.CUDAGraph`` in memory pool ``pool``."""
+
+    def record(fn: Callable[[], Any]) -> tuple[Graph, Any]:
+        torch.cuda.synchronize(device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            out = fn()
+        return g, out
+
+    return record
+
+
 __all__ = [
     "CUDAGraphRunner",
+    "Graph",
+    "Recorder",
     "StaticDecodeBuffers",
     "choose_bucket",
     "default_buckets",

@@ -152,6 +152,9 @@ class LLMEngine(EngineCore):
                 model, self.pools, device, self.max_model_len,
                 max_num_seqs=min(c.max_num_seqs or c.num_slots, c.num_slots),
                 scratch_slot=c.num_slots, scratch_page=c.num_pages,
+                verify_k=c.speculative.num_speculative_tokens if c.speculative else 0,
+                verify_max_batch=c.speculative.max_batch_size if c.speculative else 0,
+                max_num_batched_tokens=c.max_num_batched_tokens,
             )  # fmt: skip
             runner.capture()
         elif runner is None:

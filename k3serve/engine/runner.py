@@ -21,8 +21,8 @@ The run seam: the engine hands every forward to :meth:`ModelRunner.execute` as o
 calls the model itself. A CUDA-graph runner (:mod:`k3serve.engine.cuda_graphs`) plugs in there:
 a subclass whose ``execute`` replays a captured graph for batches it has one for (decode-only,
 a captured size, ``layer_hook is None``: a Python hook cannot run inside a graph) and falls back
-to :meth:`ModelRunner.forward` otherwise. Slot preparation, snapshot saves and forks stay plain
-tensor copies outside the graph.
+to :meth:`ModelRunner.forward` otherwise, and likewise for :meth:`ModelRunner.verify`. Slot
+preparation, snapshot saves and forks stay plain tensor copies outside the graph.
 """
 
 from __future__ import annotations
@@ -158,7 +158,8 @@ class ModelRunner:
         Each row carries the last sampled token and its proposed tokens. The slots' states are
         read, left as they were, and each KDA layer's state-update inputs are kept
         (:mod:`k3serve.model.capture`); the latents of every token are written at its position.
-        Always the eager multi-token path (no CUDA graph).
+        The eager multi-token path (a CUDA-graph runner replays captured graphs for uniform
+        batches and falls back to this one).
 
         Returns:
             ``([T, V] float32 logits in row order, the capture)`` for :meth:`replay`.

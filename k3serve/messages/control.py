@@ -3,7 +3,7 @@ registration, and the router's own health."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, StrictInt
 
@@ -40,6 +40,27 @@ class CacheEvent(Message):
     source: Literal["local", "store"] = "local"
 
 
+class SpecCounters(Message):
+    """A decode worker's speculative-decoding counters since it started (reset with its event
+    epoch), as its ``k3serve:spec_*`` counters on ``/metrics``; the router sums them over
+    the workers (``router.spec_metrics``).
+
+    Attributes:
+        verify_steps: verify forwards. verify_rows: sequence-steps verified.
+        proposed_tokens: proposals verified. accepted_tokens: proposals accepted.
+        emitted_tokens: tokens the verify steps appended.
+        accepted_per_position: ``[j]``: verified rows whose proposal at position ``j``
+            (0-based) was accepted.
+    """
+
+    verify_steps: StrictInt = Field(default=0, ge=0)
+    verify_rows: StrictInt = Field(default=0, ge=0)
+    proposed_tokens: StrictInt = Field(default=0, ge=0)
+    accepted_tokens: StrictInt = Field(default=0, ge=0)
+    emitted_tokens: StrictInt = Field(default=0, ge=0)
+    accepted_per_position: list[Annotated[StrictInt, Field(ge=0)]] = Field(default_factory=list)
+
+
 class WorkerLoad(Message):
     """The load a worker reports with its cache events (``CacheEvents.load``), counted on the
     worker, so that router replicas that do not talk to each other balance on the same
@@ -61,6 +82,8 @@ class WorkerLoad(Message):
             such steps (``worker.loop.PrefillMeter``; decode-only steps excluded). ``None``:
             no prefill measured yet. The router prices the worker's queue at it in place of
             its static ``--prefill-rate``.
+        spec: the speculative-decoding counters (:class:`SpecCounters`); ``None``: the
+            worker does not speculate.
     """
 
     queued_prefill_tokens: StrictInt = Field(default=0, ge=0)
@@ -70,6 +93,7 @@ class WorkerLoad(Message):
     prefills: StrictInt | None = Field(default=None, ge=0)
     prefill_tokens: StrictInt | None = Field(default=None, ge=0)
     prefill_rate: float | None = Field(default=None, gt=0)
+    spec: SpecCounters | None = None
 
 
 class CacheEvents(Message):

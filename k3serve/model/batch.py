@@ -64,6 +64,10 @@ class ForwardBatch:
             neither, and keep each token's state-update inputs here
             (:class:`~k3serve.model.capture.KDACapture`; the engine replays the accepted
             prefix). ``None``: states are written as usual.
+        query_len: every sequence has exactly this many new tokens and the MLA layers attend
+            them one query per row of the paged decode kernel, bounded by ``max_seq_len``
+            (:meth:`~k3serve.model.mla.MLAMixer.forward`): no host metadata read — the CUDA
+            graph of a speculative verify step. ``None``: the prefill / decode paths.
     """
 
     cu_seqlens: torch.Tensor
@@ -76,6 +80,7 @@ class ForwardBatch:
     max_seq_len: int | None = None
     host: BatchHost | None = None
     capture: KDACapture | None = None
+    query_len: int | None = None
 
     def __post_init__(self) -> None:
         n = self.num_cached.shape[0]
@@ -109,6 +114,14 @@ class ForwardBatch:
             else not bool((self.new_lens == 1).all())
         ):
             raise ValueError("is_decode: every sequence must have exactly 1 new token")
+        if self.query_len is not None and (
+            self.is_decode or not isinstance(self.query_len, int) or self.query_len < 1
+            or total != n * self.query_len or self.max_seq_len is None
+        ):
+            raise ValueError(
+                f"query_len: {self.query_len!r} new tokens per sequence need a non-decode batch "
+                f"of {n} × query_len tokens (has {total}) and max_seq_len"
+            )
 
     @property
     def num_seqs(self) -> int:

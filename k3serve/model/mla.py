@@ -93,6 +93,26 @@ class MLAMixer(nn.Module):
         )
         return torch.einsum("nhc,hvc->nhv", o_lat.float(), w[:, cfg.qk_nope_head_dim :].float())
 
+    def _attend_per_query(self, q: torch.Tensor, num_cached: torch.Tensor,
+                          block_table: torch.Tensor, latent_pool: torch.Tensor, query_len: int,
+                          max_seq_len: int | None) -> torch.Tensor:
+        """Causal attention of ``N`` sequences' ``query_len`` new tokens each (latents already
+        in the pages) as ``N · query_len`` rows of the absorbed paged decode kernel: row
+        ``(n, j)`` reads sequence ``n``'s pages up to ``num_cached[n] + j + 1`` tokens.
+
+        Returns:
+            ``[N · query_len, H, v]`` float32.
+        """
+        n = num_cached.shape[0]
+        steps = torch.arange(1, query_len + 1, device=num_cached.device, dtype=num_cached.dtype)
+        seq_lens = (num_cached[:, None] + steps).reshape(-1)
+        table = block_table[:, None, :].expand(n, query_len, block_table.shape[1])
+        o_lat = dispatch.mla_decode_absorbed_paged(
+            self.absorbed_query(q), latent_pool, table.reshape(n * query_len, -1), seq_lens,
+            self.cfg.kv_lora_rank, self.scale, max_seq_len=max_seq_len,
+        )  # fmt: skip
+        return self.absorbed_output(o_lat)
+
     def _forward_decode_fused(
         self,
         x: torch.Tensor,
@@ -144,6 +164,7 @@ class MLAMixer(nn.Module):
         is_decode: bool = False,
         max_seq_len: int | None = None,
         host_meta: tuple | None = None,
+        query_len: int | None = None,
     ) -> torch.Tensor:
         """Attend the new tokens of N packed sequences; write their latents into the pages.
 
@@ -161,6 +182,11 @@ class MLAMixer(nn.Module):
             host_meta: prefill only: the forward's host copy of ``(cu_seqlens, num_cached,
                 block_table)`` (``k3serve.kernels.mla.prefill_sdpa.make_host_meta``), shared
                 by the MLA layers so that none reads them back again; None: read per layer.
+            query_len: every sequence has exactly this many new tokens (not decode): query ``j``
+                of a sequence attends its first ``num_cached + j + 1`` latents through the
+                paged decode kernel, one row per query, with ``max_seq_len`` as its bound —
+                no host metadata, the shape a CUDA graph captures (the speculative verify
+                step). None: the prefill path.
 
         Returns:
             ``[T, d]`` in ``x.dtype``.
@@ -218,6 +244,9 @@ class MLAMixer(nn.Module):
                     max_seq_len=max_seq_len,
                 )
                 o = self.absorbed_output(o_lat)
+            elif query_len is not None:
+                o = self._attend_per_query(q, num_cached, block_table, latent_pool, query_len,
+                                           max_seq_len)
             else:
                 o = dispatch.mla_prefill_paged(
                     q,

@@ -278,7 +278,7 @@ class K3ForCausalLM(nn.Module):
         def mixer(layer: DecoderLayer, h: torch.Tensor) -> torch.Tensor:
             if layer.is_mla:
                 m = self._mla_idx[layer.idx]
-                if not batch.is_decode and not host:
+                if not batch.is_decode and batch.query_len is None and not host:
                     if batch.host is not None:  # the scheduler's ints: no device read at all
                         bh = batch.host
                         host.append((list(bh.cu_seqlens), list(bh.num_cached),
@@ -298,6 +298,7 @@ class K3ForCausalLM(nn.Module):
                     batch.is_decode,
                     batch.max_seq_len,
                     host_meta=host[0] if host else None,
+                    query_len=batch.query_len,
                 )
             j = self._kda_idx[layer.idx]
             return layer.self_attn(

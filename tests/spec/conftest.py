@@ -1,4 +1,5 @@
-"""The k3-tiny fixture of the speculative-decoding tests."""
+"""The session fixtures of the speculative-decoding tests: k3-tiny, and the plain greedy
+reference on 20 repository prompts that the offline, served and graph tests compare with."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from k3serve.model.checkpoint import load_model
 from k3serve.tokenizer import get_tokenizer
+from tests.spec.helpers import GREEDY, make_engine, repo_prompts, run
 
 
 @pytest.fixture(scope="session")
@@ -16,3 +18,11 @@ def tiny():
     return net, cfg, get_tokenizer(folder)
 
 
+
+
+@pytest.fixture(scope="session")
+def greedy20(tiny) -> tuple[list[list[int]], list[list[int]]]:
+    """``(prompts, tokens)``: 20 prompts of 16…64 tokens cut from k3serve's sources and the
+    plain engine's greedy output for each (:data:`GREEDY`), computed once."""
+    prompts = repo_prompts(tiny[2], 20, 16, 64)
+    return prompts, [o.outputs[0].token_ids for o in run(make_engine(tiny), prompts, GREEDY)]

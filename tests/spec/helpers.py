@@ -8,8 +8,12 @@ import pathlib
 from k3serve.engine.config import EngineConfig
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.spec import SpecConfig
+from k3serve.sampling import SamplingParams
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+"""The greedy reference's sampling (``greedy20``): 10 tokens, no early stop."""
 
 
 def repo_prompts(tok, n: int, lo: int = 24, hi: int = 90) -> list[list[int]]:

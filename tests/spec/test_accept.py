@@ -1,12 +1,13 @@
 """Speculative rejection sampling keeps the target distribution exactly (χ² over 20,000
-seeded draws on a 6-token vocabulary), a deliberately wrong rule fails the same test, and
+seeded draws on a 6-token vocabulary, half with one-hot proposals and half with a draft's,
+each half also tested alone), a deliberately wrong rule fails the same test (on 4,000 draws,
+where its power is still certain), and
 the policy turns speculation down with the batch and with low acceptance."""
 
 from __future__ import annotations
 
 import collections
 
-import pytest
 import torch
 
 from k3serve.engine.sampler import SamplingRow
@@ -45,13 +46,13 @@ def chi2_pvalue(counts: list[int], probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0)))
 
 
-def _draw(draft: bool, residual_fn=residual):
-    """First and second emitted tokens of DRAWS seeded verify rows. The proposals are fixed
-    (one-hot, a prompt-lookup proposer) or drawn from ``Q`` by ``draft_sample`` (a draft model
-    with those distributions). Returns the two counts and how often ``d_1`` was accepted."""
+def _draw(draft: bool, residual_fn=residual, seeds: range = range(DRAWS)):
+    """First and second emitted tokens of one seeded verify row per seed of ``seeds``. The
+    proposals are fixed (one-hot, a prompt-lookup proposer) or drawn from ``Q`` by
+    ``draft_sample`` (a draft model with those distributions). Returns the two counts."""
     first, second = collections.Counter(), collections.Counter()
     dlog = Q.log()
-    for seed in range(DRAWS):
+    for seed in seeds:
         rows = [SamplingRow(PARAMS, seed, 40 + j, 0) for j in range(3)]
         drafts, probs = DRAFTS, None
         if draft:  # the draft's own filters: temperature 1, no top-k (q is what it reports)
@@ -65,17 +66,37 @@ def _draw(draft: bool, residual_fn=residual):
     return [first[v] for v in range(V)], [second[v] for v in range(V)]
 
 
-@pytest.mark.parametrize("proposal", ["one-hot", "draft"])
-def test_rejection_sampling_keeps_target_distribution(proposal):
-    first, second = _draw(proposal == "draft")
-    assert chi2_pvalue(first, _p(LOGITS[0])) > 1e-3
-    assert sum(second) > 2000  # the second position's distribution given d_1 = 3 accepted
-    assert chi2_pvalue(second, _p(LOGITS[1])) > 1e-3
+def test_rejection_sampling_keeps_target_distribution():
+    """DRAWS seeded verify rows, the first half with one-hot proposals and the second with a
+    draft's: the emitted tokens of all of them, and of each half, follow the target."""
+    half = DRAWS // 2
+    one_hot = _draw(False, seeds=range(half))
+    drafted = _draw(True, seeds=range(half, DRAWS))
+    both = [[a + b for a, b in zip(x, y)] for x, y in zip(one_hot, drafted)]
+    for first, second in (both, one_hot, drafted):
+        assert chi2_pvalue(first, _p(LOGITS[0])) > 1e-3
+        # the second position's distribution given d_1 = 3 accepted
+        assert sum(second) > sum(first) / 10
+        assert chi2_pvalue(second, _p(LOGITS[1])) > 1e-3
+    assert sum(both[0]) == DRAWS and sum(both[1]) > 2000
+
+
+WRONG_DRAWS = 4_000
+"""Draws of the wrong-rule test. Its first token is ``min(p, q) + (1 − Σ min(p, q))·p``
+instead of ``p``: the χ² statistic's non-centrality is ``n·Σ (p' − p)² / p ≈ 0.117·n`` — about
+470 at 4,000 draws (mean statistic ≈ 470, standard deviation ≈ 43), against 18.5 for
+p = 0.001 at 4 degrees of freedom, so the test fails the rule with certainty at a fifth of
+the draws (checked below from the two distributions)."""
 
 
 def test_wrong_rule_fails():
     # resampling from p instead of max(0, p − q) after a rejection over-weights the draft
-    first, _ = _draw(True, residual_fn=lambda p, q: p)
+    p, q = _p(LOGITS[0]).double(), Q[0].double()
+    wrong = torch.minimum(p, q) + (1 - torch.minimum(p, q).sum()) * p
+    keep = p > 0
+    assert WRONG_DRAWS * float(((wrong - p)[keep] ** 2 / p[keep]).sum()) > 400
+    first, _ = _draw(True, residual_fn=lambda p, q: p, seeds=range(WRONG_DRAWS))
+    assert sum(first) == WRONG_DRAWS
     assert chi2_pvalue(first, _p(LOGITS[0])) < 1e-3
 
 

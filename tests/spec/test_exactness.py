@@ -10,20 +10,7 @@ import dataclasses
 import pytest
 
 from k3serve.engine.spec import SpecConfig
-from k3serve.sampling import SamplingParams
-from tests.spec.helpers import make_engine, repo_prompts, run
-
-PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny):
-    return repo_prompts(tiny[2], 20, 16, 64)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny, prompts):
-    return [o.outputs[0].token_ids for o in run(make_engine(tiny), prompts, PARAMS)]
+from tests.spec.helpers import GREEDY, make_engine, run
 
 
 def _spec(method: str, k: int, draft=None) -> SpecConfig:
@@ -34,7 +21,8 @@ def _spec(method: str, k: int, draft=None) -> SpecConfig:
 
 @pytest.mark.parametrize("k", [1, 4, 8])
 @pytest.mark.parametrize("proposer", ["ngram", "draft", "bad-draft"])
-def test_greedy_equals_plain(tiny, prompts, reference, proposer, k):
+def test_greedy_equals_plain(tiny, greedy20, proposer, k):
+    prompts, reference = greedy20
     if proposer == "ngram":
         sc = _spec("ngram", k)
     elif proposer == "draft":
@@ -43,7 +31,7 @@ def test_greedy_equals_plain(tiny, prompts, reference, proposer, k):
         bad = dataclasses.replace(tiny[1], name="bad-draft", num_layers=2, mla_layers=(1,))
         sc = _spec("draft", k, bad)
     eng = make_engine(tiny, sc)
-    got = [o.outputs[0].token_ids for o in run(eng, prompts, PARAMS)]
+    got = [o.outputs[0].token_ids for o in run(eng, prompts, GREEDY)]
     for i, (g, r) in enumerate(zip(got, reference)):
         assert g == r, f"prompt {i}: {g} != {r}"
     st = eng.spec.stats

@@ -2,17 +2,19 @@
 k = 1 and 8, k3-tiny drafting for k3-tiny at k = 4) equals the offline engine's without
 speculation, token for token, on 20 prompts — served 1P+1D (reserve → prefill → transfer →
 decode) and monolithic (``/internal/generate`` on the decode worker); the decode workers'
-``/metrics`` carry the speculation counters."""
+``/metrics`` carry the speculation counters, and their load reports carry the same counters,
+which the router sums (``router.spec_metrics``)."""
 
 from __future__ import annotations
 
 import asyncio
+import types
 
 import httpx
 import pytest
 
-from k3serve.sampling import SamplingParams
-from tests.spec.helpers import make_engine, repo_prompts, run
+from k3serve.messages import CacheEvents
+from router.spec_metrics import SPEC_COUNTERS, SpecTotals
 from tests.worker_procs import HEADERS, Proc, _metric, _request, _stream, stop_all
 
 CONFIGS = [("ngram", 1), ("draft", 4), ("ngram", 8)]
@@ -44,11 +46,9 @@ async def _monolithic(c: httpx.AsyncClient, D: Proc, rid: str, ids: list[int]) -
     return [first["token_id"], *rest]
 
 
-def test_served_greedy_equals_offline(stack, tiny):
+def test_served_greedy_equals_offline(stack, greedy20):
     P, decoders = stack
-    prompts = repo_prompts(tiny[2], 20, 16, 64)
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in run(make_engine(tiny), prompts, params)]
+    prompts, ref = greedy20
 
     async def all_runs():  # every worker, both modes, all prompts at once
         async with httpx.AsyncClient(headers=HEADERS, timeout=600) as c:
@@ -76,3 +76,29 @@ def test_served_greedy_equals_offline(stack, tiny):
         rate = _metric(D.url, "k3serve:spec_acceptance_rate")
         assert rate == pytest.approx(accepted / proposed)
         assert _metric(D.url, "k3serve:spec_mean_accepted_length") >= 1.0
+    _router_totals_match_workers(decoders)
+
+
+def _router_totals_match_workers(decoders) -> None:
+    """The load report each decode worker answers the router's poll with
+    (``GET /internal/cache_events``) carries its ``/metrics`` spec counters; the router's
+    totals over those reports are their sums."""
+    seen = []
+    for D in decoders:
+        r = httpx.get(D.url + "/internal/cache_events", headers=HEADERS, timeout=30)
+        assert r.status_code == 200, r.text
+        ev = CacheEvents.model_validate(r.json())
+        assert ev.load is not None and ev.load.spec is not None
+        seen.append(types.SimpleNamespace(url=D.url, reported=ev.load, reported_epoch=ev.epoch))
+    totals = SpecTotals(lambda: seen).totals()
+    for k in SPEC_COUNTERS:
+        want = sum(_metric(D.url, f"k3serve:spec_{k}_total") for D in decoders)
+        assert totals[k] == want > 0, k
+    positions = sorted(k for k in totals if isinstance(k, int))
+    assert positions == list(range(len(positions))) and 4 <= len(positions) <= 8
+    for j in positions:
+        want = sum(_metric(D.url, "k3serve:spec_accepted_tokens_per_position_total",
+                           position=str(j)) for D in decoders)
+        assert totals[j] == want
+    assert totals[0] >= totals[positions[-1]] and sum(totals[j] for j in positions) == \
+        totals["accepted_tokens"]

@@ -8,7 +8,7 @@ The step itself (pages, the verify forward, the replay of accepted tokens, emitt
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -31,6 +31,9 @@ class SpecStats:
         proposed: tokens proposed and verified. accepted: proposals accepted.
         emitted: tokens the verified rows appended (accepted + the next one, minus what a
             stop cut off).
+        accepted_per_position: ``[j]``: rows whose proposal at position ``j`` (0-based) was
+            accepted (a row accepting ``a`` proposals counts at positions ``0 … a−1``); as
+            long as the longest proposal so far.
     """
 
     steps: int = 0
@@ -38,6 +41,7 @@ class SpecStats:
     proposed: int = 0
     accepted: int = 0
     emitted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -145,6 +149,10 @@ class Speculator:
         self.stats.rows += 1
         self.stats.proposed += k
         self.stats.accepted += a
+        per_pos = self.stats.accepted_per_position
+        per_pos.extend([0] * (k - len(per_pos)))
+        for j in range(a):
+            per_pos[j] += 1
         self.policy.observe(seq.seq_id, k, a)
         return res
 
