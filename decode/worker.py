@@ -176,7 +176,7 @@ class DecodeWorker(BaseWorker):
             if meta.position != len(r.prompt):
                 raise ValueError(f"metadata position {meta.position} != prompt length "
                                  f"{len(r.prompt)}")
-            params = meta.sampling.to_params()
+            params = meta.sampling
             tok, lp = meta.token_id, meta.logprob
             if r.first is not None and r.first[0] != tok:
                 log.warning("decode %s: token #1 %d from the router differs from the "

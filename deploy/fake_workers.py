@@ -251,7 +251,7 @@ def _prefill_routes(app: FastAPI, state: FakeState, clients: list[httpx.AsyncCli
 
     async def _prefill(b: PrefillRequest, rec: dict[str, Any],
                        queued: list[int]) -> PrefillResponse:
-        sp = b.sampling.to_params()
+        sp = b.sampling
         ids = list(b.prompt_token_ids)
         seq = next(rid_counter)
         cm = state.cm
@@ -295,7 +295,7 @@ def _decode_routes(app: FastAPI, state: FakeState) -> None:
                                 status_code=503)
         ticket = uuid.uuid4().hex
         state.reservations[b.request_id] = {
-            "prompt": list(b.prompt_token_ids), "sampling": b.sampling.to_params(),
+            "prompt": list(b.prompt_token_ids), "sampling": b.sampling,
             "ticket": ticket, "ready": asyncio.Event(), "first": None, "aborted": False,
             "abort_ev": asyncio.Event()}
         return ReserveResponse(request_id=b.request_id, ticket=ticket, bootstrap_addr=state.url)

@@ -38,7 +38,6 @@ from k3serve.messages import (
     PrefillResponse,
     RequestsDebug,
     RequestState,
-    SamplingSpec,
     TransferMetadata,
     WorkerUsage,
     finite,
@@ -250,7 +249,7 @@ class PrefillWorker(BaseWorker):
             s.finish(TransferMetadata(
                 request_id=r.rid, prompt_token_ids=r.ids, token_id=ft.token_id,
                 logprob=logprob, top_logprobs=top,
-                sampling=SamplingSpec.of(r.params.with_seed(ft.seed)), position=ft.position,
+                sampling=r.params.with_seed(ft.seed), position=ft.position,
                 num_cached_tokens=r.num_cached))
         r.to(PrefillPhase.ANSWERED)
         self.resolve(r.fut, PrefillResponse(

@@ -72,7 +72,7 @@ def resumable_decode(token: str, token_delay_s: float):
         import asyncio
         import uuid
 
-        sp = b.sampling.to_params()
+        sp = b.sampling
         left = sp.max_tokens - len(b.output_token_ids) + 1
         r = {"prompt": list(b.prompt_token_ids) + list(b.output_token_ids[:-1]),
              "sampling": dataclasses.replace(sp, max_tokens=max(1, left)),

@@ -7,7 +7,8 @@ from typing import Annotated
 
 from pydantic import Field, StrictInt
 
-from k3serve.messages.base import FinishReason, Logprob, Message, SamplingSpec, TokenId, TopLogprobs
+from k3serve.messages.base import FinishReason, Logprob, Message, TokenId, TopLogprobs
+from k3serve.sampling import SamplingParams
 
 # ============================================================================ router ↔ decode
 
@@ -17,7 +18,7 @@ class ReserveRequest(Message):
 
     request_id: str = Field(min_length=1)
     prompt_token_ids: list[TokenId] = Field(min_length=1)
-    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
     n: StrictInt = Field(default=1, ge=1, le=1)
     cache_salt: str | None = None
 
@@ -120,7 +121,7 @@ class GenerateRequest(Message):
 
     request_id: str = Field(min_length=1)
     prompt_token_ids: list[TokenId] = Field(min_length=1)
-    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
     snapshot_at: list[StrictInt] = Field(default_factory=list)
     cache_salt: str | None = None
 
@@ -143,7 +144,7 @@ class ResumeRequest(Message):
     prompt_token_ids: list[TokenId] = Field(min_length=1)
     output_token_ids: list[TokenId] = Field(min_length=1)
     output_logprobs: list[Logprob] = Field(default_factory=list)
-    sampling: SamplingSpec
+    sampling: SamplingParams
     cache_salt: str | None = None
 
 

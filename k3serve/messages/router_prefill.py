@@ -6,8 +6,9 @@ from typing import Literal
 
 from pydantic import Field, StrictInt
 
-from k3serve.messages.base import Logprob, Message, SamplingSpec, TokenId, TopLogprobs
+from k3serve.messages.base import Logprob, Message, TokenId, TopLogprobs
 from k3serve.messages.control import CacheEvents
+from k3serve.sampling import SamplingParams
 
 # ============================================================================ router ↔ prefill
 
@@ -28,7 +29,7 @@ class PrefillRequest(Message):
 
     request_id: str = Field(min_length=1)
     prompt_token_ids: list[TokenId] = Field(min_length=1)
-    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
     ticket: str = Field(min_length=1)
     bootstrap_addr: str = Field(min_length=1)
     snapshot_at: list[StrictInt] = Field(default_factory=list)
