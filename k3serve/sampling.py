@@ -185,13 +185,24 @@ class SamplingParams(BaseModel, metaclass=NamedErrors):
         """True when tokens are picked by argmax (``temperature < GREEDY_EPS``)."""
         return self.temperature < GREEDY_EPS
 
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A validated copy with ``changes`` applied (as ``dataclasses.replace``).
+
+        Raises:
+            ValueError: a changed field out of range (named), or an unknown field.
+        """
+        unknown = sorted(set(changes) - set(type(self).model_fields))
+        if unknown:
+            raise ValueError(f"SamplingParams: unknown field(s) {unknown}")
+        return SamplingParams(**{**self.__dict__, **changes})
+
     def with_seed(self, seed: int) -> SamplingParams:
         """Returns a copy with ``seed`` set (the engine's admission step for unseeded requests).
 
         Raises:
             ValueError: If ``seed`` is not an int.
         """
-        return SamplingParams(**{**self.__dict__, "seed": seed})
+        return self.replace(seed=seed)
 
     # ------------------------------------------------------------------ dict form
     def to_dict(self) -> dict[str, Any]:
