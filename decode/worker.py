@@ -35,6 +35,14 @@ request goes through the phases of :class:`DecodePhase`::
         of many requests, each event tagged ``event: <request id>`` (decode/stream.py)
     POST /internal/attach (AttachRequest: /internal/stream's body + the channel) ─▶ the
         request's stream goes on that channel; answered at once (AttachResponse)
+
+Token #1 has one source: the token the prefill worker sampled, as its ``PrefillResponse``
+gave it to the router and the client (monolithic: this worker's own ``PrefillResponse``).
+The transfer's ``TransferMetadata`` carries a copy so that decoding starts before the router's
+stream request (which carries the router's copy) arrives. A copy that differs from the
+router's is never continued silently: before admission the prompt is recomputed from the
+router's token #1; after it, the stream ends with an error event (the router migrates the
+request with the tokens the client has).
 """
 
 from __future__ import annotations
@@ -179,8 +187,9 @@ class DecodeWorker(BaseWorker):
             params = meta.sampling
             tok, lp = meta.token_id, meta.logprob
             if r.first is not None and r.first[0] != tok:
-                log.warning("decode %s: token #1 %d from the router differs from the "
-                            "transferred %d", r.rid, r.first[0], tok)
+                raise ValueError(f"token #1 {r.first[0]} from the router differs from the "
+                                 f"transferred {tok}")
+            r.transferred_first = tok
             out = self.disagg.admit(r.rid, [tok], params,
                                     output_logprobs=[math.nan if lp is None else float(lp)])
         except (KeyError, TypeError, ValueError) as e:
@@ -399,6 +408,10 @@ class DecodeWorker(BaseWorker):
         r.first = (body.token_id, math.nan if body.logprob is None else float(body.logprob))
         if r.phase is DecodePhase.AWAIT_FIRST:
             self._start_fallback(r)
+        elif r.transferred_first is not None and r.transferred_first != body.token_id:
+            self._end(r, StreamEvent.failure(
+                f"token #1 {body.token_id} from the router differs from the transferred "
+                f"{r.transferred_first} this request continued from"))
         return r.events
 
     def close_stream(self, rid: str) -> None:
