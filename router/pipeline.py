@@ -275,9 +275,8 @@ class Router:
         for up to ``RouterConfig.busy_wait_s``. Cancelling the task aborts the request on
         both workers.
 
-        The router's detokenizer decides stops and ``max_tokens``; when D's stream ends
-        before it did, the held-back text (a partial character, the possible start of a stop
-        string) is released by ``IncrementalDetokenizer.finish`` and the choice ends with:
+        The workers detokenize and decide stops and ``max_tokens`` (token #1's in P's answer);
+        the choice ends with:
 
         * D's ``finish_reason`` when D sent one: ``"length"`` (D's own model length, below
           what the router allowed: only with ``--max-model-len`` above a worker's),
@@ -287,8 +286,7 @@ class Router:
           cannot go on), else ``"abort"``; D is told to abort.
 
         A broken connection, a non-2xx status or an error event is a worker failure
-        (``WorkerError``: 503, or an error event mid-stream); the released text is delivered
-        before it.
+        (``WorkerError``: 503, or an error event mid-stream).
 
         Returns:
             The prefill worker that ran it.
@@ -342,7 +340,7 @@ class Router:
                                           lps, k)
 
             await stream_choice(placed, len(job.token_ids), index, sampling, out,
-                                self.pool.streams, self.metrics, self.tokenizer, self._abort,
+                                self.pool.streams, self.metrics, self._abort,
                                 ttft_since=arrival if choice == 0 and job.prompt_index == 0
                                 else None, resume=resume)
         return placed.prefill

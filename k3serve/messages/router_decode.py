@@ -92,13 +92,20 @@ class TokenLogprob(Message):
 class StreamEvent(Message):
     """One SSE ``data:`` event of a decode stream (one per engine step, from token #2 on).
 
-    ``logprobs`` is aligned with ``token_ids``. The stream ends after the event whose
-    ``finish_reason`` is set (then ``data: [DONE]``). ``error`` set: the request failed on the
-    worker (``finish_reason`` is ``abort``).
+    The decode worker detokenizes and decides every stop (stop strings, stop tokens,
+    ``max_tokens``): ``text`` is the output text these tokens released (text that may still
+    start a stop string is held back until it cannot, a matched stop string is cut), and the
+    router relays it as is. ``texts``: the text each token released (aligned with
+    ``token_ids``, ``"".join(texts) == text``), sent when the request asked for logprobs
+    (completions' ``text_offset``), else ``None``. ``logprobs`` is aligned with
+    ``token_ids``. The stream ends after the event whose ``finish_reason`` is set (then
+    ``data: [DONE]``). ``error`` set: the request failed on the worker (``finish_reason`` is
+    ``abort``).
     """
 
     token_ids: list[TokenId] = Field(default_factory=list)
     text: str = ""
+    texts: list[str] | None = None
     logprobs: list[TokenLogprob] = Field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None

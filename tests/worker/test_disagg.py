@@ -212,6 +212,44 @@ def test_fallback_continues_from_the_prefill_workers_token(cluster, offline):
     assert _metric(D.url, "k3serve:kv_transfer_fallbacks_total") == before + 1
 
 
+def test_the_workers_text_is_the_offline_text(cluster, offline):
+    """The workers detokenize and decide the stops, once, as offline: P's token #1 text and
+    D's stream text (what the router relays as is) make the offline output text with a stop
+    string cut where offline cuts it, the finish is offline's, and D's per-token texts (sent
+    with logprobs) add up to its text."""
+    from k3serve import SamplingParams
+
+    P, D = cluster["P"], cluster["D"]
+    ids = list(range(60, 101))
+    base = {"temperature": 0.0, "max_tokens": 24, "seed": 5, "ignore_eos": True}
+    full = offline.generate([ids], SamplingParams(**base))[0].text
+    stop = next(full[i:i + 2] for i in range(4, len(full) - 1) if "\ufffd" not in full[i:i + 2])
+    sp = {**base, "stop": [stop], "logprobs": 0}
+    want = offline.generate([ids], SamplingParams(**sp))[0]
+    assert want.finish_reason == "stop"
+
+    async def run() -> tuple[dict, list[dict]]:
+        async with httpx.AsyncClient(headers=HEADERS, timeout=120) as c:
+            first = await _first(c, P, D, "text-1", ids, sp)
+            body = {"request_id": "text-1", "token_id": first["token_id"],
+                    "logprob": first["logprob"]}
+            evs = []
+            async with c.stream("POST", D.url + "/internal/stream", json=body) as s:
+                async for line in s.aiter_lines():
+                    if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                        evs.append(json.loads(line[5:]))
+            return first, evs
+
+    first, evs = asyncio.run(run())
+    assert first["finish_reason"] is None
+    assert first["text"] + "".join(e["text"] for e in evs) == want.text
+    assert [first["token_id"], *(t for e in evs for t in e["token_ids"])] == want.token_ids
+    assert evs[-1]["finish_reason"] == "stop"
+    for e in evs:
+        if e["token_ids"]:
+            assert len(e["texts"]) == len(e["token_ids"]) and "".join(e["texts"]) == e["text"]
+
+
 def test_a_stream_whose_token_1_differs_from_the_transfer_s_ends_with_an_error(cluster):
     """Token #1 has one source, the prefill worker's answer (what the client got); the
     transfer's copy lets D start early. A stream request whose token #1 differs from the
