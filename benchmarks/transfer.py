@@ -49,7 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from k3serve.config import PRESETS
-from k3serve.messages import PairRequest, SamplingSpec, TransferMetadata
+from k3serve.messages import PairRequest, TransferMetadata
+from k3serve.sampling import SamplingParams
 from kvstore import BootstrapClient, CacheRef, KVEngine, KVPoll, KVSender, PoolLayout
 from kvstore.descriptors import plan_runs
 from kvstore.loopback import fill_pools, make_pools, register_pools, request_digest
@@ -135,7 +136,7 @@ def _drive(tx: KVSender, step_s: float, timeout_s: float = 60.0, until=None) -> 
 
 def _meta(ticket: str, n: int) -> TransferMetadata:
     return TransferMetadata(request_id=ticket, prompt_token_ids=list(range(n)), token_id=1,
-                            sampling=SamplingSpec(), position=n)
+                            sampling=SamplingParams(), position=n)
 
 
 def _batches(runs: list, limit: int = 32 << 20) -> list[list]:

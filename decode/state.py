@@ -50,6 +50,7 @@ class DecodeState:
     fallback: bool = False
     fb_counted: bool = False
     first: tuple[int, float] | None = None  # token #1 + logprob, from the stream request
+    transferred_first: int | None = None  # token #1 as the transfer's metadata carried it
     failed_at: float = 0.0
     sent: int = 1  # output tokens delivered (token #1 came from the prefill worker)
     text_len: int = 0

@@ -39,21 +39,46 @@ class StreamEventsResponse(EventSourceResponse):
 
 
 def sse(ev: StreamEvent) -> ServerSentEvent:
-    """One event as an SSE ``data:`` line."""
-    return ServerSentEvent(data=ev.model_dump_json(exclude={"error"} if ev.error is None
-                                                   else None))
+    """One event as an SSE ``data:`` line (``error`` and ``texts`` only when set)."""
+    skip = {k for k in ("error", "texts") if getattr(ev, k) is None}
+    return ServerSentEvent(data=ev.model_dump_json(exclude=skip or None))
 
 
 def _aligned(ev: StreamEvent) -> bool:
     return len(ev.logprobs) == len(ev.token_ids)
 
 
+def token_texts(text: str, ends: list[int], start: int) -> list[str]:
+    """The text each of some tokens released, from the detokenizer's record.
+
+    Args:
+        text: the choice's output text now (:attr:`CompletionOutput.text`).
+        ends: per token, ``len(text)`` right after it (:attr:`CompletionOutput.text_ends`,
+            the tokens' slice); at least one.
+        start: where these tokens' text starts (the text sent before them).
+
+    Returns:
+        One piece per token, ``"".join(pieces) == text[start:]`` (text a finish flushed after
+        the last token's step goes to the last token).
+    """
+    out = []
+    for e in ends:
+        e = max(start, e)
+        out.append(text[start:e])
+        start = e
+    out[-1] += text[start:]
+    return out
+
+
 def mergeable(a: StreamEvent, b: object) -> bool:
     """Whether ``b`` may be appended to ``a``: ``a`` is not final, and the merged
-    ``logprobs`` stay aligned with ``token_ids`` (both carry them per token, or neither)."""
+    ``logprobs`` and ``texts`` stay aligned with ``token_ids`` (both carry them per token, or
+    neither)."""
     if not isinstance(b, StreamEvent) or a.finish_reason is not None or a.error is not None:
         return False
     if len(a.token_ids) + len(b.token_ids) > MAX_TOKENS_PER_EVENT:
+        return False
+    if (a.texts is None) != (b.texts is None):
         return False
     if not a.logprobs and not b.logprobs:
         return True
@@ -63,9 +88,10 @@ def mergeable(a: StreamEvent, b: object) -> bool:
 def merge(a: StreamEvent, b: StreamEvent) -> StreamEvent:
     """``a`` then ``b`` as one event (``mergeable(a, b)`` must hold): concatenated tokens,
     text and logprobs; ``b``'s finish reason and error."""
+    texts = None if a.texts is None or b.texts is None else [*a.texts, *b.texts]
     return StreamEvent(token_ids=[*a.token_ids, *b.token_ids], text=a.text + b.text,
-                       logprobs=[*a.logprobs, *b.logprobs], finish_reason=b.finish_reason,
-                       error=b.error)
+                       texts=texts, logprobs=[*a.logprobs, *b.logprobs],
+                       finish_reason=b.finish_reason, error=b.error)
 
 
 def take_ready(q: asyncio.Queue, ev: StreamEvent) -> tuple[StreamEvent, StreamEvent | None]:
@@ -257,4 +283,4 @@ class ChannelResponse(StreamingResponse):
 
 __all__ = ["DONE", "MAX_TOKENS_PER_EVENT", "Channel", "ChannelResponse",
            "Channels", "StreamEventsResponse", "events", "merge", "mergeable", "sse",
-           "take_ready"]
+           "take_ready", "token_texts"]

@@ -15,7 +15,8 @@ request goes through the phases of :class:`DecodePhase`::
       │                     prompt, params, output_token_ids=[token #1]) ─▶ RUNNING — the
       │                     prefill recomputed here, continuing from the prefill worker's
       │                     token #1 (never re-sampled); k3serve:kv_transfer_fallbacks_total
-    RUNNING      one StreamEvent per engine step from token #2 on
+    RUNNING      one StreamEvent per engine step from token #2 on: the tokens, the text the
+                 engine's detokenizer released for them (it decides the stops), logprobs
     DONE         finished or aborted; its events wait STREAM_TTL_S for an unopened stream
 
     POST /internal/stream (StreamRequest: token #1 as the prefill worker answered it)
@@ -35,6 +36,14 @@ request goes through the phases of :class:`DecodePhase`::
         of many requests, each event tagged ``event: <request id>`` (decode/stream.py)
     POST /internal/attach (AttachRequest: /internal/stream's body + the channel) ─▶ the
         request's stream goes on that channel; answered at once (AttachResponse)
+
+Token #1 has one source: the token the prefill worker sampled, as its ``PrefillResponse``
+gave it to the router and the client (monolithic: this worker's own ``PrefillResponse``).
+The transfer's ``TransferMetadata`` carries a copy so that decoding starts before the router's
+stream request (which carries the router's copy) arrives. A copy that differs from the
+router's is never continued silently: before admission the prompt is recomputed from the
+router's token #1; after it, the stream ends with an error event (the router migrates the
+request with the tokens the client has).
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ from typing import Any
 
 from decode.routes import add_routes
 from decode.state import DecodePhase, DecodeState
-from decode.stream import Channels
+from decode.stream import Channels, token_texts
 from decode.trace import DecodeTraces
 from k3serve.messages import (
     GenerateRequest,
@@ -176,11 +185,12 @@ class DecodeWorker(BaseWorker):
             if meta.position != len(r.prompt):
                 raise ValueError(f"metadata position {meta.position} != prompt length "
                                  f"{len(r.prompt)}")
-            params = meta.sampling.to_params()
+            params = meta.sampling
             tok, lp = meta.token_id, meta.logprob
             if r.first is not None and r.first[0] != tok:
-                log.warning("decode %s: token #1 %d from the router differs from the "
-                            "transferred %d", r.rid, r.first[0], tok)
+                raise ValueError(f"token #1 {r.first[0]} from the router differs from the "
+                                 f"transferred {tok}")
+            r.transferred_first = tok
             out = self.disagg.admit(r.rid, [tok], params,
                                     output_logprobs=[math.nan if lp is None else float(lp)])
         except (KeyError, TypeError, ValueError) as e:
@@ -201,7 +211,8 @@ class DecodeWorker(BaseWorker):
         if self.traces.spans:
             self.traces.admitted(r.rid)
         self.by_engine[engine_rid] = r
-        # text of token #1 (the router has it), so the stream's text starts after it
+        # the text the client has (token #1's from P's answer, or the streamed outputs'): the
+        # stream's text starts after it (the engine's detokenizer released the same)
         if out is not None:
             r.text_len = len(out.outputs[0].text)
             self._emit(r, out)
@@ -301,14 +312,16 @@ class DecodeWorker(BaseWorker):
         self.metrics.prefix_query(len(r.prompt), out.num_cached_tokens)
         tops = c.top_logprobs[0] if c.top_logprobs else None
         r.sent = 1
-        if len(c.token_ids) == 1:
+        one = len(c.token_ids) == 1
+        if one:
             r.text_len = len(c.text)
         self.resolve(fut, PrefillResponse(
             request_id=r.rid, token_id=c.token_ids[0], logprob=finite(c.logprobs[0]),
             top_logprobs=top_pairs(tops) if tops is not None else None,
             num_cached_tokens=out.num_cached_tokens, cached_source="local",
-            text=c.text if len(c.token_ids) == 1 else "", position=len(r.prompt),
-            seed=r.params.seed))
+            text=c.text if one else "",
+            finish_reason=c.finish_reason if one and out.finished else None,
+            position=len(r.prompt), seed=r.params.seed))
 
     def _fail_first(self, rid: str, message: str) -> None:
         """A monolithic request ended before token #1: fail its ``/internal/generate``."""
@@ -335,13 +348,15 @@ class DecodeWorker(BaseWorker):
         toks = list(c.token_ids[r.sent:])
         lps = list(c.logprobs[r.sent:])
         tops = list(c.top_logprobs[r.sent:]) if c.top_logprobs is not None else None
+        texts = (token_texts(c.text, c.text_ends[r.sent:len(c.token_ids)], r.text_len)
+                 if toks and c.text_ends is not None else None)
         r.sent = max(r.sent, len(c.token_ids))
         text = c.text[r.text_len:] if len(c.text) > r.text_len else ""
         r.text_len = max(r.text_len, len(c.text))
         fin = (c.finish_reason or "abort") if out.finished else None
         if toks or fin:
             self.push(r.events, StreamEvent(
-                token_ids=toks, text=text, finish_reason=fin,
+                token_ids=toks, text=text, texts=texts, finish_reason=fin,
                 logprobs=[TokenLogprob(logprob=finite(lp),
                                        top_logprobs=top_pairs(tops[k]) if tops is not None
                                        else None)
@@ -399,6 +414,10 @@ class DecodeWorker(BaseWorker):
         r.first = (body.token_id, math.nan if body.logprob is None else float(body.logprob))
         if r.phase is DecodePhase.AWAIT_FIRST:
             self._start_fallback(r)
+        elif r.transferred_first is not None and r.transferred_first != body.token_id:
+            self._end(r, StreamEvent.failure(
+                f"token #1 {body.token_id} from the router differs from the transferred "
+                f"{r.transferred_first} this request continued from"))
         return r.events
 
     def close_stream(self, rid: str) -> None:

@@ -251,7 +251,7 @@ def _prefill_routes(app: FastAPI, state: FakeState, clients: list[httpx.AsyncCli
 
     async def _prefill(b: PrefillRequest, rec: dict[str, Any],
                        queued: list[int]) -> PrefillResponse:
-        sp = b.sampling.to_params()
+        sp = b.sampling
         ids = list(b.prompt_token_ids)
         seq = next(rid_counter)
         cm = state.cm
@@ -278,10 +278,12 @@ def _prefill_routes(app: FastAPI, state: FakeState, clients: list[httpx.AsyncCli
         r.raise_for_status()
         events = (cache_events(state, b.events_after, ANSWER_EVENTS_LIMIT)
                   if state.answer_events and b.events_after is not None else None)
+        o = IncrementalDetokenizer(TOKENIZER, sp, eos_token_id=TOKENIZER.eos_token_id).step(tok)
         return PrefillResponse(request_id=b.request_id, token_id=tok, logprob=lp.logprob,
                                top_logprobs=lp.top_logprobs, num_cached_tokens=rec["_cached"],
-                               cached_source="local", text=TOKENIZER.decode([tok]),
-                               position=len(ids), seed=sp.seed or 0, cache_events=events)
+                               cached_source="local", text=o.new_text,
+                               finish_reason=o.finish_reason, position=len(ids),
+                               seed=sp.seed or 0, cache_events=events)
 
 
 def _decode_routes(app: FastAPI, state: FakeState) -> None:
@@ -295,7 +297,7 @@ def _decode_routes(app: FastAPI, state: FakeState) -> None:
                                 status_code=503)
         ticket = uuid.uuid4().hex
         state.reservations[b.request_id] = {
-            "prompt": list(b.prompt_token_ids), "sampling": b.sampling.to_params(),
+            "prompt": list(b.prompt_token_ids), "sampling": b.sampling,
             "ticket": ticket, "ready": asyncio.Event(), "first": None, "aborted": False,
             "abort_ev": asyncio.Event()}
         return ReserveResponse(request_id=b.request_id, ticket=ticket, bootstrap_addr=state.url)
@@ -386,9 +388,14 @@ async def open_stream(state: FakeState, b: StreamRequest) -> AsyncIterator[str]:
                 o = detok.step(t)
                 sent += 1
                 cut = state.cut_stream is not None and sent == state.cut_stream[0]
+                text, fin = o.new_text, o.finish_reason
+                if cut:
+                    fin = state.cut_stream[1]
+                    if fin in ("stop", "length"):  # a detokenizer's finish releases its text
+                        text += detok.finish(fin).new_text
                 q.put_nowait(StreamEvent(
-                    token_ids=[t], text=o.new_text, logprobs=[toy_logprobs(t, sp.logprobs)],
-                    finish_reason=state.cut_stream[1] if cut else o.finish_reason))
+                    token_ids=[t], text=text, logprobs=[toy_logprobs(t, sp.logprobs)],
+                    texts=[text] if sp.logprobs is not None else None, finish_reason=fin))
                 if cut:
                     if state.cut_stream[1] is None:
                         q.put_nowait(END_BODY)  # the body ends with [DONE], no finish event

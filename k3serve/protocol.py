@@ -67,12 +67,13 @@ only): the router, the workers and kvstore import it without the model.
    rounded down to a block) is indexed so the conversation's next turn hits on this worker (not
    when the request found the rolling snapshot cap, ``EngineConfig.rolling_snapshot_fraction``
    of the snapshot budget); every index change becomes a cache event.
-10. **router/stream.py** ``stream_choice`` turns token #1 then D's events into text
-    (incremental detokenizer with stop strings); router/render.py renders OpenAI chunks / the
-    full response; ``usage.prompt_tokens_details.cached_tokens`` is P's ``num_cached_tokens``.
-    When D's stream ends before the router's detokenizer finished, its held-back text is
-    released and the choice ends with D's reason, else ``length`` at D's model length, else
-    ``abort``.
+10. **router/stream.py** ``stream_choice`` relays token #1 (P's answer: its text and
+    whether it finished the request) then D's events; the workers' engines detokenize and
+    decide the stops (stop strings, stop tokens, ``max_tokens``: the incremental detokenizer,
+    k3serve/tokenizer/detok.py), the router decodes nothing. router/render.py renders OpenAI
+    chunks / the full response; ``usage.prompt_tokens_details.cached_tokens`` is P's
+    ``num_cached_tokens``. When D's stream ends without a finish, the choice ends with
+    ``length`` at D's model length, else ``abort``.
 11. **Failures.** Before token #1 (a worker unreachable or killed mid-call, an error answer
     such as 502 ``transfer_pairing_failed``) nothing reached the client: both reservations are
     aborted and the choice is placed again, on other workers where there are (router/pipeline.py,
@@ -80,8 +81,8 @@ only): the router, the workers and kvstore import it without the model.
     dropped, an error event) the request migrates (router/migrate.py): another decode worker
     gets ``POST /internal/resume`` [``ResumeRequest``: prompt + every token the client has,
     the seed] and recomputes prompt + outputs as in step 8's fallback, sampling on at position
-    ``L + len(outputs)``; its stream continues the same detokenizer, so the text goes on with no
-    gap and no repeat. Every transfer has deadlines on both sides (the ticket's
+    ``L + len(outputs)``; its detokenizer, fed the same outputs, has released the same text,
+    so its stream's text goes on with no gap and no repeat. Every transfer has deadlines on both sides (the ticket's
     ``pair_timeout_s`` / ``receiver_timeout_s``, the sender's ``sender_timeout_s``; counted in
     ``k3serve:kv_transfer_expiries_total``); a failed ticket's reservation is released once its
     sender quiesced, its announced quiesce time passed, or its TE port refuses connections (the
@@ -195,6 +196,8 @@ class CompletionOutput:
         top_logprobs: per generated token, alternatives (``None`` if not asked for).
         finish_reason: ``"stop"``, ``"length"``, ``"abort"``, or ``None`` while running.
         stop_reason: the matched stop string or stop token id, else ``None``.
+        text_ends: per generated token, ``len(text)`` right after it (the text each token
+            released; ``None`` if logprobs were not asked for).
     """
 
     index: int
@@ -204,6 +207,7 @@ class CompletionOutput:
     top_logprobs: list[Any] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    text_ends: list[int] | None = None
 
 
 @dataclass

@@ -1,8 +1,13 @@
-"""Sampling parameters of one request (vLLM-compatible names), validated at construction.
+"""Sampling parameters of one request (vLLM-compatible names): the one definition of every
+sampling field's name, type, range and default.
 
-Pure Python, **no torch**: the router builds and validates these from OpenAI requests and
-sends them to workers with :meth:`SamplingParams.to_dict` / :meth:`SamplingParams.from_dict`
-(JSON-safe). The tensor code that applies them lives in ``k3serve.engine.sampler``.
+Pure Python, **no torch**. :class:`SamplingParams` is a frozen pydantic model and is itself
+the ``sampling`` field of the internal messages (:mod:`k3serve.messages`), so a worker gets
+validated params straight from the request body. The router's OpenAI request schemas
+(``router/schemas.py``) declare their sampling fields with the field types below
+(:data:`Temperature`, :data:`TopP`, …), narrowed where OpenAI's API is narrower, and
+``router/preprocess.py`` builds one :class:`SamplingParams` per choice from them. The tensor
+code that applies the params lives in ``k3serve.engine.sampler``.
 
 Randomness (DESIGN.md §1): the noise that picks a token is a pure function of
 ``(seed, choice index, position)``, so a request samples the same tokens in any batch, on any
@@ -12,11 +17,19 @@ engine at admission (:func:`draw_seed`); from then on the same rule applies.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import secrets
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+)
 
 #: Temperatures below this are treated as greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by
 #: a smaller number only risks overflow without changing the argmax.
@@ -38,11 +51,69 @@ def draw_seed() -> int:
     return secrets.randbits(63)
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+def _top_k(v: int) -> int:
+    if not (v == -1 or v >= 1):
+        raise ValueError("must be -1 (disabled) or an int >= 1")
+    return v
+
+
+def non_empty_stops(stops: tuple[str, ...]) -> tuple[str, ...]:
+    """The rule of ``stop``: every stop string is non-empty (an empty one would match
+    everywhere).
+
+    Raises:
+        ValueError: an empty stop string.
+    """
+    if any(s == "" for s in stops):
+        raise ValueError("stop sequences must be non-empty")
+    return stops
+
+
+def _as_tuple(v: Any) -> Any:
+    """A list (JSON array) becomes a tuple; a single string becomes a one-element tuple."""
+    if isinstance(v, str):
+        return (v,)
+    return tuple(v) if isinstance(v, list) else v
+
+
+# ---------------------------------------------------------------- field types
+# Each sampling field's type and range, defined once; SamplingParams and the router's OpenAI
+# schemas annotate their fields with these (tests/test_sampling_fields.py checks that).
+Number = Annotated[float, Field(allow_inf_nan=False)]
+N = Annotated[StrictInt, Field(ge=1)]
+MaxTokens = Annotated[StrictInt, Field(ge=1)]
+Temperature = Annotated[Number, Field(ge=0.0)]
+TopP = Annotated[Number, Field(gt=0.0, le=1.0)]
+TopK = Annotated[StrictInt, AfterValidator(_top_k)]
+MinP = Annotated[Number, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[Number, Field(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[Number, Field(gt=0.0, le=2.0)]
+Seed = StrictInt
+Stop = Annotated[tuple[str, ...], BeforeValidator(_as_tuple), AfterValidator(non_empty_stops)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
+Logprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
+Grammar = Annotated[str, Field(min_length=1)]
+
+
+class NamedErrors(type(BaseModel)):  # type: ignore[misc]
+    """Metaclass of :class:`SamplingParams`: a direct call ``SamplingParams(...)`` raises
+    ``ValueError("SamplingParams.<field>: ...")`` instead of pydantic's ``ValidationError``.
+    Validation inside a message does not go through ``__call__``, so there pydantic's error
+    names ``sampling.<field>`` with the message's other fields."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except ValidationError as e:
+            raise named_error(e) from None
+
+
+class SamplingParams(BaseModel, metaclass=NamedErrors):
     """How to pick each generated token of one request, and when to stop.
 
-    Names and defaults follow vLLM's ``SamplingParams`` (and so the OpenAI API).
+    Names and defaults follow vLLM's ``SamplingParams`` (and so the OpenAI API). Frozen;
+    unknown fields are ignored when it is read from a message (a newer peer may send more),
+    refused by :meth:`from_dict`.
 
     Attributes:
         n: Number of independent completions (choices) of the prompt; >= 1.
@@ -84,81 +155,29 @@ class SamplingParams:
             it, torch-free); the grammar engine parses it when the request is admitted.
 
     Raises:
-        ValueError: From ``__post_init__`` when a field has the wrong type or is out of range;
-            the message starts with ``SamplingParams.<field>:``.
+        ValueError: From the constructor when a field has the wrong type or is out of range;
+            the message starts with ``SamplingParams.<field>:`` (:class:`NamedErrors`).
     """
 
-    n: int = 1
-    max_tokens: int | None = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    grammar: str | None = None
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 
-    # ------------------------------------------------------------------ validation
-    def __post_init__(self) -> None:
-        def fail(fld: str, msg: str) -> None:
-            raise ValueError(f"SamplingParams.{fld}: {msg}, got {getattr(self, fld)!r}")
-
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def as_float(fld: str) -> float:
-            v = getattr(self, fld)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                fail(fld, "must be a finite number")
-            object.__setattr__(self, fld, float(v))
-            return float(v)
-
-        if not is_int(self.n) or self.n < 1:
-            fail("n", "must be an int >= 1")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            fail("max_tokens", "must be an int >= 1 or None")
-        if as_float("temperature") < 0:
-            fail("temperature", "must be >= 0")
-        if not 0 < as_float("top_p") <= 1:
-            fail("top_p", "must lie in (0, 1]")
-        if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
-            fail("top_k", "must be -1 (disabled) or an int >= 1")
-        if not 0 <= as_float("min_p") <= 1:
-            fail("min_p", "must lie in [0, 1]")
-        for fld in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= as_float(fld) <= 2:
-                fail(fld, "must lie in [-2, 2]")
-        if not 0 < as_float("repetition_penalty") <= 2:
-            fail("repetition_penalty", "must lie in (0, 2]")
-        if self.seed is not None and not is_int(self.seed):
-            fail("seed", "must be an int or None")
-
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            fail("stop", "must be a string or a list of non-empty strings")
-        object.__setattr__(self, "stop", tuple(stop))
-        ids = self.stop_token_ids
-        if not isinstance(ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in ids):
-            fail("stop_token_ids", "must be a list of ints >= 0")
-        object.__setattr__(self, "stop_token_ids", tuple(ids))
-
-        for fld in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            if not isinstance(getattr(self, fld), bool):
-                fail(fld, "must be a bool")
-        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
-            fail("grammar", "must be a non-empty string or None")
-        if self.logprobs is not None and (
-            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            fail("logprobs", f"must be an int in [0, {MAX_LOGPROBS}] or None")
+    n: N = 1
+    max_tokens: MaxTokens | None = 16
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: MinP = 0.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    seed: Seed | None = None
+    stop: Stop = ()
+    stop_token_ids: Annotated[tuple[TokenId, ...], BeforeValidator(_as_tuple)] = ()
+    ignore_eos: StrictBool = False
+    logprobs: Logprobs | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    grammar: Grammar | None = None
 
     # ------------------------------------------------------------------ derived
     @property
@@ -166,22 +185,29 @@ class SamplingParams:
         """True when tokens are picked by argmax (``temperature < GREEDY_EPS``)."""
         return self.temperature < GREEDY_EPS
 
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A validated copy with ``changes`` applied (as ``dataclasses.replace``).
+
+        Raises:
+            ValueError: a changed field out of range (named), or an unknown field.
+        """
+        unknown = sorted(set(changes) - set(type(self).model_fields))
+        if unknown:
+            raise ValueError(f"SamplingParams: unknown field(s) {unknown}")
+        return SamplingParams(**{**self.__dict__, **changes})
+
     def with_seed(self, seed: int) -> SamplingParams:
         """Returns a copy with ``seed`` set (the engine's admission step for unseeded requests).
 
         Raises:
             ValueError: If ``seed`` is not an int.
         """
-        return dataclasses.replace(self, seed=seed)
+        return self.replace(seed=seed)
 
-    # ------------------------------------------------------------------ wire format
+    # ------------------------------------------------------------------ dict form
     def to_dict(self) -> dict[str, Any]:
         """Returns a JSON-safe dict of every field (tuples become lists)."""
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            out[f.name] = list(v) if isinstance(v, tuple) else v
-        return out
+        return self.model_dump(mode="json")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -196,8 +222,15 @@ class SamplingParams:
         Raises:
             ValueError: On an unknown key (named in the message) or an invalid value.
         """
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
+        unknown = sorted(set(d) - set(cls.model_fields))
         if unknown:
             raise ValueError(f"SamplingParams: unknown field(s) {unknown}")
         return cls(**d)
+
+
+def named_error(e: ValidationError) -> ValueError:
+    """The first error of a :class:`SamplingParams` validation as
+    ``ValueError("SamplingParams.<field>: <what>, got <value>")``."""
+    err = e.errors()[0]
+    field = str(err["loc"][0]) if err["loc"] else "?"
+    return ValueError(f"SamplingParams.{field}: {err['msg']}, got {err.get('input')!r}")

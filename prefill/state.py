@@ -55,6 +55,8 @@ class PrefillState:
     num_cached: int = 0
     first: FirstToken | None = None
     first_at: float = 0.0  # time.monotonic() when token #1 was sampled
+    first_text: str = ""  # the text token #1 released (the engine's detokenizer)
+    first_finish: str | None = None  # set when token #1 finished the request
     events_after: int | None = None  # the router's event cursor (PrefillRequest.events_after)
 
     @property

@@ -38,7 +38,6 @@ from k3serve.messages import (
     PrefillResponse,
     RequestsDebug,
     RequestState,
-    SamplingSpec,
     TransferMetadata,
     WorkerUsage,
     finite,
@@ -213,6 +212,8 @@ class PrefillWorker(BaseWorker):
                 continue
             r.to(PrefillPhase.SAMPLED)
             r.first, r.first_at = h.first_token, time.monotonic()
+            c = out.outputs[0]  # held after token #1: its text and (stop) finish so far
+            r.first_text, r.first_finish = c.text, c.finish_reason
             r.num_cached = h.num_cached_tokens
 
     def tick(self) -> bool:
@@ -250,27 +251,18 @@ class PrefillWorker(BaseWorker):
             s.finish(TransferMetadata(
                 request_id=r.rid, prompt_token_ids=r.ids, token_id=ft.token_id,
                 logprob=logprob, top_logprobs=top,
-                sampling=SamplingSpec.of(r.params.with_seed(ft.seed)), position=ft.position,
+                sampling=r.params.with_seed(ft.seed), position=ft.position,
                 num_cached_tokens=r.num_cached))
         r.to(PrefillPhase.ANSWERED)
         self.resolve(r.fut, PrefillResponse(
             request_id=r.rid, token_id=ft.token_id, logprob=logprob, top_logprobs=top,
             num_cached_tokens=r.num_cached, cached_source=self.cached_source.pop(r.rid, "local"),
-            text=self._text(ft.token_id),
+            text=r.first_text, finish_reason=r.first_finish,
             position=ft.position, seed=ft.seed,
             # the prompt's stored blocks (and the rest since the router's cursor): indexed by
             # the router from the answer, without a pull
             cache_events=None if r.events_after is None
             else self.cache_events(r.events_after, ANSWER_EVENTS_LIMIT)))
-
-    def _text(self, tok: int) -> str:
-        t = self.engine.tokenizer
-        if t is None:
-            return ""
-        try:
-            return t.decode([tok], skip_special_tokens=False)
-        except Exception:  # noqa: BLE001 - text is a courtesy; the router detokenizes
-            return ""
 
     def _maybe_end(self, r: PrefillState) -> None:
         """Give the slot and pages back once no write reads them any more."""

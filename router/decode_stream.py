@@ -104,8 +104,8 @@ class PerRequestStreams:
         """Read D's SSE stream: ``deliver`` a list of ``StreamEvent`` s per network read (it
         returns True to stop reading), then ``end(None)`` at the end, or ``end`` of the
         ``WorkerError`` that ended it (after the events before it were delivered). The events
-        are decoded by :func:`router.sse.decode_event` (the same message, msgspec's decoder:
-        :class:`router.sse.StreamEventWire`)."""
+        are decoded by :func:`router.sse.decode_event` (msgspec's decoder of a struct derived from
+        :class:`~k3serve.messages.StreamEvent`: :class:`router.sse.StreamEventWire`)."""
         try:
             # the wait between two events is bounded by the stream's watcher (``timeout_s``,
             # :meth:`DecodeStreams.relay`), not by aiohttp's read timeout, which re-arms a

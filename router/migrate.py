@@ -7,9 +7,9 @@ client already has (token #1 and the ones streamed since; they count as output t
 ``max_tokens``, the penalties, stop tokens), sampled on with the request's seed at position
 ``L + len(outputs)`` (the sampler's noise is keyed by ``(seed, choice, position)``,
 :mod:`k3serve.engine.sampler`, so seeded sampling continues exactly) — and goes on with that
-worker's stream. The router's own detokenizer (stop strings, held-back text) lives in
-:func:`router.stream.stream_choice` and is not touched, so the client's stream continues with
-no gap and no repeated token::
+worker's stream. That worker's detokenizer, fed the same outputs, has released the same text
+as the failed one (text it holds back stays held), so the text relayed by
+:func:`router.stream.stream_choice` continues with no gap and no repeated token::
 
     stream(D0) ── tokens ──▶ consumer          (tokens += each event the consumer took)
         │ WorkerError

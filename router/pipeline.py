@@ -36,7 +36,6 @@ from k3serve.messages import (
     PrefillRequest,
     ReserveRequest,
     ResumeRequest,
-    SamplingSpec,
 )
 from router import trace
 from router.admission import Admission, decode_capacity
@@ -166,7 +165,7 @@ class Router:
                       self.pool.recent)
 
     # ------------------------------------------------------------------ token #1
-    async def _reserve(self, job: PromptJob, spec: SamplingSpec, cache_salt: str | None,
+    async def _reserve(self, job: PromptJob, spec: SamplingParams, cache_salt: str | None,
                        sub: str, exclude: frozenset[str]
                        ) -> tuple[Placement, Worker, Worker, str, str, ExitStack]:
         """Place the choice and reserve on its decode worker D, waiting (up to
@@ -198,7 +197,7 @@ class Router:
 
         return await first_then_retrying(attempt, busy, retrying)
 
-    async def _first_token(self, job: PromptJob, spec: SamplingSpec, cache_salt: str | None,
+    async def _first_token(self, job: PromptJob, spec: SamplingParams, cache_salt: str | None,
                            sub: str, exclude: frozenset[str]) -> Placed:
         """Reserve on D, then prefill on P: token #1. On failure D's reservation is aborted."""
         p, P, D, ticket, addr, hold = await self._reserve(job, spec, cache_salt, sub, exclude)
@@ -236,7 +235,7 @@ class Router:
         self._pd = self._pd or any(w.role == "prefill" for w in ws)
         return bool(ws) and not self._pd
 
-    async def _first_token_monolithic(self, job: PromptJob, spec: SamplingSpec,
+    async def _first_token_monolithic(self, job: PromptJob, spec: SamplingParams,
                                       cache_salt: str | None, sub: str,
                                       exclude: frozenset[str]) -> Placed:
         """Place the choice on one worker W (cache-aware over the workers' prefixes and queued
@@ -281,9 +280,8 @@ class Router:
         for up to ``RouterConfig.busy_wait_s``. Cancelling the task aborts the request on
         both workers.
 
-        The router's detokenizer decides stops and ``max_tokens``; when D's stream ends
-        before it did, the held-back text (a partial character, the possible start of a stop
-        string) is released by ``IncrementalDetokenizer.finish`` and the choice ends with:
+        The workers detokenize and decide stops and ``max_tokens`` (token #1's in P's answer);
+        the choice ends with:
 
         * D's ``finish_reason`` when D sent one: ``"length"`` (D's own model length, below
           what the router allowed: only with ``--max-model-len`` above a worker's),
@@ -293,8 +291,7 @@ class Router:
           cannot go on), else ``"abort"``; D is told to abort.
 
         A broken connection, a non-2xx status or an error event is a worker failure
-        (``WorkerError``: 503, or an error event mid-stream); the released text is delivered
-        before it.
+        (``WorkerError``: 503, or an error event mid-stream).
 
         Returns:
             The prefill worker that ran it.
@@ -303,7 +300,6 @@ class Router:
             NoWorkerAvailable: no healthy worker.
             WorkerError: a worker failed.
         """
-        spec = SamplingSpec.of(sampling)
         tried: set[str] = set()
 
         def exclude_failed(state: RetryCallState) -> None:
@@ -327,7 +323,7 @@ class Router:
             sub = f"{rid}-{index}" + (f"-r{n - 1}" if n > 1 else "")
             first_token = (self._first_token_monolithic if self.monolithic
                            else self._first_token)
-            return await first_token(job, spec, cache_salt, sub, frozenset(tried))
+            return await first_token(job, sampling, cache_salt, sub, frozenset(tried))
 
         try:
             placed = await first_then_retrying(
@@ -345,16 +341,17 @@ class Router:
                 job.prefill, job.decode = placed.prefill, placed.decode
             async def resume(failed: Worker, tokens: list[int], lps: list[float | None],
                              k: int) -> tuple[Worker, str]:
-                return await self._resume(placed, job, spec, cache_salt, failed, tokens, lps, k)
+                return await self._resume(placed, job, sampling, cache_salt, failed, tokens,
+                                          lps, k)
 
             await stream_choice(placed, len(job.token_ids), index, sampling, out,
-                                self.pool.streams, self.metrics, self.tokenizer, self._abort,
+                                self.pool.streams, self.metrics, self._abort,
                                 ttft_since=arrival if choice == 0 and job.prompt_index == 0
                                 else None, resume=resume)
         return placed.prefill
 
     # ------------------------------------------------------------------ migration
-    async def _resume(self, c: Placed, job: PromptJob, spec: SamplingSpec,
+    async def _resume(self, c: Placed, job: PromptJob, spec: SamplingParams,
                       cache_salt: str | None, failed: Worker, tokens: list[int],
                       logprobs: list[float | None], k: int) -> tuple[Worker, str]:
         """Request migration (:mod:`router.migrate`): continue choice ``c`` on another decode
@@ -375,7 +372,7 @@ class Router:
         sub = f"{c.sub}-m{k}"
         body = ResumeRequest(request_id=sub, prompt_token_ids=job.token_ids,
                              output_token_ids=tokens, output_logprobs=logprobs,
-                             sampling=spec.model_copy(update={"seed": c.first.seed}),
+                             sampling=spec.with_seed(c.first.seed),
                              cache_salt=cache_salt)
         need = len(job.token_ids) + job.max_new
         deadline = time.monotonic() + self.config.busy_wait_s

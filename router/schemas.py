@@ -9,6 +9,12 @@ or tools with ``response_format`` JSON, ``stream_options`` without ``stream``). 
 servers do, so newer clients keep working. ``cache_salt`` is an extra field: requests with
 different salts never share cached prefixes (DESIGN.md §3, tenant isolation).
 
+The sampling fields take their types and ranges from :mod:`k3serve.sampling` (the one
+definition, shared with the internal messages and the engine), narrowed where OpenAI's API is
+narrower (``temperature <= 2``, ``n <= 16``, completions' ``logprobs <= 5``);
+:data:`SAMPLING_FIELDS` maps the OpenAI names to :class:`~k3serve.sampling.SamplingParams`'
+and ``router/preprocess.py`` builds the params of each choice.
+
 Units: token counts in tokens, ``created`` in Unix seconds.
 """
 
@@ -17,12 +23,31 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+
+from k3serve.sampling import (
+    Logprobs,
+    MaxTokens,
+    N,
+    Penalty,
+    Seed,
+    Temperature,
+    TopP,
+    non_empty_stops,
+)
 
 MAX_N = 16
 MAX_STOP = 16
 MAX_COMPLETION_LOGPROBS = 5
-MAX_CHAT_TOP_LOGPROBS = 20
+
+#: The sampling fields of the OpenAI requests: OpenAI name → ``SamplingParams`` field. Each is
+#: annotated with that field's type from :mod:`k3serve.sampling` (narrowed, never widened).
+SAMPLING_FIELDS = {
+    "n": "n", "max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
+    "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+    "ignore_eos": "ignore_eos", "logprobs": "logprobs", "top_logprobs": "logprobs",
+}
 
 #: A token id in a prompt (the published schema says ``>= 0``; the validator names the field).
 TokenId = Annotated[int, Field(json_schema_extra={"minimum": 0})]
@@ -61,14 +86,14 @@ class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str = Field(min_length=1)
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    seed: int | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Annotated[Temperature, Field(le=2.0)] = 1.0
+    top_p: TopP = 1.0
+    seed: Seed | None = None
     stop: str | list[str] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    n: Annotated[N, Field(le=MAX_N)] = 1
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = Field(  # not supported: only {} or null
@@ -77,7 +102,7 @@ class _SamplingFields(_Request):
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     # vLLM's extension: generate past EOS (and the model's other end-of-text ids) up to
     # max_tokens; explicit stop strings still apply. Benchmarks send it for exact lengths.
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
 
     @field_validator("stop")
     @classmethod
@@ -87,9 +112,7 @@ class _SamplingFields(_Request):
         stops = [v] if isinstance(v, str) else v
         if len(stops) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP} stop sequences")
-        if any(s == "" for s in stops):
-            raise ValueError("stop sequences must be non-empty")
-        return stops
+        return list(non_empty_stops(tuple(stops)))
 
     @field_validator("logit_bias")
     @classmethod
@@ -121,8 +144,8 @@ class CompletionRequest(_SamplingFields):
               | Annotated[list[str], Field(min_length=1)]
               | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
                           Field(min_length=1)])
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    max_tokens: MaxTokens | None = 16
+    logprobs: Annotated[Logprobs, Field(le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: bool = Field(default=False, json_schema_extra={"enum": [False]})  # not supported
     suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0})
     best_of: Annotated[int, Field(ge=1)] | None = None
@@ -308,9 +331,9 @@ class ChatCompletionRequest(_SamplingFields):
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = None
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False  # OpenAI's switch; the number is top_logprobs
+    top_logprobs: Logprobs | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

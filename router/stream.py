@@ -2,8 +2,9 @@
 
 Steps 6 and 10 of the request lifecycle, router side (:mod:`k3serve.protocol`): token #1 is
 counted and sent at once (TTFT), then D's decode stream (:mod:`router.decode_stream`) yields
-:class:`~k3serve.messages.StreamEvent` s that the engine's incremental detokenizer turns into
-text (stop strings, stop tokens and ``max_tokens`` decided here exactly as offline).
+:class:`~k3serve.messages.StreamEvent` s. The workers' engines detokenize and decide the stops
+(stop strings, stop tokens, ``max_tokens``: exactly as offline, by the same detokenizer); the
+router relays their text and finish and decodes nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from router.decode_stream import DecodeStreams
 from router.metrics import RouterMetrics
 from router.migrate import DecodeEvents, Resume, ServedBy
 from router.placement import Placement
-from router.workers import Worker, WorkerError
+from router.workers import Worker
 
 if TYPE_CHECKING:
     from k3serve.messages import TokenLogprob as WireLogprob
@@ -86,63 +87,39 @@ class Delta:
         self.finish_reason = d.finish_reason
 
 
-def relay_batch(index: int, batch: list[StreamEvent], detok, logprobs: bool = True) -> Delta:
-    """The events D sent together (one network read, :meth:`router.decode_stream.DecodeStreams.relay`) through
-    the choice's detokenizer, as one :class:`Delta`: tokens up to the one that finishes the
-    choice; when D ended the stream first (a ``finish_reason`` the detokenizer did not reach),
-    the held-back text is released and D's reason kept.
+def relay_batch(index: int, batch: list[StreamEvent], logprobs: bool = True) -> Delta:
+    """The events D sent together (one network read,
+    :meth:`router.decode_stream.DecodeStreams.relay`) as one :class:`Delta`: their tokens and
+    the text D released for them (D detokenizes and decides the stops; nothing is decoded
+    here), up to the event that carries D's finish (tokens after it are not D's news).
 
-    ``logprobs`` False (the request asked for none): ``Delta.logprobs`` stays empty (no
-    :class:`TokenLogprob` per token; nothing renders them), and the batch's tokens go through
-    the detokenizer at once (:meth:`~k3serve.tokenizer.detok.IncrementalDetokenizer.update`:
-    the same text, tokens and finish; ``Delta.texts`` is ``None``, the per-token split of
-    the text being needed only for logprobs' ``text_offset``).
+    ``logprobs`` False (the request asked for none): ``Delta.logprobs`` stays empty and
+    ``Delta.texts`` is ``None``; else one :class:`TokenLogprob` per token, and the text each
+    token released (``StreamEvent.texts``, for completions' ``text_offset``) when D sent it.
     """
-    if not logprobs:
-        return _relay_plain(index, batch, detok)
-    d = Delta(index, texts=[])
-    texts, ids, lps = d.texts, d.token_ids, d.logprobs
-    step = detok.step
-    for ev in batch:
-        wire = ev.logprobs if logprobs else ()
-        for k, tok in enumerate(ev.token_ids):
-            o = step(tok)
-            ids.append(tok)
-            if logprobs:
-                lps.append(TokenLogprob.of(tok, wire[k] if k < len(wire) else None))
-            texts.append(o.new_text)
-            if o.finished:
-                break
-        if detok.finished:
-            break
-        if ev.finish_reason:  # D ended it first
-            rest = detok.finish(ev.finish_reason).new_text
-            if texts:
-                texts[-1] += rest
-            elif rest:
-                d.texts = None
-            d.text = rest
-            break
-    d.text = "".join(texts) if d.texts is not None else d.text
-    d.finish_reason = detok.finish_reason
-    return d
-
-
-def _relay_plain(index: int, batch: list[StreamEvent], detok) -> Delta:
-    """:func:`relay_batch` without logprobs: the tokens up to D's first finish, fed at once."""
-    ids: list[int] = []
-    reason = None
+    d = Delta(index)
+    ids = d.token_ids
+    texts: list[str] | None = [] if logprobs else None
+    parts = []
     for ev in batch:
         ids += ev.token_ids
+        parts.append(ev.text)
+        if logprobs:
+            wire = ev.logprobs
+            d.logprobs += [TokenLogprob.of(tok, wire[k] if k < len(wire) else None)
+                           for k, tok in enumerate(ev.token_ids)]
+            if texts is not None:
+                if ev.texts is not None and len(ev.texts) == len(ev.token_ids):
+                    texts += ev.texts
+                elif not ev.token_ids and texts:  # text without a token: the last one's
+                    texts[-1] += ev.text
+                elif ev.token_ids or ev.text:
+                    texts = None  # D sent none: the text goes to the last token
         if ev.finish_reason:
-            reason = ev.finish_reason
+            d.finish_reason = ev.finish_reason
             break
-    n0 = detok.num_tokens
-    text = detok.update(ids).new_text if ids else ""
-    d = Delta(index, text, ids[:detok.num_tokens - n0])
-    if reason and not detok.finished:  # D ended it first
-        d.text += detok.finish(reason).new_text
-    d.finish_reason = detok.finish_reason
+    d.text = parts[0] if len(parts) == 1 else "".join(parts)
+    d.texts = texts
     return d
 
 
@@ -161,48 +138,48 @@ class Placed:
 
 async def stream_choice(c: Placed, prompt_len: int, index: int, sampling: SamplingParams,
                         out: asyncio.Queue, streams: DecodeStreams, metrics: RouterMetrics,
-                        tokenizer, abort: Callable[[Worker, str], None],
+                        abort: Callable[[Worker, str], None],
                         ttft_since: float | None = None, resume: Resume | None = None) -> None:
     """Put token #1 and then D's tokens #2.. into ``out`` as :class:`Delta` s.
+
+    Token #1, its text and whether it finished the request come from the answer of the
+    worker that computed the prompt (``c.first``); tokens #2.. and their text from D's
+    stream. The workers detokenize and decide the stops; this relays what they sent.
 
     Args:
         c: The placed choice.
         prompt_len: Prompt length L, tokens.
         index: The choice's index in the response.
-        sampling: Its sampling parameters (stops, ``max_tokens``).
+        sampling: Its sampling parameters (``logprobs``: whether logprobs are relayed).
         out: Where the deltas go.
-        streams / metrics / tokenizer: the router's.
+        streams / metrics: the router's.
         abort: Aborts a request on a worker in the background.
         ttft_since: Arrival time (monotonic s) when this is the request's first token.
         resume: Moves the request to another decode worker when D fails mid-stream (request
             migration, :mod:`router.migrate`); ``None``: D's failure ends the choice.
 
-    Ends (see :meth:`router.pipeline.Router.run_choice` for the finish reasons) when the
-    detokenizer or D finished, or the stream ended without a finish (``length`` at D's model
-    length, else ``abort``).
+    Ends (see :meth:`router.pipeline.Router.run_choice` for the finish reasons) when token #1
+    or D finished the request, or the stream ended without a finish (``length`` at D's model
+    length, else ``abort``; text D still held back is not known here).
 
     Raises:
-        WorkerError: D failed and the request could not migrate (the held-back text is
-            delivered first).
+        WorkerError: D failed and the request could not migrate.
     """
-    from k3serve.tokenizer.detok import IncrementalDetokenizer
-
     P, D, first, sub = c.prefill, c.decode, c.first, c.sub
     metrics.observe_prefill(P.name, prompt_len, {first.cached_source: first.num_cached_tokens},
                             c.placement.predicted_cached_tokens)
     if ttft_since is not None:
         metrics.ttft.labels(P.name).observe(time.monotonic() - ttft_since)
-    detok = IncrementalDetokenizer(tokenizer, sampling, eos_token_id=tokenizer.eos_token_id)
-    o = detok.step(first.token_id)
-    await out.put(Delta(index, o.new_text, [first.token_id],
-                        [TokenLogprob.of(first.token_id, first)], o.finish_reason,
-                        [o.new_text]))
-    if o.finished:
+    await out.put(Delta(index, first.text, [first.token_id],
+                        [TokenLogprob.of(first.token_id, first)], first.finish_reason,
+                        [first.text]))
+    if first.finish_reason:
         abort(D, sub)
         return
 
     last = time.monotonic()
     n_out = 1
+    finished = False
     want_lps = sampling.logprobs is not None
     served = ServedBy(metrics, D)  # running / itl of the worker serving it now (migration)
     src = DecodeEvents(streams, D, sub, (first.token_id, finite(first.logprob)), resume, served)
@@ -210,8 +187,8 @@ async def stream_choice(c: Placed, prompt_len: int, index: int, sampling: Sampli
     def handle(batch: list[StreamEvent]) -> bool:
         """One batch of D's events, in the task that read it: relayed into ``out``; True
         once the choice finished."""
-        nonlocal last, n_out
-        d = relay_batch(index, batch, detok, want_lps)
+        nonlocal last, n_out, finished
+        d = relay_batch(index, batch, want_lps)
         t = time.monotonic()
         n = len(d.token_ids)
         if n:
@@ -220,28 +197,20 @@ async def stream_choice(c: Placed, prompt_len: int, index: int, sampling: Sampli
         n_out += n
         if d.token_ids or d.text or d.finish_reason:
             out.put_nowait(d)  # unbounded: as ``await out.put``
-        if d.finish_reason:
-            if not batch[-1].finish_reason:  # the router saw the stop first
-                abort(src.worker, src.sub)
-            return True
-        return False
+        finished = d.finish_reason is not None
+        return finished
 
     with contextlib.closing(served):
         try:
             await src.run(handle)
-            if not detok.finished:  # the stream ended without a finish_reason
+            if not finished:  # the stream ended without a finish_reason
                 cap = src.worker.info.max_model_len
                 reason = "length" if cap and prompt_len + n_out >= cap else "abort"
                 log.warning("request %s: the decode stream of %s ended without a finish "
                             "after %d tokens; finishing with %r", src.sub, src.worker.name,
                             n_out, reason)
                 abort(src.worker, src.sub)
-                await out.put(Delta(index, detok.finish(reason).new_text,
-                                    finish_reason=reason))
-        except BaseException as e:
+                await out.put(Delta(index, finish_reason=reason))
+        except BaseException:
             abort(src.worker, src.sub)
-            if isinstance(e, WorkerError) and not detok.finished:
-                rest = detok.finish("abort").new_text  # deliver the held-back text first
-                if rest:
-                    await out.put(Delta(index, rest))
             raise

@@ -34,7 +34,6 @@ finished).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import os
@@ -75,10 +74,10 @@ def resumable_decode(token: str, token_delay_s: float):
         import asyncio
         import uuid
 
-        sp = b.sampling.to_params()
+        sp = b.sampling
         left = sp.max_tokens - len(b.output_token_ids) + 1
         r = {"prompt": list(b.prompt_token_ids) + list(b.output_token_ids[:-1]),
-             "sampling": dataclasses.replace(sp, max_tokens=max(1, left)),
+             "sampling": sp.replace(max_tokens=max(1, left)),
              "ticket": uuid.uuid4().hex, "ready": asyncio.Event(),
              "first": b.output_token_ids[-1], "aborted": False, "abort_ev": asyncio.Event()}
         r["ready"].set()

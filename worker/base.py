@@ -18,7 +18,6 @@ from k3serve.messages import (
     Capacity,
     ErrorBody,
     RequestsDebug,
-    SamplingSpec,
     SpecCounters,
     WorkerInfo,
     WorkerLoad,
@@ -47,16 +46,19 @@ class Failure(Exception):
         return ErrorBody(error=self.code, message=self.message)
 
 
-def sampling_params(spec: SamplingSpec) -> SamplingParams:
-    """The validated params of an internal request's ``sampling``.
+def sampling_params(params: SamplingParams) -> SamplingParams:
+    """``params`` of an internal request, which carries one choice (its ranges were checked
+    when the body was read: a bad value is a 400 ``invalid_sampling`` naming the field).
 
     Raises:
-        Failure: 400 ``invalid_sampling`` naming the field (``n != 1`` included).
+        Failure: 400 ``invalid_sampling`` when ``n != 1`` (the router splits ``n > 1`` into
+            sub-requests with derived seeds before any internal call).
     """
-    try:
-        return spec.to_params()
-    except ValueError as e:
-        raise Failure(400, "invalid_sampling", str(e)) from None
+    if params.n != 1:
+        raise Failure(400, "invalid_sampling",
+                      f"sampling.n: must be 1 (the router splits n > 1 into sub-requests), "
+                      f"got {params.n}")
+    return params
 
 
 class BaseWorker(abc.ABC):

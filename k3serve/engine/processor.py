@@ -163,6 +163,7 @@ def request_output(req: Request, record_logits: bool) -> RequestOutput:
                 [list(x) for x in s.top_logprobs] if req.params.logprobs is not None else None,
                 reason,
                 s.detok.stop_reason,
+                list(s.detok.text_ends) if req.params.logprobs is not None else None,
             )
         )
     held = req.seqs[0].status is SeqStatus.HELD

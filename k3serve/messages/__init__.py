@@ -35,8 +35,9 @@ Hop by hop (``→`` request body, ``←`` answer)::
 One module per link: :mod:`~k3serve.messages.router_decode`,
 :mod:`~k3serve.messages.router_prefill`, :mod:`~k3serve.messages.control` (router ↔ both
 roles, worker → router), :mod:`~k3serve.messages.kv` (kvstore ↔ kvstore), on
-:mod:`~k3serve.messages.base` (the base model, field types, helpers, error body, sampling);
-``from k3serve.messages import X`` names any of them.
+:mod:`~k3serve.messages.base` (the base model, field types, helpers, error body);
+``from k3serve.messages import X`` names any of them. The ``sampling`` field of the requests
+is :class:`k3serve.sampling.SamplingParams` itself, the one definition of the sampling fields.
 
 Conventions: token ids are ints ≥ 0; logprobs are floats in nats, and a logprob that is not
 finite (−inf for a masked token, NaN) travels as ``null`` (:func:`finite` is the one

@@ -1,6 +1,6 @@
 """The base of every internal message, its field types, and the wire helpers
-(:func:`finite`, :func:`top_pairs`, :func:`same_secret`); the error body and the sampling
-fields every hop that starts a request carries."""
+(:func:`finite`, :func:`top_pairs`, :func:`same_secret`) and the error body. The ``sampling``
+field of the messages that start a request is :class:`k3serve.sampling.SamplingParams` itself."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import secrets
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
-
-from k3serve.sampling import SamplingParams
+from pydantic import BaseModel, ConfigDict, StrictInt
 
 # ============================================================================ helpers
 
@@ -86,54 +84,5 @@ class ErrorBody(Message):
     message: str = ""
 
 
-# ============================================================================ sampling
-
-
-class SamplingSpec(Message):
-    """:class:`~k3serve.sampling.SamplingParams` on the wire (same names and defaults).
-
-    Only the types are checked here; the ranges are checked by :meth:`to_params`, which
-    raises ``ValueError("SamplingParams.<field>: ...")``.
-    """
-
-    n: StrictInt = 1
-    max_tokens: StrictInt | None = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: StrictInt = -1
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: StrictInt | None = None
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[StrictInt] = Field(default_factory=list)
-    ignore_eos: StrictBool = False
-    logprobs: StrictInt | None = None
-    include_stop_str_in_output: StrictBool = False
-    skip_special_tokens: StrictBool = True
-    grammar: str | None = None  # structured output (SamplingParams.grammar)
-
-    @classmethod
-    def of(cls, params: SamplingParams) -> SamplingSpec:
-        """The wire form of ``params``."""
-        return cls.model_validate(params.to_dict())
-
-    def to_params(self, require_single: bool = True) -> SamplingParams:
-        """The validated :class:`SamplingParams`.
-
-        Args:
-            require_single: refuse ``n != 1`` (the router splits ``n > 1`` into sub-requests
-                with derived seeds before any internal call).
-
-        Raises:
-            ValueError: a field out of range (the message names it).
-        """
-        params = SamplingParams.from_dict(self.model_dump())
-        if require_single and params.n != 1:
-            raise ValueError("sampling.n: must be 1 (the router splits n > 1 into sub-requests)")
-        return params
-
-
-__all__ = ["ErrorBody", "FinishReason", "Logprob", "Message", "Role", "SamplingSpec", "TokenId",
+__all__ = ["ErrorBody", "FinishReason", "Logprob", "Message", "Role", "TokenId",
            "TopLogprobs", "finite", "same_secret", "top_pairs"]

@@ -7,7 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictInt
 
-from k3serve.messages.base import Logprob, Message, SamplingSpec, TokenId, TopLogprobs
+from k3serve.messages.base import Logprob, Message, TokenId, TopLogprobs
+from k3serve.sampling import SamplingParams
 
 # ============================================================================ kvstore ↔ kvstore
 
@@ -24,7 +25,7 @@ class TransferMetadata(Message):
     token_id: TokenId
     logprob: Logprob = None
     top_logprobs: TopLogprobs = None
-    sampling: SamplingSpec
+    sampling: SamplingParams
     position: StrictInt
     num_cached_tokens: StrictInt = 0
 

@@ -7,7 +7,8 @@ from typing import Annotated
 
 from pydantic import Field, StrictInt
 
-from k3serve.messages.base import FinishReason, Logprob, Message, SamplingSpec, TokenId, TopLogprobs
+from k3serve.messages.base import FinishReason, Logprob, Message, TokenId, TopLogprobs
+from k3serve.sampling import SamplingParams
 
 # ============================================================================ router ↔ decode
 
@@ -17,7 +18,7 @@ class ReserveRequest(Message):
 
     request_id: str = Field(min_length=1)
     prompt_token_ids: list[TokenId] = Field(min_length=1)
-    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
     n: StrictInt = Field(default=1, ge=1, le=1)
     cache_salt: str | None = None
 
@@ -91,13 +92,20 @@ class TokenLogprob(Message):
 class StreamEvent(Message):
     """One SSE ``data:`` event of a decode stream (one per engine step, from token #2 on).
 
-    ``logprobs`` is aligned with ``token_ids``. The stream ends after the event whose
-    ``finish_reason`` is set (then ``data: [DONE]``). ``error`` set: the request failed on the
-    worker (``finish_reason`` is ``abort``).
+    The decode worker detokenizes and decides every stop (stop strings, stop tokens,
+    ``max_tokens``): ``text`` is the output text these tokens released (text that may still
+    start a stop string is held back until it cannot, a matched stop string is cut), and the
+    router relays it as is. ``texts``: the text each token released (aligned with
+    ``token_ids``, ``"".join(texts) == text``), sent when the request asked for logprobs
+    (completions' ``text_offset``), else ``None``. ``logprobs`` is aligned with
+    ``token_ids``. The stream ends after the event whose ``finish_reason`` is set (then
+    ``data: [DONE]``). ``error`` set: the request failed on the worker (``finish_reason`` is
+    ``abort``).
     """
 
     token_ids: list[TokenId] = Field(default_factory=list)
     text: str = ""
+    texts: list[str] | None = None
     logprobs: list[TokenLogprob] = Field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -120,7 +128,7 @@ class GenerateRequest(Message):
 
     request_id: str = Field(min_length=1)
     prompt_token_ids: list[TokenId] = Field(min_length=1)
-    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
     snapshot_at: list[StrictInt] = Field(default_factory=list)
     cache_salt: str | None = None
 
@@ -143,7 +151,7 @@ class ResumeRequest(Message):
     prompt_token_ids: list[TokenId] = Field(min_length=1)
     output_token_ids: list[TokenId] = Field(min_length=1)
     output_logprobs: list[Logprob] = Field(default_factory=list)
-    sampling: SamplingSpec
+    sampling: SamplingParams
     cache_salt: str | None = None
 
 

@@ -6,8 +6,9 @@ from typing import Literal
 
 from pydantic import Field, StrictInt
 
-from k3serve.messages.base import Logprob, Message, SamplingSpec, TokenId, TopLogprobs
+from k3serve.messages.base import FinishReason, Logprob, Message, TokenId, TopLogprobs
 from k3serve.messages.control import CacheEvents
+from k3serve.sampling import SamplingParams
 
 # ============================================================================ router ↔ prefill
 
@@ -28,7 +29,7 @@ class PrefillRequest(Message):
 
     request_id: str = Field(min_length=1)
     prompt_token_ids: list[TokenId] = Field(min_length=1)
-    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
     ticket: str = Field(min_length=1)
     bootstrap_addr: str = Field(min_length=1)
     snapshot_at: list[StrictInt] = Field(default_factory=list)
@@ -47,7 +48,10 @@ class PrefillResponse(Message):
             prompt_tokens_details.cached_tokens`` reports), a multiple of the block size.
         cached_source: where the reused prefix came from (``local`` pools or the shared
             ``store``).
-        text: token #1 decoded alone (a courtesy; the router detokenizes incrementally).
+        text: the text token #1 released, by the worker's detokenizer (as
+            :attr:`StreamEvent.text`: text that may start a stop string held back).
+        finish_reason: set when token #1 finished the request (a stop token or string,
+            ``max_tokens`` 1): the decode stream then carries nothing more.
         position: the position token #1 takes (= prompt length L).
         seed: the resolved sampling seed.
         cache_events: the worker's cache events after the request's ``events_after``, as
@@ -64,6 +68,7 @@ class PrefillResponse(Message):
     num_cached_tokens: StrictInt = 0
     cached_source: Literal["local", "store"] = "local"
     text: str = ""
+    finish_reason: FinishReason | None = None
     position: StrictInt
     seed: StrictInt
     cache_events: CacheEvents | None = None

@@ -137,6 +137,9 @@ class IncrementalDetokenizer:
         self._text = ""  # decoded, clean text (emitted + held back)
         self._emitted = 0  # len of the text already returned
         self._checked = 0  # len of the text already searched for stop strings
+        #: Per fed token, the length of :attr:`text` right after it (the text each token
+        #: released is ``text[ends[k-1]:ends[k]]``; a finish's flush goes to the last token).
+        self.text_ends: list[int] = []
         self.finish_reason: str | None = None
         #: The matched stop string, the stop token id, or ``None``.
         self.stop_reason: str | int | None = None
@@ -215,7 +218,9 @@ class IncrementalDetokenizer:
         emitted = self._emitted
         if n > emitted:
             self._emitted = n
+            self.text_ends.append(n)
             return DetokOutput(text[emitted:n], reason is not None, reason)
+        self.text_ends.append(emitted)
         return DetokOutput("", reason is not None, reason)
 
     def update(self, token_ids: Iterable[int]) -> DetokOutput:
@@ -287,6 +292,7 @@ class IncrementalDetokenizer:
         text = self._text
         emitted, self._emitted = self._emitted, len(text)
         self._checked = len(text)
+        self.text_ends += [emitted] * (len(run) - 1) + [len(text)]  # to the run's last token
         return text[emitted:]
 
     def finish(self, reason: str = "abort") -> DetokOutput:
@@ -319,6 +325,8 @@ class IncrementalDetokenizer:
         self._checked = len(self._text)
         new_text = self._text[self._emitted :]
         self._emitted = len(self._text)
+        if self.text_ends:
+            self.text_ends[-1] = self._emitted
         return DetokOutput(new_text, True, self.finish_reason)
 
     # ------------------------------------------------------------------ internals

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from k3serve.config import PRESETS
-from k3serve.messages import SamplingSpec, StatusMessage, TransferMetadata
+from k3serve.messages import StatusMessage, TransferMetadata
+from k3serve.sampling import SamplingParams
 from kvstore import (
     BootstrapClient,
     CacheRef,
@@ -70,7 +71,7 @@ def side():
 
 def meta(n: int) -> TransferMetadata:
     return TransferMetadata(request_id="r", prompt_token_ids=list(range(n)), token_id=1,
-                            sampling=SamplingSpec(temperature=0.0, seed=1), position=n)
+                            sampling=SamplingParams(temperature=0.0, seed=1), position=n)
 
 
 def test_hung_peer_does_not_delay_a_healthy_peer(side):

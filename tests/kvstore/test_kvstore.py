@@ -21,11 +21,11 @@ import torch
 from k3serve.config import PRESETS
 from k3serve.messages import (
     PairRequest,
-    SamplingSpec,
     StatusAck,
     StatusMessage,
     TransferMetadata,
 )
+from k3serve.sampling import SamplingParams
 from kvstore import (
     BootstrapClient,
     BootstrapError,
@@ -657,7 +657,7 @@ def meta_for(n: int, token_id: int = 1, **kw) -> TransferMetadata:
         request_id=kw.pop("request_id", "r"),
         prompt_token_ids=kw.pop("prompt_token_ids", list(range(n))),
         token_id=token_id,
-        sampling=SamplingSpec(temperature=0.0, seed=3),
+        sampling=SamplingParams(temperature=0.0, seed=3),
         position=n,
         **kw,
     )
@@ -969,7 +969,7 @@ def test_finish_takes_only_transfer_metadata(pair):
     assert rx.state == KVPoll.SUCCESS and same_meta(rx.result.metadata, want)
     m = rx.result.metadata
     assert type(m) is TransferMetadata and m == want
-    assert m.sampling.to_params().seed == 3
+    assert m.sampling.seed == 3
     rx.close()
 
 

@@ -1,7 +1,8 @@
 """The cheaper token relay (issue 19): coalesced events keep every client-visible figure.
 
 Units: the raw SSE reader (framing), the decode stream's merge of ready events, the relay of
-an event batch through the detokenizer (same text / tokens / finish as token by token), the
+the decode worker's text as the router relays it (same text / tokens / finish as one
+detokenizer fed token by token), the
 direct chunk writer (the same JSON as the pydantic chunk). End to end with the fake workers:
 streams whose decode events are coalesced (a slow writer) or not give the oracle's text, the
 usage and the finish reason, for completions and chat, with stop strings, ``n = 2`` and
@@ -17,7 +18,7 @@ import json
 import httpx
 import pytest
 
-from decode.stream import events, merge, mergeable, take_ready
+from decode.stream import events, merge, mergeable, take_ready, token_texts
 from deploy.fake_workers import TOKENIZER, ServerThread, start_worker, toy_generate
 from k3serve.messages import StreamEvent, TokenLogprob
 from k3serve.protocol import CLUSTER_TOKEN_HEADER
@@ -99,9 +100,33 @@ def _detok(**kw) -> IncrementalDetokenizer:
     return IncrementalDetokenizer(TOKENIZER, sp, eos_token_id=TOKENIZER.eos_token_id)
 
 
+def _decode_worker_events(ids: list[int], kw: dict, step: int) -> list[StreamEvent]:
+    """What a decode worker writes for ``ids`` (decode/worker.py ``_emit``): its engine's
+    detokenizer fed ``step`` tokens per engine step (speculative decoding: several), each
+    step's event with the text released and the per-token texts from the detokenizer's
+    record (:func:`decode.stream.token_texts`), up to the detokenizer's finish."""
+    det, evs, sent, sent_len = _detok(**kw), [], 0, 0
+    for i in range(0, len(ids), step):
+        for t in ids[i:i + step]:
+            if det.step(t).finished:
+                break
+        n = det.num_tokens
+        evs.append(StreamEvent(token_ids=ids[sent:n], text=det.text[sent_len:],
+                               texts=token_texts(det.text, det.text_ends[sent:n], sent_len),
+                               finish_reason=det.finish_reason))
+        sent, sent_len = n, len(det.text)
+        if det.finished:
+            break
+    return evs
+
+
+@pytest.mark.parametrize("step", [1, 3])
 @pytest.mark.parametrize("logprobs", [True, False])
 @pytest.mark.parametrize("kw", [{}, {"stop": ("lo w",)}, {"max_tokens": 7}, {"max_tokens": 9}])
-def test_relay_batch_equals_token_by_token(kw, logprobs):
+def test_relay_of_the_decode_worker_s_text_equals_token_by_token(kw, logprobs, step):
+    """The text, tokens, finish and per-token text (completions' text_offset) the router
+    relays from D's events, merged as D coalesces them, equal one detokenizer fed token by
+    token: the one place that detokenizes is the worker."""
     ids = list("hello world, héllo".encode())
     one = _detok(**kw)
     texts = []
@@ -110,34 +135,43 @@ def test_relay_batch_equals_token_by_token(kw, logprobs):
         texts.append(o.new_text)
         if o.finished:
             break
-    batched = _detok(**kw)
-    evs = [StreamEvent(token_ids=ids[i:i + 3], text="") for i in range(0, len(ids), 3)]
-    d = relay_batch(0, evs[:2], batched, logprobs)
-    d.absorb(relay_batch(0, evs[2:], batched, logprobs) if not batched.finished else Delta(0))
+    evs = _decode_worker_events(ids, kw, step)
+    merged = [evs[0]]
+    for ev in evs[1:]:  # as take_ready coalesces the events that are ready together
+        if mergeable(merged[-1], ev) and len(merged) % 2:
+            merged[-1] = merge(merged[-1], ev)
+        else:
+            merged.append(ev)
+    d = relay_batch(0, merged[:2], logprobs)
+    if merged[2:]:
+        d.absorb(relay_batch(0, merged[2:], logprobs))
     assert d.text == "".join(texts) == one.text
     assert d.token_ids == ids[:len(texts)] and d.finish_reason == one.finish_reason
     if logprobs:  # the text each token completed (completions' text_offset)
         assert d.texts == texts
+    else:
+        assert d.logprobs == []
 
 
 @pytest.mark.parametrize("logprobs", [True, False])
-def test_relay_batch_releases_held_text_when_decode_ends_first(logprobs):
-    det = _detok(stop=("xyz",))
-    d = relay_batch(0, [StreamEvent(token_ids=[97, 120], text=""),
-                        StreamEvent(token_ids=[], finish_reason="abort")], det, logprobs)
+def test_relay_batch_relays_the_text_decode_released(logprobs):
+    """The router decodes nothing: D's text, per-token texts and finish, as sent."""
+    d = relay_batch(0, [StreamEvent(token_ids=[97, 120], text="a", texts=["a", ""]),
+                        StreamEvent(token_ids=[], text="x", finish_reason="abort")], logprobs)
     assert d.text == "ax" and d.finish_reason == "abort" and d.token_ids == [97, 120]
     if logprobs:
-        assert d.texts == ["a", "x"]
+        assert d.texts == ["a", "x"] and len(d.logprobs) == 2  # a tokenless text: the last's
+        d.absorb(Delta(0, "y", [121]))  # a delta without per-token text: its last token's
+        assert d.texts == ["a", "x", "y"]
 
 
 @pytest.mark.parametrize("logprobs", [True, False])
 def test_relay_batch_ignores_tokens_after_decodes_finish(logprobs):
     """Tokens after an event that carries D's finish are not D's news (not relayed)."""
-    det = _detok()
-    d = relay_batch(0, [StreamEvent(token_ids=[97, 0xC3], text="", finish_reason="abort"),
-                        StreamEvent(token_ids=[98], text="")], det, logprobs)
+    d = relay_batch(0, [StreamEvent(token_ids=[97, 0xC3], text="a\ufffd", finish_reason="abort"),
+                        StreamEvent(token_ids=[98], text="b")], logprobs)
     assert d.token_ids == [97, 0xC3] and d.finish_reason == "abort"
-    assert d.text == "a\ufffd"  # the cut character released as decoded
+    assert d.text == "a\ufffd"
 
 
 def test_coalesce_merges_one_choice_only():

@@ -299,7 +299,6 @@ def test_migrated_choice_counts_running_and_itl_on_the_worker_that_serves_it():
 
     from k3serve.messages import PrefillResponse, StreamEvent
     from k3serve.sampling import SamplingParams
-    from k3serve.tokenizer import get_tokenizer
     from router.metrics import RouterMetrics
     from router.placement import Placement
     from router.stream import END, Placed, stream_choice
@@ -339,8 +338,7 @@ def test_migrated_choice_counts_running_and_itl_on_the_worker_that_serves_it():
                    PrefillResponse(request_id="sub", token_id=10, position=4, seed=0),
                    ExitStack())
         await stream_choice(c, 4, 0, SamplingParams(max_tokens=6, ignore_eos=True), out,
-                            Pool(), metrics, get_tokenizer(MODEL), lambda w, s: None,
-                            resume=resume)
+                            Pool(), metrics, lambda w, s: None, resume=resume)
         items = []
         while not out.empty():
             items.append(out.get_nowait())

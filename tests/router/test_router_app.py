@@ -292,11 +292,13 @@ def test_token_1_is_passed_when_the_decode_stream_opens(stack):
     assert body["token_id"] == first and body["logprob"] == -0.25  # toy_logprobs
 
 
-def test_decode_stream_ending_without_a_finish_releases_the_held_back_text(stack):
-    """The router's detokenizer holds back text that may start a stop string; when the decode
-    stream ended before the router's detokenizer finished, that text was lost (and a stream
-    without any finish_reason was a 503). Now: D's reason, or "abort" (an error finish) with
-    no reason at all, or "length" when the tokens reach D's model length."""
+def test_decode_stream_ending_without_a_finish_ends_the_choice(stack):
+    """The decode worker detokenizes and holds back text that may start a stop string; the
+    router relays what it released. A stream that ends early keeps every token and ends with
+    D's reason, or "abort" (an error finish) with no reason at all (a stream without any
+    finish_reason was once a 503), or "length" when the tokens reach D's model length. D's
+    own finish ("length") releases its held-back text; an abort or a cut body does not (the
+    router decodes nothing, so text D still held is not sent)."""
     dec = stack.decode[0][0]
     ids = TOKENIZER.encode("held back at the end", add_bos=True)
     toks, _, _ = _oracle(ids, 10)
@@ -304,16 +306,17 @@ def test_decode_stream_ending_without_a_finish_releases_the_held_back_text(stack
     stop = [got[-1] + "#"]  # the last character may start a stop string: held back
     body = {"model": MODEL, "prompt": ids, "max_tokens": 10, "temperature": 0, "stop": stop}
     try:
-        for cut, want in (((3, None), "abort"), ((3, "length"), "length"),
-                          ((3, "abort"), "abort")):
+        for cut, want, text in (((3, None), "abort", got[:-1]),
+                                 ((3, "length"), "length", got),
+                                 ((3, "abort"), "abort", got[:-1])):
             dec.cut_stream = cut
             r = stack.post("/v1/completions", body)
             assert r.status_code == 200, r.text
             c = r.json()["choices"][0]
-            assert (c["text"], c["finish_reason"]) == (got, want), cut
+            assert (c["text"], c["finish_reason"]) == (text, want), cut
             assert r.json()["usage"]["completion_tokens"] == 4
             chunks = list(stack.client.completions.create(**body, stream=True))
-            assert "".join(x.choices[0].text for x in chunks) == got
+            assert "".join(x.choices[0].text for x in chunks) == text
             assert chunks[-1].choices[0].finish_reason == want
         # no finish, but the tokens reach the decode worker's model length (4096, below the
         # router's configured one): that is a length end

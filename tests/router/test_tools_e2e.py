@@ -256,7 +256,6 @@ def test_greedy_same_offline_disaggregated_and_with_the_fallback(stack, aclient)
     (P samples token #1 under the mask, D rebuilds the matcher from grammar + token #1), and
     reserve → prefill with the transfer failing so D recomputes prompt + token #1 itself."""
     from k3serve import LLM
-    from k3serve.messages import SamplingSpec
     from k3serve.tokenizer import ByteTokenizer
     from router.preprocess import Preprocessor
     from router.schemas import ChatCompletionRequest
@@ -288,7 +287,7 @@ def test_greedy_same_offline_disaggregated_and_with_the_fallback(stack, aclient)
     async def fallback():
         h = {"X-K3serve-Cluster-Token": stack.cluster_token}
         P, D = stack.worker_urls[0], stack.worker_urls[-1]
-        spec = SamplingSpec.of(params).model_dump()
+        spec = params.to_dict()
         async with httpx.AsyncClient(timeout=120, headers=h) as c:
             rr = (await c.post(D + "/internal/reserve", json={
                 "request_id": "fb-1", "prompt_token_ids": job.token_ids, "sampling": spec,

@@ -16,6 +16,7 @@ with the real Mooncake Transfer Engine over tcp loopback, driven through the int
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 
@@ -25,6 +26,7 @@ from worker_procs import (
     HEADERS,
     MAX_TOKENS,
     Proc,
+    _first,
     _metric,
     _request,
     _sampling,
@@ -208,6 +210,80 @@ def test_fallback_continues_from_the_prefill_workers_token(cluster, offline):
         expect = next((o.token_ids for o in eng.step() if o.finished), None)
     assert toks == expect  # t1, then D's continuation of t1 (positions L+1..)
     assert _metric(D.url, "k3serve:kv_transfer_fallbacks_total") == before + 1
+
+
+def test_the_workers_text_is_the_offline_text(cluster, offline):
+    """The workers detokenize and decide the stops, once, as offline: P's token #1 text and
+    D's stream text (what the router relays as is) make the offline output text with a stop
+    string cut where offline cuts it, the finish is offline's, and D's per-token texts (sent
+    with logprobs) add up to its text."""
+    from k3serve import SamplingParams
+
+    P, D = cluster["P"], cluster["D"]
+    ids = list(range(60, 101))
+    base = {"temperature": 0.0, "max_tokens": 24, "seed": 5, "ignore_eos": True}
+    full = offline.generate([ids], SamplingParams(**base))[0].text
+    stop = next(full[i:i + 2] for i in range(4, len(full) - 1) if "\ufffd" not in full[i:i + 2])
+    sp = {**base, "stop": [stop], "logprobs": 0}
+    want = offline.generate([ids], SamplingParams(**sp))[0]
+    assert want.finish_reason == "stop"
+
+    async def run() -> tuple[dict, list[dict]]:
+        async with httpx.AsyncClient(headers=HEADERS, timeout=120) as c:
+            first = await _first(c, P, D, "text-1", ids, sp)
+            body = {"request_id": "text-1", "token_id": first["token_id"],
+                    "logprob": first["logprob"]}
+            evs = []
+            async with c.stream("POST", D.url + "/internal/stream", json=body) as s:
+                async for line in s.aiter_lines():
+                    if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                        evs.append(json.loads(line[5:]))
+            return first, evs
+
+    first, evs = asyncio.run(run())
+    assert first["finish_reason"] is None
+    assert first["text"] + "".join(e["text"] for e in evs) == want.text
+    assert [first["token_id"], *(t for e in evs for t in e["token_ids"])] == want.token_ids
+    assert evs[-1]["finish_reason"] == "stop"
+    for e in evs:
+        if e["token_ids"]:
+            assert len(e["texts"]) == len(e["token_ids"]) and "".join(e["texts"]) == e["text"]
+
+
+def test_a_stream_whose_token_1_differs_from_the_transfer_s_ends_with_an_error(cluster):
+    """Token #1 has one source, the prefill worker's answer (what the client got); the
+    transfer's copy lets D start early. A stream request whose token #1 differs from the
+    transferred one D already continued from ends with an error event (the router then
+    migrates with the client's tokens) instead of a warning and a continuation of another
+    token."""
+    P, D = cluster["P"], cluster["D"]
+    rid, ids = "t1-mismatch", list(range(100, 137))
+    sampling = {"temperature": 0.0, "max_tokens": 400, "seed": 3, "ignore_eos": True}
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(headers=HEADERS, timeout=120) as c:
+            first = await _first(c, P, D, rid, ids, sampling)
+            phase = None
+            for _ in range(400):  # until D admitted the transferred cache
+                r = await c.get(D.url + "/internal/requests", params={"request_id": rid})
+                phase = r.json()["requests"].get(rid, {}).get("phase")
+                if phase != "transfer":
+                    break
+                await asyncio.sleep(0.025)
+            assert phase == "running", phase
+            body = {"request_id": rid, "token_id": (first["token_id"] + 1) % 256,
+                    "logprob": None}
+            evs = []
+            async with c.stream("POST", D.url + "/internal/stream", json=body) as s:
+                assert s.status_code == 200
+                async for line in s.aiter_lines():
+                    if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                        evs.append(json.loads(line[5:]))
+            return evs
+
+    evs = asyncio.run(run())
+    assert "differs from the transferred" in evs[-1]["error"], evs[-1]
+    assert evs[-1]["finish_reason"] == "abort"
 
 
 def test_mismatched_fingerprint_is_refused_at_pairing(cluster):

@@ -17,6 +17,7 @@ from decode.state import TRANSITIONS as DECODE_TRANSITIONS
 from decode.state import DecodePhase, DecodeState
 from decode.worker import DecodeWorker
 from k3serve import messages
+from k3serve.sampling import SamplingParams
 from prefill.state import TRANSITIONS as PREFILL_TRANSITIONS
 from prefill.state import PrefillPhase, PrefillState
 from prefill.worker import PrefillWorker
@@ -203,7 +204,7 @@ def test_a_transition_outside_the_table_is_refused():
 def test_transfer_metadata_is_typed_on_the_decode_side():
     meta = messages.TransferMetadata(
         request_id="r", prompt_token_ids=[1, 2], token_id=3, logprob=None,
-        top_logprobs=[(3, -0.1), (4, None)], sampling=messages.SamplingSpec(seed=5), position=2)
+        top_logprobs=[(3, -0.1), (4, None)], sampling=SamplingParams(seed=5), position=2)
     done = messages.StatusMessage(ticket="t", sender="s", kind="done", metadata=meta)
     wire = done.model_dump_json()  # what kvstore carries (TE notification or HTTP body)
     assert messages.StatusMessage.model_validate_json(wire).metadata == meta
