@@ -21,6 +21,7 @@ from deploy.fake_stack import Stack
 from deploy.fake_workers import API_KEY, MODEL, TOKEN, TOKENIZER, toy_generate
 from k3serve.protocol import CLUSTER_TOKEN_HEADER
 from k3serve.sampling import SamplingParams
+from router.retries import FIRST_TOKEN_ATTEMPTS
 
 B = 16  # the fake workers' block size
 
@@ -453,8 +454,12 @@ def test_busy_decode_is_waited_for_then_503_and_load_counters_return_to_zero():
         assert s.health()["num_decode_healthy"] == 1
         dec.busy_reserves = 0
         (pre, _), = s.prefill
-        pre.fail_prefill = 1  # a failed prefill is placed again (and aborted on D)
+        # a failed prefill is placed again (and aborted on D); with the only P failing every
+        # attempt (whether or not a poll puts it back in placement in between) it is a 503
+        pre.fail_prefill = FIRST_TOKEN_ATTEMPTS
         assert s.post("/v1/completions", body, key=None).status_code == 503  # only one P
+        assert pre.fail_prefill < FIRST_TOKEN_ATTEMPTS  # P was tried
+        pre.fail_prefill = 0
         deadline = time.monotonic() + 10  # P's next successful poll makes it healthy again
         while s.health()["num_prefill_healthy"] != 1 and time.monotonic() < deadline:
             time.sleep(0.02)
