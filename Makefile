@@ -23,6 +23,7 @@ sysdeps:
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
+	@echo "installing k3serve and its dependencies into $(VENV) (the first time: a few minutes)"
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[cpu,dev,ray,otel]'
 	@touch $@

@@ -163,18 +163,23 @@ class RayStack:
                     self.sd.set(ScrapeTarget(name, inf["url"], "worker", name.split("-")[0]))
         return dict(self.urls)
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, timeout: float = 15.0, drain_s: float = 0.0) -> None:
         """Stop every child process, kill the actors (no restart), remove the placement
-        groups and clear the Prometheus targets."""
+        groups and clear the Prometheus targets.
+
+        The workers get SIGTERM first and ``drain_s + timeout`` seconds to drain the requests
+        they hold and exit (then SIGKILL), while the router still relays their streams; the
+        router is stopped after them, with ``timeout`` seconds."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
         router = [self.router] if self.router is not None else []
-        procs = [*self.workers.values(), *router]
-        try:
-            ray.get([h.stop.remote() for h in procs], timeout=timeout)
-        except Exception as e:  # noqa: BLE001 - an actor may already be gone
-            log.warning("stopping children: %r", e)
+        for handles, wait_s in ((list(self.workers.values()), drain_s + timeout),
+                                (router, timeout)):
+            try:
+                ray.get([h.stop.remote(wait_s) for h in handles], timeout=wait_s + 10)
+            except Exception as e:  # noqa: BLE001 - an actor may already be gone
+                log.warning("stopping children: %r", e)
         for handles in [*self.ranks.values(), router]:
             for h in handles:
                 ray.kill(h, no_restart=True)
@@ -182,6 +187,21 @@ class RayStack:
             remove_placement_group(pg)
         if self.sd is not None:
             self.sd.clear()
+
+
+def worker_drain_s(dc: DeployConfig) -> float:
+    """The workers' drain timeout under ``dc``, seconds: ``--drain-timeout S`` (or
+    ``--drain-timeout=S``) in its ``worker_args``, else the workers' default
+    (``worker.config.WorkerConfig.drain_timeout_s``)."""
+    from worker.config import WorkerConfig
+
+    args = list(dc.worker_args)
+    for i, a in enumerate(args):
+        if a == "--drain-timeout" and i + 1 < len(args):
+            return float(args[i + 1])
+        if a.startswith("--drain-timeout="):
+            return float(a.split("=", 1)[1])
+    return WorkerConfig.drain_timeout_s
 
 
 def check_runnable(dc: DeployConfig, model: ModelConfig | None = None) -> None:
@@ -428,7 +448,9 @@ def serve_ray(args: Any) -> int:
                 log.info("refresh: %r", e)
             time.sleep(2.0)
     finally:
-        stack.stop()
+        if stopping:
+            print("k3serve: stopping; the workers drain their requests first", flush=True)
+        stack.stop(drain_s=worker_drain_s(dc))
         if started:
             ray.shutdown()
     print("k3serve: stopped", flush=True)

@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from types import FrameType
 
 from deploy.launcher import (
@@ -51,11 +52,17 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class Stopper:
     """The launcher's SIGTERM / SIGINT handler (module docstring): the first signal marks the
     stack stopping (so the supervisor restarts nothing; during startup ``start_stack`` sees
-    :meth:`cancelled` and stops what it started); a second one kills what is left."""
+    :meth:`cancelled` and stops what it started); a second one kills what is left. A second
+    signal within :data:`REPEAT_S` of the first counts as the same one: ``make`` and other
+    wrappers pass a signal sent to the whole group on to the launcher once more."""
+
+    #: seconds after the first signal in which another one is taken as its echo
+    REPEAT_S = 1.0
 
     def __init__(self) -> None:
         self.stack: Stack | None = None
         self.requested = False
+        self.first_at = 0.0
         #: set by the first signal: :func:`serve`'s watch loop wakes at once
         self.event = threading.Event()
 
@@ -68,6 +75,8 @@ class Stopper:
 
     def handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
+        if self.requested and time.monotonic() - self.first_at < self.REPEAT_S:
+            return  # the same signal, passed on again by a wrapper (make)
         if self.requested:
             print(f"k3serve: {name} again: stopping every component now", file=sys.stderr,
                   flush=True)
@@ -75,6 +84,7 @@ class Stopper:
                 self.stack.kill()
             return
         self.requested = True
+        self.first_at = time.monotonic()
         self.event.set()
         if self.stack is not None:
             self.stack.stopping = True
@@ -314,6 +324,9 @@ def serve(args: argparse.Namespace) -> int:
         if not args.config:
             raise ValueError("--config: `serve --ray` needs a deployment config "
                              "(deploy/configs/*.yaml)")
+        if getattr(args, "store", None):
+            raise ValueError("--store: the Ray backend runs without the shared store (prefix "
+                             "hits come from each worker's own cache)")
         from deploy.ray_backend import serve_ray
 
         set_title("k3serve serve")

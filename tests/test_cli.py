@@ -402,3 +402,40 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly(cmd):
     p.stdout.close()  # before the command writes: its first write meets a closed pipe
     err = p.stderr.read()
     assert p.wait(120) == 1 and err == "", err
+
+
+def test_serve_ray_refuses_the_store_in_one_line(monkeypatch, capsys):
+    """The Ray backend runs no store master: an explicit ``--store`` is refused, not ignored."""
+    _no_stack(monkeypatch)
+    assert main(["serve", "--ray", "--config", "deploy/configs/local-cpu.yaml", "--store"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("k3serve serve: error: --store: the Ray backend")
+
+
+def test_a_signal_passed_on_again_by_a_wrapper_counts_once(monkeypatch):
+    """``make serve`` passes a SIGTERM sent to the group on to the launcher once more: within
+    ``Stopper.REPEAT_S`` it is the same signal (the drain goes on); later, a second one kills."""
+    import signal
+
+    from deploy import serve as serve_mod
+
+    killed = []
+
+    class FakeStack:
+        stopping = False
+
+        def kill(self):
+            killed.append(True)
+
+    clock = [100.0]
+    monkeypatch.setattr(serve_mod.time, "monotonic", lambda: clock[0])
+    s = serve_mod.Stopper()
+    s.stack = FakeStack()
+    s.handle(signal.SIGTERM, None)
+    assert s.requested and s.stack.stopping and not killed
+    clock[0] += s.REPEAT_S / 2
+    s.handle(signal.SIGTERM, None)
+    assert not killed
+    clock[0] += s.REPEAT_S
+    s.handle(signal.SIGINT, None)
+    assert killed == [True]

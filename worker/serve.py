@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import os
 import signal
 import socket
 import sys
@@ -30,7 +31,7 @@ from types import FrameType
 from typing import Any
 
 from k3serve import tracing
-from k3serve.process import exit_now, handled_signals, set_title, worker_title
+from k3serve.process import TITLE_ROLE_ENV, exit_now, handled_signals, set_title, worker_title
 from worker.base import BaseWorker
 from worker.config import Role, WorkerConfig, parse_config
 
@@ -178,7 +179,8 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
     server = _server_cls()(uvicorn.Config(app, log_level=config.log_level, access_log=False,
                                           timeout_graceful_shutdown=3, http="h11",
                                           loop="asyncio"), worker, app)
-    print(f"k3serve {role} worker {worker.worker_id} listening on {worker.url}", flush=True)
+    shown = os.environ.get(TITLE_ROLE_ENV) or role  # monolithic workers run decode.worker
+    print(f"k3serve {shown} worker {worker.worker_id} listening on {worker.url}", flush=True)
     try:
         server.run(sockets=[sock])
     finally:

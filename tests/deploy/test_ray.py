@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -84,6 +85,10 @@ def test_supernode_64_actors_land_where_the_config_says():
         stack.stop()
 
 
+#: tokens of the stream in flight when the stack stops (longer than 10 s on a CPU)
+LONG = 1500
+
+
 @pytest.mark.slow
 def test_local_ray_serves_restarts_and_cleans_up(tmp_path):
     from openai import OpenAI
@@ -140,6 +145,29 @@ def test_local_ray_serves_restarts_and_cleans_up(tmp_path):
             addrs = [t for g in json.loads((sd / "workers.json").read_text())
                      for t in g["targets"]]
             assert new.removeprefix("http://") in addrs and old.removeprefix("http://") not in addrs
+            # stopping drains: a stream longer than a worker's SIGKILL grace (10 s) in flight
+            # when the stop begins still ends with all its tokens
+            got: dict = {}
+            started = threading.Event()
+
+            def stream() -> None:
+                n, finish = 0, None
+                for ch in client.chat.completions.create(
+                        model="k3-tiny", messages=msg, max_tokens=LONG, stream=True,
+                        extra_body={"ignore_eos": True}):
+                    for c in ch.choices:
+                        n += 1 if c.delta.content is not None else 0
+                        finish = c.finish_reason or finish
+                    started.set()
+                got.update(chunks=n, finish=finish)
+
+            t = threading.Thread(target=stream, daemon=True)
+            t.start()
+            assert started.wait(60), "the stream did not start"
+            t0 = time.monotonic()
+            stack.stop(drain_s=60)
+            t.join(10)
+            assert got.get("finish") == "length", (got, time.monotonic() - t0)
         finally:
             stack.stop()
         assert json.loads((sd / "workers.json").read_text()) == []
