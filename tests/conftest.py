@@ -29,23 +29,22 @@ if torch is not None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-#: Files whose tests start live stacks (router + worker processes), Ray clusters or
-#: multi-process groups, or bound how long a fault takes to handle. ``make test`` runs them in
-#: one process after the rest (``-m serial``), so their processes have the machine's cores to
-#: themselves; everything else runs on two pytest-xdist workers first (``-m "not serial"``).
+#: Files whose tests bound how long something takes under faults, drains or load (a worker
+#: leaving placement, a reservation's release, a drain, a latency ratio, a restart), or start Ray
+#: clusters or stacks whose timing they depend on. ``make test`` runs them in one process after
+#: the rest (``-m serial``), so their processes have the machine's cores to themselves;
+#: everything else — live stacks whose tests only check outputs included — runs on two
+#: pytest-xdist workers first (``-m "not serial"``).
 SERIAL = (
-    "tests/bench/",
+    "tests/bench/test_served_vs_offline.py",
     "tests/deploy/",
-    "tests/parallel/",
+    "tests/parallel/test_parallel_failure.py",
     "tests/worker/",
     "tests/kvstore/test_control_isolation.py",
     "tests/kvstore/test_kvstore.py",
-    "tests/kvstore/test_store.py",
     "tests/router/test_channels.py",
-    "tests/router/test_fuzz_api.py",
     "tests/router/test_index_kick.py",
     "tests/router/test_isolation.py",
-    "tests/router/test_openapi_router.py",
     "tests/router/test_placement_live.py",
     "tests/router/test_regressions_router.py",
     "tests/router/test_reliability.py",
@@ -53,9 +52,6 @@ SERIAL = (
     "tests/router/test_replicas.py",
     "tests/router/test_router_memory.py",
     "tests/router/test_store_health.py",
-    "tests/router/test_tools_e2e.py",
-    "tests/spec/test_served.py",
-    "tests/test_cli.py",
     "tests/tracing/test_stack_tracing.py",
 )
 
