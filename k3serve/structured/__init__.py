@@ -28,9 +28,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 #: JSON layout forced by the grammars: compact separators, no free whitespace (a small model
-#: left free to emit whitespace can spend its whole budget on it).
+#: left free to emit whitespace can spend its whole budget on it). Not lenient: a schema keyword
+#: the grammar engine cannot enforce (``not``, ``contains``, ``uniqueItems``, ``if``/``then``…)
+#: refuses the schema, naming the keyword, instead of being dropped (an answer that violates the
+#: schema would then end with ``finish_reason: "stop"``).
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ",",
-                                "key_separator": ":", "lenient": True}
+                                "key_separator": ":", "lenient": False}
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
 SECTION_END = "<|tool_calls_section_end|>"
@@ -156,7 +159,7 @@ class GrammarVocab:
 
         err = llg.LLMatcher.validate_grammar(grammar, self.llg)
         if err and not err.startswith("WARNING"):
-            raise GrammarError(f"grammar: {err}")
+            raise GrammarError(f"grammar: {err.splitlines()[0]}")  # the rest quotes the grammar
 
     def matcher(self, grammar: str, generated: Sequence[int] = ()) -> Matcher:
         """A matcher after ``generated`` (tokens #1… already sampled for the request).

@@ -225,6 +225,15 @@ def test_logprobs_with_tool_calls(aclient):
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nosuch"}}}}}},
      "response_format"),
+    # keywords the grammar cannot enforce are refused, not dropped
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "items": {"type": "integer"},
+                                "contains": {"const": 42}}}}}, "contains"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"not": {}}}}}, "not"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}],
+      "tool_choice": "required"}, "uniqueItems"),
 ])
 def test_unsupported_combinations_are_clear_400s(stack, body, needle):
     r = httpx.post(stack.url + "/v1/chat/completions", timeout=30,
