@@ -251,8 +251,23 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag}: must be >= {least} (got {value})")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port: must be 0-65535 (got {args.port})")
+    check_router_flags(passthrough_args(args)["router"])
     if args.port:
         check_port_free(args.host, args.port)
+
+
+def check_router_flags(flags: list[str]) -> None:
+    """Build the router's config from the router flags ``serve`` passes on, in this process:
+    a value the router would refuse at its start (``--prefill-rate 0``) is refused here,
+    before anything starts.
+
+    Raises:
+        ValueError: the router config's field and the value (one line).
+    """
+    from router.config import build_parser as router_parser
+    from router.config import config_from_args
+
+    config_from_args(router_parser().parse_args(flags))
 
 
 def check_model(model: str) -> None:
@@ -397,4 +412,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "STOP_GRACE_S", "Stopper", "build_parser", "check_args",
-           "check_model", "drain_timeout", "main", "passthrough_args", "run", "serve"]
+           "check_model", "check_router_flags", "drain_timeout", "main", "passthrough_args", "run", "serve"]

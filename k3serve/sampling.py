@@ -97,11 +97,14 @@ Grammar = Annotated[str, Field(min_length=1)]
 
 class NamedErrors(type(BaseModel)):  # type: ignore[misc]
     """Metaclass of :class:`SamplingParams`: a direct call ``SamplingParams(...)`` raises
-    ``ValueError("SamplingParams.<field>: ...")`` instead of pydantic's ``ValidationError``.
-    Validation inside a message does not go through ``__call__``, so there pydantic's error
+    ``ValueError("SamplingParams.<field>: ...")`` instead of pydantic's ``ValidationError``, and
+    refuses a keyword that is not a field (``ValueError`` naming it). Validation inside a message does not go through ``__call__``, so there pydantic's error
     names ``sampling.<field>`` with the message's other fields."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        unknown = sorted(set(kwargs) - set(cls.model_fields))
+        if unknown:  # a typo must not silently keep a default
+            raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}")
         try:
             return super().__call__(*args, **kwargs)
         except ValidationError as e:
@@ -113,7 +116,7 @@ class SamplingParams(BaseModel, metaclass=NamedErrors):
 
     Names and defaults follow vLLM's ``SamplingParams`` (and so the OpenAI API). Frozen;
     unknown fields are ignored when it is read from a message (a newer peer may send more),
-    refused by :meth:`from_dict`.
+    refused by :meth:`from_dict` and by a direct call.
 
     Attributes:
         n: Number of independent completions (choices) of the prompt; >= 1.

@@ -146,6 +146,10 @@ class RouterConfig:
             raise ValueError("max_queued, retry_after_s: must be >= 0")
         if self.max_admitted_tokens is not None and self.max_admitted_tokens < 1:
             raise ValueError("max_admitted_tokens: must be >= 1")
+        if not self.prefill_rate > 0:  # prices a queue in seconds: tokens / rate
+            raise ValueError(f"prefill_rate: must be > 0 (got {self.prefill_rate})")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len: must be >= 1 (got {self.max_model_len})")
         if self.store_url is not None:
             host, _, port = self.store_url.rpartition(":")
             if not host or not port.isdigit():

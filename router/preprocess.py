@@ -267,6 +267,7 @@ class Preprocessor:
         return SamplingParams(
             n=1, max_tokens=max_new, temperature=req.temperature, top_p=req.top_p,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
             seed=seed, stop=tuple(req.stop or ()),
             # ignore_eos: the model's end-of-text ids (EOS, end of message) stop nothing
             stop_token_ids=() if req.ignore_eos else tuple(self.tokenizer.stop_token_ids),

@@ -28,10 +28,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 from k3serve.sampling import (
     Logprobs,
     MaxTokens,
+    MinP,
     N,
     Penalty,
+    RepetitionPenalty,
     Seed,
     Temperature,
+    TopK,
     TopP,
     non_empty_stops,
 )
@@ -47,6 +50,7 @@ SAMPLING_FIELDS = {
     "temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop",
     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
     "ignore_eos": "ignore_eos", "logprobs": "logprobs", "top_logprobs": "logprobs",
+    "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
 }
 
 #: A token id in a prompt (the published schema says ``>= 0``; the validator names the field).
@@ -103,6 +107,11 @@ class _SamplingFields(_Request):
     # vLLM's extension: generate past EOS (and the model's other end-of-text ids) up to
     # max_tokens; explicit stop strings still apply. Benchmarks send it for exact lengths.
     ignore_eos: StrictBool = False
+    # vLLM's extra sampling parameters (not in OpenAI's API): top-k, min-p and the
+    # multiplicative repetition penalty, with the engine's ranges
+    top_k: TopK = -1
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
 
     @field_validator("stop")
     @classmethod

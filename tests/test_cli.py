@@ -326,6 +326,8 @@ def _no_stack(monkeypatch):
     (["--monolithic", "-1"], "--monolithic: must be >= 0 (got -1)"),
     (["--block-size", "0"], "--block-size: must be >= 1 (got 0)"),
     (["--port", "70000"], "--port: must be 0-65535 (got 70000)"),
+    (["--prefill-rate", "0"], "prefill_rate: must be > 0 (got 0.0)"),
+    (["--max-model-len", "0"], "max_model_len: must be >= 1 (got 0)"),
 ])
 def test_serve_refuses_bad_flags_in_one_line(flags, line, monkeypatch, capsys):
     _no_stack(monkeypatch)
@@ -439,3 +441,11 @@ def test_a_signal_passed_on_again_by_a_wrapper_counts_once(monkeypatch):
     clock[0] += s.REPEAT_S
     s.handle(signal.SIGINT, None)
     assert killed == [True]
+
+
+def test_a_negative_drain_timeout_is_refused():
+    """A negative ``--drain-timeout`` would skip the drain and cut the streams in flight."""
+    from worker.config import parse_config
+
+    with pytest.raises(ValueError, match=r"drain_timeout_s: must be >= 0 \(got -5.0\)"):
+        parse_config("decode", ["--drain-timeout", "-5", "--device", "cpu"])

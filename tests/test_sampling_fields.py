@@ -139,3 +139,12 @@ def test_no_second_class_declares_the_sampling_fields():
                 if len(declared & names) >= 3 and (rel, node.name) not in allowed:
                     found.append((rel, node.name, sorted(declared & names)))
     assert not found, found
+
+
+def test_a_direct_call_refuses_an_unknown_field():
+    """A typo in a keyword must not silently keep the default (``temprature=0`` → 1.0)."""
+    with pytest.raises(ValueError, match=r"SamplingParams: unknown field\(s\) \['max_token', "
+                                         r"'temprature'\]"):
+        SamplingParams(temprature=0, max_token=5)
+    # messages from a newer peer may carry fields this side does not know: ignored there
+    assert SamplingParams.model_validate({"temperature": 0, "newer_field": 1}).temperature == 0

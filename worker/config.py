@@ -151,6 +151,8 @@ class WorkerConfig:
         if self.tp > 1 and self.ep > 1 and self.ep % self.tp:
             raise ValueError(f"ep: {self.ep} is not a multiple of tp {self.tp} (attention groups "
                              f"of tp ranks)")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s: must be >= 0 (got {self.drain_timeout_s})")
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None
     cuda_graphs: bool = True

@@ -320,3 +320,33 @@ def test_greedy_same_offline_disaggregated_and_with_the_fallback(stack, aclient)
     fb = asyncio.run(fallback())
     # the router cuts at the stop token; the worker stream includes it
     assert fb[:len(want)] == want
+
+
+def test_vllm_sampling_extras_reach_the_engine(stack):
+    """``top_k``, ``min_p`` and ``repetition_penalty`` (vLLM's extra parameters) are applied:
+    the served greedy text under a repetition penalty equals the offline engine's with the same
+    parameters (and differs from the unpenalised one here); bad values are 400s naming them."""
+    from k3serve import LLM, SamplingParams
+
+    prompt = "def fibonacci(n):"
+    url, h = stack.url + "/v1/completions", {"Authorization": f"Bearer {KEY}"}
+
+    def served(**extra) -> str:
+        r = httpx.post(url, headers=h, timeout=120, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    llm = LLM(MODEL, block_size=B, num_pages=256)
+
+    def offline(**extra) -> str:
+        sp = SamplingParams(max_tokens=24, temperature=0, **extra)
+        return llm.generate([prompt], sp)[0].outputs[0].text
+
+    penalised = served(repetition_penalty=1.5, top_k=5, min_p=0.05)
+    assert penalised == offline(repetition_penalty=1.5, top_k=5, min_p=0.05)
+    assert penalised != served()
+    for field, bad in (("top_k", 0), ("min_p", 5), ("repetition_penalty", 0)):
+        r = httpx.post(url, headers=h, timeout=30, json={"model": MODEL, "prompt": prompt,
+                                                          field: bad})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
