@@ -251,7 +251,6 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag}: must be >= {least} (got {value})")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port: must be 0-65535 (got {args.port})")
-    check_router_flags(passthrough_args(args)["router"])
     if args.port:
         check_port_free(args.host, args.port)
 
@@ -349,6 +348,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.config:
         raise ValueError("--config: only used with --ray (the local backend takes flags)")
     check_args(args)
+    check_router_flags(extra["router"])
     set_title("k3serve serve")
     stopper = Stopper()
     stopper.install()

@@ -32,6 +32,9 @@ IMPORT_NAMES = {
     "mooncake-transfer-engine-cuda13": "mooncake",
     "opentelemetry-sdk": "opentelemetry",
     "opentelemetry-exporter-otlp-proto-http": "opentelemetry",
+    "opentelemetry-api": "opentelemetry",
+    "python-dotenv": "dotenv",
+    "rpds-py": "rpds",
 }
 
 #: distribution → (why it is not imported, file that shows the use, text in that file)

@@ -15,6 +15,8 @@ import re
 import sys
 from pathlib import Path
 
+from tests.test_dependencies import import_name
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_carry.sh"
 #: the packages a served stack runs (``deploy/launcher.py`` and ``deploy/serve.py`` start it)
@@ -22,15 +24,6 @@ RUNTIME = ("router", "worker", "prefill", "decode", "kvstore", "k3serve")
 RUNTIME_FILES = ("deploy/launcher.py", "deploy/serve.py", "deploy/supervisor.py")
 LOCAL = {"router", "worker", "prefill", "decode", "kvstore", "k3serve", "deploy", "cli",
          "simulate", "benchmarks", "tests", "kernels", "scripts"}
-#: distribution name → the module it is imported as, where they differ
-MODULE_OF = {"fla-core": "fla", "pydantic-core": "pydantic_core", "pyyaml": "yaml",
-             "python-dotenv": "dotenv", "rpds-py": "rpds", "prometheus-client": "prometheus_client",
-             "opentelemetry-api": "opentelemetry", "typing-extensions": "typing_extensions",
-             "pydantic-settings": "pydantic_settings", "sse-starlette": "sse_starlette",
-             "jsonschema-specifications": "jsonschema_specifications",
-             "annotated-types": "annotated_types", "typing-inspection": "typing_inspection"}
-
-
 def bash_array(name: str) -> list[str]:
     """The words of ``NAME=(…)`` in the script (versions dropped)."""
     m = re.search(rf"^{name}=\((.*?)\)", SCRIPT.read_text(), re.DOTALL | re.MULTILINE)
@@ -50,7 +43,7 @@ def top_level_imports(path: Path) -> set[str]:
 
 
 def test_the_carry_and_the_image_cover_every_import_of_the_serving_path():
-    available = {MODULE_OF.get(d, d.replace("-", "_")) for d in
+    available = {import_name(d.lower()) for d in
                  bash_array("WHEELS") + bash_array("ON_IMAGE")} | {"mooncake"}
     files = [f for pkg in RUNTIME for f in (ROOT / pkg).rglob("*.py")]
     files += [ROOT / f for f in RUNTIME_FILES]

@@ -13,10 +13,8 @@ prefill instance its transfers pair with), the tiny model on the CPU (gloo, floa
 from __future__ import annotations
 
 import os
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -25,52 +23,12 @@ ray = pytest.importorskip("ray", reason="Ray is an extra: pip install -e '.[ray]
 
 from deploy.ray_backend import deploy
 from k3serve.protocol import CLUSTER_TOKEN_HEADER
-from tests.deploy.test_ray_ranks import metric, rank_nodes
-from tests.parallel.ray_cluster import alive, free_port, local_cluster
+from tests.deploy.test_ray_ranks import metric, rank_nodes, ranks_config
+from tests.parallel.ray_cluster import alive, assert_gone, local_cluster
 
 MAX_TOKENS = 5
 CHATS = [[{"role": "user", "content": c}] for c in
          ("The capital of France is", "Once upon a time", "1, 2, 3, 4,")]
-
-
-def dp_config(tmp: Path) -> Path:
-    text = f"""
-model: k3-tiny
-dtype: float32
-device: cpu
-block_size: 16
-max_restarts: 1
-cluster:
-  nodes: 3
-  accelerators_per_node: 2
-  accelerator_memory_gb: 0.2
-  memory_utilization: 0.5
-  resource: GPU
-  cpus_per_rank: 0
-router:
-  host: 127.0.0.1
-  port: {free_port()}
-  policy: prefix_home
-pools:
-  prefill:
-    instances: 1
-    tp: 2
-    ep: 2
-    num_slots: 8
-    num_snapshots: 8
-    min_tokens: 2048
-  decode:
-    instances: 1
-    tp: 2
-    ep: 4
-    placement: spread
-    num_slots: 16
-    num_snapshots: 8
-    min_tokens: 2048
-"""
-    path = tmp / "dp.yaml"
-    path.write_text(text)
-    return path
 
 
 def oracle_texts() -> list[str]:
@@ -93,7 +51,8 @@ def test_tp2_dp2_ep4_instance_spans_two_nodes_and_matches_the_offline_engine(tmp
 
     want = oracle_texts()
     with local_cluster(3, gpus_per_node=2, dashboard=True):
-        stack = deploy(dp_config(tmp_path), ready_timeout=240)
+        stack = deploy(ranks_config(tmp_path, tp=2, ep=4, prefill_ep=2, nodes=3, gpus_per_node=2,
+                                   max_restarts=1), ready_timeout=240)
         pids: list[int] = []
         try:
             nodes = rank_nodes(stack)
@@ -122,7 +81,4 @@ def test_tp2_dp2_ep4_instance_spans_two_nodes_and_matches_the_offline_engine(tmp
             assert metric(stack.urls["prefill-0"], "k3serve:kv_transfers_total") >= len(CHATS)
         finally:
             stack.stop()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.3)
-    assert not [p for p in pids if alive(p)], "rank processes left behind"
+    assert_gone(pids, "rank processes")

@@ -25,7 +25,7 @@ ray = pytest.importorskip("ray", reason="Ray is an extra: pip install -e '.[ray]
 from deploy.ray_backend import deploy
 from k3serve.parallel.runner import COLLECTIVE_TIMEOUT_S
 from tests.deploy.test_ray_ranks import metric, ranks_config
-from tests.parallel.ray_cluster import alive, local_cluster
+from tests.parallel.ray_cluster import alive, assert_gone, local_cluster
 
 MAX_TOKENS = 40
 STREAMS = 8
@@ -153,7 +153,4 @@ def test_a_failed_rank_restarts_its_instance_and_the_streams_complete(cluster, t
             pids |= {i["pid"] for i in ray.get([h.info.remote() for h in hs], timeout=60)}
     finally:
         stack.stop()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.3)
-    assert not [p for p in pids if alive(p)], "processes left behind"
+    assert_gone(pids, "processes")

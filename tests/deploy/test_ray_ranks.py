@@ -35,8 +35,10 @@ MESSAGES = [{"role": "user", "content": "The capital of France is"}]
 
 
 def ranks_config(tmp: Path, tp: int, ep: int, decode: int = 1, prefill_ep: int | None = None,
-                 nodes: int = 4) -> Path:
-    """The tiny model over logical one-GPU nodes (so an instance's 2 ranks span 2 nodes)."""
+                 nodes: int = 4, gpus_per_node: int = 1, max_restarts: int = 2) -> Path:
+    """The tiny model over logical nodes of ``gpus_per_node`` GPUs (one: an instance's 2 ranks
+    span 2 nodes); the prefill pool has ``prefill_ep`` (default ``ep``) and tp = ``tp`` when
+    its ep > 1."""
     p_ep = ep if prefill_ep is None else prefill_ep
     p_tp = tp if p_ep > 1 else 1
     text = f"""
@@ -44,10 +46,10 @@ model: k3-tiny
 dtype: float32
 device: cpu
 block_size: 16
-max_restarts: 2
+max_restarts: {max_restarts}
 cluster:
   nodes: {nodes}
-  accelerators_per_node: 1
+  accelerators_per_node: {gpus_per_node}
   accelerator_memory_gb: 0.2
   memory_utilization: 0.5
   resource: GPU

@@ -45,6 +45,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def assert_gone(pids: set[int] | list[int], what: str, within_s: float = 30.0) -> None:
+    """Wait up to ``within_s`` for every process of ``pids`` to end; fail naming ``what``."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.3)
+    assert not [p for p in pids if alive(p)], f"{what} left behind"
+
+
 def pids_with(text: str) -> list[int]:
     """Live processes (not this one) whose command line contains ``text``."""
     found = []
