@@ -122,8 +122,12 @@ class ReplicaStack:
         """Replica index → pid of the live replicas."""
         out = {}
         for c in psutil.Process(self.proc.pid).children():
+            try:  # a killed replica not reaped yet is a zombie: not live
+                argv = " ".join(c.cmdline())
+            except (psutil.ZombieProcess, psutil.NoSuchProcess):
+                continue
             # its process title (``k3serve router replica I :PORT``), or its argv before that
-            m = re.search(r"(?:--replica-index|router replica) (\d+)", " ".join(c.cmdline()))
+            m = re.search(r"(?:--replica-index|router replica) (\d+)", argv)
             if m:
                 out[int(m.group(1))] = c.pid
         return out
