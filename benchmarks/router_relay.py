@@ -99,7 +99,10 @@ def _no_uvloop_dir() -> Path:
 
 def _env(src: Path, token: str, hide_uvloop: bool = False) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = (f"{_no_uvloop_dir()}{os.pathsep}{src}" if hide_uvloop else str(src))
+    # the tree first; a PYTHONPATH already set (site folders outside the venv) stays after it
+    paths = ([str(_no_uvloop_dir())] if hide_uvloop else []) + [str(src)]
+    paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     env["K3SERVE_CLUSTER_TOKEN"] = token
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     return env
