@@ -250,7 +250,7 @@ def raw_te(preset: str, tokens: int, device: str, reps: int) -> dict:
     row = transfer.bench_preset(preset, reps, device="cuda" if device.startswith("cuda")
                                 else "cpu")
     return {"payload_bytes": row["payload"], "raw_te_gb_s": row["payload"] / row["raw"] / 1e9,
-            "kvstore_gb_s": row["payload"] / row["kv"] / 1e9, "runs_per_request": row["runs"]}
+            "kvstore_gb_s": row["payload"] / row["stack"] / 1e9, "runs_per_request": row["runs"]}
 
 
 # ---------------------------------------------------------------------------- report

@@ -39,9 +39,9 @@ WHEELS=(fla-core==0.6.0 fastapi starlette pydantic pydantic-core pydantic-settin
   annotated-types typing-inspection typing-extensions uvicorn sse-starlette tenacity pybreaker
   llguidance opentelemetry-api aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict
   propcache yarl idna jsonschema jsonschema-specifications referencing rpds-py msgspec
-  setproctitle prometheus-client)
+  setproctitle prometheus-client httptools)
 # On the device image (its PyTorch / Hugging Face stack): not carried.
-ON_IMAGE=(torch triton numpy safetensors tokenizers jinja2 httpx pyyaml tqdm)
+ON_IMAGE=(torch triton numpy safetensors tokenizers jinja2 httpx pyyaml tqdm uvloop)
 "${PIP[@]}" -q -d "$D/whl" "${WHEELS[@]}"
 "${PIP[@]}" -q -d "$T" mooncake-transfer-engine-cuda13==0.3.14
 (cd "$T" && mkdir x slim && cd x && unzip -q ../mooncake_transfer_engine_cuda13-*.whl \
@@ -69,6 +69,9 @@ for f in $C/debs/*.deb; do dpkg -x $f /tmp/debs; done
 export PYTHONPATH=$C/gpu:/tmp/site:/tmp/mc
 export LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu:/tmp/debs/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 export PYTHONUNBUFFERED=1
+# the embedded checkpoint is left out of the copy (the carry's size limit): the shipped tree has it
+W=k3serve/assets/k3-tiny/model.safetensors
+[ -e $C/gpu/$W ] || { [ -e $C/../$W ] && cp $C/../$W $C/gpu/$W; }
 cd $C/gpu
 EOF
 rm -rf "$T"

@@ -56,5 +56,21 @@ def test_the_carry_and_the_image_cover_every_import_of_the_serving_path():
         f"(add them to WHEELS in {SCRIPT.relative_to(ROOT)}): {missing}")
 
 
+#: declared dependencies a served stack does not load (``k3serve simulate --plot``)
+NOT_SERVING = {"matplotlib"}
+
+
+def test_every_declared_dependency_is_carried_or_on_the_image():
+    """Modules loaded by name rather than imported (uvicorn's ``http="httptools"`` and
+    ``loop="uvloop"``) are declared dependencies: each must travel too."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[\s=<>;\[]", d, maxsplit=1)[0].lower() for d in deps}
+    listed = {w.lower() for w in bash_array("WHEELS") + bash_array("ON_IMAGE")}
+    assert not names - NOT_SERVING - listed, (
+        f"declared but neither carried nor on the device image: {names - NOT_SERVING - listed}")
+
+
 def test_the_lists_are_read():
     assert "fastapi" in bash_array("WHEELS") and "torch" in bash_array("ON_IMAGE")

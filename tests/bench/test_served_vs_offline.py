@@ -61,3 +61,11 @@ def test_json_has_the_top_level_keys(tmp_path) -> None:
     assert doc["ratio_monolithic"] == 0.5 and doc["raw_te_gb_s"] == 1.0
     assert doc["runs"][2]["rate"] == 1.0 and doc["runs"][0]["rate"] is None
     assert "| 256→32 | 8 at once |" in svo.table(doc)
+
+
+def test_raw_te_reads_the_transfer_benchmark_row() -> None:
+    """The raw-TE figures from ``benchmarks/transfer.py``'s row (Mooncake over tcp loopback,
+    k3-tiny's layout, 64 tokens, one repetition)."""
+    te = svo.raw_te("k3-tiny", 64, "cpu", 1)
+    assert te["payload_bytes"] > 0 and te["runs_per_request"] > 0
+    assert te["raw_te_gb_s"] > 0 and te["kvstore_gb_s"] > 0
