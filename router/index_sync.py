@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Mapping
 
 from k3serve.messages import CacheEvents
@@ -45,10 +46,18 @@ class IndexSync:
         self.poll_timeout_s = poll_timeout_s
         self.unhealthy_after = unhealthy_after
         self.closed = False
-        #: Called with a worker's URL after its state was loaded anew (a new epoch: the
-        #: worker restarted with an empty cache, or a gap): what the router recorded of
-        #: prompts it sent there is void (:meth:`router.recent.RecentPlacements.forget`).
-        self.on_resync: Callable[[str], None] | None = None
+        #: Called as ``on_resync(url, before)`` after a worker's state was loaded under a new
+        #: epoch (the worker restarted with an empty cache): what the router recorded of the
+        #: prompts it sent there before ``before`` (monotonic seconds: when the pull that
+        #: saw the new epoch was sent) is void
+        #: (:meth:`router.recent.RecentPlacements.forget`). Not called on a worker's first
+        #: load (nothing was sent to an earlier process) nor on a gap within one epoch (the
+        #: worker kept its cache): a prompt placed there while the state was being read is
+        #: being computed by that very process, and its record is what lets the next
+        #: request that extends it find it before its cache events arrive.
+        self.on_resync: Callable[[str, float], None] | None = None
+        #: Monotonic seconds, the clock of ``before`` (placement records on the same clock).
+        self.clock: Callable[[], float] = time.monotonic
 
     async def close(self) -> None:
         """Stop every poller and kick."""
@@ -90,7 +99,8 @@ class IndexSync:
             WorkerError: the worker did not answer properly.
         """
         for _ in range(64):  # a long backlog arrives in pages; bounded per call
-            _epoch, after = self.index.cursor(w.url)
+            epoch, after = self.index.cursor(w.url)
+            asked = self.clock()
             body = await self.client.get(w.url, "/internal/cache_events", {"after": after},
                                    timeout=self.poll_timeout_s)
             try:
@@ -104,8 +114,9 @@ class IndexSync:
                 except ValueError as e2:
                     raise WorkerError(w.url, str(e2)) from None
                 w.resyncs += 1
-                if self.on_resync:
-                    self.on_resync(w.url)
+                restarted = epoch is not None and self.index.cursor(w.url)[0] != epoch
+                if restarted and self.on_resync:
+                    self.on_resync(w.url, asked)
                 return
             if self.index.cursor(w.url)[1] >= events.last_seq:
                 return

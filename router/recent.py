@@ -112,11 +112,17 @@ class RecentPlacements:
         while q and q[0].at < now - self.ttl_s:
             self._drop(q.popleft())
 
-    def forget(self, worker_id: str) -> None:
-        """Drop every entry of a worker (it left, or restarted with an empty cache)."""
+    def forget(self, worker_id: str, before: float | None = None) -> None:
+        """Drop the entries of a worker (it left, or restarted with an empty cache).
+
+        Args:
+            worker_id: The worker.
+            before: Drop only the entries sent before this time (seconds, the clock of
+                :meth:`record`): those sent to the worker's previous process; ``None``: all.
+        """
         keep: deque[RecentPlacement] = deque()
         for e in self._entries:
-            if e.worker_id == worker_id:
+            if e.worker_id == worker_id and (before is None or e.at < before):
                 self._drop(e)
             else:
                 keep.append(e)
