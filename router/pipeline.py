@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
 import secrets
@@ -40,7 +39,7 @@ from k3serve.messages import (
 from router import trace
 from router.admission import Admission, decode_capacity
 from router.choose import choose
-from router.config import RouterConfig
+from router.config import RouterConfig, model_context_len
 from router.memory import MemoryTrimmer
 from router.metrics import RouterMetrics
 from router.placement import NoWorkerAvailable, Placement
@@ -67,15 +66,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("k3serve.router")
 
 
-@functools.lru_cache(maxsize=8)
-def model_positions(model: str) -> int:
-    """``max_position_embeddings`` of ``model``'s config (2²⁰ when it cannot be read)."""
-    from k3serve.config import load_config
-
-    try:
-        return load_config(model).max_position_embeddings
-    except (ValueError, OSError):
-        return 1 << 20
+#: the longest prompt + output, tokens, when neither the flags, the workers nor the model's
+#: config give one
+UNKNOWN_MODEL_LEN = 1 << 20
 
 class Router:
     """Request pipeline, worker pool and metrics of one router process.
@@ -133,7 +126,7 @@ class Router:
         reported = [w.info.max_model_len for w in self.registry.workers.values()
                     if w.info.max_model_len and w.available]
         return (self.config.max_model_len or (min(reported) if reported else 0)
-                or model_positions(self.config.model))
+                or model_context_len(self.config.model) or UNKNOWN_MODEL_LEN)
 
     # ------------------------------------------------------------------ placement
     def place(self, ids: list[int], cache_salt: str | None, max_new: int,
