@@ -55,6 +55,7 @@ from router.retries import (
     first_then_retrying,
     no_room,
     refused,
+    wait_for_live,
 )
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.stream import END, Placed, stream_choice
@@ -268,10 +269,10 @@ class Router:
         """Run one choice through reserve → prefill → stream, pushing ``Delta``s to ``out``.
 
         A worker that cannot be reached before anything was computed is marked unhealthy and
-        the choice is placed once more elsewhere. A decode worker that answers ``busy`` (no
-        free slot or pages) stays healthy: the choice is placed again after a short backoff,
-        for up to ``RouterConfig.busy_wait_s``. Cancelling the task aborts the request on
-        both workers.
+        the choice is placed once more elsewhere (with none of its role live, once one is back:
+        :func:`router.retries.wait_for_live`). A decode worker that answers ``busy`` (no free
+        slot or pages) stays healthy: the choice is placed again after a short backoff, for up
+        to ``RouterConfig.busy_wait_s``. Cancelling the task aborts the request on both workers.
 
         The workers detokenize and decide stops and ``max_tokens`` (token #1's in P's answer);
         the choice ends with:
@@ -314,6 +315,9 @@ class Router:
 
         async def attempt(n: int) -> Placed:
             sub = f"{rid}-{index}" + (f"-r{n - 1}" if n > 1 else "")
+            if n > 1:  # its worker failed: wait for a live one (a restarted one)
+                wait_s = self.config.busy_wait_s
+                await wait_for_live(self.registry.live, self.monolithic, arrival + wait_s, sub)
             first_token = (self._first_token_monolithic if self.monolithic
                            else self._first_token)
             return await first_token(job, sampling, cache_salt, sub, frozenset(tried))
