@@ -18,6 +18,7 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -49,7 +50,10 @@ def _quit_before_serving(signum: int, frame: FrameType | None) -> None:
 class StoppingServer(uvicorn.Server):
     """uvicorn's server with the stop rules of the module docstring; unlike uvicorn's own
     ``capture_signals`` it does not re-raise the handled signal after the run (which ends the
-    process with -15, or a KeyboardInterrupt traceback)."""
+    process with -15, or a KeyboardInterrupt traceback). ``on_stop`` runs at the first signal
+    (the router's pool then logs its workers' expected exits at INFO)."""
+
+    on_stop: Callable[[], None] | None = None
 
     def capture_signals(self) -> contextlib.AbstractContextManager[None]:
         return handled_signals(self.handle_exit, STOP_SIGNALS)
@@ -57,6 +61,8 @@ class StoppingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:
             self.should_exit = True
+            if self.on_stop is not None:
+                self.on_stop()
         elif sig == signal.SIGINT:
             self.force_exit = True
         else:
@@ -122,9 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     # httptools (C request parser, chunked body writes without h11's state machine): ~10 % of
     # the router's CPU per request and per relayed chunk (benchmarks/router_relay.py); the
     # workers' servers stay on h11
+    app = create_app(config)
     server = StoppingServer(uvicorn.Config(
-        create_app(config), log_level=args.log_level, http=ROUTER_HTTP, loop=ROUTER_LOOP,
+        app, log_level=args.log_level, http=ROUTER_HTTP, loop=ROUTER_LOOP,
         access_log=not isinstance(level, int) or level <= logging.INFO))
+    server.on_stop = app.state.router.pool.begin_stop
     tracing.configure("k3serve-router", config.otlp_traces_endpoint)
     tune_gc()
     fix_mmap_threshold()

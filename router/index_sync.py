@@ -45,6 +45,9 @@ class IndexSync:
         self.poll_timeout_s = poll_timeout_s
         self.unhealthy_after = unhealthy_after
         self.closed = False
+        #: the router is stopping (:meth:`router.pool.WorkerPool.begin_stop`): workers that
+        #: drain and exit are expected to stop answering; their polls failing is logged at INFO
+        self.stopping = False
         #: Called with a worker's URL after its state was loaded anew (a new epoch: the
         #: worker restarted with an empty cache, or a gap): what the router recorded of
         #: prompts it sent there is void (:meth:`router.recent.RecentPlacements.forget`).
@@ -212,6 +215,7 @@ class IndexSync:
                 w.failures += 1
                 if w.healthy and w.failures >= self.unhealthy_after:
                     w.healthy = False
-                    log.warning("worker %s unhealthy after %d failed polls: %s", w.url,
-                                w.failures, e)
+                    log.log(logging.INFO if self.stopping else logging.WARNING,
+                            "worker %s unhealthy after %d failed polls: %s", w.url, w.failures,
+                            e)
             await asyncio.sleep(self.poll_interval_s)

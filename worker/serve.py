@@ -116,7 +116,7 @@ def _server_cls() -> type:
             from worker.registration import deregister
 
             w, cfg = self.worker, self.worker.config
-            log.warning("%s: draining (no new admissions; up to %.0f s)", signame,
+            log.info("%s: draining (no new admissions; up to %.0f s)", signame,
                         cfg.drain_timeout_s)
             await stop_registration(self.app)
             if cfg.router_url:
@@ -136,7 +136,7 @@ def _server_cls() -> type:
                 log.warning("drain: %d requests still held after %.0f s; stopping",
                             left, cfg.drain_timeout_s)
             else:
-                log.warning("drain: done; stopping")
+                log.info("drain: done; stopping")
             w.end_streams()
             self.should_exit = True
 

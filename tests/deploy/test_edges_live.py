@@ -8,6 +8,8 @@
 2. kill -9 of the only prefill worker while a request is in its prefill: the router waits for
    the supervisor's restart (``router.retries.wait_for_live``) and places the request on the
    restarted worker; the client gets the same text as before the kill, no 503.
+3. SIGTERM to every component while streams run (a drain, as ``k3serve serve`` stops): the
+   streams finish and no component logs a warning for the drain's expected events.
 """
 
 from __future__ import annotations
@@ -26,10 +28,15 @@ PROMPT = "The lost prefill comes back on the restarted worker " * 4
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def logs(tmp_path_factory):
+    """The folder of the stack's component logs (``{name}.log``)."""
+    return tmp_path_factory.mktemp("stack-logs")
+
+
+@pytest.fixture(scope="module")
+def stack(logs):
     from deploy.launcher import start_stack
 
-    logs = tmp_path_factory.mktemp("stack-logs")
     st = start_stack(model=MODEL, num_prefill=1, num_decode=1, api_key=None, block_size=B,
                      log_dir=str(logs), ready_timeout=180, supervise=True, max_restarts=2)
     try:
@@ -118,3 +125,41 @@ def test_kill_the_only_prefill_worker_mid_prefill_the_request_completes(stack):
     print(f"request answered {out['s']:.1f} s after it was sent (the restart included)")
     health = httpx.get(stack.url + "/health").json()
     assert health["num_prefill_healthy"] == 1, health
+
+
+def _stream(url: str, out: list) -> None:
+    with httpx.stream("POST", url + "/v1/completions", json={
+            "model": MODEL, "prompt": "drain me", "max_tokens": 96, "stream": True,
+            "ignore_eos": True, "temperature": 0}, timeout=180) as r:
+        out.append(r.status_code)
+        out.append(b"".join(r.iter_bytes()))
+
+
+def test_a_drain_logs_no_warning(stack, logs):
+    """Last (it stops the stack): SIGTERM to every component while streams run, as ``k3serve
+    serve`` stops: the streams finish, and neither the router (the drained workers stop
+    answering its polls and probes) nor a worker (its drain starting and ending) logs a
+    warning, error or traceback."""
+    outs: list[list] = [[] for _ in range(3)]
+    threads = [threading.Thread(target=_stream, args=(stack.url, o)) for o in outs]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not all(outs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the streams are running
+    sizes = {s.name: (logs / f"{s.name}.log").stat().st_size for s in stack.specs}
+    stack.stop(timeout=120)
+    for t in threads:
+        t.join(120)
+    for o in outs:
+        assert o[0] == 200 and o[1].rstrip().endswith(b"data: [DONE]"), o
+        assert b'"finish_reason":"length"' in o[1]
+    bad = []
+    for name, start in sizes.items():
+        with open(logs / f"{name}.log", "rb") as f:
+            f.seek(start)
+            for line in f.read().decode(errors="replace").splitlines():
+                if " WARNING " in line or " ERROR " in line or "Traceback" in line:
+                    bad.append(f"{name}: {line}")
+    assert not bad, "\n".join(bad)
