@@ -24,7 +24,7 @@ from types import FrameType
 import uvicorn
 
 from k3serve import tracing
-from k3serve.process import handled_signals, set_title
+from k3serve.process import ParentWatch, exit_now, handled_signals, set_title
 from router.app import create_app
 from router.config import (
     ROUTER_HTTP,
@@ -54,11 +54,16 @@ class StoppingServer(uvicorn.Server):
     (the router's pool then logs its workers' expected exits at INFO)."""
 
     on_stop: Callable[[], None] | None = None
+    parent: ParentWatch | None = None  # the launcher; gone: exit at once, quietly
 
     def capture_signals(self) -> contextlib.AbstractContextManager[None]:
         return handled_signals(self.handle_exit, STOP_SIGNALS)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.parent is not None and self.parent.gone():  # the launcher died (ParentWatch)
+            log.info("%s: the launcher (pid %d) is gone; exiting now",
+                     signal.Signals(sig).name, self.parent.parent)
+            exit_now(0)
         if not self.should_exit:
             self.should_exit = True
             if self.on_stop is not None:
@@ -91,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         0 after a clean stop; 1 when the port cannot be bound (one line on stderr, no
         traceback).
     """
+    parent = ParentWatch()
     for sig in STOP_SIGNALS:
         signal.signal(sig, _quit_before_serving)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -132,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     server = StoppingServer(uvicorn.Config(
         app, log_level=args.log_level, http=ROUTER_HTTP, loop=ROUTER_LOOP,
         access_log=not isinstance(level, int) or level <= logging.INFO))
-    server.on_stop = app.state.router.pool.begin_stop
+    server.on_stop, server.parent = app.state.router.pool.begin_stop, parent
     tracing.configure("k3serve-router", config.otlp_traces_endpoint)
     tune_gc()
     fix_mmap_threshold()
