@@ -476,11 +476,11 @@ def _parallel_flags(a: argparse.Namespace) -> dict:
 
 
 __all__ = [
+    "FIELD_FLAGS",
     "TEST_HOOKS_ENV",
     "THREADS_ENV",
     "WorkerConfig",
     "WorkerEnv",
-    "FIELD_FLAGS",
     "build_parser",
     "check_flags",
     "config_from_args",

@@ -36,11 +36,11 @@ def _up(tmp: Path, router_url: str) -> subprocess.Popen:
 
 def test_an_unreachable_router_is_one_line_and_leaves_no_folder(tmp_path):
     p = _up(tmp_path, "http://127.0.0.1:9")
-    out, err = p.communicate(timeout=60)
+    _, err = p.communicate(timeout=60)
     assert p.returncode == 1, err
-    assert err.strip().splitlines() == [
+    assert err.strip().splitlines() == [(
         "python -m deploy.monitoring: error: the router at http://127.0.0.1:9: "
-        "[Errno 111] Connection refused"], err
+        "[Errno 111] Connection refused")], err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -47,8 +47,8 @@ def _no_stack(monkeypatch):
     (["--expert-plan", "plan.json"], "--expert-plan: needs --ep > 1"),
     (["--speculative", "ngram", "--num-speculative-tokens", "0"],
      "--speculative: SpecConfig.num_speculative_tokens: must be in [1, 64], got 0"),
-    (["--max-model-len", "8193"], "--max-model-len: 8193 is above the context length of "
-                                  "k3-tiny (8192 tokens, max_position_embeddings)"),
+    (["--max-model-len", "8193"], ("--max-model-len: 8193 is above the context length of "
+                                   "k3-tiny (8192 tokens, max_position_embeddings)")),
 ], ids=lambda x: x[0][2:] if isinstance(x, list) else "")
 def test_serve_refuses_a_bad_worker_flag_in_one_line(flags, line, monkeypatch, capsys):
     _no_stack(monkeypatch)
