@@ -232,6 +232,28 @@ def main(argv: list[str] | None = None) -> int:
         print(plot_hit_rate(args.prometheus, end - 60 * args.minutes, end, args.out))
         return 0
     run = Path(tempfile.mkdtemp(prefix="k3serve-monitoring-"))
+    try:
+        return up_in(run, args)
+    except httpx.HTTPError as e:
+        print(f"python -m deploy.monitoring: error: the router at {args.router_url}: "
+              f"{e or type(e).__name__}", file=sys.stderr, flush=True)
+        return 1
+    except (FileNotFoundError, RuntimeError) as e:  # no prometheus; it exited or never got ready
+        why = " ".join(str(e).split())[:500]
+        print(f"python -m deploy.monitoring: error: {why}", file=sys.stderr, flush=True)
+        return 1
+    finally:  # the run folder (config copy, targets, Prometheus' data) goes with the run
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def up_in(run: Path, args: argparse.Namespace) -> int:
+    """``up``: Prometheus (+ Grafana) with their files in the folder ``run``, until SIGTERM /
+    SIGINT or Prometheus' exit; returns 0.
+
+    Raises:
+        httpx.HTTPError: the router did not list its workers (``--sd-dir`` not given).
+        FileNotFoundError: no ``prometheus``; RuntimeError: it exited or was not ready.
+    """
     sd = Path(args.sd_dir) if args.sd_dir else run / "targets"
     writer = None
     if not args.sd_dir:

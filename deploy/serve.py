@@ -255,10 +255,11 @@ def check_args(args: argparse.Namespace) -> None:
         check_port_free(args.host, args.port)
 
 
-def check_router_flags(flags: list[str]) -> None:
-    """Build the router's config from the router flags ``serve`` passes on, in this process:
-    a value the router would refuse at its start (``--prefill-rate 0``) is refused here,
-    before anything starts.
+def check_router_flags(flags: list[str], model: str = "k3-tiny") -> None:
+    """Build the router's config from the router flags ``serve`` passes on (serving
+    ``model``), in this process: a value the router would refuse at its start
+    (``--prefill-rate 0``, a ``--max-model-len`` above the model's context length) is refused
+    here, before anything starts.
 
     Raises:
         ValueError: the router config's field and the value (one line).
@@ -266,7 +267,33 @@ def check_router_flags(flags: list[str]) -> None:
     from router.config import build_parser as router_parser
     from router.config import config_from_args
 
-    config_from_args(router_parser().parse_args(flags))
+    config_from_args(router_parser().parse_args(["--model", model, *flags]))
+
+
+def check_worker_flags(flags: list[str], device: str | None, monolithic: bool) -> None:
+    """Parse the worker flags ``serve`` passes on with the workers' own parser and build their
+    engine config, in this process (:func:`worker.config.check_flags`): a value a worker would
+    refuse at its start (``--num-pages -5``) is refused here, before anything starts.
+
+    Args:
+        flags: the workers' flags (:func:`passthrough_args`).
+        device: ``--device``.
+        monolithic: only decode workers run (``--monolithic N``).
+
+    Raises:
+        ValueError: the flag and the value (one line).
+    """
+    from worker.config import check_flags
+
+    try:
+        check_flags(flags, device, ("decode",) if monolithic else ("prefill", "decode"))
+    except ValueError as e:  # a worker flag under its ``k3serve serve`` name
+        flag, sep, rest = str(e).partition(":")
+        renamed = {a.option_strings[0]: names[0] for role, a, _dest, names in _passthrough_specs()
+                   if role == "worker" and names[0] != a.option_strings[0]}
+        if not sep or flag not in renamed:
+            raise
+        raise ValueError(renamed[flag] + sep + rest) from None
 
 
 def check_model(model: str) -> None:
@@ -348,7 +375,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.config:
         raise ValueError("--config: only used with --ray (the local backend takes flags)")
     check_args(args)
-    check_router_flags(extra["router"])
+    check_router_flags(extra["router"], args.model)
+    check_worker_flags(extra["worker"], args.device, args.monolithic > 0)
     set_title("k3serve serve")
     stopper = Stopper()
     stopper.install()
@@ -412,4 +440,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "STOP_GRACE_S", "Stopper", "build_parser", "check_args",
-           "check_model", "check_router_flags", "drain_timeout", "main", "passthrough_args", "run", "serve"]
+           "check_model", "check_router_flags", "check_worker_flags", "drain_timeout", "main", "passthrough_args", "run", "serve"]

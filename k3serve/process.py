@@ -9,6 +9,8 @@
   the argv area's length.
 * :func:`handled_signals` — route signals to a handler for the length of a ``with`` block
   (a server's run), then restore the previous handlers; nothing is re-raised afterwards.
+* :class:`ParentWatch` — whether the launcher that started this process died (the kernel's
+  parent-death signal found it reparented).
 * :func:`exit_now` — end a process that has released what it holds without the interpreter's
   finalization (module teardown, the native destructors of torch and Mooncake: seconds of a
   stopping worker on a small machine); logging and stdio are flushed first.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -60,6 +63,37 @@ def exit_now(status: int = 0) -> NoReturn:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(status)
+
+
+class ParentWatch:
+    """Whether the launcher that started this process is gone. ``k3serve serve`` asks the
+    kernel to SIGTERM its children when it dies (``PR_SET_PDEATHSIG``, deploy/local.py), even
+    by SIGKILL; such a signal finds the child reparented. The router and the workers then exit
+    at once, quietly: the rest of the stack (the store's master included) went with the
+    launcher, so there is nothing to drain for, and closing a store client would only log
+    Mooncake's errors about the master that is gone. Made at the process's start; a process
+    started without the death signal (by hand, by Ray) is never taken as orphaned."""
+
+    def __init__(self) -> None:
+        self.parent = os.getppid()
+        self.death_signal = death_signal()
+
+    def gone(self) -> bool:
+        """True when the parent asked for was replaced (the launcher died)."""
+        return self.death_signal != 0 and os.getppid() != self.parent
+
+
+def death_signal() -> int:
+    """This process's parent-death signal (``prctl(PR_GET_PDEATHSIG)``; 0: none, or not
+    Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        sig = ctypes.c_int(0)
+        if libc.prctl(2, ctypes.byref(sig)) != 0:  # PR_GET_PDEATHSIG = 2
+            return 0
+    except (OSError, AttributeError):
+        return 0
+    return sig.value
 
 
 class CommandParser(argparse.ArgumentParser):

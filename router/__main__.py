@@ -18,12 +18,13 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
 
 from k3serve import tracing
-from k3serve.process import handled_signals, set_title
+from k3serve.process import ParentWatch, exit_now, handled_signals, set_title
 from router.app import create_app
 from router.config import (
     ROUTER_HTTP,
@@ -49,14 +50,24 @@ def _quit_before_serving(signum: int, frame: FrameType | None) -> None:
 class StoppingServer(uvicorn.Server):
     """uvicorn's server with the stop rules of the module docstring; unlike uvicorn's own
     ``capture_signals`` it does not re-raise the handled signal after the run (which ends the
-    process with -15, or a KeyboardInterrupt traceback)."""
+    process with -15, or a KeyboardInterrupt traceback). ``on_stop`` runs at the first signal
+    (the router's pool then logs its workers' expected exits at INFO)."""
+
+    on_stop: Callable[[], None] | None = None
+    parent: ParentWatch | None = None  # the launcher; gone: exit at once, quietly
 
     def capture_signals(self) -> contextlib.AbstractContextManager[None]:
         return handled_signals(self.handle_exit, STOP_SIGNALS)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.parent is not None and self.parent.gone():  # the launcher died (ParentWatch)
+            log.info("%s: the launcher (pid %d) is gone; exiting now",
+                     signal.Signals(sig).name, self.parent.parent)
+            exit_now(0)
         if not self.should_exit:
             self.should_exit = True
+            if self.on_stop is not None:
+                self.on_stop()
         elif sig == signal.SIGINT:
             self.force_exit = True
         else:
@@ -85,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         0 after a clean stop; 1 when the port cannot be bound (one line on stderr, no
         traceback).
     """
+    parent = ParentWatch()
     for sig in STOP_SIGNALS:
         signal.signal(sig, _quit_before_serving)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -122,9 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     # httptools (C request parser, chunked body writes without h11's state machine): ~10 % of
     # the router's CPU per request and per relayed chunk (benchmarks/router_relay.py); the
     # workers' servers stay on h11
+    app = create_app(config)
     server = StoppingServer(uvicorn.Config(
-        create_app(config), log_level=args.log_level, http=ROUTER_HTTP, loop=ROUTER_LOOP,
+        app, log_level=args.log_level, http=ROUTER_HTTP, loop=ROUTER_LOOP,
         access_log=not isinstance(level, int) or level <= logging.INFO))
+    server.on_stop, server.parent = app.state.router.pool.begin_stop, parent
     tracing.configure("k3serve-router", config.otlp_traces_endpoint)
     tune_gc()
     fix_mmap_threshold()

@@ -239,6 +239,7 @@ class Answer:
         one write."""
         out, render, accs, num_choices = self.out, self.render, self.accs, self.num_choices
         item, seen, done = self.first, set(), 0
+        running = self.req.continuous_usage  # every chunk carries the running usage
         pending = b""  # a choice's final chunk, held to go out with the end of the body
         stream = None if self.span is None else tracing.start_span("router.stream", self.span)
         try:
@@ -261,7 +262,8 @@ class Answer:
                     if acc is None:
                         acc = accs[d.index] = ChoiceAcc()
                     acc.count(d)
-                    frame = render.frame(d, d.index not in seen)
+                    frame = (render.frame_with_usage(d, d.index not in seen, self.jobs, accs)
+                             if running else render.frame(d, d.index not in seen))
                     seen.add(d.index)
                     if d.finish_reason and done == num_choices - 1:
                         pending += frame  # the last choice's last chunk: END follows

@@ -113,7 +113,9 @@ def _public_routes(app: FastAPI, router: Router, config: RouterConfig,
         return await handler.serve(request, chat=True)
 
     def card() -> ModelCard:
-        return ModelCard(id=config.model, max_model_len=router.max_model_len)
+        layout = router.registry.layout
+        return ModelCard(id=config.model, max_model_len=router.max_model_len,
+                         block_size=layout[1] if layout else None)
 
     @app.get("/v1/models", response_model=ModelList, dependencies=[Depends(check_api_key)])
     async def models() -> ModelList:

@@ -9,6 +9,7 @@ from ``--api-key`` or ``$K3SERVE_API_KEY``.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import socket
 from dataclasses import dataclass, field
@@ -215,8 +216,38 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+@functools.lru_cache(maxsize=8)
+def model_context_len(model: str) -> int | None:
+    """``max_position_embeddings`` of ``model``'s config (a preset or a checkpoint folder),
+    tokens; ``None`` when it cannot be read."""
+    from k3serve.config import load_config
+
+    try:
+        return load_config(model).max_position_embeddings
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+
+
+def check_model_len(model: str, max_model_len: int | None) -> None:
+    """Refuse a ``--max-model-len`` above ``model``'s context length (vLLM refuses it too:
+    positions past the model's are never computed right).
+
+    Raises:
+        ValueError: one line naming the flag, the value and the model's limit.
+    """
+    limit = model_context_len(model)
+    if max_model_len is not None and limit is not None and max_model_len > limit:
+        raise ValueError(f"--max-model-len: {max_model_len} is above the context length of "
+                         f"{model} ({limit} tokens, max_position_embeddings)")
+
+
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    """The :class:`RouterConfig` of parsed flags and the two environment variables."""
+    """The :class:`RouterConfig` of parsed flags and the two environment variables.
+
+    Raises:
+        ValueError: a bad value (the field or the flag and the value, one line).
+    """
+    check_model_len(args.model, args.max_model_len)
     keys = api_keys_of(args.api_key or [], args.api_key_file) or [
         k for k in [os.environ.get(API_KEY_ENV)] if k]
     return RouterConfig(

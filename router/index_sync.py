@@ -46,6 +46,9 @@ class IndexSync:
         self.poll_timeout_s = poll_timeout_s
         self.unhealthy_after = unhealthy_after
         self.closed = False
+        #: the router is stopping (:meth:`router.pool.WorkerPool.begin_stop`): workers that
+        #: drain and exit are expected to stop answering; their polls failing is logged at INFO
+        self.stopping = False
         #: Called as ``on_resync(url, before)`` after a worker's state was loaded under a new
         #: epoch (the worker restarted with an empty cache): what the router recorded of the
         #: prompts it sent there before ``before`` (monotonic seconds: when the pull that
@@ -223,6 +226,7 @@ class IndexSync:
                 w.failures += 1
                 if w.healthy and w.failures >= self.unhealthy_after:
                     w.healthy = False
-                    log.warning("worker %s unhealthy after %d failed polls: %s", w.url,
-                                w.failures, e)
+                    log.log(logging.INFO if self.stopping else logging.WARNING,
+                            "worker %s unhealthy after %d failed polls: %s", w.url, w.failures,
+                            e)
             await asyncio.sleep(self.poll_interval_s)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
 import secrets
@@ -40,7 +39,7 @@ from k3serve.messages import (
 from router import trace
 from router.admission import Admission, decode_capacity
 from router.choose import choose
-from router.config import RouterConfig
+from router.config import RouterConfig, model_context_len
 from router.memory import MemoryTrimmer
 from router.metrics import RouterMetrics
 from router.placement import NoWorkerAvailable, Placement
@@ -56,6 +55,7 @@ from router.retries import (
     first_then_retrying,
     no_room,
     refused,
+    wait_for_live,
 )
 from router.schemas import ChatCompletionRequest, CompletionRequest
 from router.stream import END, Placed, stream_choice
@@ -67,15 +67,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("k3serve.router")
 
 
-@functools.lru_cache(maxsize=8)
-def model_positions(model: str) -> int:
-    """``max_position_embeddings`` of ``model``'s config (2²⁰ when it cannot be read)."""
-    from k3serve.config import load_config
-
-    try:
-        return load_config(model).max_position_embeddings
-    except (ValueError, OSError):
-        return 1 << 20
+#: the longest prompt + output, tokens, when neither the flags, the workers nor the model's
+#: config give one
+UNKNOWN_MODEL_LEN = 1 << 20
 
 class Router:
     """Request pipeline, worker pool and metrics of one router process.
@@ -133,7 +127,7 @@ class Router:
         reported = [w.info.max_model_len for w in self.registry.workers.values()
                     if w.info.max_model_len and w.available]
         return (self.config.max_model_len or (min(reported) if reported else 0)
-                or model_positions(self.config.model))
+                or model_context_len(self.config.model) or UNKNOWN_MODEL_LEN)
 
     # ------------------------------------------------------------------ placement
     def place(self, ids: list[int], cache_salt: str | None, max_new: int,
@@ -275,10 +269,10 @@ class Router:
         """Run one choice through reserve → prefill → stream, pushing ``Delta``s to ``out``.
 
         A worker that cannot be reached before anything was computed is marked unhealthy and
-        the choice is placed once more elsewhere. A decode worker that answers ``busy`` (no
-        free slot or pages) stays healthy: the choice is placed again after a short backoff,
-        for up to ``RouterConfig.busy_wait_s``. Cancelling the task aborts the request on
-        both workers.
+        the choice is placed once more elsewhere (with none of its role live, once one is back:
+        :func:`router.retries.wait_for_live`). A decode worker that answers ``busy`` (no free
+        slot or pages) stays healthy: the choice is placed again after a short backoff, for up
+        to ``RouterConfig.busy_wait_s``. Cancelling the task aborts the request on both workers.
 
         The workers detokenize and decide stops and ``max_tokens`` (token #1's in P's answer);
         the choice ends with:
@@ -321,6 +315,9 @@ class Router:
 
         async def attempt(n: int) -> Placed:
             sub = f"{rid}-{index}" + (f"-r{n - 1}" if n > 1 else "")
+            if n > 1:  # its worker failed: wait for a live one (a restarted one)
+                wait_s = self.config.busy_wait_s
+                await wait_for_live(self.registry.live, self.monolithic, arrival + wait_s, sub)
             first_token = (self._first_token_monolithic if self.monolithic
                            else self._first_token)
             return await first_token(job, sampling, cache_salt, sub, frozenset(tried))

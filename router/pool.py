@@ -108,6 +108,12 @@ class WorkerPool:
                    breaker_fail_max=config.breaker_fail_max,
                    breaker_reset_s=config.breaker_reset_s, channels=config.decode_channels)
 
+    def begin_stop(self) -> None:
+        """The router is stopping (SIGTERM / SIGINT): the workers drain and exit too, so their
+        polls and liveness probes failing from now on is expected (logged at INFO, not
+        WARNING); placement and the open streams go on as before."""
+        self.registry.stopping = self.index_sync.stopping = True
+
     async def close(self) -> None:
         """Stop every poller and probe, end the decode streams' tasks, close the clients."""
         await self.registry.close()

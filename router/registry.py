@@ -77,6 +77,9 @@ class WorkerRegistry:
         self.on_forget = on_forget
         self.workers: dict[str, Worker] = {}
         self.closed = False
+        #: the router is stopping: unanswered liveness probes are logged at INFO (the workers
+        #: drain and exit; :meth:`router.pool.WorkerPool.begin_stop`)
+        self.stopping = False
 
     async def close(self) -> None:
         """Stop every liveness probe."""
@@ -195,8 +198,9 @@ class WorkerRegistry:
                 w.misses += 1
                 if w.alive and w.misses >= self.live_misses:
                     w.alive = False
-                    log.warning("worker %s out of placement: %d liveness probes in a row "
-                                "unanswered within %g s", w.url, w.misses, self.live_timeout_s)
+                    log.log(logging.INFO if self.stopping else logging.WARNING,
+                            "worker %s out of placement: %d liveness probes in a row "
+                            "unanswered within %g s", w.url, w.misses, self.live_timeout_s)
             await asyncio.sleep(self.live_interval_s)
 
     def mark_failed(self, w: Worker) -> None:

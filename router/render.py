@@ -210,6 +210,15 @@ class Render:
             parts.append(f'"content":{_js_str(d.text)}')
         return sse_frame(f'{self._head}{d.index},"delta":{{{",".join(parts)}}}{reason}}}]}}')
 
+    def frame_with_usage(self, d: Delta, first: bool, jobs: list[PromptJob],
+                         accs: dict[int, ChoiceAcc]) -> bytes:
+        """:meth:`frame` with the request's running ``usage`` (``continuous_usage_stats``):
+        the prompt tokens of every prompt, the completion tokens every choice has streamed so
+        far (``d``'s included; ``accs`` has counted it) and their sum."""
+        chunk = self.chunk(d, first)
+        chunk["usage"] = self.usage(jobs, accs).model_dump()
+        return sse_frame(_js(chunk))
+
     def chat_choice(self, index: int, a: ChoiceAcc) -> ChatChoice:
         """One non-streaming chat choice; with tools, the Kimi-format calls parsed out of the
         text into ``message.tool_calls`` (``finish_reason`` ``tool_calls`` when it stopped)."""

@@ -170,6 +170,9 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "k3serve"
     max_model_len: int | None = None
+    #: tokens per cache block of the workers (hashing granularity); ``None`` before any
+    #: worker registered. A trace replay checks its block size against it (``k3serve bench``).
+    block_size: int | None = None
 
 
 class ModelList(BaseModel):

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState
@@ -18,6 +19,7 @@ from router.placement import NoWorkerAvailable
 from router.workers import PoolBusy, WorkerError
 
 T = TypeVar("T")
+log = logging.getLogger("k3serve.router")
 
 #: Pause before a choice that found every decode worker busy retries its reservation; waiting
 #: choices take turns, so at most 1 / BUSY_RETRY_S such retries per second leave the router.
@@ -112,3 +114,23 @@ def no_room(busy_wait_s: float) -> Callable[[RetryCallState], None]:
                                 f"{busy_wait_s:g} s")
 
     return fail
+
+
+async def wait_for_live(live: Callable[[str], Sequence[object]], monolithic: bool,
+                        deadline: float, what: str) -> None:
+    """Before a choice whose worker failed before token #1 is placed again: while a role it
+    needs (prefill and decode; decode only on a ``monolithic`` stack) has no live worker
+    (``live(role)`` is empty: the only prefill worker was killed), wait for one — a
+    supervised worker comes back on a fresh port and registers again — looking every
+    ``RESUME_WAIT_S`` seconds, until ``deadline`` (monotonic seconds; the router passes
+    ``RouterConfig.busy_wait_s`` after the request arrived). Returns at once when every role
+    has one; past ``deadline`` placement answers 503 (``NoWorkerAvailable``, with
+    ``Retry-After``). ``what`` names the request (its sub-request id) in the log."""
+    roles = ("decode",) if monolithic else ("prefill", "decode")
+    missing = [r for r in roles if not live(r)]
+    if not missing:
+        return
+    log.info("%s: no live %s worker; waiting up to %.0f s for one", what, " or ".join(missing),
+             max(0.0, deadline - time.monotonic()))
+    while time.monotonic() < deadline and not all(live(r) for r in roles):
+        await asyncio.sleep(RESUME_WAIT_S)

@@ -80,7 +80,8 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    """``stream_options``: ``include_usage`` adds a final chunk with ``usage``."""
+    """``stream_options``: ``include_usage`` adds a final chunk with ``usage``; with it,
+    ``continuous_usage_stats`` (vLLM's extension) puts the running ``usage`` in every chunk."""
 
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -139,6 +140,12 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the running ``usage`` (vLLM's
+        ``continuous_usage_stats``, honoured with ``include_usage`` as vLLM does)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingFields):

@@ -46,6 +46,7 @@ SERIAL = (
     "tests/router/test_index_kick.py",
     "tests/router/test_isolation.py",
     "tests/router/test_placement_live.py",
+    "tests/router/test_prefill_retry.py",
     "tests/router/test_regressions_router.py",
     "tests/router/test_reliability.py",
     "tests/router/test_reliability_admission.py",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -27,7 +27,7 @@ from k3serve.protocol import CLUSTER_TOKEN_ENV
 from k3serve.tracing import ENDPOINT_ENV
 from kvstore import KVConfig
 from kvstore.store.client import StoreConfig
-from worker.device import DeviceProbe, Sizes, probe, resolve_sizes
+from worker.device import LARGE_CARD_BYTES, DeviceProbe, Sizes, probe, resolve_sizes
 
 Role = Literal["prefill", "decode"]
 
@@ -163,6 +163,22 @@ class WorkerConfig:
     num_speculative_tokens: int = 4
     speculative_draft_model: str | None = None
     otlp_traces_endpoint: str | None = None
+
+    def engine_options(self) -> dict[str, Any]:
+        """The engine settings of this worker: keyword arguments of
+        :class:`~k3serve.engine.config.EngineConfig` (``k3serve.LLM`` takes the same).
+
+        Raises:
+            ValueError: bad speculative flags (:meth:`spec_config`).
+        """
+        return {"block_size": self.block_size, "num_pages": self.num_pages,
+                "num_slots": self.num_slots, "num_snapshots": self.num_snapshots,
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "enable_prefix_caching": self.enable_prefix_caching,
+                "dense_snapshot_blocks": self.dense_snapshot_blocks,
+                "gpu_memory_utilization": self.gpu_memory_utilization,
+                "max_num_seqs": self.max_num_seqs, "cuda_graphs": self.cuda_graphs,
+                "speculative": self.spec_config()}
 
     def spec_config(self) -> SpecConfig | None:
         """The engine's speculative-decoding settings (``None``: off, or a prefill worker).
@@ -331,12 +347,24 @@ def parse_config(role: Role, argv: list[str] | None = None,
         ValueError: a ``K3SERVE_KV_*`` variable that does not parse.
     """
     env = env if env is not None else WorkerEnv()
-    a = build_parser(role, env).parse_args(argv)
+    return config_from_args(role, build_parser(role, env).parse_args(argv), env, seen)
+
+
+def config_from_args(role: Role, a: argparse.Namespace, env: WorkerEnv,
+                     seen: DeviceProbe | None = None) -> WorkerConfig:
+    """The :class:`WorkerConfig` of flags parsed by :func:`build_parser` (``parse_config``'s
+    arguments).
+
+    Raises:
+        SystemExit: a bad flag value (the message names the flag).
+        ValueError: a ``K3SERVE_KV_*`` variable that does not parse.
+    """
     sizes = _sizes(a, seen)
     return WorkerConfig(
         role=role, host=a.host, port=a.port, advertise_host=a.advertise_host, model=a.model,
         router_url=a.router_url.rstrip("/") if a.router_url else None, worker_id=a.worker_id,
-        block_size=a.block_size, num_pages=a.num_pages or DEFAULT_NUM_PAGES,
+        block_size=a.block_size,
+        num_pages=DEFAULT_NUM_PAGES if a.num_pages is None else a.num_pages,
         num_slots=sizes.num_slots, num_snapshots=a.num_snapshots,
         max_num_batched_tokens=sizes.max_num_batched_tokens,
         enable_prefix_caching=not a.no_prefix_caching, device=sizes.device, dtype=a.dtype,
@@ -346,9 +374,56 @@ def parse_config(role: Role, argv: list[str] | None = None,
         **_parallel_flags(a),
         gpu_memory_utilization=sizes.gpu_memory_utilization, max_num_seqs=sizes.max_num_seqs,
         cuda_graphs=a.cuda_graphs, drain_timeout_s=a.drain_timeout,
-        max_prefill_backlog=a.max_prefill_backlog, max_queued=_max_queued(a.max_queued),
+        max_prefill_backlog=_at_least(0, "--max-prefill-backlog", a.max_prefill_backlog),
+        max_queued=_at_least(0, "--max-queued", a.max_queued),
         otlp_traces_endpoint=a.otlp_traces_endpoint or env.otlp_traces_endpoint or None,
         **_spec_flags(a, role))
+
+
+#: the flag of a ``WorkerConfig`` / ``EngineConfig`` field whose own name is not the flag's
+FIELD_FLAGS = {"drain_timeout_s": "--drain-timeout"}
+
+
+def check_flags(argv: list[str], device: str | None = None,
+                roles: tuple[Role, ...] = ("prefill", "decode")) -> None:
+    """Parse ``argv`` as ``python -m {role}.worker`` does for each of ``roles`` and build the
+    engine's config from it, in this process: a flag value a worker would refuse at its start
+    is refused here (``k3serve serve`` checks the worker flags it passes on before anything
+    starts). Nothing is loaded; CUDA is not touched (a CUDA ``device``, or none, is checked
+    as a card with the default sizes).
+
+    Args:
+        argv: the workers' flags.
+        device: the workers' ``--device`` (``None``: chosen by each worker).
+        roles: the roles started with these flags.
+
+    Raises:
+        ValueError: one line naming the flag and the value.
+    """
+    from k3serve.engine.config import EngineConfig
+
+    env = WorkerEnv()
+    seen = DeviceProbe(False) if device == "cpu" else DeviceProbe(True, LARGE_CARD_BYTES)
+    for role in roles:
+        ap = build_parser(role, env)
+        ap.exit_on_error = False  # a usage error raises ArgumentError: one line, no usage
+        try:
+            a, rest = ap.parse_known_args(argv)
+        except argparse.ArgumentError as e:
+            raise ValueError(str(e)) from None
+        if rest:
+            raise ValueError(f"unrecognized worker flags: {' '.join(rest)}")
+        try:
+            EngineConfig(**config_from_args(role, a, env, seen).engine_options())
+        except SystemExit as e:
+            raise ValueError(str(e.code)) from None
+        except ValueError as e:
+            head, sep, tail = str(e).partition(":")
+            name = head.removeprefix("EngineConfig.")
+            if not sep or " " in name:
+                raise
+            raise ValueError(FIELD_FLAGS.get(name, "--" + name.replace("_", "-")) + sep + tail
+                             ) from None
 
 
 def _spec_flags(a: argparse.Namespace, role: str) -> dict:
@@ -371,14 +446,14 @@ def _spec_flags(a: argparse.Namespace, role: str) -> dict:
     return out
 
 
-def _max_queued(n: int) -> int:
-    """``--max-queued``, checked.
+def _at_least(least: int, flag: str, n: int | None) -> int | None:
+    """``n``, the value of ``flag`` (``None``: not given), checked against ``least``.
 
     Raises:
-        SystemExit: a negative value (names the flag).
+        SystemExit: ``n`` below ``least`` (names the flag).
     """
-    if n < 0:
-        raise SystemExit(f"--max-queued: must be ≥ 0, got {n}")
+    if n is not None and n < least:
+        raise SystemExit(f"{flag}: must be ≥ {least}, got {n}")
     return n
 
 
@@ -401,10 +476,13 @@ def _parallel_flags(a: argparse.Namespace) -> dict:
 
 
 __all__ = [
+    "FIELD_FLAGS",
     "TEST_HOOKS_ENV",
     "THREADS_ENV",
     "WorkerConfig",
     "WorkerEnv",
     "build_parser",
+    "check_flags",
+    "config_from_args",
     "parse_config",
 ]

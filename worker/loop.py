@@ -48,16 +48,8 @@ def build_engine(config: WorkerConfig) -> Any:
         torch.set_num_threads(config.threads)
     if config.tp > 1 or config.ep > 1:
         return build_parallel_engine(config)
-    llm = LLM(
-        config.model, enable_prefix_caching=config.enable_prefix_caching, seed=config.seed,
-        device=config.device, dtype=getattr(torch, config.torch_dtype_name),
-        block_size=config.block_size, num_pages=config.num_pages, num_slots=config.num_slots,
-        num_snapshots=config.num_snapshots,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        dense_snapshot_blocks=config.dense_snapshot_blocks,
-        gpu_memory_utilization=config.gpu_memory_utilization, max_num_seqs=config.max_num_seqs,
-        cuda_graphs=config.cuda_graphs, speculative=config.spec_config(),
-    )
+    llm = LLM(config.model, seed=config.seed, device=config.device,
+              dtype=getattr(torch, config.torch_dtype_name), **config.engine_options())
     warm(llm.engine)
     return llm.engine
 

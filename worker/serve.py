@@ -31,7 +31,14 @@ from types import FrameType
 from typing import Any
 
 from k3serve import tracing
-from k3serve.process import TITLE_ROLE_ENV, exit_now, handled_signals, set_title, worker_title
+from k3serve.process import (
+    TITLE_ROLE_ENV,
+    ParentWatch,
+    exit_now,
+    handled_signals,
+    set_title,
+    worker_title,
+)
 from worker.base import BaseWorker
 from worker.config import Role, WorkerConfig, parse_config
 
@@ -78,15 +85,20 @@ def _server_cls() -> type:
         ``capture_signals`` does, which ends the process with -15 or a KeyboardInterrupt
         traceback)."""
 
-        def __init__(self, config: Any, worker: BaseWorker, app: Any) -> None:
+        def __init__(self, config: Any, worker: BaseWorker, app: Any,
+                     parent: ParentWatch) -> None:
             super().__init__(config)
-            self.worker, self.app = worker, app
+            self.worker, self.app, self.parent = worker, app, parent
             self.drain_task: asyncio.Task | None = None
 
         def capture_signals(self) -> contextlib.AbstractContextManager[None]:
             return handled_signals(self.handle_exit, DRAIN_SIGNALS)
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if self.parent.gone():  # the launcher died: the stack is going (ParentWatch)
+                log.info("%s: the launcher (pid %d) is gone; exiting now",
+                         signal.Signals(sig).name, self.parent.parent)
+                exit_now(0)
             loop = self.worker.aloop
             if loop is None:  # the app has not started: nothing to drain
                 self.should_exit = True
@@ -116,7 +128,7 @@ def _server_cls() -> type:
             from worker.registration import deregister
 
             w, cfg = self.worker, self.worker.config
-            log.warning("%s: draining (no new admissions; up to %.0f s)", signame,
+            log.info("%s: draining (no new admissions; up to %.0f s)", signame,
                         cfg.drain_timeout_s)
             await stop_registration(self.app)
             if cfg.router_url:
@@ -136,7 +148,7 @@ def _server_cls() -> type:
                 log.warning("drain: %d requests still held after %.0f s; stopping",
                             left, cfg.drain_timeout_s)
             else:
-                log.warning("drain: done; stopping")
+                log.info("drain: done; stopping")
             w.end_streams()
             self.should_exit = True
 
@@ -156,6 +168,7 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
 
     from worker.http import create_app
 
+    parent = ParentWatch()
     for sig in DRAIN_SIGNALS:
         signal.signal(sig, _quit_before_serving)
     config: WorkerConfig = parse_config(role, argv)
@@ -178,7 +191,7 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
     # router/config.py)
     server = _server_cls()(uvicorn.Config(app, log_level=config.log_level, access_log=False,
                                           timeout_graceful_shutdown=3, http="h11",
-                                          loop="asyncio"), worker, app)
+                                          loop="asyncio"), worker, app, parent)
     shown = os.environ.get(TITLE_ROLE_ENV) or role  # monolithic workers run decode.worker
     print(f"k3serve {shown} worker {worker.worker_id} listening on {worker.url}", flush=True)
     try:

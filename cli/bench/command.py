@@ -64,6 +64,37 @@ def build_workload(args: argparse.Namespace):
                        num=args.num, vocab_size=cfg.vocab_size, seed=args.seed)
 
 
+def served_block_size(url: str, model: str, key: str | None) -> int | None:
+    """Tokens per cache block of the served model (the router's ``/v1/models/{model}``
+    ``block_size``); ``None`` when the router does not say (not reachable, no worker yet:
+    the run reports its own errors)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/v1/models/{model}", headers=headers, timeout=10.0)
+        size = r.json().get("block_size") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return size if isinstance(size, int) else None
+
+
+def block_size_warning(length_scale: float, served: int | None) -> str | None:
+    """One line when the trace's blocks (512 trace tokens × ``length_scale``, the hashing
+    granularity of its ``hash_ids``) are not the served model's cache blocks of ``served``
+    tokens: a replayed prefix then shares blocks with the server's cache at other boundaries,
+    and the hit rates and the oracle do not compare. ``None``: they match (or unknown)."""
+    from simulate.traces import TRACE_BLOCK, block_size_of
+
+    trace_block = block_size_of(length_scale)
+    if served is None or served == trace_block:
+        return None
+    return (f"the trace's blocks are {trace_block} tokens ({TRACE_BLOCK} x --length-scale "
+            f"{length_scale:g}) but the served model's cache blocks are {served} tokens: the "
+            f"hit rates will not compare with the oracle (use --length-scale "
+            f"{served / TRACE_BLOCK:g}, or serve with --block-size {trace_block})")
+
+
 def api_key(args: argparse.Namespace) -> str | None:
     """The bearer key: ``--api-key``, else ``$K3SERVE_API_KEY`` (as the openai client reads
     ``$OPENAI_API_KEY``), else none."""
@@ -83,6 +114,11 @@ def main(args: argparse.Namespace) -> int:
     from cli.bench.report import format_summary, summarize
 
     work = build_workload(args)
+    if args.trace:
+        warning = block_size_warning(args.length_scale,
+                                     served_block_size(args.url, args.model, api_key(args)))
+        if warning:
+            print(f"k3serve bench: warning: {warning}", file=sys.stderr, flush=True)
     run = run_load(args.url, work.requests, model=args.model, api_key=api_key(args),
                    progress=not args.no_progress)
     rep = summarize(run, work, slo_ttft=args.slo_ttft, slo_itl=args.slo_itl)
@@ -100,4 +136,5 @@ def main(args: argparse.Namespace) -> int:
     return 1 if rep["num_failed"] else 0
 
 
-__all__ = ["add_arguments", "api_key", "build_workload", "main"]
+__all__ = ["add_arguments", "api_key", "block_size_warning", "build_workload", "main",
+           "served_block_size"]

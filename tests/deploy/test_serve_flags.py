@@ -1,0 +1,135 @@
+"""``k3serve serve`` refuses bad worker flags and a ``--max-model-len`` past the model's
+context length in one line (exit status 2) before anything starts: the worker flags it
+passes on are parsed by the workers' own parser and their engine config is built in the
+serve process (``deploy.serve.check_worker_flags``, ``worker.config.check_flags``); the
+router refuses the same ``--max-model-len`` at its own start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Started(Exception):
+    """``start_stack`` was reached: every check passed."""
+
+
+def _no_stack(monkeypatch):
+    import deploy.serve
+
+    def start_stack(**kw):
+        raise Started(kw)
+
+    monkeypatch.setattr(deploy.serve, "start_stack", start_stack)
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--num-pages", "-5"], "--num-pages: must be an int ≥ 1, got -5"),
+    (["--num-slots", "0"], "--num-slots: must be an int ≥ 1, got 0"),
+    (["--num-snapshots", "-1"], "--num-snapshots: must be an int ≥ 0, got -1"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens: must be an int ≥ 1, got 0"),
+    (["--max-num-seqs", "-2"], "--max-num-seqs: must be an int ≥ 1 or None, got -2"),
+    (["--dense-snapshot-blocks", "-2"], "--dense-snapshot-blocks: must be an int ≥ -1, got -2"),
+    (["--gpu-memory-utilization", "2"],
+     "--gpu-memory-utilization: must be a number in (0, 1] or None, got 2.0"),
+    (["--drain-timeout", "-1"], "--drain-timeout: must be >= 0 (got -1.0)"),
+    (["--max-prefill-backlog", "-3"], "--max-prefill-backlog: must be ≥ 0, got -3"),
+    (["--worker-max-queued", "-1"], "--worker-max-queued: must be ≥ 0, got -1"),
+    (["--tp", "0"], "--tp: must be ≥ 1, got 0"),
+    (["--expert-plan", "plan.json"], "--expert-plan: needs --ep > 1"),
+    (["--speculative", "ngram", "--num-speculative-tokens", "0"],
+     "--speculative: SpecConfig.num_speculative_tokens: must be in [1, 64], got 0"),
+    (["--max-model-len", "8193"], ("--max-model-len: 8193 is above the context length of "
+                                   "k3-tiny (8192 tokens, max_position_embeddings)")),
+], ids=lambda x: x[0][2:] if isinstance(x, list) else "")
+def test_serve_refuses_a_bad_worker_flag_in_one_line(flags, line, monkeypatch, capsys):
+    _no_stack(monkeypatch)
+    assert main(["serve", "--no-store", "--device", "cpu", *flags]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"k3serve serve: error: {line}"]
+
+
+def test_monolithic_workers_get_the_decode_workers_checks(monkeypatch, capsys):
+    """``--monolithic N`` starts decode workers only: their parser checks the flags."""
+    _no_stack(monkeypatch)
+    assert main(["serve", "--no-store", "--monolithic", "1", "--device", "cpu",
+                 "--num-pages", "0"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "k3serve serve: error: --num-pages: must be an int ≥ 1, got 0"]
+
+
+@pytest.mark.parametrize("flags", [
+    [], ["--num-pages", "64", "--max-num-seqs", "8", "--speculative", "ngram"],
+    ["--max-model-len", "8192"], ["--drain-timeout", "0", "--max-prefill-backlog", "0"],
+    ["--gpu-memory-utilization", "0.5", "--no-cuda-graphs"],
+])
+@pytest.mark.parametrize("device", ["cpu", None])
+def test_good_worker_flags_reach_the_start(flags, device, monkeypatch):
+    _no_stack(monkeypatch)
+    dev = ["--device", device] if device else []
+    with pytest.raises(Started) as e:
+        main(["serve", "--no-store", *dev, *flags])
+    passed = e.value.args[0]["extra_worker_args"]
+    for f in flags:
+        if f.startswith("--") and f != "--max-model-len":
+            assert f in passed
+
+
+def test_worker_check_names_an_unknown_flag():
+    """An unknown worker flag (``k3serve serve``'s own parser refuses it first; the worker
+    parser's check names it too)."""
+    from worker.config import check_flags
+
+    with pytest.raises(ValueError, match=r"^unrecognized worker flags: --bogus 1$"):
+        check_flags(["--bogus", "1"], "cpu")
+    with pytest.raises(ValueError, match=r"^argument --num-pages: invalid int value: 'x'$"):
+        check_flags(["--num-pages", "x"], "cpu")
+
+
+def test_router_refuses_a_max_model_len_past_the_model():
+    """The router's own start (``python -m router`` builds its config with
+    ``config_from_args``) refuses it too; up to the model's length is accepted."""
+    from router.config import build_parser, config_from_args
+
+    with pytest.raises(ValueError) as e:
+        config_from_args(build_parser().parse_args(["--max-model-len", "9000"]))
+    assert str(e.value) == ("--max-model-len: 9000 is above the context length of k3-tiny "
+                            "(8192 tokens, max_position_embeddings)")
+    ok = config_from_args(build_parser().parse_args(["--max-model-len", "8192"]))
+    assert ok.max_model_len == 8192
+
+
+def _session_left(pid: int) -> list[str]:
+    """Processes still in the session ``pid`` led (zombies aside)."""
+    left = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == pid and fields[0] != "Z":
+            left.append(d)
+    return left
+
+
+def test_a_bad_worker_flag_from_the_shell_starts_nothing():
+    """From the shell: one line, exit status 2, no traceback from any worker, and no process
+    left in the launcher's session (none was started)."""
+    r = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", "0", "--no-store",
+                          "--device", "cpu", "--num-pages", "-5"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    out, err = r.communicate(timeout=120)
+    assert r.returncode == 2, err
+    assert err.strip().splitlines() == [
+        "k3serve serve: error: --num-pages: must be an int ≥ 1, got -5"], err
+    assert out == ""
+    assert _session_left(r.pid) == []
