@@ -44,8 +44,10 @@ SERIAL = (
 #: Files that start live stacks, Ray clusters or process groups and check what they serve,
 #: restart or clean up, with bounds far above their timing on a loaded machine. Their time is
 #: mostly waiting (process start-ups, restarts, drains), so ``make test`` runs them on two
-#: pytest-xdist workers, one file per worker at a time (``-m stacks --dist loadfile``: a
-#: module's shared stack starts once), after the in-process tests and before :data:`SERIAL`.
+#: pytest-xdist workers after the in-process tests and before :data:`SERIAL`, one xdist group
+#: per worker at a time (``-m stacks --dist loadgroup``): a group is a file (its module-scoped
+#: stack starts once), or every test of the session-scoped ``shared_pair``
+#: (tests/worker/conftest.py), which then starts once as well.
 STACKS = (
     "tests/bench/test_served_vs_offline.py",
     "tests/deploy/",
@@ -64,10 +66,10 @@ STACKS = (
 )
 
 
-@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker and xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Mark the tests of :data:`SERIAL`'s files ``serial`` and the other tests of
-    :data:`STACKS`' files ``stacks``."""
+    """Mark the tests of :data:`SERIAL`'s files ``serial``, and the other tests of
+    :data:`STACKS`' files ``stacks`` with their xdist group."""
     root = config.rootpath
     for item in items:
         rel = item.path.relative_to(root).as_posix()
@@ -75,3 +77,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.serial)
         elif rel.startswith(STACKS):
             item.add_marker(pytest.mark.stacks)
+            group = "shared_pair" if "shared_pair" in item.fixturenames else rel
+            item.add_marker(pytest.mark.xdist_group(group))
