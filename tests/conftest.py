@@ -46,8 +46,10 @@ SERIAL = (
 #: mostly waiting (process start-ups, restarts, drains), so ``make test`` runs them on two
 #: pytest-xdist workers after the in-process tests and before :data:`SERIAL`, one xdist group
 #: per worker at a time (``-m stacks --dist loadgroup``): a group is a file (its module-scoped
-#: stack starts once), or every test of the session-scoped ``shared_pair``
-#: (tests/worker/conftest.py), which then starts once as well.
+#: stack starts once), every test of the session-scoped ``shared_pair``
+#: (tests/worker/conftest.py), which then starts once as well, or every file of
+#: :data:`RAY` (one Ray cluster at a time: ``ray.init`` and Ray's state API find a cluster
+#: through files in Ray's global temp dir, which two clusters started at once overwrite).
 STACKS = (
     "tests/bench/test_served_vs_offline.py",
     "tests/deploy/",
@@ -65,6 +67,9 @@ STACKS = (
     "tests/tracing/test_stack_tracing.py",
 )
 
+#: The :data:`STACKS` files that start Ray clusters: one xdist group.
+RAY = ("tests/deploy/test_ray",)
+
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker and xdist reads the groups
 def pytest_collection_modifyitems(config, items):
@@ -77,5 +82,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.serial)
         elif rel.startswith(STACKS):
             item.add_marker(pytest.mark.stacks)
-            group = "shared_pair" if "shared_pair" in item.fixturenames else rel
+            if rel.startswith(RAY):
+                group = "ray"
+            elif "shared_pair" in item.fixturenames:
+                group = "shared_pair"
+            else:
+                group = rel
             item.add_marker(pytest.mark.xdist_group(group))
