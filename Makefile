@@ -46,13 +46,16 @@ plan: install
 	$(VENV)/bin/k3serve plan --config $(CONFIG)
 
 # The full suite: every test (CPU-only tests of GPU paths included; `gpu` tests skip on CPU),
-# in two phases: the in-process tests on two pytest-xdist workers, then the `serial` ones
-# (live stacks, Ray clusters, fault-handling bounds; tests/conftest.py lists their files) in one
-# process. Both phases always run; the target fails if either does.
+# in three phases (tests/conftest.py lists the files of the last two): the in-process tests on
+# two pytest-xdist workers; the `stacks` tests (live stacks, process groups; mostly waiting on
+# processes) on two workers, one file per worker at a time; the `serial` tests (tight latency
+# and fault-handling bounds, Ray clusters) in one process. Every phase runs; the target fails
+# if any does.
 test: install
 	@rc=0; \
-	$(PY) -m pytest -q -ra --durations=15 -n 2 -m "not serial" tests || rc=$$?; \
-	$(PY) -m pytest -q -ra --durations=30 -m serial tests || rc=$$?; \
+	$(PY) -m pytest -q -ra --durations=15 -n 2 -m "not serial and not stacks" tests || rc=$$?; \
+	$(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadfile -m stacks tests || rc=$$?; \
+	$(PY) -m pytest -q -ra --durations=15 -m serial tests || rc=$$?; \
 	exit $$rc
 
 # The inner-loop tier, ≤ 3 minutes on 2 cores: the unit files of the invariants, selected by

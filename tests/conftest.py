@@ -29,13 +29,27 @@ if torch is not None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-#: Files whose tests bound how long something takes under faults, drains or load (a worker
-#: leaving placement, a reservation's release, a drain, a latency ratio, a restart), or start Ray
-#: clusters or stacks whose timing they depend on. ``make test`` runs them in one process after
-#: the rest (``-m serial``), so their processes have the machine's cores to themselves;
-#: everything else — live stacks whose tests only check outputs included — runs on two
-#: pytest-xdist workers first (``-m "not serial"``).
+#: Files whose tests bound a latency or a fault's handling time tightly against the stack's
+#: own speed (a probe's latency within 2 s of the fault-free one, one key's p50 under another's
+#: flood, a stopped worker out of placement within seconds, admission under a 10× overload, a
+#: hung worker's waiting requests ended at the router's deadline), and the files that start Ray
+#: clusters (two clusters started at once overwrite each other's address in Ray's global temp
+#: dir, where ``ray.init`` and Ray's state API look it up). ``make test`` runs them last, in one
+#: process (``-m serial``), so that nothing else of the suite runs beside them.
 SERIAL = (
+    "tests/deploy/test_ray",
+    "tests/router/test_isolation.py",
+    "tests/router/test_reliability.py",
+    "tests/router/test_reliability_admission.py",
+    "tests/worker/test_migration.py",
+)
+
+#: Files that start live stacks or process groups and check what they serve, restart or clean
+#: up, with bounds far above their timing on a loaded machine. Their time is mostly waiting
+#: (process start-ups, restarts, drains), so ``make test`` runs them on two pytest-xdist
+#: workers after the in-process tests and before :data:`SERIAL`, one file per worker at a time
+#: (``-m stacks --dist loadfile``: a module's shared stack starts once).
+STACKS = (
     "tests/bench/test_served_vs_offline.py",
     "tests/deploy/",
     "tests/parallel/test_parallel_failure.py",
@@ -44,12 +58,9 @@ SERIAL = (
     "tests/kvstore/test_kvstore.py",
     "tests/router/test_channels.py",
     "tests/router/test_index_kick.py",
-    "tests/router/test_isolation.py",
     "tests/router/test_placement_live.py",
     "tests/router/test_prefill_retry.py",
     "tests/router/test_regressions_router.py",
-    "tests/router/test_reliability.py",
-    "tests/router/test_reliability_admission.py",
     "tests/router/test_replicas.py",
     "tests/router/test_router_memory.py",
     "tests/router/test_store_health.py",
@@ -59,9 +70,12 @@ SERIAL = (
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Mark the tests of :data:`SERIAL`'s files ``serial``."""
+    """Mark the tests of :data:`SERIAL`'s files ``serial`` and the other tests of
+    :data:`STACKS`' files ``stacks``."""
     root = config.rootpath
     for item in items:
         rel = item.path.relative_to(root).as_posix()
         if rel.startswith(SERIAL):
             item.add_marker(pytest.mark.serial)
+        elif rel.startswith(STACKS):
+            item.add_marker(pytest.mark.stacks)
