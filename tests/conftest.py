@@ -32,23 +32,21 @@ if torch is not None:
 #: Files whose tests bound a latency or a fault's handling time tightly against the stack's
 #: own speed (a probe's latency within 2 s of the fault-free one, one key's p50 under another's
 #: flood, a stopped worker out of placement within seconds, admission under a 10× overload, a
-#: hung worker's waiting requests ended at the router's deadline), and the files that start Ray
-#: clusters (two clusters started at once overwrite each other's address in Ray's global temp
-#: dir, where ``ray.init`` and Ray's state API look it up). ``make test`` runs them last, in one
-#: process (``-m serial``), so that nothing else of the suite runs beside them.
+#: hung worker's waiting requests ended at the router's deadline). ``make test`` runs them
+#: last, in one process (``-m serial``), so that nothing else of the suite runs beside them.
 SERIAL = (
-    "tests/deploy/test_ray",
     "tests/router/test_isolation.py",
     "tests/router/test_reliability.py",
     "tests/router/test_reliability_admission.py",
     "tests/worker/test_migration.py",
 )
 
-#: Files that start live stacks or process groups and check what they serve, restart or clean
-#: up, with bounds far above their timing on a loaded machine. Their time is mostly waiting
-#: (process start-ups, restarts, drains), so ``make test`` runs them on two pytest-xdist
-#: workers after the in-process tests and before :data:`SERIAL`, one file per worker at a time
-#: (``-m stacks --dist loadfile``: a module's shared stack starts once).
+#: Files that start live stacks, Ray clusters or process groups and check what they serve,
+#: restart or clean up, with bounds far above their timing on a loaded machine. Their time is
+#: mostly waiting (process start-ups, restarts, drains), so ``make test`` runs them on two
+#: pytest-xdist workers after the in-process tests and before :data:`SERIAL`, one file per
+#: worker at a time (``-m stacks --dist loadfile``: a module's shared stack starts once), the
+#: files of :data:`RAY` as one (:func:`pytest_xdist_make_scheduler`).
 STACKS = (
     "tests/bench/test_served_vs_offline.py",
     "tests/deploy/",
@@ -67,6 +65,11 @@ STACKS = (
     "tests/tracing/test_stack_tracing.py",
 )
 
+#: The :data:`STACKS` files that start Ray clusters: scheduled as one file, so one cluster at a
+#: time (``ray.init`` and Ray's state API find a cluster through files in Ray's global temp
+#: dir, which two clusters started at once overwrite).
+RAY = "tests/deploy/test_ray"
+
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
@@ -79,3 +82,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.serial)
         elif rel.startswith(STACKS):
             item.add_marker(pytest.mark.stacks)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with every file of :data:`RAY` in one scope (pytest-xdist's
+    ``loadgroup`` marks do not reach its scheduler under pytest 9: it rewrites a node id
+    attribute that pytest no longer reads)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class StacksScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return RAY if nodeid.startswith(RAY) else super()._split_scope(nodeid)
+
+    return StacksScheduling(config, log)
