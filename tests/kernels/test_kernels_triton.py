@@ -326,6 +326,71 @@ def test_chunk_triton_plan_cache():
     assert p3.segs(3) is None  # one segment per sequence
 
 
+def test_chunk_triton_plan_lives_with_its_cu_seqlens():
+    """A varlen layout's chunk tables stay allocated for as long as its ``cu_seqlens`` tensor
+    lives, however many other layouts run in between (a captured CUDA graph — the speculative
+    verify step's — replays launches that read them at their capture-time addresses; freeing
+    them was an illegal memory access on the device), and are freed with the tensor."""
+    import gc
+    import weakref
+
+    from k3serve.kernels.kda import chunk_triton as ct
+
+    dev = torch.device(DEV)
+    with torch.inference_mode():  # as the engine's static verify buffers are made
+        static = (torch.arange(17, device=DEV) * 5)[:9]  # a view, as a shape's cu_seqlens is
+    p = ct._plan(static, 1, 40, dev)
+    tables = [weakref.ref(p.cidx), weakref.ref(p.coff)]
+    assert p.cidx[:, 0].tolist() == list(range(8)) and p.coff.tolist() == list(range(9))
+    others = []
+    for i in range(40):  # eager forwards: a new cu_seqlens each, most freed right away
+        cu = torch.tensor([0, i + 1, i + 70], device=DEV)
+        ct._plan(cu, 1, i + 70, dev)
+        if i % 10 == 0:
+            others.append(weakref.ref(ct._plan(cu, 1, i + 70, dev).cidx))
+    gc.collect()
+    assert ct._plan(static, 1, 40, dev) is p  # never evicted, never rebuilt
+    assert all(t() is not None for t in tables)
+    assert all(t() is None for t in others)  # a freed cu_seqlens took its tables with it
+    del static, p
+    gc.collect()
+    assert all(t() is None for t in tables)
+    # the plan reads the caller's int64 cu_seqlens itself (and holds no reference to it)
+    cu = torch.tensor([0, 3, 9], device=DEV)
+    assert ct._plan(cu, 1, 9, dev).cu is None
+    cu32 = torch.tensor([0, 3, 9], device=DEV, dtype=torch.int32)
+    assert ct._plan(cu32, 1, 9, dev).cu.dtype == torch.int64
+
+
+def test_chunk_triton_verify_layout_after_other_layouts():
+    """A verify-shaped varlen batch (4 rows of k + 1 = 5 tokens through a static
+    ``cu_seqlens``, as the speculative step's graphs feed them) matches the float64 reference,
+    and again after more other layouts than any bounded cache held, from the same plan."""
+    from k3serve.kernels.kda import chunk_triton as ct
+
+    torch.manual_seed(3)
+    H, K, T = 2, 16, 20
+    with torch.inference_mode():
+        cu = torch.arange(5, device=DEV) * 5
+    q = F.normalize(torch.randn(1, T, H, K, device=DEV), dim=-1)
+    k = F.normalize(torch.randn(1, T, H, K, device=DEV), dim=-1)
+    v = torch.randn(1, T, H, K, device=DEV)
+    g = -torch.rand(1, T, H, K, device=DEV)
+    beta = torch.rand(1, T, H, device=DEV)
+    h0 = torch.randn(4, H, K, K, device=DEV)
+    o_ref, _ = ref_kda(q, k, v, g, beta, h0, cu)
+    o, s = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+    assert s is None and rel_err(o, o_ref) < 1e-5
+    p = ct._plan(cu, 1, T, torch.device(DEV))
+    assert p.nts == [1, 1, 1, 1] and p.cidx.tolist() == [[i, 0] for i in range(4)]
+    others = [torch.tensor([0, 1 + i, 2 * T], device=DEV) for i in range(3 * T)]
+    for x in others:
+        ct._plan(x, 1, 2 * T, torch.device(DEV))
+    assert ct._plan(cu, 1, T, torch.device(DEV)) is p
+    o, _ = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+    assert rel_err(o, o_ref) < 1e-5
+
+
 @pytest.mark.skipif(
     not HAS_CUDA, reason="triton's interpreter multiplies bf16 tl.dot operands as raw bits (3.9)"
 )

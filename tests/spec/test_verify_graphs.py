@@ -8,6 +8,8 @@ the recorded function — greedy tokens equal the plain engine's, and verify ste
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from k3serve.engine.config import EngineConfig
 from k3serve.engine.cuda_graphs import CUDAGraphRunner
 from k3serve.engine.engine import LLMEngine
 from k3serve.engine.runner import ModelRunner, Row, RunBatch
-from k3serve.engine.spec import SpecConfig
+from k3serve.engine.spec import Proposal, SpecConfig
 from k3serve.engine.spec.build import build_speculator
 from k3serve.engine.spec.verify_graphs import StaticVerifyBuffers, verify_eligible, verify_shapes
 from k3serve.model.capture import replay
@@ -95,22 +97,24 @@ def test_static_verify_buffers_layout_and_refusals():
         StaticVerifyBuffers(1, 16, 64, 16, 0, 0, "cpu")
 
 
-def _graph_engine(tiny, sc: SpecConfig | None, buckets=(1, 2, 4)) -> LLMEngine:
+def _graph_engine(tiny, sc: SpecConfig | None, buckets=(1, 2, 4), max_batch=4,
+                  proposer=None) -> LLMEngine:
     """An engine over a CPU ``CUDAGraphRunner`` (pools with one scratch slot and page beyond
-    what the cache manager hands out), speculating with ``sc``."""
+    what the cache manager hands out), speculating with ``sc`` (verify graphs for batches of
+    up to ``max_batch`` rows; ``proposer`` replaces the one ``sc`` names)."""
     net, cfg, tok = tiny
     c = EngineConfig(num_pages=PAGES, block_size=B, num_slots=SLOTS, num_snapshots=32)
     pools = KVPools(cfg, SLOTS + 1, PAGES + 1, B, 32, torch.float32, "cpu")
     k = sc.num_speculative_tokens if sc is not None else 0
     runner = CUDAGraphRunner(net, pools, "cpu", min(cfg.max_position_embeddings, PAGES * B),
-                             buckets=buckets, verify_k=k, verify_max_batch=4,
+                             buckets=buckets, verify_k=k, verify_max_batch=max_batch,
                              max_num_batched_tokens=c.max_num_batched_tokens,
                              scratch_slot=SLOTS, scratch_page=PAGES)  # fmt: skip
     eng = LLMEngine(net, cfg, tok, c, runner=runner)
     if sc is not None:  # the engine refuses speculation with a given runner: attach it here
         eng.spec = build_speculator(dataclasses.replace(c, speculative=sc), cfg,
                                     eng.inputs.grammar, eng.max_model_len,
-                                    torch.device("cpu"), torch.float32)
+                                    torch.device("cpu"), torch.float32, proposer)
     return eng
 
 
@@ -195,3 +199,62 @@ def test_verify_replays_recorded_graphs_and_greedy_equals_plain(tiny, greedy20, 
     assert r.num_verify_replays > 0 and r.num_verify_replays == sum(g.replays for g in recorded)
     assert r.num_verify_replays + r.num_verify_eager == eng.spec.stats.steps
     assert eng.spec.stats.accepted > 0
+
+
+class Repeat:
+    """Proposes the last token as often as asked: every row of a step carries the same number
+    of tokens, so the verify steps replay graphs at any batch size."""
+
+    def propose(self, seqs, num_tokens):
+        return [Proposal([s.token_ids[-1]] * n) for s, n in zip(seqs, num_tokens)]
+
+
+def test_recorded_verify_graphs_keep_their_chunk_tables(tiny, greedy20, monkeypatch):
+    """The chunked KDA launches a verify graph records read chunk tables cached per
+    ``cu_seqlens`` tensor (:mod:`k3serve.kernels.kda.chunk_triton`); a CUDA graph replays them
+    at their capture-time addresses, so they must stay allocated for as long as the graph can
+    be replayed. Here with 20 verify shapes (buckets 1…16, k 1…4: more layouts than a bounded
+    cache held — the four largest shapes' tables were freed at capture, the device's illegal
+    memory access at batch > 1) and 16 sequences decoding: every recorded graph's tables are
+    still alive after the capture and after the steps, and greedy output equals plain. The
+    tables are built by the kernel's own cache; the math runs the torch reference."""
+    pytest.importorskip("triton")
+    from k3serve.kernels import dispatch
+    from k3serve.kernels.kda import chunk_triton
+
+    reference = dispatch.chunk_kda
+    seen: list = []
+
+    def chunk_kda(q, k, v, g, beta, *args, cu_seqlens=None, cu_seqlens_host=None, **kw):
+        if cu_seqlens is not None:  # the tables the Triton launch would read
+            seen.append(chunk_triton._plan(cu_seqlens, q.shape[0], q.shape[1], q.device,
+                                           cu_seqlens_host))  # fmt: skip
+        return reference(q, k, v, g, beta, *args, cu_seqlens=cu_seqlens,
+                         cu_seqlens_host=cu_seqlens_host, **kw)  # fmt: skip
+
+    monkeypatch.setattr(dispatch, "chunk_kda", chunk_kda)
+    sc = SpecConfig("ngram", 4, cost_per_token=0.0)
+    eng = _graph_engine(tiny, sc, buckets=(1, 2, 4, 8, 16), max_batch=16, proposer=Repeat())
+    tables: list[list] = []
+
+    def record(fn):
+        seen.clear()
+        out = fn()
+        assert seen  # every KDA layer ran the chunked path over the shape's cu_seqlens
+        tables.append([weakref.ref(t) for p in seen for t in (p.cidx, p.coff)])
+        return ReRun(fn), out
+
+    eng.runner.capture_verify(record)
+    assert len(tables) == len(eng.runner.verify_shapes) == 20
+
+    def freed() -> int:
+        gc.collect()
+        return sum(any(t() is None for t in ts) for ts in tables)
+
+    assert freed() == 0
+    prompts, ref = greedy20[0][:16], greedy20[1][:16]
+    got = [o.outputs[0].token_ids for o in run(eng, prompts, GREEDY)]
+    assert got == ref
+    assert eng.runner.num_verify_replays > 0
+    assert eng.runner.verify_graphs[(16, 4)].replays > 0  # 16 rows of 5 tokens
+    assert freed() == 0

@@ -28,7 +28,9 @@ pipelined (``_Plan.pieces``): the state pass (``_state`` MODE 3, the state cross
 through ``S0``) and the output of piece p run on a side stream while the intra kernel does
 piece p + 1. ``KNOBS["fuse_out"]`` folds
 step 3 into step 2 / 2c (no h / v_new round trip through HBM). The chunk and segment tables
-are cached per layout (per ``cu_seqlens`` tensor, as fla-core's ``tensor_cache`` does).
+are cached per layout: per ``cu_seqlens`` tensor for as long as that tensor lives (a CUDA graph
+that captured a launch keeps reading the tables it was given, so they must not be freed while
+the graph's ``cu_seqlens`` can still be replayed), per ``(B, T)`` for fixed-length batches.
 
 Inside a kernel, tensors are addressed from a 64-bit scalar base (the chunk's first row) plus
 32-bit tile offsets: 64-bit offset tiles cost two registers per element and made an earlier intra
@@ -66,6 +68,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -1076,7 +1079,8 @@ def _to_device(t: torch.Tensor, device) -> torch.Tensor:
 class _Plan:
     """Chunk and segment tables of one ``(cu_seqlens | B × T)`` layout, built once and cached.
 
-    ``cu [N+1]`` int64, ``cidx [NCH, 2]`` int32 (sequence, chunk in sequence), ``coff [N+1]``
+    ``cu [N+1]`` int64 (None when ``cu_seqlens`` is already int64 on the device: the launch
+    reads it), ``cidx [NCH, 2]`` int32 (sequence, chunk in sequence), ``coff [N+1]``
     int64 (first chunk of each sequence), ``nch``; ``nts`` (chunks per sequence, host ints);
     ``segs(SEG)`` → ``(seg [NS, 4]`` int32 (sequence, first chunk, chunks, is-last),
     ``soff [N+1]`` int64, ``NS)`` or ``None`` when every sequence is one segment.
@@ -1088,7 +1092,10 @@ class _Plan:
             self.nts = [NT] * B
             self.cu = torch.arange(0, B + 1, device=device, dtype=torch.int64) * T
         else:
-            self.cu = cu_seqlens.to(device=device, dtype=torch.int64)
+            cu = cu_seqlens.to(device=device, dtype=torch.int64)
+            # a converted copy is kept; the caller's own tensor is not (a cached plan must not
+            # keep its key alive): the launch then reads ``cu_seqlens`` itself
+            self.cu = None if cu is cu_seqlens else cu
             if host is not None:  # the caller's host copy: no device read
                 ends = [int(x) for x in host]
             else:
@@ -1158,8 +1165,9 @@ class _Plan:
         return self._segs[SEG]
 
 
-_PLANS: dict = {}  # key → (cu_seqlens or None, version, _Plan); at most _PLANS_MAX entries
-_PLANS_MAX = 16
+_FIXED: dict = {}  # (B, T, device) → _Plan of a fixed-length layout; at most _FIXED_MAX entries
+_FIXED_MAX = 16
+_VARLEN: dict = {}  # (id(cu_seqlens), device) → (weakref to cu_seqlens, version, _Plan)
 
 
 def _tensor_version(t: torch.Tensor) -> int:
@@ -1170,24 +1178,49 @@ def _tensor_version(t: torch.Tensor) -> int:
 
 
 def _plan(cu_seqlens: torch.Tensor | None, B: int, T: int, device, host=None) -> _Plan:
-    """The cached :class:`_Plan` of this layout: fixed-length by ``(B, T, device)``, varlen by the
-    ``cu_seqlens`` tensor itself (identity, and its version counter where it has one: an in-place
-    change rebuilds), as fla-core's ``tensor_cache`` does for its chunk indices — the host sync
-    then happens once per layout (e.g. once per forward for all KDA layers), not per call, and
-    not at all when ``host`` (``cu_seqlens`` as host ints) is given."""
+    """The cached :class:`_Plan` of this layout: fixed-length by ``(B, T, device)`` (the
+    ``_FIXED_MAX`` latest), varlen by the ``cu_seqlens`` tensor itself (identity, and its
+    version counter where it has one: an in-place change rebuilds), as fla-core's
+    ``tensor_cache`` does for its chunk indices — the host sync then happens once per layout
+    (e.g. once per forward for all KDA layers), not per call, and not at all when ``host``
+    (``cu_seqlens`` as host ints) is given.
+
+    A varlen plan lives exactly as long as its ``cu_seqlens`` tensor (dropped by a finalizer
+    when the tensor is freed; never evicted before): a CUDA graph captured over a static
+    ``cu_seqlens`` replays launches that read this plan's ``cidx`` / ``coff`` at their
+    capture-time addresses, so those tables must stay allocated while the graph's batch holds
+    the tensor, however many other layouts run in between. A per-forward ``cu_seqlens``
+    (eager batches) frees its tables with it."""
     if cu_seqlens is None:
-        key = ("fixed", B, T, str(device))
-    else:
-        key = ("varlen", id(cu_seqlens), str(device))
-    hit = _PLANS.get(key)
-    ver = _tensor_version(cu_seqlens) if cu_seqlens is not None else 0
-    if hit is not None and hit[0] is cu_seqlens and hit[1] == ver:
+        key = (B, T, str(device))
+        plan = _FIXED.get(key)
+        if plan is None:
+            plan = _Plan(None, B, T, device)
+            if len(_FIXED) >= _FIXED_MAX:
+                _FIXED.pop(next(iter(_FIXED)))
+            _FIXED[key] = plan
+        return plan
+    key = (id(cu_seqlens), str(device))
+    hit = _VARLEN.get(key)
+    ver = _tensor_version(cu_seqlens)
+    if hit is not None and hit[0]() is cu_seqlens and hit[1] == ver:
         return hit[2]
     plan = _Plan(cu_seqlens, B, T, device, host)
-    if len(_PLANS) >= _PLANS_MAX:
-        _PLANS.pop(next(iter(_PLANS)))
-    _PLANS[key] = (cu_seqlens, ver, plan)
+    if hit is not None and hit[0]() is cu_seqlens:  # rebuilt after an in-place change
+        ref = hit[0]
+    else:  # this tensor's first plan: dropped when the tensor is freed
+        ref = weakref.ref(cu_seqlens)
+        weakref.finalize(cu_seqlens, _drop_plan, key, ref).atexit = False
+    _VARLEN[key] = (ref, ver, plan)
     return plan
+
+
+def _drop_plan(key: tuple, ref: weakref.ref) -> None:
+    """Finalizer of a varlen layout's ``cu_seqlens``: forget its plan (the entry of that very
+    tensor only, in case its id was taken again before the finalizer ran)."""
+    hit = _VARLEN.get(key)
+    if hit is not None and hit[0] is ref:
+        del _VARLEN[key]
 
 
 def _state_segments(plan: _Plan, H: int, NV: int) -> int:
@@ -1302,7 +1335,8 @@ def chunk_kda_triton(
     prec = "ieee" if io == torch.float32 else "tf32"
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     plan = _plan(cu_seqlens, B, T, dev, cu_seqlens_host)
-    cu, cidx, coff, nch = plan.cu, plan.cidx, plan.coff, plan.nch
+    cu = plan.cu if plan.cu is not None else cu_seqlens
+    cidx, coff, nch = plan.cidx, plan.coff, plan.nch
     o = torch.empty(B, T, H, V, dtype=io, device=dev)
     ht = torch.empty(N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     if nch == 0:
