@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import os
 import re
 import socket
 import subprocess
@@ -23,6 +22,7 @@ from cli.bench.plots import hit_rate_series
 from cli.bench.report import SUMMARY, format_summary, summarize
 from cli.bench.workload import Workload, random_load
 from cli.main import main
+from tests.worker_procs import session_left
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = [["info"], ["generate"], ["bench"], ["experts", "plan"], ["serve"], ["plan"],
@@ -381,15 +381,7 @@ def test_serve_with_a_missing_model_from_the_shell_starts_nothing():
         ("k3serve serve: error: --model: /nonexistent does not exist; give a model checkout "
         "folder or a preset (k3, k3-mini, k3-tiny)")], err
     assert out == ""
-    left = []  # anything still in the launcher's session (it was its leader)
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == r.pid and fields[0] != "Z":
-            left.append(d)
+    left = session_left(r.pid)  # anything still in the launcher's session (its leader)
     assert left == []
 
 

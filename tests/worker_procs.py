@@ -158,3 +158,18 @@ def _metric(url: str, name: str, **labels: str) -> float:
                and all(w in line.split("}", 1)[0] for w in want))
 
 
+
+
+def session_left(pid: int) -> list[str]:
+    """Pids (as strings) of the processes still in the session ``pid`` leads, zombies aside
+    (``/proc/N/stat``: field 6 is the session id, field 3 the state)."""
+    left = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == pid and fields[0] != "Z":
+            left.append(d)
+    return left

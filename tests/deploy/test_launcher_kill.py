@@ -18,21 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.worker_procs import session_left
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _session(pid: int) -> list[str]:
-    """Processes of the session ``pid`` leads, zombies aside."""
-    left = []
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == pid and fields[0] != "Z":
-            left.append(d)
-    return left
 
 
 def test_kill_9_of_the_launcher_leaves_nothing_and_prints_nothing():
@@ -61,18 +49,18 @@ def test_kill_9_of_the_launcher_leaves_nothing_and_prints_nothing():
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={
             "model": "k3-tiny", "prompt": "before the kill", "max_tokens": 4}, timeout=60)
         assert r.status_code == 200, r.text
-        assert len(_session(p.pid)) >= 5  # launcher, store master, router, 2 workers
+        assert len(session_left(p.pid)) >= 5  # launcher, store master, router, 2 workers
         time.sleep(1.0)  # the store's background calls are running
         killed_at.append(len(lines))
         os.kill(p.pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while _session(p.pid) and time.monotonic() < deadline:
+        while session_left(p.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _session(p.pid) == []
+        assert session_left(p.pid) == []
         reader.join(10)
         after = lines[killed_at[0]:]
         assert after == [], "".join(after)
     finally:
-        for d in _session(p.pid):
+        for d in session_left(p.pid):
             os.kill(int(d), signal.SIGKILL)
         p.wait(10)

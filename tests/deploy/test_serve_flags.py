@@ -6,7 +6,6 @@ router refuses the same ``--max-model-len`` at its own start."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
+from tests.worker_procs import session_left
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,20 +106,6 @@ def test_router_refuses_a_max_model_len_past_the_model():
     assert ok.max_model_len == 8192
 
 
-def _session_left(pid: int) -> list[str]:
-    """Processes still in the session ``pid`` led (zombies aside)."""
-    left = []
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == pid and fields[0] != "Z":
-            left.append(d)
-    return left
-
-
 def test_a_bad_worker_flag_from_the_shell_starts_nothing():
     """From the shell: one line, exit status 2, no traceback from any worker, and no process
     left in the launcher's session (none was started)."""
@@ -132,4 +118,4 @@ def test_a_bad_worker_flag_from_the_shell_starts_nothing():
     assert err.strip().splitlines() == [
         "k3serve serve: error: --num-pages: must be an int ≥ 1, got -5"], err
     assert out == ""
-    assert _session_left(r.pid) == []
+    assert session_left(r.pid) == []
