@@ -190,18 +190,11 @@ class RayStack:
 
 
 def worker_drain_s(dc: DeployConfig) -> float:
-    """The workers' drain timeout under ``dc``, seconds: ``--drain-timeout S`` (or
-    ``--drain-timeout=S``) in its ``worker_args``, else the workers' default
-    (``worker.config.WorkerConfig.drain_timeout_s``)."""
-    from worker.config import WorkerConfig
+    """The workers' drain timeout under ``dc``, seconds: their ``--drain-timeout`` as the
+    workers' own parser reads ``worker_args`` (its default when not given)."""
+    from worker.config import WorkerEnv, build_parser
 
-    args = list(dc.worker_args)
-    for i, a in enumerate(args):
-        if a == "--drain-timeout" and i + 1 < len(args):
-            return float(args[i + 1])
-        if a.startswith("--drain-timeout="):
-            return float(a.split("=", 1)[1])
-    return WorkerConfig.drain_timeout_s
+    return build_parser("decode", WorkerEnv()).parse_known_args(list(dc.worker_args))[0].drain_timeout
 
 
 def check_runnable(dc: DeployConfig, model: ModelConfig | None = None) -> None:

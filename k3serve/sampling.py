@@ -98,8 +98,9 @@ Grammar = Annotated[str, Field(min_length=1)]
 class NamedErrors(type(BaseModel)):  # type: ignore[misc]
     """Metaclass of :class:`SamplingParams`: a direct call ``SamplingParams(...)`` raises
     ``ValueError("SamplingParams.<field>: ...")`` instead of pydantic's ``ValidationError``, and
-    refuses a keyword that is not a field (``ValueError`` naming it). Validation inside a message does not go through ``__call__``, so there pydantic's error
-    names ``sampling.<field>`` with the message's other fields."""
+    refuses a keyword that is not a field (``ValueError`` naming it). Validation inside a
+    message does not go through ``__call__``, so there pydantic's error names
+    ``sampling.<field>`` with the message's other fields."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         unknown = sorted(set(kwargs) - set(cls.model_fields))
