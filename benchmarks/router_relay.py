@@ -36,9 +36,15 @@ uvloop hidden from it (``loop: asyncio``), and, with ``--baseline-loop both`` (t
 once more with the uvloop installed here (``loop: uvloop``; uvicorn's ``auto`` picks it), so
 the table shows what the loop alone is worth to the old relay.
 
+``--interleave``: for comparing trees on a shared or drifting machine. Every tree's router
+runs at once on the same fake workers, and each round sends both loads through every router in
+turn, the order rotated by one tree per round; the table gives each tree's medians and the
+median (min–max) of its per-round ratio to the first tree. One mode per run (``--events``).
+
 Usage::
 
     python benchmarks/router_relay.py [--src /tmp/main,.] [--replicas 1,2,4] [--json out.json]
+    python benchmarks/router_relay.py --interleave --src /tmp/base,. --rounds 9 [--token-delay 0.004]
 
 The box is shared (2 cores, other users): each figure is the median of ``--rounds`` rounds.
 """
@@ -63,16 +69,20 @@ TOKEN_HEADER = "x-k3serve-cluster-token"
 
 
 # ---------------------------------------------------------------- fake workers (child process)
-def serve_fakes(num_prefill: int, num_decode: int, token: str, coalesce: bool) -> None:
+def serve_fakes(num_prefill: int, num_decode: int, token: str, coalesce: bool,
+                token_delay_s: float = 0.0) -> None:
     """Child: start the fake workers (this checkout's), print their URLs as one JSON line,
     serve until stdin closes. ``coalesce``: decode streams merge the tokens ready together
-    into one event (decode/stream.py); off: one event per token, as older trees do."""
+    into one event (decode/stream.py); off: one event per token, as older trees do.
+    ``token_delay_s``: seconds between two tokens of one decode stream (0: as fast as the
+    fakes' loop goes)."""
     from deploy.fake_workers import start_worker
 
     servers = [start_worker("prefill", token) for _ in range(num_prefill)]
     servers += [start_worker("decode", token) for _ in range(num_decode)]
     for st, _ in servers:
         st.coalesce = coalesce
+        st.token_delay_s = token_delay_s
     print(json.dumps([srv.url for _, srv in servers]), flush=True)
     sys.stdin.read()
     for _, srv in servers:
@@ -116,10 +126,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_fakes(token: str, num_prefill: int, num_decode: int, coalesce: bool
-                ) -> tuple[subprocess.Popen, list[str]]:
+def start_fakes(token: str, num_prefill: int, num_decode: int, coalesce: bool,
+                token_delay_s: float = 0.0) -> tuple[subprocess.Popen, list[str]]:
     p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve-fakes",
-                          str(num_prefill), str(num_decode), str(int(coalesce))],
+                          str(num_prefill), str(num_decode), str(int(coalesce)),
+                          str(token_delay_s)],
                          env=_env(ROOT, token), cwd=ROOT,
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     line = p.stdout.readline()
@@ -369,7 +380,8 @@ async def main_async(args) -> dict:
                      "both": ["asyncio", "uvloop"]}[args.baseline_loop]
         chan = supports_channels(src)
         for coalesce in ([False, True] if new else [False]):
-            fakes, workers = start_fakes(token, args.prefill, args.decode, coalesce)
+            fakes, workers = start_fakes(token, args.prefill, args.decode, coalesce,
+                                         args.token_delay)
             try:
                 reps = [r for r in args.replicas if r == 1 or new] if coalesce else [1]
                 # a tree with decode channels: per request streams too (coalesced workers),
@@ -391,6 +403,107 @@ async def main_async(args) -> dict:
                 fakes.stdin.close()
                 fakes.wait(15)
     return out
+
+
+async def idle_rates(pids: list[int], seconds: float = 5.0) -> list[float]:
+    """Each router's CPU seconds per second with no request, measured over the same
+    ``seconds``."""
+    c0, t0 = [cpu_seconds(p) for p in pids], time.perf_counter()
+    await asyncio.sleep(seconds)
+    dt = time.perf_counter() - t0
+    return [(cpu_seconds(p) - c) / dt for p, c in zip(pids, c0)]
+
+
+async def interleaved_async(args) -> dict:
+    """``--interleave``: the routers of every ``--src`` tree run at once, registered with the
+    same fake workers; each round sends the non-streaming and the streaming load through every
+    router in turn, the order rotated by one tree each round, so that a drift of the machine's
+    speed falls on every tree alike. Every tree's router runs on the same event loop (uvloop
+    where it is installed). Per tree: the medians over rounds; per round, the ratio of each
+    tree's figure to the first tree's in that round, and the median of those ratios."""
+    token = secrets.token_hex(8)
+    srcs = [Path(s).resolve() for s in args.src.split(",")]
+    fakes, workers = start_fakes(token, args.prefill, args.decode, args.events == "coalesced",
+                                 args.token_delay)
+    routers: list[tuple[Path, subprocess.Popen, str]] = []
+    try:
+        for src in srcs:
+            port = _free_port()
+            routers.append((src, start_router(src, token, 1, port), f"http://127.0.0.1:{port}"))
+        for _, _, url in routers:
+            await wait_router(url, workers, token, 1)
+        for _, _, url in routers:  # warm-up: the same load once through every router
+            await load(url, args.concurrency, args.concurrency, True, args.tokens, 10**7)
+        pids = [proc.pid for _, proc, _ in routers]
+        idle0 = await idle_rates(pids, args.idle_s)
+        raw: list[list[dict]] = [[] for _ in routers]
+        n = len(routers)
+        for r in range(args.rounds):
+            for k in range(n):
+                i = (r + k) % n
+                _, proc, url = routers[i]
+                offset = (r * n + i) * 10**5
+                ns = await phase(proc.pid, url, args, False, 1, offset, 0.0)
+                st = await phase(proc.pid, url, args, True, args.tokens, offset + 50_000, 0.0)
+                raw[i].append({"ns": ns, "st": st})
+        idle1 = await idle_rates(pids, args.idle_s)
+    finally:
+        for _, proc, _ in routers:
+            proc.terminate()
+        for _, proc, _ in routers:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        fakes.stdin.close()
+        fakes.wait(15)
+    per_tree = []
+    for i, (src, _, _) in enumerate(routers):
+        idle = (idle0[i] + idle1[i]) / 2
+        rounds = []
+        for x in raw[i]:
+            ns, st = x["ns"], x["st"]
+            ns_ms = 1e3 * (ns["raw_cpu_s"] - idle * ns["wall_s"]) / args.requests
+            st_cpu = st["raw_cpu_s"] - idle * st["wall_s"]
+            rounds.append({"nonstream_ms": ns_ms, "stream_ms": 1e3 * st_cpu / args.requests,
+                           "us_per_token": 1e6 * st_cpu / st["tokens"],
+                           "us_beyond_fixed": 1e3 * (1e3 * st_cpu / args.requests - ns_ms)
+                           / (args.tokens - 1),
+                           "tokens_per_s": st["tokens"] / st["wall_s"],
+                           "tokens": st["tokens"] / args.requests,
+                           "chunks": st["chunks"] / args.requests})
+        med = {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
+        per_tree.append({"src": str(src), "idle_cpu_per_s": idle, "rounds": rounds, **med})
+    for t in per_tree:
+        for k in ("us_per_token", "nonstream_ms", "stream_ms"):
+            ratios = [a[k] / b[k] for a, b in zip(t["rounds"], per_tree[0]["rounds"])]
+            t[f"ratio_{k}"] = {"median": statistics.median(ratios), "min": min(ratios),
+                               "max": max(ratios), "rounds": ratios}
+    return {"requests": args.requests, "concurrency": args.concurrency, "tokens": args.tokens,
+            "events": args.events, "token_delay_s": args.token_delay, "rounds": args.rounds,
+            "interleaved": per_tree}
+
+
+def interleaved_table(out: dict) -> str:
+    lines = [(f"{out['requests']} requests at concurrency {out['concurrency']}, "
+              f"{out['tokens']} tokens, worker events {out['events']}, "
+              f"{out['token_delay_s'] * 1e3:g} ms between a stream's tokens; routers "
+              f"interleaved, {out['rounds']} rounds; medians, ratios to the first tree "
+              "per round (median, min–max)"), "",
+             "| router source | CPU / relayed token | ratio | CPU / streaming request | ratio | "
+             "CPU / non-streaming request | ratio | chunks per stream |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def ratio(d: dict) -> str:
+        return f"{d['median']:.3f} ({d['min']:.3f}–{d['max']:.3f})"
+
+    for t in out["interleaved"]:
+        lines.append(f"| {Path(t['src']).name} | {t['us_per_token']:.1f} µs | "
+                     f"{ratio(t['ratio_us_per_token'])} | {t['stream_ms']:.2f} ms | "
+                     f"{ratio(t['ratio_stream_ms'])} | {t['nonstream_ms']:.2f} ms | "
+                     f"{ratio(t['ratio_nonstream_ms'])} | {t['chunks']:.0f} |")
+    return "\n".join(lines)
 
 
 def table(out: dict) -> str:
@@ -418,7 +531,7 @@ def table(out: dict) -> str:
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve-fakes":
         serve_fakes(int(sys.argv[2]), int(sys.argv[3]), os.environ["K3SERVE_CLUSTER_TOKEN"],
-                    sys.argv[4] == "1")
+                    sys.argv[4] == "1", float(sys.argv[5]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--src", default=str(ROOT), help="source tree(s), comma-separated")
@@ -440,9 +553,25 @@ def main() -> int:
                     help="profile the router during the first round with py-spy (collapsed "
                          "stacks in PREFIX.TREE.MODE.rN.txt, streaming, and "
                          "PREFIX.TREE.MODE.nonstream.txt)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="run every --src tree's router at once and interleave their rounds "
+                         "(ratios to the first tree per round); one mode, set by --events")
+    ap.add_argument("--events", choices=["each", "coalesced"], default="each",
+                    help="with --interleave: the fake decode workers send one event per token "
+                         "(each, what every tree reads) or merge the tokens ready together")
+    ap.add_argument("--idle-s", type=float, default=5.0, metavar="S",
+                    help="with --interleave: seconds of idle measured before and after the "
+                         "rounds (the pollers' CPU rate, subtracted; default 5)")
+    ap.add_argument("--token-delay", type=float, default=0.0, metavar="S",
+                    help="seconds between two tokens of one decode stream (default 0: as fast "
+                         "as the fake workers go)")
     args = ap.parse_args()
-    out = asyncio.run(main_async(args))
-    print(table(out))
+    if args.interleave:
+        out = asyncio.run(interleaved_async(args))
+        print(interleaved_table(out))
+    else:
+        out = asyncio.run(main_async(args))
+        print(table(out))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

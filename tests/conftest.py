@@ -48,6 +48,7 @@ SERIAL = (
 #: worker at a time (``-m stacks --dist loadfile``: a module's shared stack starts once), the
 #: files of :data:`RAY` as one (:func:`pytest_xdist_make_scheduler`).
 STACKS = (
+    "tests/bench/test_router_relay.py",
     "tests/bench/test_served_vs_offline.py",
     "tests/deploy/",
     "tests/parallel/test_parallel_failure.py",
