@@ -491,8 +491,8 @@ def interleaved_table(out: dict) -> str:
               f"{out['token_delay_s'] * 1e3:g} ms between a stream's tokens; routers "
               f"interleaved, {out['rounds']} rounds; medians, ratios to the first tree "
               "per round (median, min–max)"), "",
-             "| router source | CPU / relayed token | ratio | CPU / streaming request | ratio | "
-             "CPU / non-streaming request | ratio | chunks per stream |",
+             ("| router source | CPU / relayed token | ratio | CPU / streaming request | ratio | "
+              "CPU / non-streaming request | ratio | chunks per stream |"),
              "|---|---|---|---|---|---|---|---|"]
 
     def ratio(d: dict) -> str:
