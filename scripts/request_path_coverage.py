@@ -5,7 +5,9 @@ from its first line (a ``sitecustomize`` on ``PYTHONPATH``), warms it up with st
 completions, then switches every process's coverage to the dynamic context ``request``
 (SIGUSR1), sends one streaming chat completion, and stops and saves (SIGUSR2). Prints the
 project files with at least one line executed in that context, per process and in all, and
-writes them as JSON to ``--out``. Background work that runs during the request (health polls,
+writes them as JSON to ``--out``, with the lines executed per file and the lines of the
+functions that ran (whole), a lower bound on the code the request's files must hold however
+the project is split. Background work that runs during the request (health polls,
 cache-event sync) is counted too: it is what the processes execute meanwhile.
 
     python scripts/request_path_coverage.py [--out FILE] [--monolithic]
@@ -84,15 +86,50 @@ def measure(work: Path, monolithic: bool) -> dict:
     finally:
         stack.stop()
     per_process: dict[str, list[str]] = {}
+    executed: dict[str, set[int]] = {}
     for pid, name in zip(pids, [f"proc{i}" for i in range(len(pids))]):
         data = CoverageData(str(work / f"cov.{pid}"))
         data.read()
         data.set_query_contexts(["request"])
-        files = sorted(str(Path(f).relative_to(ROOT)) for f in data.measured_files()
-                       if data.lines(f) and Path(f).is_relative_to(ROOT))
-        per_process[name] = files
-    union = sorted({f for fs in per_process.values() for f in fs})
-    return {"per_process": per_process, "files": union, "count": len(union)}
+        files = []
+        for f in data.measured_files():
+            if data.lines(f) and Path(f).is_relative_to(ROOT):
+                rel = str(Path(f).relative_to(ROOT))
+                files.append(rel)
+                executed.setdefault(rel, set()).update(data.lines(f))
+        per_process[name] = sorted(files)
+    union = sorted(executed)
+    spans = {f: function_lines(ROOT / f, executed[f]) for f in union}
+    return {"per_process": per_process, "files": union, "count": len(union),
+            "executed_lines": {f: len(executed[f]) for f in union},
+            "function_lines": spans,
+            "total_file_lines": sum(len((ROOT / f).read_text().splitlines()) for f in union),
+            "total_executed_lines": sum(len(v) for v in executed.values()),
+            "total_function_lines": sum(spans.values())}
+
+
+def function_lines(path: Path, lines: set[int]) -> int:
+    """Lines of the innermost functions of ``path`` with a line in ``lines``, whole (from
+    ``def`` to their last line), plus the executed lines outside every function: the code that
+    must sit in the files of the request's path however the project is split into files."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    funcs = [n for n in ast.walk(tree)
+             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    taken: set[tuple[int, int]] = set()
+    outside = 0
+    for ln in lines:
+        inner = [f for f in funcs if f.lineno <= ln <= f.end_lineno]
+        if inner:
+            f = max(inner, key=lambda f: f.lineno)  # the innermost
+            taken.add((f.lineno, f.end_lineno))
+        else:
+            outside += 1
+    covered: set[int] = set()
+    for a, b in taken:
+        covered.update(range(a, b + 1))
+    return len(covered) + outside
 
 
 def main() -> int:
@@ -107,6 +144,10 @@ def main() -> int:
         for f in files:
             print("   ", f)
     print(f"project files executed by the request, all processes: {res['count']}")
+    print(f"their lines: {res['total_file_lines']}; lines executed: "
+          f"{res['total_executed_lines']}; lines of the functions that ran (whole) plus the "
+          f"executed lines outside functions: {res['total_function_lines']} "
+          f"(at 500 lines a file, at least {-(-res['total_function_lines'] // 500)} files)")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))
     return 0
