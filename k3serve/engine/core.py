@@ -35,7 +35,7 @@ from k3serve.engine.sampler import SampleResult, SamplingRow, sample
 from k3serve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from k3serve.engine.sequence import Request, SeqStatus
 from k3serve.engine.sequence import Sequence as Seq
-from k3serve.engine.spec.speculator import Speculator
+from k3serve.engine.spec.speculator import Draft, Speculator
 from k3serve.model.capture import KDACapture
 from k3serve.protocol import RequestOutput
 
@@ -277,7 +277,9 @@ class EngineCore:
         """The decode group as one speculative verify step (:mod:`k3serve.engine.spec`)::
 
             proposals (policy, max_tokens, grammar) → pages for 1 + k_i tokens each
-            verify forward: rows [t0, d_1 … d_k]; logits of every token; states untouched
+            verify forward: rows [t0, d_1 … d_k] (shorter rows padded to the longest where
+              the runner replays that shape, _verify_width); logits of every token; states
+              untouched
             accept → record the emitted tokens (up to a stop) → replay the m_i computed ones
             into the slots and commit them, cut at block boundaries (rolling snapshots)
             → connector / finish
@@ -290,7 +292,8 @@ class EngineCore:
         if spec is None or any(s.seq.request.needs_fork for s in group):
             return False
         seqs = [s.seq for s in group]
-        drafts = spec.propose(seqs, self.scheduler.max_num_batched_tokens - plan.num_tokens)
+        budget = self.scheduler.max_num_batched_tokens - plan.num_tokens
+        drafts = spec.propose(seqs, budget)
         for i, seq in enumerate(seqs):  # pages for the proposals: drop what does not fit
             k = len(drafts[i].tokens)
             while k and not self.cm.can_allocate(seq.seq_id, 1 + k):
@@ -305,12 +308,14 @@ class EngineCore:
                 self.cm.allocate(seq.seq_id, 1 + k)
         if not any(d.tokens for d in drafts):
             return False
+        hook = self.connector.layer_hook(group) if self.connector is not None else None
+        width = self._verify_width(seqs, drafts, budget) if hook is None else 0
         rows = tuple(
-            Row([seq.token_ids[-1], *d.tokens], seq.num_computed, self.cm.slot(seq.seq_id),  # type: ignore[arg-type]
+            Row([seq.token_ids[-1], *d.tokens] + [0] * max(width - len(d.tokens), 0),
+                seq.num_computed, self.cm.slot(seq.seq_id),  # type: ignore[arg-type]
                 self.cm.block_table(seq.seq_id))
             for seq, d in zip(seqs, drafts)
         )  # fmt: skip
-        hook = self.connector.layer_hook(group) if self.connector is not None else None
         try:
             logits, capture = self.runner.verify(RunBatch(rows, hook))
         except BaseException:
@@ -323,7 +328,7 @@ class EngineCore:
         for i, seq in enumerate(seqs):
             if seq.status is not SeqStatus.RUNNING:  # aborted by a layer hook
                 continue
-            lg = logits[cu[i] : cu[i + 1]]
+            lg = logits[cu[i] : cu[i] + len(drafts[i].tokens) + 1]  # the padding's not read
             results = spec.accept(seq, drafts[i], lg)
             kept, finished = [], False
             for j, res in enumerate(results):
@@ -337,6 +342,33 @@ class EngineCore:
         for _, seq, kept, finished in done:
             self._after_sampled(seq, kept, finished)
         return True
+
+    def _verify_width(self, seqs: list[Seq], drafts: list[Draft], budget: int) -> int:
+        """Proposals per row of a verify batch whose rows proposed different numbers: the
+        longest row's ``k``, the shorter rows padded after their own proposals with token 0,
+        where the runner replays a captured graph of that uniform shape (one replay instead of
+        the eager multi-token forward) and every row has the pages, the room under the length
+        cap and the step's token budget for ``1 + k`` tokens. The padding's logits are not
+        read and its KDA inputs not replayed; its latents land past the row's last accepted
+        position, where the next tokens overwrite them (as a rejected proposal's do).
+
+        Returns:
+            ``k`` (the caller pads), or 0: the rows run as proposed.
+        """
+        ks = [len(d.tokens) for d in drafts]
+        k = max(ks)
+        if len(set(ks)) == 1 or not self.runner.verify_replays(len(seqs), k):
+            return 0
+        assert self.spec is not None
+        if sum(k - x for x in ks) > budget - sum(ks) or any(
+                seq.num_computed + k + 1 > self.spec.max_model_len for seq in seqs):
+            return 0
+        for seq, x in zip(seqs, ks):  # pages for the padding (what was taken stays the row's)
+            if x < k:
+                if not self.cm.can_allocate(seq.seq_id, 1 + k):
+                    return 0
+                self.cm.allocate(seq.seq_id, 1 + k)
+        return k
 
     def _replay_commit(self, capture: KDACapture, items: list[tuple[int, Seq, int]]) -> None:
         """Replay each row's first ``m`` fed tokens into its slot and commit them, in rounds

@@ -373,6 +373,12 @@ class CUDAGraphRunner(ModelRunner):
         assert fb.capture is not None
         return lg, fb.capture
 
+    def verify_replays(self, num_rows: int, k: int) -> bool:
+        """Whether ``num_rows`` rows of ``k + 1`` tokens replay a captured verify graph (the
+        smallest captured bucket that holds them at this ``k``)."""
+        fits = [b for b, kk in self.verify_shapes if kk == k and b >= num_rows]
+        return bool(fits) and (min(fits), k) in self.verify_graphs
+
     def verify(self, batch: RunBatch) -> tuple[torch.Tensor, KDACapture]:
         """Replay the ``(bucket, k)`` graph of a uniform verify batch, else the eager verify.
 

@@ -151,6 +151,12 @@ class ModelRunner:
             ids = ids.to(self.device)
         return self.model(ids, batch, self.pools, layer_hook=layer_hook)
 
+    def verify_replays(self, num_rows: int, k: int) -> bool:
+        """Whether a verify batch of ``num_rows`` rows of ``k + 1`` tokens each replays a
+        captured graph: never here (:class:`~k3serve.engine.cuda_graphs.CUDAGraphRunner`
+        captures them)."""
+        return False
+
     @torch.inference_mode()
     def verify(self, batch: RunBatch) -> tuple[torch.Tensor, KDACapture]:
         """A speculative verify forward: logits of every new token, no KDA/conv state written.

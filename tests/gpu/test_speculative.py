@@ -107,7 +107,9 @@ def test_verify_steps_replay_cuda_graphs_and_equal_eager(method):
     for i, p in enumerate(prompts[:3]):
         eng.add_request(f"v{i}", p, SamplingParams(temperature=0, max_tokens=200))
     seqs = [eng.requests[f"v{i}"].seqs[0] for i in range(3)]
-    while any(s.is_prefill for s in seqs):  # the prefills (chunked when over the budget)
+    # until admitted (``target`` is set at admission) and prefilled (chunked when over the
+    # budget)
+    while any(s.target == 0 or s.is_prefill for s in seqs):
         eng.step()
     rows = []
     for s in seqs:

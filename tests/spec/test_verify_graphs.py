@@ -258,3 +258,64 @@ def test_recorded_verify_graphs_keep_their_chunk_tables(tiny, greedy20, monkeypa
     assert eng.runner.num_verify_replays > 0
     assert eng.runner.verify_graphs[(16, 4)].replays > 0  # 16 rows of 5 tokens
     assert freed() == 0
+
+
+class Uneven:
+    """Proposes the last token ``1 + seq_id % 3`` times (at most as often as asked): the rows
+    of a step carry different numbers of proposals."""
+
+    def __init__(self):
+        self.mixed_steps = 0
+
+    def propose(self, seqs, num_tokens):
+        ks = [min(n, 1 + s.seq_id % 3) for s, n in zip(seqs, num_tokens)]
+        self.mixed_steps += len(set(ks)) > 1
+        return [Proposal([s.token_ids[-1]] * k) for s, k in zip(seqs, ks)]
+
+
+def test_rows_with_fewer_proposals_are_padded_into_the_captured_shape(tiny, greedy20):
+    """Three rows proposing 1, 2 and 3 tokens run as one replay of shape (4, 3): the shorter
+    rows padded after their proposals, their padding's logits unread and its KDA inputs not
+    replayed. Every verify step replays, and the greedy tokens equal the plain engine's."""
+    prop = Uneven()
+    eng = _graph_engine(tiny, SpecConfig("ngram", 3, cost_per_token=0.0), proposer=prop)
+    recorded: list = []
+    eng.runner.capture_verify(rerun_recorder(recorded))
+    assert eng.runner.verify_replays(3, 3) and not ModelRunner.verify_replays(eng.runner, 3, 3)
+    seen: list[tuple[int, ...]] = []
+    verify = eng.runner.verify
+
+    def spy(batch):
+        seen.append(tuple(len(r.token_ids) for r in batch.rows))
+        return verify(batch)
+
+    eng.runner.verify = spy
+    prompts, ref = greedy20[0][:3], greedy20[1][:3]
+    got = [o.outputs[0].token_ids for o in run(eng, prompts, GREEDY)]
+    assert got == ref
+    assert prop.mixed_steps > 0  # the rows did propose different numbers of tokens ...
+    assert all(len(set(s)) == 1 for s in seen)  # ... and every verify batch was uniform
+    r = eng.runner
+    assert r.num_verify_eager == 0 and r.num_verify_replays == eng.spec.stats.steps > 0
+    assert r.verify_graphs[(4, 3)].replays > 0
+    # the padding is not counted as proposed: at most 1 + 2 + 3 proposals per step
+    assert eng.spec.stats.proposed <= 6 * eng.spec.stats.steps
+
+
+def test_uneven_rows_run_as_proposed_without_captured_graphs(tiny, greedy20):
+    """The eager runner replays no graph: rows keep their own lengths (no padding compute)."""
+    prop = Uneven()
+    eng = _graph_engine(tiny, SpecConfig("ngram", 3, cost_per_token=0.0), proposer=prop)
+    assert not eng.runner.verify_graphs  # nothing captured: every verify runs eagerly
+    seen: list[tuple[int, ...]] = []
+    verify = eng.runner.verify
+
+    def spy(batch):
+        seen.append(tuple(len(r.token_ids) for r in batch.rows))
+        return verify(batch)
+
+    eng.runner.verify = spy
+    prompts, ref = greedy20[0][:3], greedy20[1][:3]
+    got = [o.outputs[0].token_ids for o in run(eng, prompts, GREEDY)]
+    assert got == ref
+    assert any(len(set(s)) > 1 for s in seen)

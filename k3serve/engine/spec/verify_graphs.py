@@ -7,7 +7,9 @@ bucket (:func:`k3serve.engine.cuda_graphs.default_buckets`) up to the speculatio
 limit, ``1 ≤ k ≤ K``, ``b·(k+1)`` within the step's token budget and ``k + 1 ≤ block_size``
 (the padding rows fit one scratch page). A batch replays when every row carries the same
 ``k + 1`` tokens, no layer hook runs and ``N ≤ b`` for a captured ``b``; anything else runs
-the eager :meth:`~k3serve.engine.runner.ModelRunner.verify`.
+the eager :meth:`~k3serve.engine.runner.ModelRunner.verify`. The engine pads rows that
+proposed fewer tokens to the longest row's ``k`` when that shape replays
+(``EngineCore._verify_width`` in :mod:`k3serve.engine.core`).
 
 Static inputs (:class:`StaticVerifyBuffers`), one flat int64 device tensor (``Bmax`` largest
 bucket, ``Q = K + 1``, ``W = ceil(max_model_len / block_size)``)::
