@@ -20,8 +20,9 @@ the plain run's token for token (greedy: they must).
 
 ``--step-model`` (CUDA; e.g. ``k3-mini``, random weights) also times, at batch 1 with
 ``--context`` cached tokens, one plain decode step (the runner's ``execute``: CUDA graph when
-enabled) against one verify step of ``k + 1`` tokens (``verify`` + ``replay`` of all of them),
-medians over ``--iters``.
+enabled) against one verify step of ``k + 1`` tokens (``verify`` + ``replay`` of all of them;
+the verify replays its captured graph when CUDA graphs are on, as in an engine that
+speculates), medians over ``--iters``.
 
 Usage::
 
@@ -144,9 +145,12 @@ def spec_config(args, method: str) -> SpecConfig:
 def step_cost(args) -> dict:
     """Plain decode step vs one verify step of k + 1 tokens at batch 1 (module docstring)."""
     net, cfg, _ = load_model(args.step_model, args.device, args.torch_dtype, random_init=True)
+    # speculation on (n-gram, batch 1): the runner captures the (1, k) verify graph that the
+    # engine replays, as it does in the throughput runs
     c = EngineConfig(num_slots=2, max_num_seqs=1, num_pages=-(-(args.context + 64) // 64) + 2,
                      block_size=64, max_num_batched_tokens=args.context + 64,
-                     num_snapshots=0, cuda_graphs=args.cuda_graphs)  # fmt: skip
+                     num_snapshots=0, cuda_graphs=args.cuda_graphs,
+                     speculative=SpecConfig("ngram", args.k, max_batch_size=1))  # fmt: skip
     eng = LLMEngine(net, cfg, None, c, device=args.device, dtype=args.torch_dtype)
     prompt = [(i * 31) % cfg.vocab_size for i in range(args.context)]
     eng.add_request("s", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -179,8 +183,10 @@ def step_cost(args) -> dict:
 
     p_ms = timed(lambda: eng.runner.execute(plain))
     v_ms = timed(do_verify)
+    replays = getattr(eng.runner, "num_verify_replays", 0)
     return {"model": args.step_model, "context": args.context, "k": args.k,
-            "decode_step_ms": p_ms, "verify_step_ms": v_ms, "ratio": v_ms / p_ms}
+            "decode_step_ms": p_ms, "verify_step_ms": v_ms, "ratio": v_ms / p_ms,
+            "verify_replayed": replays > 0}
 
 
 def main(argv: list[str] | None = None) -> dict:
