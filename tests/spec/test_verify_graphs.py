@@ -273,15 +273,9 @@ class Uneven:
         return [Proposal([s.token_ids[-1]] * k) for s, k in zip(seqs, ks)]
 
 
-def test_rows_with_fewer_proposals_are_padded_into_the_captured_shape(tiny, greedy20):
-    """Three rows proposing 1, 2 and 3 tokens run as one replay of shape (4, 3): the shorter
-    rows padded after their proposals, their padding's logits unread and its KDA inputs not
-    replayed. Every verify step replays, and the greedy tokens equal the plain engine's."""
-    prop = Uneven()
-    eng = _graph_engine(tiny, SpecConfig("ngram", 3, cost_per_token=0.0), proposer=prop)
-    recorded: list = []
-    eng.runner.capture_verify(rerun_recorder(recorded))
-    assert eng.runner.verify_replays(3, 3) and not ModelRunner.verify_replays(eng.runner, 3, 3)
+def run_three_watching_verify(eng, greedy20) -> list[tuple[int, ...]]:
+    """Run three greedy prompts to the end, check their tokens equal the plain engine's, and
+    return the row lengths of every verify batch the runner got."""
     seen: list[tuple[int, ...]] = []
     verify = eng.runner.verify
 
@@ -293,6 +287,19 @@ def test_rows_with_fewer_proposals_are_padded_into_the_captured_shape(tiny, gree
     prompts, ref = greedy20[0][:3], greedy20[1][:3]
     got = [o.outputs[0].token_ids for o in run(eng, prompts, GREEDY)]
     assert got == ref
+    return seen
+
+
+def test_rows_with_fewer_proposals_are_padded_into_the_captured_shape(tiny, greedy20):
+    """Three rows proposing 1, 2 and 3 tokens run as one replay of shape (4, 3): the shorter
+    rows padded after their proposals, their padding's logits unread and its KDA inputs not
+    replayed. Every verify step replays, and the greedy tokens equal the plain engine's."""
+    prop = Uneven()
+    eng = _graph_engine(tiny, SpecConfig("ngram", 3, cost_per_token=0.0), proposer=prop)
+    recorded: list = []
+    eng.runner.capture_verify(rerun_recorder(recorded))
+    assert eng.runner.verify_replays(3, 3) and not ModelRunner.verify_replays(eng.runner, 3, 3)
+    seen = run_three_watching_verify(eng, greedy20)
     assert prop.mixed_steps > 0  # the rows did propose different numbers of tokens ...
     assert all(len(set(s)) == 1 for s in seen)  # ... and every verify batch was uniform
     r = eng.runner
@@ -307,15 +314,5 @@ def test_uneven_rows_run_as_proposed_without_captured_graphs(tiny, greedy20):
     prop = Uneven()
     eng = _graph_engine(tiny, SpecConfig("ngram", 3, cost_per_token=0.0), proposer=prop)
     assert not eng.runner.verify_graphs  # nothing captured: every verify runs eagerly
-    seen: list[tuple[int, ...]] = []
-    verify = eng.runner.verify
-
-    def spy(batch):
-        seen.append(tuple(len(r.token_ids) for r in batch.rows))
-        return verify(batch)
-
-    eng.runner.verify = spy
-    prompts, ref = greedy20[0][:3], greedy20[1][:3]
-    got = [o.outputs[0].token_ids for o in run(eng, prompts, GREEDY)]
-    assert got == ref
+    seen = run_three_watching_verify(eng, greedy20)
     assert any(len(set(s)) > 1 for s in seen)
