@@ -205,8 +205,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``k3serve ARGV``; bad input, a missing file or an unreachable server end in one
     line on stderr (exit status 2). A reader that stops reading (``k3serve plan ... | head``)
-    ends the command quietly (exit status 1, as ``python -c ... | head`` recommends)."""
+    ends the command quietly (exit status 1, as ``python -c ... | head`` recommends). Ctrl-C
+    before a command has set its own handler (``serve`` sets one before it starts anything;
+    until then it is importing) ends it with one line and exit status 130, no traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        print("k3serve: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+def _run(argv: list[str]) -> int:
+    """:func:`main` without its Ctrl-C handling."""
     try:
         if argv[:1] and argv[0] in OUTER:  # their flags belong to deploy/ and simulate/
             return OUTER[argv[0]](argv[1:])

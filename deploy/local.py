@@ -25,6 +25,21 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         pass
 
 
+def _start_child() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux, a component: :func:`_die_with_parent`, and SIGINT ignored until the component
+    sets its own handler (an ignored signal stays ignored across exec; Python then installs no
+    ``KeyboardInterrupt`` handler). A Ctrl-C while the child still imports reaches the launcher
+    alone, which stops what has started; without this the child would die inside an import
+    with a traceback. ``signal`` from libc, not :func:`signal.signal`: the launcher may spawn
+    from a thread other than the main one."""
+    _die_with_parent()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.signal(signal.SIGINT, ctypes.c_void_p(1))  # SIG_IGN = (void (*)(int)) 1
+    except OSError:
+        pass
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """An unused TCP port on ``host`` (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -52,7 +67,8 @@ class LocalBackend:
 
     def spawn(self, name: str, module: str, args: list[str],
               env: Mapping[str, str]) -> subprocess.Popen:
-        """Start ``python -m {module} {args}`` with exactly ``env`` as its environment.
+        """Start ``python -m {module} {args}`` with exactly ``env`` as its environment, SIGINT
+        ignored until the component sets its own handler (:func:`_start_child`).
 
         Returns:
             The child (a :class:`subprocess.Popen`: ``poll``/``terminate``/``kill``/``wait``).
@@ -65,8 +81,8 @@ class LocalBackend:
             os.makedirs(self.log_dir, exist_ok=True)
             # append: a restarted component keeps its predecessor's log (why it died)
             out = open(os.path.join(self.log_dir, f"{name}.log"), "a")  # noqa: SIM115
-        pre = _die_with_parent if sys.platform.startswith("linux") else None
-        try:  # preexec_fn runs one prctl call, nothing that a forked thread could deadlock on
+        pre = _start_child if sys.platform.startswith("linux") else None
+        try:  # preexec_fn runs two libc calls, nothing that a forked thread could deadlock on
             return subprocess.Popen(
                 [sys.executable, "-m", module, *args], env=dict(env), stdout=out,
                 stderr=subprocess.STDOUT if out else None, preexec_fn=pre,  # noqa: PLW1509

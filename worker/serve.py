@@ -51,8 +51,10 @@ log = logging.getLogger("k3serve.worker")
 
 
 def _quit_before_serving(signum: int, frame: FrameType | None) -> None:
-    """A drain signal while the engine is still being built: nothing is held, exit 0."""
-    raise SystemExit(0)
+    """A drain signal while the engine is still being built: nothing is held, exit 0 at once
+    (:func:`~k3serve.process.exit_now`: a ``SystemExit`` raised here could land in a weakref
+    callback or a ``__del__``, which swallows it, and the process would go on starting)."""
+    exit_now(0)
 
 
 class PortInUseError(OSError):

@@ -173,3 +173,52 @@ def test_a_worker_whose_port_was_taken_before_it_bound_starts_on_another(tmp_pat
         start_stack(num_prefill=1, num_decode=1, block_size=16, ready_timeout=60,
                     launch=FirstPortTaken(log_dir=str(tmp_path / "bad")),
                     extra_worker_args=["--no-such-flag"])
+
+
+PROBE = """import os, signal, sys, time
+print("ignored" if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else "default", flush=True)
+while not os.path.exists(sys.argv[1]):  # "importing": no handler of its own yet
+    time.sleep(0.02)
+signal.signal(signal.SIGINT, lambda *a: (print("handled", flush=True), sys.exit(0)))
+print("ready", flush=True)
+time.sleep(30)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl / libc signal: Linux")
+def test_a_component_ignores_sigint_until_it_sets_its_own_handler(tmp_path):
+    """A Ctrl-C that reaches a component while it still imports does nothing there (the
+    launcher, which gets it too, stops what has started); once the component has set its own
+    handler, SIGINT reaches that handler."""
+    from deploy.local import LocalBackend
+
+    (tmp_path / "probe_sigint.py").write_text(PROBE)
+    go = tmp_path / "go"
+    logs = tmp_path / "logs"
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    p = LocalBackend(log_dir=str(logs)).spawn("probe", "probe_sigint", [str(go)], env)
+    log = logs / "probe.log"
+
+    def lines() -> list[str]:
+        return log.read_text().split() if log.exists() else []
+
+    try:
+        deadline = time.monotonic() + 30
+        while "ignored" not in lines() and "default" not in lines():
+            assert p.poll() is None and time.monotonic() < deadline, lines()
+            time.sleep(0.05)
+        assert lines() == ["ignored"]
+        p.send_signal(signal.SIGINT)  # before its handler: ignored
+        time.sleep(0.5)
+        assert p.poll() is None
+        go.touch()
+        while "ready" not in lines():
+            assert p.poll() is None and time.monotonic() < deadline, lines()
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)  # its own handler now
+        assert p.wait(10) == 0
+        assert lines() == ["ignored", "ready", "handled"]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

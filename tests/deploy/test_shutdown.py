@@ -4,7 +4,8 @@ For each way to stop it — SIGTERM to the process group, SIGTERM to the launche
 terminal's Ctrl-C (SIGINT to the group) — 8 streams of :data:`TOKENS` tokens all finish with
 every token, well within the workers' drain timeout; the launcher exits 0; nothing it started
 is left running; no traceback and no restart in the terminal output; ``ps`` names every
-process by its role. The script runs the same check with 1,024 tokens per stream.
+process by its role. The script runs the same check with 1,024 tokens per stream. A Ctrl-C
+during startup (the launcher or its components still importing) stops quietly too.
 """
 
 from __future__ import annotations
@@ -65,3 +66,57 @@ def test_serve_gives_every_worker_a_drain_long_enough_for_normal_streams():
     extra = passthrough_args(args)
     assert drain_timeout(args, extra) == 30.0
     assert extra["worker"] == ["--drain-timeout", "30.0"]
+
+
+def _group(pgid: int) -> list[str]:
+    """Command lines of the live processes of process group ``pgid``."""
+    import subprocess
+
+    out = subprocess.run(["ps", "-eo", "pgid=,stat=,args="], capture_output=True, text=True,
+                         check=True).stdout
+    return [ln.split(None, 2)[2] for ln in out.splitlines()
+            if ln.split()[0] == str(pgid) and not ln.split()[1].startswith("Z")]
+
+
+@pytest.mark.parametrize("when", ["launcher-importing", "components-importing"])
+def test_ctrl_c_during_startup_stops_quietly(when, tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the process group) while the launcher still imports, or
+    while the components it started still import: one line, no traceback, exit status 130 or
+    0, and nothing of the group left running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from deploy.local import free_port
+
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        p = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--port",
+                              str(free_port()), "--no-store"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        if when == "components-importing":  # the first worker has just started
+            while not any(".worker " in c for c in _group(p.pid)):
+                assert p.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.02)
+        else:
+            time.sleep(0.2)
+        os.killpg(p.pid, signal.SIGINT)
+        rc = p.wait(60)
+        time.sleep(0.5)
+        text = log.read_text()
+        assert "Traceback" not in text and "Exception ignored" not in text, text
+        if when == "components-importing":
+            assert rc == 0 and text.splitlines()[-1] == "k3serve: stopped", text
+        else:  # the launcher's own handler may or may not be set by then; interrupted, the
+            # interpreter may end by SIGINT itself (what a shell reads as Ctrl-C, status 130)
+            assert (rc, text.splitlines()[-1]) in ((130, "k3serve: interrupted"),
+                                                   (-signal.SIGINT, "k3serve: interrupted"),
+                                                   (0, "k3serve: stopped")), text
+        assert _group(p.pid) == []
+    finally:
+        if _group(p.pid):
+            os.killpg(p.pid, signal.SIGKILL)
