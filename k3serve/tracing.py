@@ -42,6 +42,23 @@ _provider: Any = None
 _propagator: Any = None
 
 
+def check_endpoint(endpoint: str | None) -> str | None:
+    """``endpoint`` as :func:`configure` exports to: ``None`` for none (``None`` or ``""``),
+    ``/v1/traces`` appended to a bare ``scheme://host[:port]``.
+
+    Raises:
+        ValueError: ``endpoint`` is not an http(s) URL (the field and the value, one line).
+    """
+    if not endpoint:
+        return None
+    if not endpoint.startswith(("http://", "https://")) or endpoint.endswith("://"):
+        raise ValueError(f"--otlp-traces-endpoint / ${ENDPOINT_ENV}: expected an http(s) URL "
+                         f"such as http://127.0.0.1:4318, got {endpoint!r}")
+    if endpoint.rstrip("/").count("/") == 2:  # scheme://host[:port] alone
+        return endpoint.rstrip("/") + "/v1/traces"
+    return endpoint
+
+
 def configure(service: str, endpoint: str | None) -> bool:
     """Start exporting this process's spans to ``endpoint`` (an OTLP/HTTP traces URL, e.g.
     ``http://127.0.0.1:4318/v1/traces``; a bare ``http://host:port`` gets ``/v1/traces``).
@@ -57,12 +74,9 @@ def configure(service: str, endpoint: str | None) -> bool:
         ValueError: ``endpoint`` is not an http(s) URL.
     """
     global _tracer, _provider, _propagator
-    if not endpoint:
+    endpoint = check_endpoint(endpoint)
+    if endpoint is None:
         return False
-    if not endpoint.startswith(("http://", "https://")):
-        raise ValueError(f"otlp_traces_endpoint: expected an http(s) URL, got {endpoint!r}")
-    if endpoint.rstrip("/").count("/") == 2:  # scheme://host[:port] alone
-        endpoint = endpoint.rstrip("/") + "/v1/traces"
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider

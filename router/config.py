@@ -17,7 +17,7 @@ from pathlib import Path
 
 from k3serve.process import FlagParser
 from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
-from k3serve.tracing import ENDPOINT_ENV
+from k3serve.tracing import ENDPOINT_ENV, check_endpoint
 from router.placement import PlacementParams
 from router.policies.home import HomeParams
 from router.policies.table import DEFAULT_POLICY, POLICIES
@@ -129,6 +129,7 @@ class RouterConfig:
     store_url: str | None = None
 
     def __post_init__(self) -> None:
+        check_endpoint(self.otlp_traces_endpoint)
         if self.policy not in POLICIES:
             raise ValueError(f"policy: {self.policy!r} is not one of {sorted(POLICIES)}")
         if self.poll_interval_s <= 0:

@@ -24,7 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from k3serve.engine.spec.config import SpecConfig
 from k3serve.process import FlagParser
 from k3serve.protocol import CLUSTER_TOKEN_ENV
-from k3serve.tracing import ENDPOINT_ENV
+from k3serve.tracing import ENDPOINT_ENV, check_endpoint
 from kvstore import KVConfig
 from kvstore.store.client import StoreConfig
 from worker.device import LARGE_CARD_BYTES, DeviceProbe, Sizes, probe, resolve_sizes
@@ -144,6 +144,7 @@ class WorkerConfig:
     remote_ranks: bool = False
 
     def __post_init__(self) -> None:
+        check_endpoint(self.otlp_traces_endpoint)
         for f in ("tp", "ep"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -119,3 +119,20 @@ def test_a_bad_worker_flag_from_the_shell_starts_nothing():
         "k3serve serve: error: --num-pages: must be an int ≥ 1, got -5"], err
     assert out == ""
     assert session_left(r.pid) == []
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_serve_refuses_an_otlp_endpoint_without_a_scheme_in_one_line(how, monkeypatch, capsys):
+    """The router and the workers would refuse it at their start; ``serve`` refuses it first,
+    in one line, whether it comes as the flag or as the OpenTelemetry environment variable."""
+    from k3serve.tracing import ENDPOINT_ENV
+
+    _no_stack(monkeypatch)
+    monkeypatch.delenv(ENDPOINT_ENV, raising=False)
+    flags = ["--otlp-traces-endpoint", "127.0.0.1:4318"] if how == "flag" else []
+    if how == "environment":
+        monkeypatch.setenv(ENDPOINT_ENV, "127.0.0.1:4318")
+    assert main(["serve", "--no-store", "--device", "cpu", *flags]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        (f"k3serve serve: error: --otlp-traces-endpoint / ${ENDPOINT_ENV}: expected an "
+         "http(s) URL such as http://127.0.0.1:4318, got '127.0.0.1:4318'")]

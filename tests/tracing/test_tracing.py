@@ -20,7 +20,7 @@ def test_off_by_default_costs_nothing():
 
 
 def test_bad_endpoint_is_refused_naming_the_field():
-    with pytest.raises(ValueError, match="otlp_traces_endpoint"):
+    with pytest.raises(ValueError, match="--otlp-traces-endpoint"):
         tracing.configure("x", "127.0.0.1:4318")
 
 

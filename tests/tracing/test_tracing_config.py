@@ -3,6 +3,8 @@ workers and ``k3serve serve``."""
 
 from __future__ import annotations
 
+import pytest
+
 from k3serve.tracing import ENDPOINT_ENV
 from router.config import build_parser, config_from_args
 from worker.config import WorkerEnv, parse_config
@@ -36,3 +38,15 @@ def test_serve_gives_one_flag_to_router_and_workers():
     args = serve_parser().parse_args(["--otlp-traces-endpoint", URL])
     assert passthrough_args(args) == {"router": ["--otlp-traces-endpoint", URL],
                                       "worker": ["--otlp-traces-endpoint", URL]}
+
+
+def test_check_endpoint_normalizes_or_refuses():
+    from k3serve.tracing import check_endpoint
+
+    assert check_endpoint(None) is None and check_endpoint("") is None
+    assert check_endpoint("http://127.0.0.1:4318") == "http://127.0.0.1:4318/v1/traces"
+    assert check_endpoint("http://127.0.0.1:4318/") == "http://127.0.0.1:4318/v1/traces"
+    assert check_endpoint("https://otel.example/v1/traces") == "https://otel.example/v1/traces"
+    for bad in ("127.0.0.1:4318", "localhost:4318", "http://", "grpc://h:4317"):
+        with pytest.raises(ValueError, match="expected an http\\(s\\) URL"):
+            check_endpoint(bad)
