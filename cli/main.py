@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = HelpFormatter
     p = argparse.ArgumentParser(prog="k3serve", description=__doc__.splitlines()[0],
                                 formatter_class=fmt)
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     pi = sub.add_parser("info", formatter_class=fmt, help="parameter counts and cache sizes of a model")
     pi.add_argument("--model", default=DEFAULT_MODEL, help="preset name or checkpoint folder")
@@ -200,6 +201,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay a trace through the router's placement, no model "
                         "(k3serve simulate --help lists its flags)")
     return p
+
+
+def _version() -> str:
+    """The installed k3serve's version (``unknown`` when run from a tree that is not
+    installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("k3serve")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,8 +78,9 @@ class Stopper:
         if self.requested and time.monotonic() - self.first_at < self.REPEAT_S:
             return  # the same signal, passed on again by a wrapper (make)
         if self.requested:
-            print(f"k3serve: {name} again: stopping every component now", file=sys.stderr,
-                  flush=True)
+            # one write, newline included: the workers write to the same terminal meanwhile
+            print(f"k3serve: {name} again: stopping every component now\n", end="",
+                  file=sys.stderr, flush=True)
             if self.stack is not None:
                 self.stack.kill()
             return
@@ -89,7 +90,7 @@ class Stopper:
         if self.stack is not None:
             self.stack.stopping = True
         print(f"k3serve: {name}: stopping; the workers drain their requests first "
-              f"({name} again: stop at once)", file=sys.stderr, flush=True)
+              f"({name} again: stop at once)\n", end="", file=sys.stderr, flush=True)
 
 
 def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:

@@ -61,7 +61,7 @@ def build_parser(prog: str = "k3serve simulate") -> argparse.ArgumentParser:
                                  description="replay a trace through the router's placement "
                                              "(no model): hit rate, TTFT, load per policy")
     pm.add_argument("--trace", required=True, help="JSONL trace (Mooncake format)")
-    pm.add_argument("--workers", type=_workers, default=(32, 32), metavar="P:D",
+    pm.add_argument("--workers", type=_workers, default="32:32", metavar="P:D",
                     help="prefill:decode workers")
     pm.add_argument("--cache-fraction", type=float, default=1 / 16,
                     help="each prefill worker's cache as a fraction of the working set")

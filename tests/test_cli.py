@@ -441,3 +441,21 @@ def test_a_negative_drain_timeout_is_refused():
 
     with pytest.raises(ValueError, match=r"drain_timeout_s: must be >= 0 \(got -5.0\)"):
         parse_config("decode", ["--drain-timeout", "-5", "--device", "cpu"])
+
+
+def test_version_and_a_missing_command(capsys):
+    """``k3serve --version`` prints the installed version; ``k3serve`` alone names what is
+    missing in the words of its usage line (``COMMAND``)."""
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"k3serve {version('k3serve')}"
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: k3serve [-h] [--version] COMMAND ..." in err
+    assert err.strip().splitlines()[-1] == (
+        "k3serve: error: the following arguments are required: COMMAND")
