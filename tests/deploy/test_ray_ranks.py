@@ -35,10 +35,11 @@ MESSAGES = [{"role": "user", "content": "The capital of France is"}]
 
 
 def ranks_config(tmp: Path, tp: int, ep: int, decode: int = 1, prefill_ep: int | None = None,
-                 nodes: int = 4, gpus_per_node: int = 1, max_restarts: int = 2) -> Path:
+                 nodes: int = 4, gpus_per_node: int = 1, max_restarts: int = 2,
+                 worker_args: tuple[str, ...] = ()) -> Path:
     """The tiny model over logical nodes of ``gpus_per_node`` GPUs (one: an instance's 2 ranks
     span 2 nodes); the prefill pool has ``prefill_ep`` (default ``ep``) and tp = ``tp`` when
-    its ep > 1."""
+    its ep > 1; ``worker_args``: the config's extra worker flags."""
     p_ep = ep if prefill_ep is None else prefill_ep
     p_tp = tp if p_ep > 1 else 1
     text = f"""
@@ -47,6 +48,7 @@ dtype: float32
 device: cpu
 block_size: 16
 max_restarts: {max_restarts}
+worker_args: {list(worker_args)!r}
 cluster:
   nodes: {nodes}
   accelerators_per_node: {gpus_per_node}
