@@ -1,6 +1,6 @@
-"""Multi-rank instances as Ray actors (deploy/ray_backend.py + k3serve/parallel/ranks.py) on a
-``ray.cluster_utils.Cluster`` of 2 nodes × 2 logical GPUs (loopback, its own temp dir and
-ports), the tiny model on the CPU (gloo):
+"""Multi-rank instances as Ray actors (deploy/ray_backend.py + k3serve/parallel/ranks.py) on the
+shared ``ray.cluster_utils.Cluster`` of 3 nodes × 2 logical GPUs (tests/deploy/conftest.py:
+loopback, its own temp dir and ports), the tiny model on the CPU (gloo):
 
 * one prefill and one decode instance of 2 ranks each — tp 2 (``tp: 2, ep: 2``), then ep 2
   (``tp: 1, ep: 2``) — each instance's two ranks on two different nodes (Ray's state API):
@@ -28,7 +28,7 @@ from deploy.config import load_deploy_config
 from deploy.ray_actors import argv_port
 from deploy.ray_backend import check_runnable, deploy
 from k3serve.protocol import CLUSTER_TOKEN_HEADER
-from tests.parallel.ray_cluster import alive, free_port, local_cluster
+from tests.parallel.ray_cluster import alive, free_port
 
 MAX_TOKENS = 6
 MESSAGES = [{"role": "user", "content": "The capital of France is"}]
@@ -118,14 +118,9 @@ def rank_nodes(stack) -> dict[str, list[str]]:
     return {n: [d[r] for r in sorted(d)] for n, d in nodes.items()}
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with local_cluster(2, gpus_per_node=2, dashboard=True) as c:
-        yield c
-
-
 @pytest.mark.parametrize(("tp", "ep"), [(2, 2), (1, 2)], ids=["tp2", "ep2"])
-def test_two_rank_instances_span_nodes_and_match_the_offline_engine(cluster, tmp_path, tp, ep):
+def test_two_rank_instances_span_nodes_and_match_the_offline_engine(ray_cluster, tmp_path, tp,
+                                                                   ep):
     import httpx
     from openai import OpenAI
 
