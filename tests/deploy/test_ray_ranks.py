@@ -15,6 +15,7 @@ loopback, its own temp dir and ports), the tiny model on the CPU (gloo):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -82,8 +83,10 @@ pools:
     return path
 
 
+@functools.cache
 def oracle_text() -> tuple[str, int]:
-    """The single-process offline engine's greedy answer to ``MESSAGES`` (text, tokens)."""
+    """The single-process offline engine's greedy answer to ``MESSAGES`` (text, tokens),
+    computed once for the parametrized tests."""
     import torch
 
     from k3serve import LLM, SamplingParams
