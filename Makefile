@@ -46,11 +46,11 @@ plan: install
 	$(VENV)/bin/k3serve plan --config $(CONFIG)
 
 # The full suite: every test (CPU-only tests of GPU paths included; `gpu` tests skip on CPU),
-# in three phases (tests/conftest.py lists the files of the last two): the in-process tests on
-# two pytest-xdist workers; the `stacks` tests (live stacks, process groups; mostly waiting on
-# processes) on two workers, one file per worker at a time; the `serial` tests (tight latency
-# and fault-handling bounds, Ray clusters) in one process. Every phase runs; the target fails
-# if any does.
+# in three phases (tests/conftest.py lists the files of the last two; each phase imports only
+# its own files): the in-process tests on two pytest-xdist workers; the `stacks` tests (live
+# stacks, Ray clusters, process groups; mostly waiting on processes) on two workers, one file
+# per worker at a time; the `serial` tests (tight latency and fault-handling bounds) in one
+# process. Every phase runs; the target fails if any does.
 test: install
 	@rc=0; \
 	$(PY) -m pytest -q -ra --durations=15 -n 2 -m "not serial and not stacks" tests || rc=$$?; \

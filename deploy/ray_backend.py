@@ -50,9 +50,9 @@ accelerator, running the parallel engine of :mod:`k3serve.parallel` as its ranks
 The ranks meet through ``torch.distributed`` (gloo on CPU, NCCL on GPU). The instance fails
 as a whole: a rank whose process exits (or whose actor dies) makes rank 0's actor kill its
 child; a rank that hangs makes rank 0's next collective time out (``collective_timeout_s``,
-30 s) and rank 0 exit. Either way rank 0's actor starts a new child on fresh ports, whose new
-rendezvous restarts every rank, and the worker registers again; the router migrates the
-streams the old one was serving.
+30 s, or the workers' ``--collective-timeout`` in ``worker_args``) and rank 0 exit. Either way
+rank 0's actor starts a new child on fresh ports, whose new rendezvous restarts every rank, and
+the worker registers again; the router migrates the streams the old one was serving.
 
 On one machine Ray binds to loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes Ray's
 node-address lookup return 127.0.0.1), with a small object store and no dashboard.

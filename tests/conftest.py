@@ -85,6 +85,35 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.stacks)
 
 
+#: ``-m`` expressions of ``make test``'s phases → (the files whose tests it runs, whether those
+#: are the files of the lists or all files but them). A test is ``serial`` or ``stacks`` only
+#: by its file (:func:`pytest_collection_modifyitems`), so the phase's other files need not be
+#: imported: :func:`pytest_ignore_collect` skips them (each import costs the collection time).
+PHASES = {"serial": (SERIAL, True), "stacks": (STACKS, True),
+          "not serial and not stacks": (SERIAL + STACKS, False)}
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under one of :data:`PHASES`' ``-m`` expressions, skip the test files (and directories)
+    whose tests the expression deselects anyway; ``None`` (pytest decides) otherwise."""
+    phase = PHASES.get(" ".join((config.option.markexpr or "").split()))
+    if phase is None:
+        return None
+    paths, inside = phase
+    try:
+        rel = collection_path.relative_to(config.rootpath).as_posix()
+    except ValueError:
+        return None
+    if collection_path.is_dir():
+        if not inside:
+            return True if rel + "/" in paths else None
+        return None if any(p.startswith(rel + "/") or rel.startswith(p.rstrip("/"))
+                           for p in paths) else True
+    if not collection_path.name.startswith("test_"):
+        return None
+    return None if rel.startswith(paths) == inside else True
+
+
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` with every file of :data:`RAY` in one scope (pytest-xdist's
     ``loadgroup`` marks do not reach its scheduler under pytest 9: it rewrites a node id

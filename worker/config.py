@@ -93,6 +93,9 @@ class WorkerConfig:
             (``k3serve.parallel.ranks``) instead of starting them.
         expert_plan: a planner placement file (``k3serve experts plan --json OUT``) for EP,
             or ``None`` (experts split contiguously).
+        collective_timeout_s: seconds rank 0 waits on one collective of a ``--tp`` / ``--ep``
+            instance before it exits and the instance fails as a whole (a hung rank);
+            ``None``: ``k3serve.parallel.runner.COLLECTIVE_TIMEOUT_S``.
         gpu_memory_utilization: CUDA: this worker's share of the card's total memory, counted
             against what this process holds; the pools are sized from it after the weights
             load (``None``: the explicit sizes). :mod:`worker.device` fills it, the batch
@@ -142,6 +145,7 @@ class WorkerConfig:
     ep: int = 1
     expert_plan: str | None = None
     remote_ranks: bool = False
+    collective_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         check_endpoint(self.otlp_traces_endpoint)
@@ -259,6 +263,9 @@ def build_parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
     ap.add_argument("--ep", type=int, default=1,
                     help="expert-parallel ranks (1, or a multiple of --tp: ep / tp attention "
                          "groups)")
+    ap.add_argument("--collective-timeout", type=float, default=None, metavar="S",
+                    help="--tp/--ep: seconds rank 0 waits on a collective before the instance "
+                         "fails (default 30)")
     ap.add_argument("--remote-ranks", action="store_true",
                     help="ranks 1.. are started elsewhere (Ray): host their rendezvous")
     ap.add_argument("--expert-plan", default=None, metavar="PLAN.json",
@@ -459,7 +466,8 @@ def _at_least(least: int, flag: str, n: int | None) -> int | None:
 
 
 def _parallel_flags(a: argparse.Namespace) -> dict:
-    """``tp``, ``ep``, ``expert_plan`` of the parsed flags.
+    """``tp``, ``ep``, ``expert_plan``, ``remote_ranks``, ``collective_timeout_s`` of the
+    parsed flags.
 
     Raises:
         SystemExit: a bad value (argparse-style message naming the flag).
@@ -473,7 +481,10 @@ def _parallel_flags(a: argparse.Namespace) -> dict:
         raise SystemExit("--expert-plan: needs --ep > 1")
     if a.remote_ranks and max(a.tp, a.ep) == 1:
         raise SystemExit("--remote-ranks: needs --tp or --ep > 1")
-    return {"tp": a.tp, "ep": a.ep, "expert_plan": a.expert_plan, "remote_ranks": a.remote_ranks}
+    if a.collective_timeout is not None and not a.collective_timeout > 0:
+        raise SystemExit(f"--collective-timeout: must be > 0, got {a.collective_timeout}")
+    return {"tp": a.tp, "ep": a.ep, "expert_plan": a.expert_plan, "remote_ranks": a.remote_ranks,
+            "collective_timeout_s": a.collective_timeout}
 
 
 __all__ = [

@@ -68,7 +68,8 @@ def warm(engine: Any) -> None:
 
 def instance_spec(config: WorkerConfig) -> Any:
     """The :class:`~k3serve.parallel.runner.InstanceSpec` of a ``--tp`` / ``--ep`` worker
-    (pools sized by the worker's capacities; ``--expert-plan`` read as the placement).
+    (pools sized by the worker's capacities; ``--expert-plan`` read as the placement;
+    ``--collective-timeout`` as ``collective_timeout_s``).
 
     Raises:
         ValueError: an unreadable or malformed plan file (naming ``expert_plan``), a
@@ -100,11 +101,14 @@ def instance_spec(config: WorkerConfig) -> Any:
     dev = config.device
     if dev != "cpu" and not dev.startswith("cuda"):
         raise ValueError(f"device: a --tp/--ep instance runs on cpu or cuda, got {dev!r}")
+    timeout = ({} if config.collective_timeout_s is None
+               else {"collective_timeout_s": config.collective_timeout_s})
     return InstanceSpec(
         model=config.model, tp=config.tp, ep=config.ep, num_slots=config.num_slots,
         num_pages=config.num_pages, block_size=config.block_size,
         num_snapshots=config.num_snapshots, plan=plan, dtype=config.torch_dtype_name,
-        seed=config.seed, device="cpu" if dev == "cpu" else "cuda", threads=config.threads)
+        seed=config.seed, device="cpu" if dev == "cpu" else "cuda", threads=config.threads,
+        **timeout)
 
 
 def build_parallel_engine(config: WorkerConfig) -> Any:

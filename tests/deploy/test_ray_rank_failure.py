@@ -1,13 +1,14 @@
 """A multi-rank instance fails as a whole (deploy/ray_actors.py, k3serve/parallel/runner.py), on
-a ``ray.cluster_utils.Cluster`` of 3 nodes × 2 logical GPUs: one prefill instance of 1 rank and
-two decode instances of 2 ranks each (ep 2), the tiny model on the CPU.
+the shared ``ray.cluster_utils.Cluster`` of 3 nodes × 2 logical GPUs (tests/deploy/conftest.py):
+one prefill instance of 1 rank and two decode instances of 2 ranks each (ep 2), the tiny model
+on the CPU.
 
 During 8 greedy streams the rank-1 process of the decode instance serving most of them is
 ``kill -9``-ed (then, in the second case, ``SIGSTOP``-ed): the instance's rank 0 goes down too
 (its actor kills it when a rank exits; a stopped rank makes its next collective time out within
-``collective_timeout_s``, 30 s by default), the instance restarts on fresh ports with fresh
-ranks and registers again, every stream completes with the fault-free tokens (the router
-migrates them), and no rank process is left once the deployment stops.
+the workers' ``--collective-timeout``, :data:`COLLECTIVE_TIMEOUT_S` here), the instance restarts
+on fresh ports with fresh ranks and registers again, every stream completes with the fault-free
+tokens (the router migrates them), and no rank process is left once the deployment stops.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopba
 ray = pytest.importorskip("ray", reason="Ray is an extra: pip install -e '.[ray]'")
 
 from deploy.ray_backend import deploy
-from k3serve.parallel.runner import COLLECTIVE_TIMEOUT_S
 from tests.deploy.test_ray_ranks import metric, ranks_config
-from tests.parallel.ray_cluster import alive, assert_gone, local_cluster
+from tests.parallel.ray_cluster import alive, assert_gone
 
 MAX_TOKENS = 40
 STREAMS = 8
+#: the workers' ``--collective-timeout`` (seconds rank 0 waits on a stopped rank)
+COLLECTIVE_TIMEOUT_S = 10.0
 
 
 def prompts() -> list[str]:
@@ -49,12 +51,6 @@ def oracle() -> list[str]:
            for p in prompts()]
     outs = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     return [llm.tokenizer.decode(o.token_ids) for o in outs]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with local_cluster(3, gpus_per_node=2) as c:
-        yield c
 
 
 def _stream_all(url: str, started: threading.Event) -> tuple[list[str], list[BaseException]]:
@@ -95,11 +91,12 @@ def _busiest_decode(stack) -> str:
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
-def test_a_failed_rank_restarts_its_instance_and_the_streams_complete(cluster, tmp_path,
+def test_a_failed_rank_restarts_its_instance_and_the_streams_complete(ray_cluster, tmp_path,
                                                                       oracle, fault):
     import httpx
 
-    stack = deploy(ranks_config(tmp_path, 1, 2, decode=2, prefill_ep=1, nodes=6),
+    stack = deploy(ranks_config(tmp_path, 1, 2, decode=2, prefill_ep=1, nodes=6,
+                                worker_args=("--collective-timeout", str(COLLECTIVE_TIMEOUT_S))),
                    ready_timeout=240)
     pids: set[int] = set()
     try:

@@ -1,6 +1,6 @@
-"""Multi-rank instances as Ray actors (deploy/ray_backend.py + k3serve/parallel/ranks.py) on a
-``ray.cluster_utils.Cluster`` of 2 nodes × 2 logical GPUs (loopback, its own temp dir and
-ports), the tiny model on the CPU (gloo):
+"""Multi-rank instances as Ray actors (deploy/ray_backend.py + k3serve/parallel/ranks.py) on the
+shared ``ray.cluster_utils.Cluster`` of 3 nodes × 2 logical GPUs (tests/deploy/conftest.py:
+loopback, its own temp dir and ports), the tiny model on the CPU (gloo):
 
 * one prefill and one decode instance of 2 ranks each — tp 2 (``tp: 2, ep: 2``), then ep 2
   (``tp: 1, ep: 2``) — each instance's two ranks on two different nodes (Ray's state API):
@@ -15,6 +15,7 @@ ports), the tiny model on the CPU (gloo):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -28,17 +29,18 @@ from deploy.config import load_deploy_config
 from deploy.ray_actors import argv_port
 from deploy.ray_backend import check_runnable, deploy
 from k3serve.protocol import CLUSTER_TOKEN_HEADER
-from tests.parallel.ray_cluster import alive, free_port, local_cluster
+from tests.parallel.ray_cluster import alive, free_port
 
 MAX_TOKENS = 6
 MESSAGES = [{"role": "user", "content": "The capital of France is"}]
 
 
 def ranks_config(tmp: Path, tp: int, ep: int, decode: int = 1, prefill_ep: int | None = None,
-                 nodes: int = 4, gpus_per_node: int = 1, max_restarts: int = 2) -> Path:
+                 nodes: int = 4, gpus_per_node: int = 1, max_restarts: int = 2,
+                 worker_args: tuple[str, ...] = ()) -> Path:
     """The tiny model over logical nodes of ``gpus_per_node`` GPUs (one: an instance's 2 ranks
     span 2 nodes); the prefill pool has ``prefill_ep`` (default ``ep``) and tp = ``tp`` when
-    its ep > 1."""
+    its ep > 1; ``worker_args``: the config's extra worker flags."""
     p_ep = ep if prefill_ep is None else prefill_ep
     p_tp = tp if p_ep > 1 else 1
     text = f"""
@@ -47,6 +49,7 @@ dtype: float32
 device: cpu
 block_size: 16
 max_restarts: {max_restarts}
+worker_args: {list(worker_args)!r}
 cluster:
   nodes: {nodes}
   accelerators_per_node: {gpus_per_node}
@@ -80,8 +83,10 @@ pools:
     return path
 
 
+@functools.cache
 def oracle_text() -> tuple[str, int]:
-    """The single-process offline engine's greedy answer to ``MESSAGES`` (text, tokens)."""
+    """The single-process offline engine's greedy answer to ``MESSAGES`` (text, tokens),
+    computed once for the parametrized tests."""
     import torch
 
     from k3serve import LLM, SamplingParams
@@ -116,14 +121,9 @@ def rank_nodes(stack) -> dict[str, list[str]]:
     return {n: [d[r] for r in sorted(d)] for n, d in nodes.items()}
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with local_cluster(2, gpus_per_node=2, dashboard=True) as c:
-        yield c
-
-
 @pytest.mark.parametrize(("tp", "ep"), [(2, 2), (1, 2)], ids=["tp2", "ep2"])
-def test_two_rank_instances_span_nodes_and_match_the_offline_engine(cluster, tmp_path, tp, ep):
+def test_two_rank_instances_span_nodes_and_match_the_offline_engine(ray_cluster, tmp_path, tp,
+                                                                   ep):
     import httpx
     from openai import OpenAI
 

@@ -2,7 +2,8 @@
 own temp dir (not ``/tmp/ray``) and free ports for everything Ray would otherwise bind at a
 fixed number (GCS 6379, dashboard 8265, dashboard agent 52365, …), so it runs beside another
 Ray on the same machine. ``with local_cluster(nodes, gpus) as c:`` connects this process
-(``ray.init``) and shuts everything down on exit, leaving no Ray process behind.
+(``ray.init``) and shuts everything down on exit, leaving no Ray process behind;
+:data:`SHARED` keeps one up across the test modules that deploy on the same shape in turn.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +106,36 @@ def local_cluster(nodes: int, gpus_per_node: int = 0, cpus_per_node: float = 0,
         while time.monotonic() < deadline and pids_with(temp):
             time.sleep(0.5)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+class SharedCluster:
+    """One :func:`local_cluster` kept up for consecutive tests that deploy on the same shape
+    (each stops its deployment: actors killed, placement groups removed), started by the
+    first :meth:`get` and shut down by :meth:`close` or by a :meth:`get` of another shape."""
+
+    def __init__(self) -> None:
+        self._exit: ExitStack | None = None
+        self._shape: tuple[int, int, bool] | None = None
+        self.cluster: Any = None
+
+    def get(self, nodes: int, gpus_per_node: int, dashboard: bool = False) -> Any:
+        """The running cluster of this shape (``local_cluster``'s arguments), this process
+        connected; another shape's is shut down first."""
+        shape = (nodes, gpus_per_node, dashboard)
+        if shape != self._shape:
+            self.close()
+            exit_stack = ExitStack()
+            self.cluster = exit_stack.enter_context(
+                local_cluster(nodes, gpus_per_node, dashboard=dashboard))
+            self._exit, self._shape = exit_stack, shape
+        return self.cluster
+
+    def close(self) -> None:
+        """Shut the cluster down (as ``local_cluster``'s exit); nothing when none runs."""
+        exit_stack, self._exit, self._shape, self.cluster = self._exit, None, None, None
+        if exit_stack is not None:
+            exit_stack.close()
+
+
+#: the cluster the Ray test files share (``tests/deploy/conftest.py``: ``ray_cluster``)
+SHARED = SharedCluster()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deploy import experts as planner
-from k3serve.parallel.runner import InstanceSpec, RankRunner
+from k3serve.parallel.runner import COLLECTIVE_TIMEOUT_S, InstanceSpec, RankRunner
 from tests.parallel.helpers import greedy_generate, spawn_instance
 from worker.config import parse_config
 from worker.loop import instance_spec
@@ -39,6 +39,12 @@ def test_flags_build_the_instance_spec(tmp_path) -> None:
         parse_config("prefill", ["--expert-plan", str(f)])
     with pytest.raises(SystemExit, match="--tp"):
         parse_config("prefill", ["--tp", "0"])
+    assert s.collective_timeout_s == COLLECTIVE_TIMEOUT_S  # the runner's default
+    s = instance_spec(parse_config("decode", ["--ep", "2", "--collective-timeout", "4.5"]))
+    assert s.collective_timeout_s == 4.5
+    for bad in ("0", "-1"):
+        with pytest.raises(SystemExit, match="--collective-timeout: must be > 0"):
+            parse_config("decode", ["--ep", "2", "--collective-timeout", bad])
 
 
 def test_tp2_transfer_layout_holds_the_tp1_states() -> None:
