@@ -7,37 +7,13 @@ Children die with the launcher: on Linux each asks the kernel for SIGTERM when i
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Mapping
 
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: ask the kernel to SIGTERM this child when the launcher dies (even by SIGKILL)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
-
-
-def _start_child() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux, a component: :func:`_die_with_parent`, and SIGINT ignored until the component
-    sets its own handler (an ignored signal stays ignored across exec; Python then installs no
-    ``KeyboardInterrupt`` handler). A Ctrl-C while the child still imports reaches the launcher
-    alone, which stops what has started; without this the child would die inside an import
-    with a traceback. ``signal`` from libc, not :func:`signal.signal`: the launcher may spawn
-    from a thread other than the main one."""
-    _die_with_parent()
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.signal(signal.SIGINT, ctypes.c_void_p(1))  # SIG_IGN = (void (*)(int)) 1
-    except OSError:
-        pass
+from k3serve.process import die_with_parent, start_component
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -68,7 +44,8 @@ class LocalBackend:
     def spawn(self, name: str, module: str, args: list[str],
               env: Mapping[str, str]) -> subprocess.Popen:
         """Start ``python -m {module} {args}`` with exactly ``env`` as its environment, SIGINT
-        ignored until the component sets its own handler (:func:`_start_child`).
+        ignored until the component sets its own handler
+        (:func:`k3serve.process.start_component`).
 
         Returns:
             The child (a :class:`subprocess.Popen`: ``poll``/``terminate``/``kill``/``wait``).
@@ -81,11 +58,11 @@ class LocalBackend:
             os.makedirs(self.log_dir, exist_ok=True)
             # append: a restarted component keeps its predecessor's log (why it died)
             out = open(os.path.join(self.log_dir, f"{name}.log"), "a")  # noqa: SIM115
-        pre = _start_child if sys.platform.startswith("linux") else None
         try:  # preexec_fn runs two libc calls, nothing that a forked thread could deadlock on
             return subprocess.Popen(
                 [sys.executable, "-m", module, *args], env=dict(env), stdout=out,
-                stderr=subprocess.STDOUT if out else None, preexec_fn=pre,  # noqa: PLW1509
+                stderr=subprocess.STDOUT if out else None,
+                preexec_fn=start_component,  # noqa: PLW1509
             )
         finally:
             if out is not None:  # the child holds its own copy of the descriptor
@@ -146,7 +123,7 @@ def start_store_master_process(port: int, host: str = "127.0.0.1",
         FileNotFoundError: no ``mooncake_master``; OSError: it could not start.
     """
     out = open(log_path, "a") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    pre = _die_with_parent if sys.platform.startswith("linux") else None
+    pre = die_with_parent if sys.platform.startswith("linux") else None
     try:
         return subprocess.Popen(
             [mooncake_master_path(), f"--rpc_address={host}", f"--rpc_port={port}",

@@ -10,7 +10,9 @@
 * :func:`handled_signals` — route signals to a handler for the length of a ``with`` block
   (a server's run), then restore the previous handlers; nothing is re-raised afterwards.
 * :class:`ParentWatch` — whether the launcher that started this process died (the kernel's
-  parent-death signal found it reparented).
+  parent-death signal found it reparented); :func:`die_with_parent` asks for that signal, and
+  :func:`start_component` (a ``preexec_fn``) also starts the child with SIGINT ignored until
+  it sets its own handler.
 * :func:`exit_now` — end a process that has released what it holds without the interpreter's
   finalization (module teardown, the native destructors of torch and Mooncake: seconds of a
   stopping worker on a small machine); logging and stdio are flushed first.
@@ -64,6 +66,36 @@ def exit_now(status: int = 0) -> NoReturn:
             stream.flush()
     os._exit(status)
 
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Linux: ask the kernel to send ``sig`` to this process when its parent dies (even by
+    SIGKILL; ``prctl(PR_SET_PDEATHSIG)``). Elsewhere nothing."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
+def ignore_sigint() -> None:
+    """SIGINT ignored by this process, set through libc (safe in a forked child before exec,
+    from any thread). An ignored signal stays ignored across exec, and Python then installs no
+    ``KeyboardInterrupt`` handler: a Ctrl-C that reaches the process while it imports does
+    nothing there, and the handler it sets later takes over. Elsewhere than Linux nothing."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).signal(int(signal.SIGINT), ctypes.c_void_p(1))
+    except OSError:  # SIG_IGN = (void (*)(int)) 1
+        pass
+
+
+def start_component() -> None:  # pragma: no cover - runs in the child before exec
+    """``preexec_fn`` of a k3serve component (router, replica, worker): it dies with its
+    parent (SIGTERM, :func:`die_with_parent`) and ignores SIGINT until it sets its own handler
+    (:func:`ignore_sigint`; its parent, which gets the same Ctrl-C, stops it). Two libc calls,
+    nothing a thread of the forking process could hold."""
+    if sys.platform.startswith("linux"):
+        die_with_parent()
+        ignore_sigint()
 
 class ParentWatch:
     """Whether the launcher that started this process is gone. ``k3serve serve`` asks the

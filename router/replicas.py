@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import hashlib
 import logging
 import os
@@ -44,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from k3serve.process import start_component
 
 if TYPE_CHECKING:
     from router.registry import WorkerRegistry
@@ -135,14 +136,6 @@ class Registry:
             await asyncio.sleep(interval_s)
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: SIGTERM this replica when the supervisor dies (even by SIGKILL)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def supervise(argv: list[str], n: int, sock: socket.socket) -> int:
     """Run ``n`` replicas (``python -m router ARGV --replica-index i --fd FD``) on the
     listening ``sock`` until SIGTERM / SIGINT; start again a replica that exits.
@@ -165,13 +158,12 @@ def supervise(argv: list[str], n: int, sock: socket.socket) -> int:
     env[METRICS_ENV] = str(metrics_dir)
     env[REGISTRY_ENV] = str(registry_dir)
     fd = sock.fileno()
-    pre = _die_with_parent if sys.platform.startswith("linux") else None
 
     def spawn(i: int) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "router", *argv, "--replica-index", str(i),
              "--fd", str(fd)], env=env, pass_fds=(fd,),
-            preexec_fn=pre)  # noqa: PLW1509 - one prctl call, nothing a thread could hold
+            preexec_fn=start_component)  # noqa: PLW1509 - two libc calls, nothing a thread holds
 
     stopping = False
 

@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -36,6 +37,7 @@ from k3serve.parallel.runner import (
     init_dist,
     store_barrier,
 )
+from k3serve.process import die_with_parent, ignore_sigint
 
 
 def _exit(code: int) -> None:
@@ -43,17 +45,6 @@ def _exit(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def _die_with_parent() -> None:
-    """``prctl(PR_SET_PDEATHSIG, SIGKILL)`` where libc has it (Linux); else nothing."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))
-    except OSError:
-        pass
 
 
 def run_follower(spec: InstanceSpec, rank: int, store: str | dist.Store,
@@ -71,10 +62,12 @@ def run_follower(spec: InstanceSpec, rank: int, store: str | dist.Store,
 
 def _follower_entry(rank: int, spec: InstanceSpec, store_path: str) -> None:
     """Process target of a worker's rank ≥ 1 on its host; the exit code says how it ended.
-    The kernel kills it when rank 0's process ends (``PR_SET_PDEATHSIG``)."""
+    The kernel kills it when rank 0's process ends (``PR_SET_PDEATHSIG``); it ignores SIGINT
+    (a terminal's Ctrl-C reaches the whole process group: rank 0 drains, then ends it)."""
     code = 0
     try:
-        _die_with_parent()
+        die_with_parent(signal.SIGKILL)
+        ignore_sigint()
         run_follower(spec, rank, store_path)
     except BaseException:  # noqa: BLE001 — printed (the worker's log), then the exit code
         traceback.print_exc()

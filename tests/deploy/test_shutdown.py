@@ -78,11 +78,13 @@ def _group(pgid: int) -> list[str]:
             if ln.split()[0] == str(pgid) and not ln.split()[1].startswith("Z")]
 
 
-@pytest.mark.parametrize("when", ["launcher-importing", "components-importing"])
+@pytest.mark.parametrize("when", ["launcher-importing", "components-importing",
+                                  "replicas-importing"])
 def test_ctrl_c_during_startup_stops_quietly(when, tmp_path):
     """A terminal's Ctrl-C (SIGINT to the process group) while the launcher still imports, or
-    while the components it started still import: one line, no traceback, exit status 130 or
-    0, and nothing of the group left running."""
+    while the components it started still import (workers; router replicas, which the router
+    starts): one line, no traceback, exit status 130 or 0, and nothing of the group left
+    running."""
     import os
     import signal
     import subprocess
@@ -93,13 +95,17 @@ def test_ctrl_c_during_startup_stops_quietly(when, tmp_path):
 
     log = tmp_path / "serve.log"
     with log.open("w") as out:
+        extra = ["--routers", "2"] if when == "replicas-importing" else []
         p = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--port",
-                              str(free_port()), "--no-store"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                              str(free_port()), "--no-store", *extra], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                              start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        if when == "components-importing":  # the first worker has just started
-            while not any(".worker " in c for c in _group(p.pid)):
+        # the first worker / router replica has just started (its command line, or its title)
+        started = {"components-importing": (".worker ",),
+                   "replicas-importing": ("--replica-index", "router replica")}
+        if when in started:
+            while not any(m in c for c in _group(p.pid) for m in started[when]):
                 assert p.poll() is None and time.monotonic() < deadline, log.read_text()
                 time.sleep(0.02)
         else:
@@ -109,7 +115,7 @@ def test_ctrl_c_during_startup_stops_quietly(when, tmp_path):
         time.sleep(0.5)
         text = log.read_text()
         assert "Traceback" not in text and "Exception ignored" not in text, text
-        if when == "components-importing":
+        if when in started:
             assert rc == 0 and text.splitlines()[-1] == "k3serve: stopped", text
         else:  # the launcher's own handler may or may not be set by then; interrupted, the
             # interpreter may end by SIGINT itself (what a shell reads as Ctrl-C, status 130)

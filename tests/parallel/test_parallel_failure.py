@@ -4,6 +4,8 @@
   timeout, and rank 0's process exits with ``INSTANCE_FAILED_EXIT``;
 * a follower placed elsewhere joins through rank 0's ``TCPStore`` (the rendezvous line), and
   the two ranks' forward equals the one-process forward;
+* a follower ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; rank 0
+  drains, then ends its followers): the instance keeps serving;
 * the rendezvous line round-trips; a spec refuses a timeout ≤ 0.
 """
 
@@ -30,7 +32,7 @@ from k3serve.parallel.ranks import start_instance, start_remote_instance
 def main():
     mode = sys.argv[1]
     spec = InstanceSpec(tp=1, ep=2, num_pages=8, num_slots=2, collective_timeout_s=3.0)
-    if mode == "stop":
+    if mode in ("stop", "int"):
         r = start_instance(spec)
     else:
         r = start_remote_instance(spec, "127.0.0.1")
@@ -45,6 +47,11 @@ def main():
             r.forward([Row([8], 3, 0, [0])])  # ends this process (instance_failed)
         finally:
             os.kill(pid, signal.SIGKILL)
+    if mode == "int":  # a terminal's Ctrl-C reaches every process of the group
+        os.kill(r.follower_pids()[0], signal.SIGINT)
+        time.sleep(0.5)
+        logits = r.forward([Row([8], 3, 0, [0])])
+        print("after SIGINT", logits[0, :4].tolist(), flush=True)
     r.close()
 
 if __name__ == "__main__":
@@ -79,6 +86,16 @@ def test_a_stopped_follower_fails_rank_0_within_the_collective_timeout(tmp_path)
     assert rc == INSTANCE_FAILED_EXIT, rest
     assert "instance failed in forward" in rest
     assert waited < 3.0 + 20  # the 3 s timeout (and a loaded machine's slack)
+
+
+def test_a_follower_ignores_sigint_and_the_instance_keeps_serving(tmp_path):
+    script = tmp_path / "rank0.py"
+    script.write_text(RANK0)
+    r = subprocess.run([sys.executable, str(script), "int"], env=_env(), text=True,
+                       capture_output=True, cwd=tmp_path, timeout=120, check=False)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "after SIGINT" in r.stdout and "KeyboardInterrupt" not in out, out
 
 
 def test_a_follower_placed_elsewhere_joins_through_the_rendezvous_line(tmp_path):
