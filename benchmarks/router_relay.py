@@ -55,6 +55,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import math
 import os
 import secrets
 import statistics
@@ -566,6 +567,18 @@ def main() -> int:
                     help="seconds between two tokens of one decode stream (default 0: as fast "
                          "as the fake workers go)")
     args = ap.parse_args()
+    for name in ("rounds", "requests", "concurrency"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name}: must be ≥ 1, got {getattr(args, name)}")
+    if args.tokens < 2:  # the cost beyond the fixed one divides by tokens − 1
+        ap.error(f"--tokens: must be ≥ 2, got {args.tokens}")
+    for name in ("token_delay", "idle_s"):
+        v = getattr(args, name)
+        if not (math.isfinite(v) and v >= 0):
+            ap.error(f"--{name.replace('_', '-')}: must be a finite number ≥ 0, got {v}")
+    for src in args.src.split(","):
+        if not (Path(src) / "router").is_dir():
+            ap.error(f"--src: {src!r} is not a k3serve source tree (no router/ folder)")
     if args.interleave:
         out = asyncio.run(interleaved_async(args))
         print(interleaved_table(out))

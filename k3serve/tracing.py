@@ -47,14 +47,24 @@ def check_endpoint(endpoint: str | None) -> str | None:
     ``/v1/traces`` appended to a bare ``scheme://host[:port]``.
 
     Raises:
-        ValueError: ``endpoint`` is not an http(s) URL (the field and the value, one line).
+        ValueError: ``endpoint`` is not an http(s) URL with a host, a numeric port (if any), no
+            query, fragment or whitespace (the flag and the value, one line).
     """
+    from urllib.parse import urlsplit
+
     if not endpoint:
         return None
-    if not endpoint.startswith(("http://", "https://")) or endpoint.endswith("://"):
+    try:
+        u = urlsplit(endpoint)
+        ok = (u.scheme.lower() in ("http", "https") and bool(u.hostname) and not u.query
+              and not u.fragment and not any(c.isspace() for c in endpoint))
+        u.port  # noqa: B018 - raises ValueError on a port that is not a number in range
+    except ValueError:
+        ok = False
+    if not ok:
         raise ValueError(f"--otlp-traces-endpoint / ${ENDPOINT_ENV}: expected an http(s) URL "
                          f"such as http://127.0.0.1:4318, got {endpoint!r}")
-    if endpoint.rstrip("/").count("/") == 2:  # scheme://host[:port] alone
+    if u.path.strip("/") == "":  # scheme://host[:port] alone
         return endpoint.rstrip("/") + "/v1/traces"
     return endpoint
 

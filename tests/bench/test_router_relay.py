@@ -40,3 +40,18 @@ def test_interleaved_run_writes_every_tree_s_rounds_and_ratios(tmp_path):
     # the printed table names both trees with their medians
     assert r.stdout.count(f"| {ROOT.name} | ") == 2
     assert f"{second['us_per_token']:.1f} µs" in r.stdout
+
+
+def test_bad_arguments_are_refused_in_one_line_before_anything_starts():
+    for args, line in ((["--rounds", "0"], "--rounds: must be ≥ 1, got 0"),
+                       (["--requests", "0"], "--requests: must be ≥ 1, got 0"),
+                       (["--tokens", "1"], "--tokens: must be ≥ 2, got 1"),
+                       (["--token-delay", "nan"],
+                        "--token-delay: must be a finite number ≥ 0, got nan"),
+                       (["--idle-s", "-1"], "--idle-s: must be a finite number ≥ 0, got -1.0"),
+                       (["--src", "/nonexistent"],
+                        "--src: '/nonexistent' is not a k3serve source tree (no router/ folder)")):
+        r = subprocess.run([sys.executable, "benchmarks/router_relay.py", "--interleave", *args],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+            f"router_relay.py: error: {line}"), (args, r.stderr)

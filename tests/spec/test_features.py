@@ -59,6 +59,24 @@ def test_grammar(tiny):
         json.loads(got.text)
 
 
+def test_grammar_row_without_proposals_beside_a_proposing_row(tiny):
+    """A grammar row that proposes nothing in a step whose other row does still samples under
+    its grammar's mask: the output equals the plain engine's (it emitted a forbidden token and
+    the step raised before)."""
+    tok = tiny[2]
+    g = SamplingParams(max_tokens=30, temperature=0.0, grammar=json_object_grammar(),
+                       skip_special_tokens=False, stop_token_ids=tok.stop_token_ids)
+    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = [tok.encode('Answer in JSON: {"name": "k3serve", "layers": 8} -> '),
+               tok.encode("one two three four " * 12)]
+    ref = run(make_engine(tiny), prompts, [g, p])
+    eng = make_engine(tiny, SpecConfig("ngram", 4, ngram_min=2, ngram_max=6,
+                                       cost_per_token=0.0))
+    got = run(eng, prompts, [g, p])
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert eng.spec.stats.accepted > 0
+
+
 def test_migration_mid_stream(tiny):
     prompt = repo_prompts(tiny[2], 1, 50, 51)[0]
     for params in (SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),

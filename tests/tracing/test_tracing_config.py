@@ -47,6 +47,9 @@ def test_check_endpoint_normalizes_or_refuses():
     assert check_endpoint("http://127.0.0.1:4318") == "http://127.0.0.1:4318/v1/traces"
     assert check_endpoint("http://127.0.0.1:4318/") == "http://127.0.0.1:4318/v1/traces"
     assert check_endpoint("https://otel.example/v1/traces") == "https://otel.example/v1/traces"
-    for bad in ("127.0.0.1:4318", "localhost:4318", "http://", "grpc://h:4317"):
+    assert check_endpoint("HTTP://127.0.0.1:4318") == "HTTP://127.0.0.1:4318/v1/traces"
+    for bad in ("127.0.0.1:4318", "localhost:4318", "http://", "grpc://h:4317", "http:///",
+                "http://:4318", "http://x:abc", "http://x?y=1", "http://x#f", "http://x ",
+                "http://x:99999"):
         with pytest.raises(ValueError, match="expected an http\\(s\\) URL"):
             check_endpoint(bad)

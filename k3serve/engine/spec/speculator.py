@@ -96,7 +96,8 @@ class Speculator:
 
     def propose(self, seqs: Sequence[Seq], budget: int) -> list[Draft]:
         """Proposals for the decoding ``seqs`` of a step (empty where the policy says none),
-        at most ``budget`` tokens in all, cut at the first token a grammar forbids."""
+        at most ``budget`` tokens in all, cut at the first token a grammar forbids; a row with a
+        grammar carries its masks (``allowed``) with or without proposals."""
         ks = []
         for seq in seqs:
             m = min(self.policy.num_tokens(seq.seq_id, len(seqs)), self._limit(seq), budget)
@@ -105,12 +106,9 @@ class Speculator:
         props = self.proposer.propose(seqs, ks) if any(ks) else []
         out = []
         for i, seq in enumerate(seqs):
-            if not ks[i]:
-                out.append(Draft([], None, None))
-                continue
-            toks, probs = props[i].tokens[: ks[i]], props[i].probs
+            toks, probs = (props[i].tokens[: ks[i]], props[i].probs) if ks[i] else ([], None)
             allowed = None
-            if seq.request.params.grammar and toks:
+            if seq.request.params.grammar:  # a row without proposals still samples masked
                 allowed, ok = self._walk(seq, toks)
                 toks = toks[:ok]
             out.append(Draft(toks, probs[: len(toks)] if probs is not None else None, allowed))
