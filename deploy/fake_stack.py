@@ -49,8 +49,16 @@ class Stack:
             for st, _ in self.prefill + self.decode:
                 for k, v in (worker or {}).items():
                     setattr(st, k, v)
-                r = httpx.post(self.url + "/internal/register", json={"url": st.url},
-                               headers={CLUSTER_TOKEN_HEADER: TOKEN})
+                # a 503 (the router could not read the worker's info within its poll timeout,
+                # which a test may set far below a loaded machine's latency) is tried again for
+                # up to 10 s, as a real worker's registration does (worker/registration.py)
+                deadline = time.monotonic() + 10.0
+                while True:
+                    r = httpx.post(self.url + "/internal/register", json={"url": st.url},
+                                   headers={CLUSTER_TOKEN_HEADER: TOKEN})
+                    if r.status_code != 503 or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.1)
                 if r.status_code != 200:
                     raise RuntimeError(f"registering {st.url}: HTTP {r.status_code}: {r.text}")
         except BaseException:
