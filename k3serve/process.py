@@ -67,6 +67,14 @@ def exit_now(status: int = 0) -> NoReturn:
     os._exit(status)
 
 
+def quit_before_serving(signum: int, frame: FrameType | None) -> None:
+    """Handler of a stop signal that arrives before a component serves (while it builds its
+    app or engine: nothing is open or held): exit 0 at once with :func:`exit_now`. A
+    ``SystemExit`` raised from a handler could land in a weakref callback or a ``__del__``,
+    which swallows it, and the process would go on starting."""
+    exit_now(0)
+
+
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Linux: ask the kernel to send ``sig`` to this process when its parent dies (even by

@@ -24,7 +24,13 @@ from types import FrameType
 import uvicorn
 
 from k3serve import tracing
-from k3serve.process import ParentWatch, exit_now, handled_signals, set_title
+from k3serve.process import (
+    ParentWatch,
+    exit_now,
+    handled_signals,
+    quit_before_serving,
+    set_title,
+)
 from router.app import create_app
 from router.config import (
     ROUTER_HTTP,
@@ -40,13 +46,6 @@ from router.replicas import supervise
 #: signals that stop the router gracefully: ``kill`` / a launcher, and a terminal's Ctrl-C
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 log = logging.getLogger("k3serve.router")
-
-
-def _quit_before_serving(signum: int, frame: FrameType | None) -> None:
-    """A stop signal before the server runs: nothing is open, exit 0 at once
-    (:func:`~k3serve.process.exit_now`: a ``SystemExit`` raised here could land in a weakref
-    callback or a ``__del__``, which swallows it, and the process would go on starting)."""
-    exit_now(0)
 
 
 class StoppingServer(uvicorn.Server):
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     parent = ParentWatch()
     for sig in STOP_SIGNALS:
-        signal.signal(sig, _quit_before_serving)
+        signal.signal(sig, quit_before_serving)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),

@@ -36,6 +36,7 @@ from k3serve.process import (
     ParentWatch,
     exit_now,
     handled_signals,
+    quit_before_serving,
     set_title,
     worker_title,
 )
@@ -48,13 +49,6 @@ EXIT_PORT_IN_USE = 3
 #: signals that start a drain: ``kill`` / a launcher, and a terminal's Ctrl-C
 DRAIN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 log = logging.getLogger("k3serve.worker")
-
-
-def _quit_before_serving(signum: int, frame: FrameType | None) -> None:
-    """A drain signal while the engine is still being built: nothing is held, exit 0 at once
-    (:func:`~k3serve.process.exit_now`: a ``SystemExit`` raised here could land in a weakref
-    callback or a ``__del__``, which swallows it, and the process would go on starting)."""
-    exit_now(0)
 
 
 class PortInUseError(OSError):
@@ -172,7 +166,7 @@ def serve(worker_cls: type[BaseWorker], role: Role, argv: list[str] | None = Non
 
     parent = ParentWatch()
     for sig in DRAIN_SIGNALS:
-        signal.signal(sig, _quit_before_serving)
+        signal.signal(sig, quit_before_serving)
     config: WorkerConfig = parse_config(role, argv)
     logging.basicConfig(level=config.log_level.upper(),
                         format=f"%(asctime)s {role} %(name)s %(levelname)s %(message)s")
