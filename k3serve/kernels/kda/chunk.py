@@ -37,8 +37,22 @@ _SUB = 16  # sub-chunk inside which pairwise decays are formed elementwise
 
 
 def _exp_masked(diff: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``exp(diff)`` where ``mask``, else 0 — without ever exponentiating a masked-out entry."""
-    return torch.where(mask, torch.where(mask, diff, torch.zeros_like(diff)).exp(), 0.0)
+    """``exp(diff)`` where ``mask``, else 0: masked-out entries become ``−inf`` before the
+    exponential, so they are never exponentiated and their gradient is exactly 0 (no
+    ``0 · inf`` from an overflowed entry)."""
+    return diff.masked_fill(~mask, float("-inf")).exp()
+
+
+def _width(n: int, C: int) -> int:
+    """Columns a chunk holding ``n`` real tokens is computed over: the smallest of 8, 16, 32,
+    48, … ``C`` that holds them, or ``C`` itself when ``C`` is not a multiple of 16. Pad
+    columns only add exact zeros; the width depends on the chunk alone, so a sequence's
+    output does not depend on the sequences it is batched with."""
+    if C % _SUB:
+        return C
+    if n <= _SUB // 2:
+        return _SUB // 2
+    return min(C, -(-n // _SUB) * _SUB)
 
 
 def chunk_decay_scores(
@@ -86,11 +100,12 @@ class _ChunkLayout:
     """Where each sequence's tokens sit in a ``[NCH, C]`` grid of chunks (seq-major).
 
     ``idx [NCH, C]`` holds flat token rows (``b * T + t``), padded with the dummy row
-    ``B * T``; ``valid [NCH, C]``; per sequence ``first`` chunk and chunk count ``nc``.
+    ``B * T``; ``valid [NCH, C]``; per sequence ``first`` chunk and chunk count ``nc``; per
+    chunk ``count``, its number of real tokens (host ints).
     """
 
     def __init__(self, cu_seqlens: torch.Tensor | None, B: int, T: int, C: int, device):
-        idx, first, nc = [], [], []
+        idx, first, nc, count = [], [], [], []
         ar = torch.arange(C)
         n_chunks = 0
         for b, bos, eos in seq_bounds(cu_seqlens, B, T):
@@ -102,17 +117,57 @@ class _ChunkLayout:
             if m:
                 pos = bos + torch.arange(m)[:, None] * C + ar[None, :]
                 idx.append(torch.where(pos < eos, b * T + pos, B * T))
+                count += [C] * (m - 1) + [L - (m - 1) * C]
         self.num_chunks = n_chunks
         self.idx = (torch.cat(idx) if idx else torch.empty(0, C, dtype=torch.long)).to(device)
         self.valid = self.idx < B * T
         self.first = first
         self.nc = nc
+        self.count = count
 
-    def gather(self, x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
-        """``[B, T, H, ...]`` → ``[NCH, H, C, ...]`` in ``dt``; pad rows are 0."""
-        flat = x.reshape(-1, *x.shape[2:]).to(dt)
-        flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
-        return flat[self.idx].transpose(1, 2)
+    def groups(self, C: int) -> list[tuple[int, list[int] | None]]:
+        """``(width, chunks)`` per width of :func:`_width` present, widest first; ``chunks``
+        is None when every chunk has that width."""
+        by: dict[int, list[int]] = {}
+        for c, n in enumerate(self.count):
+            by.setdefault(_width(n, C), []).append(c)
+        if len(by) == 1:
+            return [(next(iter(by)), None)]
+        return sorted(by.items(), reverse=True)
+
+
+def _gather(x: torch.Tensor, idx: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """``[B, T, H, ...]`` rows ``idx [n, w]`` → ``[n, H, w, ...]`` in ``dt``; the dummy row
+    ``B * T`` is 0."""
+    flat = x.reshape(-1, *x.shape[2:]).to(dt)
+    flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
+    return flat[idx].transpose(1, 2)
+
+
+def _chunk_terms(q, k, v, g, beta):
+    """The intra-chunk terms of chunks ``q, k [n, H, w, K]``, ``v [n, H, w, V]``, ``g`` (raw
+    log-decay, like ``k``), ``beta [n, H, w]`` (pads all 0), by the module docstring's algebra.
+
+    Returns:
+        ``(O [n, H, w, V], Q_inter [n, H, w, K], M [n, H, K, K], KU [n, H, K, V],
+        decay [n, H, K, 1])``: the chunk's output is ``O + Q_inter @ S₀`` and its end state
+        ``decay · S₀ − M @ S₀ + KU``.
+    """
+    w, V = q.shape[-2], v.shape[-1]
+    G = g.cumsum(-2)  # in-chunk cumulative decay, ≤ 0, non-increasing
+    Akk = chunk_decay_scores(k, k, G, strict=True)
+    Aqk = chunk_decay_scores(q, k, G, strict=False)
+    L = torch.eye(w, dtype=q.dtype, device=q.device) + beta.unsqueeze(-1) * Akk  # unit lower
+    rhs = beta.unsqueeze(-1) * torch.cat([v, G.exp() * k], dim=-1)
+    UW = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
+    Ut, W = UW[..., :V], UW[..., V:]  # pseudo-values Ũ [.., w, V], W [.., w, K]
+    Q_inter = G.exp() * q - Aqk @ W  # [.., w, K]: o gets Q_inter @ S₀
+    O = Aqk @ Ut
+    GC = G[..., -1, :]  # [n, H, K] (pad tokens have g = 0, so this is the last real one)
+    Kd = k * (GC.unsqueeze(-2) - G).exp()  # exponents ≤ 0
+    M = Kd.transpose(-1, -2) @ W  # [n, H, K, K]
+    KU = Kd.transpose(-1, -2) @ Ut  # [n, H, K, V]
+    return O, Q_inter, M, KU, GC.exp().unsqueeze(-1)
 
 
 def chunk_kda(
@@ -130,7 +185,9 @@ def chunk_kda(
     r"""KDA over whole sequences by the chunkwise (UT/WY) form; equals :func:`naive_recurrent_kda`.
 
     Kimi Linear arXiv 2510.26692 §4 (see the module docstring for the algebra). Plain torch,
-    differentiable by autograd (``q, k, v, g, beta, initial_state``).
+    differentiable by autograd (``q, k, v, g, beta, initial_state``). A chunk with fewer real
+    tokens than ``chunk_size`` (a sequence's last) is computed over :func:`_width` columns
+    only, chunks of one width batched together.
 
     Args:
         q (torch.Tensor): queries ``[B, T, H, K]`` (L2-normalised by the caller).
@@ -169,23 +226,22 @@ def chunk_kda(
     if lay.num_chunks == 0:
         return v.new_zeros(B, T, H, V), (S if output_final_state else None)
 
-    qc, kc, gc = lay.gather(q, dt) * scale, lay.gather(k, dt), lay.gather(g, dt)
-    vc, bc = lay.gather(v, dt), lay.gather(beta, dt)  # [NCH, H, C, V], [NCH, H, C]
-    G = gc.cumsum(-2)  # in-chunk cumulative decay, ≤ 0, non-increasing
-    Akk = chunk_decay_scores(kc, kc, G, strict=True)
-    Aqk = chunk_decay_scores(qc, kc, G, strict=False)
-    eye = torch.eye(C, dtype=dt, device=q.device)
-    L = eye + bc.unsqueeze(-1) * Akk  # unit lower triangular
-    rhs = bc.unsqueeze(-1) * torch.cat([vc, G.exp() * kc], dim=-1)
-    UW = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
-    Ut, W = UW[..., :V], UW[..., V:]  # pseudo-values Ũ [.., C, V], W [.., C, K]
-    Q_inter = G.exp() * qc - Aqk @ W  # [.., C, K]: o gets Q_inter @ S₀
-    O = Aqk @ Ut
-    GC = G[..., -1, :]  # [NCH, H, K] (pad tokens have g = 0, so this is the last real one)
-    Kd = kc * (GC.unsqueeze(-2) - G).exp()  # exponents ≤ 0
-    M = Kd.transpose(-1, -2) @ W  # [NCH, H, K, K]
-    KU = Kd.transpose(-1, -2) @ Ut  # [NCH, H, K, V]
-    decay = GC.exp().unsqueeze(-1)  # [NCH, H, K, 1]
+    groups = []  # (chunk ids or None for all, token rows [n, w], O, Q_inter)
+    carry = []  # (M, KU, decay) per group
+    for w, chunks in lay.groups(C):
+        sel = None if chunks is None else torch.tensor(chunks, device=q.device)
+        idx = lay.idx[:, :w] if sel is None else lay.idx[sel, :w]
+        O, Q_inter, M, KU, decay = _chunk_terms(
+            _gather(q, idx, dt) * scale, _gather(k, idx, dt), _gather(v, idx, dt),
+            _gather(g, idx, dt), _gather(beta, idx, dt),
+        )  # fmt: skip
+        groups.append((sel, idx, O, Q_inter))
+        carry.append((M, KU, decay))
+    if len(carry) == 1:
+        M, KU, decay = carry[0]
+    else:  # back to chunk order
+        back = torch.argsort(torch.cat([sel for sel, *_ in groups]))
+        M, KU, decay = (torch.cat(parts)[back] for parts in zip(*carry))
 
     # chunk-to-chunk carry: step j advances every sequence that has a j-th chunk
     max_nc = max(lay.nc)
@@ -205,8 +261,14 @@ def chunk_kda(
         S_new = decay[cidx] * S_a - M[cidx] @ S_a + KU[cidx]
         S = S_new if act is None else S.index_copy(0, act, S_new)
     S0 = torch.cat(starts)[torch.argsort(torch.cat(order))]  # state at each chunk's start
-    O = O + Q_inter @ S0  # [NCH, H, C, V]
-    o = O.transpose(1, 2).reshape(-1, H, V)[lay.valid.reshape(-1)]
+
+    rows, ids = [], []  # every real token's output row, and its flat token row
+    for sel, idx, O, Q_inter in groups:
+        out = O + Q_inter @ (S0 if sel is None else S0[sel])  # [n, H, w, V]
+        real = idx < B * T
+        rows.append(out.transpose(1, 2)[real])
+        ids.append(idx[real])
+    o = rows[0] if len(rows) == 1 else torch.cat(rows)[torch.argsort(torch.cat(ids))]
     o = o.reshape(B, T, H, V).to(v.dtype)
     return o, (S if output_final_state else None)
 
