@@ -136,6 +136,27 @@ def test_varlen(cu, dtype):
         assert rel_err(s, s_ref) <= TOL[dtype], fn.__name__
 
 
+def test_chunk_terms_do_not_depend_on_the_batch():
+    """A one-chunk sequence's output is the same, bit for bit, alone or packed with sequences
+    of other lengths (a chunk's width depends on the chunk alone: 5, 9, 40 or 64 tokens);
+    longer sequences and final states, which go through the batched chunk-to-chunk carry,
+    agree to float32 rounding."""
+    lens = [5, 40, 64, 9, 130]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    q, k, v, g, beta, h0 = make_inputs(1, cu[-1], 2, 16, 8, torch.float32, seed=3, N=len(lens))
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                     cu_seqlens=torch.tensor(cu))
+    for n, length in enumerate(lens):
+        o1, s1 = chunk_kda(*(x[:, cu[n] : cu[n + 1]] for x in (q, k, v, g, beta)),
+                           initial_state=h0[n : n + 1], output_final_state=True)
+        if length <= 64:
+            assert torch.equal(o1, o[:, cu[n] : cu[n + 1]]), n
+        assert rel_err(o1, o[:, cu[n] : cu[n + 1]]) <= 1e-6, n
+        assert rel_err(s1, s[n : n + 1]) <= 1e-6, n
+
+
 def test_varlen_contract_errors():
     q, k, v, g, beta, h0 = make_inputs(2, 10, 1, 8, 8, torch.float64)
     with pytest.raises(ValueError, match="batch size must be 1"):

@@ -46,8 +46,8 @@ def _exp_masked(diff: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def _width(n: int, C: int) -> int:
     """Columns a chunk holding ``n`` real tokens is computed over: the smallest of 8, 16, 32,
     48, … ``C`` that holds them, or ``C`` itself when ``C`` is not a multiple of 16. Pad
-    columns only add exact zeros; the width depends on the chunk alone, so a sequence's
-    output does not depend on the sequences it is batched with."""
+    columns only add exact zeros; the width depends on the chunk alone, so a chunk's terms do
+    not depend on the chunks it is batched with."""
     if C % _SUB:
         return C
     if n <= _SUB // 2:
