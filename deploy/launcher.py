@@ -373,32 +373,36 @@ def wait_ready(stack: Stack, num_workers: int, timeout: float, poll_s: float = 0
     deadline = time.monotonic() + timeout
     last = ""
     port_retries: dict[int, int] = {}
-    while time.monotonic() < deadline:
-        if cancelled is not None and cancelled():
-            raise StartupCancelled("stopped during startup")
-        for i, p in enumerate(stack.procs):
-            rc = p.poll()
-            if rc is None:
-                continue
-            spec = stack.specs[i] if i < len(stack.specs) else None
-            if (spec is not None and spec.kind == "worker" and rc == EXIT_PORT_IN_USE
-                    and launch is not None and port_retries.get(i, 0) < PORT_RETRIES):
-                port_retries[i] = port_retries.get(i, 0) + 1
-                _respawn_on_fresh_port(stack, launch, i)
-                continue
-            name = spec.name if spec is not None else f"component {i}"
-            raise StartupError(f"a k3serve process exited during startup: {name} (code {rc})"
-                               f"{_log_tail(launch, name)}")
-        try:
-            r = httpx.get(f"{stack.url}/health", timeout=2.0)  # the counts: no API key
-            if r.status_code == 200:
-                health = RouterHealth.model_validate_json(r.content)
-                if health.num_workers_healthy >= num_workers:
-                    return
-                last = r.text[:500]
-        except (httpx.HTTPError, ValidationError) as e:
-            last = repr(e)[:500]
-        time.sleep(poll_s)
+    client = httpx.Client(timeout=2.0)  # one client: its TLS context is built once
+    try:
+        while time.monotonic() < deadline:
+            if cancelled is not None and cancelled():
+                raise StartupCancelled("stopped during startup")
+            for i, p in enumerate(stack.procs):
+                rc = p.poll()
+                if rc is None:
+                    continue
+                spec = stack.specs[i] if i < len(stack.specs) else None
+                if (spec is not None and spec.kind == "worker" and rc == EXIT_PORT_IN_USE
+                        and launch is not None and port_retries.get(i, 0) < PORT_RETRIES):
+                    port_retries[i] = port_retries.get(i, 0) + 1
+                    _respawn_on_fresh_port(stack, launch, i)
+                    continue
+                name = spec.name if spec is not None else f"component {i}"
+                raise StartupError(f"a k3serve process exited during startup: {name} (code {rc})"
+                                   f"{_log_tail(launch, name)}")
+            try:
+                r = client.get(f"{stack.url}/health")  # the counts: no API key
+                if r.status_code == 200:
+                    health = RouterHealth.model_validate_json(r.content)
+                    if health.num_workers_healthy >= num_workers:
+                        return
+                    last = r.text[:500]
+            except (httpx.HTTPError, ValidationError) as e:
+                last = repr(e)[:500]
+            time.sleep(poll_s)
+    finally:
+        client.close()
     raise StartupError(f"stack not ready after {timeout:.0f} s (last health: {last})")
 
 

@@ -58,19 +58,20 @@ class Proc:
 
         t_end = time.monotonic() + timeout
         retries = PORT_RETRIES
-        while time.monotonic() < t_end:
-            rc = self.p.poll()
-            if rc == EXIT_PORT_IN_USE and retries:
-                retries -= 1
-                self._spawn()
-                continue
-            assert rc is None, f"worker exited ({rc}):\n{self.log.read_text()[-3000:]}"
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        with httpx.Client(timeout=1) as client:  # one TLS context for the whole wait
+            while time.monotonic() < t_end:
+                rc = self.p.poll()
+                if rc == EXIT_PORT_IN_USE and retries:
+                    retries -= 1
+                    self._spawn()
+                    continue
+                assert rc is None, f"worker exited ({rc}):\n{self.log.read_text()[-3000:]}"
+                try:
+                    if client.get(self.url + "/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
         raise AssertionError(f"worker not ready:\n{self.log.read_text()[-3000:]}")
 
     def stop(self, timeout: float = 15.0) -> None:
