@@ -69,31 +69,53 @@ def chunk_decay_scores(
     Returns:
         ``[..., C, C]``.
     """
-    C, K = a.shape[-2:]
+    (m,) = decay_scores((a,), b, G, sub)
+    if strict:
+        C = m.shape[-1]
+        m = m.masked_fill(torch.eye(C, dtype=torch.bool, device=m.device), 0.0)
+    return m
+
+
+def decay_scores(
+    rows: tuple[torch.Tensor, ...], b: torch.Tensor, G: torch.Tensor, sub: int = _SUB
+) -> tuple[torch.Tensor, ...]:
+    r""":func:`chunk_decay_scores` (``i ≤ t``) for each ``a`` of ``rows`` against one ``b``: the
+    pairwise decays and their products with ``b`` are formed once for all of them (the chunk
+    form needs ``K·Kᵀ`` and ``Q·Kᵀ`` over the same decays). The strict scores are these with
+    the diagonal set to 0 (each entry is its own sum over ``d``, so the others are unchanged).
+
+    Returns:
+        One ``[..., C, C]`` per entry of ``rows``.
+    """
+    C, K = b.shape[-2:]
     if C % sub:
         sub = C
     NS = C // sub
-    lead = a.shape[:-2]
-    a_s, b_s, G_s = (x.reshape(*lead, NS, sub, K) for x in (a, b, G))
-    dev = a.device
+    lead = b.shape[:-2]
+    b_s, G_s = (x.reshape(*lead, NS, sub, K) for x in (b, G))
+    a_s = [a.reshape(*lead, NS, sub, K) for a in rows]
+    dev = b.device
     ar = torch.arange(sub, device=dev)
-    tri = (ar[None, :] < ar[:, None]) if strict else (ar[None, :] <= ar[:, None])  # [t, i]
-    # diagonal sub-blocks: elementwise pairwise decays [.., NS, t, i, K]
-    P = _exp_masked(G_s.unsqueeze(-2) - G_s.unsqueeze(-3), tri[:, :, None])
-    diag = ((P * b_s.unsqueeze(-3)) @ a_s.unsqueeze(-1)).squeeze(-1)  # [.., NS, t, i]
+    tri = ar[None, :] <= ar[:, None]  # [t, i]
+    # diagonal sub-blocks: elementwise pairwise decays [.., NS, t, i, K], times b_i
+    Pb = _exp_masked(G_s.unsqueeze(-2) - G_s.unsqueeze(-3), tri[:, :, None]) * b_s.unsqueeze(-3)
+    diag = [(Pb @ x.unsqueeze(-1)).squeeze(-1) for x in a_s]  # [.., NS, t, i]
     if NS == 1:
-        return diag.reshape(*lead, C, C)
+        return tuple(d.reshape(*lead, C, C) for d in diag)
     # off-diagonal sub-blocks (j < s): split the decay at r_s = last position before sub-chunk s
     Gr = torch.cat([G_s[..., :1, 0, :], G_s[..., :-1, -1, :]], dim=-2)  # [.., NS, K]
-    a_hat = a_s * (G_s - Gr.unsqueeze(-2)).exp()  # exponents ≤ 0
+    up = (G_s - Gr.unsqueeze(-2)).exp()  # exponents ≤ 0
     sj = torch.arange(NS, device=dev)
     below = (sj[None, :] < sj[:, None])[:, :, None, None]  # [s, j, 1, 1]
     dk = Gr[..., :, None, None, :] - G_s[..., None, :, :, :]  # [.., s, j, c, K]
-    b_hat = b_s.unsqueeze(-4) * _exp_masked(dk, below)
-    off = a_hat.unsqueeze(-3) @ b_hat.transpose(-1, -2)  # [.., s, j, t, i]
+    b_hat_t = (b_s.unsqueeze(-4) * _exp_masked(dk, below)).transpose(-1, -2)
     eye = torch.eye(NS, dtype=torch.bool, device=dev)[:, :, None, None]
-    blocks = torch.where(eye, diag.unsqueeze(-3), off)
-    return blocks.transpose(-3, -2).reshape(*lead, C, C)
+    out = []
+    for x, d in zip(a_s, diag, strict=True):
+        off = (x * up).unsqueeze(-3) @ b_hat_t  # [.., s, j, t, i]
+        blocks = torch.where(eye, d.unsqueeze(-3), off)
+        out.append(blocks.transpose(-3, -2).reshape(*lead, C, C))
+    return tuple(out)
 
 
 class _ChunkLayout:
@@ -155,8 +177,8 @@ def _chunk_terms(q, k, v, g, beta):
     """
     w, V = q.shape[-2], v.shape[-1]
     G = g.cumsum(-2)  # in-chunk cumulative decay, ≤ 0, non-increasing
-    Akk = chunk_decay_scores(k, k, G, strict=True)
-    Aqk = chunk_decay_scores(q, k, G, strict=False)
+    Akk, Aqk = decay_scores((k, q), k, G)
+    Akk = Akk.masked_fill(torch.eye(w, dtype=torch.bool, device=q.device), 0.0)  # i < t
     L = torch.eye(w, dtype=q.dtype, device=q.device) + beta.unsqueeze(-1) * Akk  # unit lower
     rhs = beta.unsqueeze(-1) * torch.cat([v, G.exp() * k], dim=-1)
     UW = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
