@@ -92,6 +92,7 @@ class ProcessActor:
         self._backoff = backoff or tenacity.wait_exponential(multiplier=0.5, min=0.5, max=30)
         self.child_starts = 0  # children started (and ready) by this actor incarnation
         self._stopping = False
+        self._health_http = None  # the /health probes' httpx.Client, made at the first probe
         self.lines: list[str] = []
         self.peers = list(peers or ())
         self.peer_poll_s = peer_poll_s
@@ -196,9 +197,10 @@ class ProcessActor:
     def _healthy(self) -> bool:
         import httpx
 
+        if self._health_http is None:  # one client (and TLS context) per actor
+            self._health_http = httpx.Client(timeout=1.0, trust_env=False)
         try:
-            return httpx.get(f"{self.url}/health", timeout=1.0, trust_env=False).status_code in (
-                200, 503)
+            return self._health_http.get(f"{self.url}/health").status_code in (200, 503)
         except httpx.HTTPError:
             time.sleep(0.2)
             return False

@@ -362,18 +362,18 @@ def _wait_registered(stack: RayStack, timeout: float) -> None:
 
     deadline = time.monotonic() + timeout
     last = ""
-    while time.monotonic() < deadline:
-        try:
-            body = httpx.get(f"{stack.url}/health", params={"detail": 1}, timeout=2.0,
-                             trust_env=False, headers={"Authorization": f"Bearer {stack.api_key}"}
-                             if stack.api_key else None).json()
-            healthy = {w["url"] for w in body.get("workers", ()) if w.get("healthy")}
-            if set(stack.urls.values()) <= healthy:
-                return
-            last = str(body)
-        except (httpx.HTTPError, ValueError) as e:
-            last = repr(e)
-        time.sleep(0.3)
+    auth = {"Authorization": f"Bearer {stack.api_key}"} if stack.api_key else None
+    with httpx.Client(timeout=2.0, trust_env=False, headers=auth) as client:  # one TLS context
+        while time.monotonic() < deadline:
+            try:
+                body = client.get(f"{stack.url}/health", params={"detail": 1}).json()
+                healthy = {w["url"] for w in body.get("workers", ()) if w.get("healthy")}
+                if set(stack.urls.values()) <= healthy:
+                    return
+                last = str(body)
+            except (httpx.HTTPError, ValueError) as e:
+                last = repr(e)
+            time.sleep(0.3)
     raise RuntimeError(f"workers not registered after {timeout:.0f} s (last health: {last})")
 
 
