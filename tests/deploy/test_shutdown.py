@@ -78,8 +78,16 @@ def _group(pgid: int) -> list[str]:
             if ln.split()[0] == str(pgid) and not ln.split()[1].startswith("Z")]
 
 
+#: ``python -m cli.main`` with SIGINT raising KeyboardInterrupt from the start, as when a shell
+#: on a terminal starts it: a runner that started the suite in the background (a
+#: non-interactive shell's ``&``) leaves SIGINT ignored, and the interpreter would keep it so
+#: until the launcher sets its own handler.
+CLI_MAIN = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "runpy.run_module('cli.main', run_name='__main__', alter_sys=True)")
+
+
 def _imports_began(pid: int) -> bool:
-    """Whether process ``pid`` (``python -m cli.main``) has begun cli.main's own imports:
+    """Whether process ``pid`` (cli.main run as ``__main__``) has begun cli.main's own imports:
     ``import json`` there maps the ``_json`` extension, which the interpreter's start-up
     (``site``, the editable install's finder) does not load."""
     import _json
@@ -109,7 +117,7 @@ def test_ctrl_c_during_startup_stops_quietly(when, tmp_path):
     log = tmp_path / "serve.log"
     with log.open("w") as out:
         extra = ["--routers", "2"] if when == "replicas-importing" else []
-        p = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--port",
+        p = subprocess.Popen([sys.executable, "-c", CLI_MAIN, "serve", "--port",
                               str(free_port()), "--no-store", *extra], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                              start_new_session=True)
     try:
