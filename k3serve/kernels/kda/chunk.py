@@ -23,8 +23,10 @@ the decay is split at the sub-chunk boundary ``r`` (``G_t − G_i = (G_t − G_r
 both ``≤ 0``) so the sub-chunk products are plain matmuls (the same split fla's kernels use).
 
 Everything except the chunk-to-chunk state carry is batched over all chunks of all
-sequences; the carry loops over chunk *index within a sequence* and is batched over
-sequences, so a varlen batch costs ``max_n ceil(T_n / C)`` small steps.
+sequences that share a width (a sequence's last chunk is computed over the fewest columns
+that hold its tokens: 8, 16, 32, 48 or ``C``); the carry loops over chunk *index within a
+sequence* and is batched over sequences, so a varlen batch costs ``max_n ceil(T_n / C)``
+small steps.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ class _ChunkLayout:
     """Where each sequence's tokens sit in a ``[NCH, C]`` grid of chunks (seq-major).
 
     ``idx [NCH, C]`` holds flat token rows (``b * T + t``), padded with the dummy row
-    ``B * T``; ``valid [NCH, C]``; per sequence ``first`` chunk and chunk count ``nc``; per
+    ``B * T``; per sequence ``first`` chunk and chunk count ``nc``; per
     chunk ``count``, its number of real tokens (host ints).
     """
 
@@ -142,7 +144,6 @@ class _ChunkLayout:
                 count += [C] * (m - 1) + [L - (m - 1) * C]
         self.num_chunks = n_chunks
         self.idx = (torch.cat(idx) if idx else torch.empty(0, C, dtype=torch.long)).to(device)
-        self.valid = self.idx < B * T
         self.first = first
         self.nc = nc
         self.count = count
@@ -295,4 +296,4 @@ def chunk_kda(
     return o, (S if output_final_state else None)
 
 
-__all__ = ["chunk_decay_scores", "chunk_kda"]
+__all__ = ["chunk_decay_scores", "chunk_kda", "decay_scores"]
