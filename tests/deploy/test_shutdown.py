@@ -87,12 +87,13 @@ CLI_MAIN = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_i
 
 
 def _imports_began(pid: int) -> bool:
-    """Whether process ``pid`` (cli.main run as ``__main__``) has begun cli.main's own imports:
-    ``import json`` there maps the ``_json`` extension, which the interpreter's start-up
-    (``site``, the editable install's finder) does not load."""
-    import _json
+    """Whether process ``pid`` (cli.main run as ``__main__``) is importing the launcher inside
+    ``main()``: ``serve`` imports deploy.serve, whose HTTP client maps the ``_ssl`` extension,
+    which neither the interpreter's start-up (``site``, the editable install's finder) nor
+    cli.main's module-level imports load."""
+    import _ssl
 
-    marker = Path(getattr(_json, "__file__", "") or "_json").name
+    marker = Path(getattr(_ssl, "__file__", "") or "_ssl").name
     try:
         return marker in Path(f"/proc/{pid}/maps").read_text()
     except OSError:
@@ -130,7 +131,7 @@ def test_ctrl_c_during_startup_stops_quietly(when, tmp_path):
                 assert p.poll() is None and time.monotonic() < deadline, log.read_text()
                 time.sleep(0.02)
         else:  # past the interpreter's own start-up (a SIGINT in its ``site`` import is
-            # CPython's fatal error, before any code of ours runs): cli.main's imports began
+            # CPython's fatal error, before any code of ours runs): the launcher's imports began
             while not _imports_began(p.pid):
                 assert p.poll() is None and time.monotonic() < deadline, log.read_text()
                 time.sleep(0.02)
