@@ -75,7 +75,6 @@ def quit_before_serving(signum: int, frame: FrameType | None) -> None:
     exit_now(0)
 
 
-
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Linux: ask the kernel to send ``sig`` to this process when its parent dies (even by
     SIGKILL; ``prctl(PR_SET_PDEATHSIG)``). Elsewhere nothing."""

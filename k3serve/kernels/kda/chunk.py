@@ -159,12 +159,12 @@ class _ChunkLayout:
         return sorted(by.items(), reverse=True)
 
 
-def _gather(x: torch.Tensor, idx: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
-    """``[B, T, H, ...]`` rows ``idx [n, w]`` → ``[n, H, w, ...]`` in ``dt``; the dummy row
-    ``B * T`` is 0."""
+def _rows(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """``[B, T, H, ...]`` → ``[B * T + 1, H, ...]`` in ``dt``: the token rows, then the dummy
+    row ``B * T`` (0) that pads the chunks; chunk rows ``idx [n, w]`` are then
+    ``rows[idx].transpose(1, 2)`` (``[n, H, w, ...]``)."""
     flat = x.reshape(-1, *x.shape[2:]).to(dt)
-    flat = torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
-    return flat[idx].transpose(1, 2)
+    return torch.cat([flat, flat.new_zeros(1, *flat.shape[1:])])
 
 
 def _chunk_terms(q, k, v, g, beta):
@@ -249,15 +249,14 @@ def chunk_kda(
     if lay.num_chunks == 0:
         return v.new_zeros(B, T, H, V), (S if output_final_state else None)
 
+    rows_in = [_rows(x, dt) for x in (q, k, v, g, beta)]  # padded once, gathered per width
     groups = []  # (chunk ids or None for all, token rows [n, w], O, Q_inter)
     carry = []  # (M, KU, decay) per group
     for w, chunks in lay.groups(C):
         sel = None if chunks is None else torch.tensor(chunks, device=q.device)
         idx = lay.idx[:, :w] if sel is None else lay.idx[sel, :w]
-        O, Q_inter, M, KU, decay = _chunk_terms(
-            _gather(q, idx, dt) * scale, _gather(k, idx, dt), _gather(v, idx, dt),
-            _gather(g, idx, dt), _gather(beta, idx, dt),
-        )  # fmt: skip
+        qc, kc, vc, gc, bc = (x[idx].transpose(1, 2) for x in rows_in)
+        O, Q_inter, M, KU, decay = _chunk_terms(qc * scale, kc, vc, gc, bc)
         groups.append((sel, idx, O, Q_inter))
         carry.append((M, KU, decay))
     if len(carry) == 1:
