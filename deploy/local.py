@@ -1,19 +1,26 @@
-"""The local-processes backend of :mod:`deploy.launcher`: each component is a child process
-(``python -m router`` / ``prefill.worker`` / ``decode.worker``) of the launcher.
+"""The local-processes backend of :mod:`deploy.launcher`: each component is a process
+(``python -m router`` / ``prefill.worker`` / ``decode.worker``) of its own. On Linux they are
+forks of the launcher's fork server (deploy/forkserver.py), which imported torch and the web
+stack once; ``K3SERVE_FORKSERVER=0`` (or another OS) starts each as a child of the launcher.
 
-Children die with the launcher: on Linux each asks the kernel for SIGTERM when its parent dies
-(``PR_SET_PDEATHSIG``), so even a SIGKILLed launcher leaves nothing behind.
+Components die with the launcher: on Linux each asks the kernel for SIGTERM when its parent
+dies (``PR_SET_PDEATHSIG``), and the fork server exits with the launcher, so even a SIGKILLed
+launcher leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
 import sys
 from collections.abc import Mapping
 
+from deploy import forkserver
 from k3serve.process import die_with_parent, start_component
+
+log = logging.getLogger("k3serve.deploy")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -42,22 +49,30 @@ class LocalBackend:
         return free_port(host)
 
     def spawn(self, name: str, module: str, args: list[str],
-              env: Mapping[str, str]) -> subprocess.Popen:
+              env: Mapping[str, str]) -> subprocess.Popen | forkserver.ForkedProcess:
         """Start ``python -m {module} {args}`` with exactly ``env`` as its environment, SIGINT
-        ignored until the component sets its own handler
-        (:func:`k3serve.process.start_component`).
+        ignored until the component sets its own handler: a fork of the fork server
+        (:func:`deploy.forkserver.enabled`), else a child started by ``subprocess.Popen``
+        (:func:`k3serve.process.start_component`). A log file is appended to: a restarted
+        component keeps its predecessor's log (why it died).
 
         Returns:
-            The child (a :class:`subprocess.Popen`: ``poll``/``terminate``/``kill``/``wait``).
+            The process (``poll``/``terminate``/``kill``/``wait``/``pid``).
 
         Raises:
             OSError: the process could not be started or its log file opened.
         """
-        out = None
+        log_path = os.path.join(self.log_dir, f"{name}.log") if self.log_dir else None
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
-            # append: a restarted component keeps its predecessor's log (why it died)
-            out = open(os.path.join(self.log_dir, f"{name}.log"), "a")  # noqa: SIM115
+        if forkserver.enabled(env):
+            try:
+                server = forkserver.ForkServer.shared(env)
+            except OSError as e:  # start each component with its own interpreter instead
+                log.warning("%s; starting %s without it", e, name)
+            else:
+                return server.spawn(module, args, env, log=log_path)
+        out = open(log_path, "a") if log_path else None  # noqa: SIM115
         try:  # preexec_fn runs two libc calls, nothing that a forked thread could deadlock on
             return subprocess.Popen(
                 [sys.executable, "-m", module, *args], env=dict(env), stdout=out,

@@ -10,8 +10,8 @@ first token, sends the stop signal, then checks:
 * the launcher exited 0, and no process it started is left;
 * the terminal output (the launcher's and every component's) has no ``Traceback`` and no
   restart (``restarting``, ``died``);
-* ``ps`` titles: ``k3serve serve``, ``k3serve router :PORT``, ``k3serve prefill-worker :PORT``,
-  ``k3serve decode-worker :PORT``.
+* ``ps`` titles: ``k3serve serve``, ``k3serve forkserver`` (deploy/forkserver.py),
+  ``k3serve router :PORT``, ``k3serve prefill-worker :PORT``, ``k3serve decode-worker :PORT``.
 
 Modes: ``group-term`` (``kill -TERM -PGID``), ``launcher-term`` (``kill -TERM PID``),
 ``group-int`` (a terminal's Ctrl-C: SIGINT to the group). Prints one JSON object per mode and

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from deploy import forkserver
+
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "disagg-test-token"
 HEADERS = {"X-K3serve-Cluster-Token": TOKEN}
@@ -43,12 +45,16 @@ class Proc:
         role, name, block_size, pages, extra = self._args
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.p = subprocess.Popen(
-            [sys.executable, "-m", f"{role}.worker", "--host", "127.0.0.1", "--port",
-             str(self.port), "--model", "k3-tiny", "--block-size", str(block_size),
-             "--num-pages", str(pages), "--num-slots", "32", "--worker-id", name, "--device", "cpu",
-             "--log-level", "info", "--drain-timeout", "3", *extra],  # stop(): short drain
-            cwd=ROOT, env=self._env, stdout=self._out, stderr=subprocess.STDOUT)
+        args = ["--host", "127.0.0.1", "--port", str(self.port), "--model", "k3-tiny",
+                "--block-size", str(block_size), "--num-pages", str(pages), "--num-slots", "32",
+                "--worker-id", name, "--device", "cpu", "--log-level", "info",
+                "--drain-timeout", "3", *extra]  # stop(): short drain
+        if forkserver.enabled(self._env):  # as the launcher starts its workers
+            self.p = forkserver.ForkServer.shared(self._env).spawn(
+                f"{role}.worker", args, self._env, cwd=str(ROOT), log=str(self.log))
+        else:
+            self.p = subprocess.Popen([sys.executable, "-m", f"{role}.worker", *args], cwd=ROOT,
+                                      env=self._env, stdout=self._out, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Wait for ``/health`` 200; a worker whose port was taken between ``_free_port`` and

@@ -39,8 +39,8 @@ def test_one_signal_drains_every_stream_and_stops_everything_cleanly(mode):
     assert r["tracebacks"] == 0 and r["restarts"] == 0, tail
     # ours by their titles; the store's master (on by default) keeps its own command line
     assert [t for t in r["titles"] if t.startswith("k3serve")] == [
-        "k3serve decode-worker", "k3serve prefill-worker", "k3serve router", "k3serve serve"
-    ], r["titles"]
+        "k3serve decode-worker", "k3serve forkserver", "k3serve prefill-worker", "k3serve router",
+        "k3serve serve"], r["titles"]
     assert [t for t in r["titles"] if not t.startswith("k3serve")] == [
         t for t in r["titles"] if "mooncake_master" in t], r["titles"]
     assert r["ok"], r
