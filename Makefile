@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # prometheus: promtool for the rule tests, the server for `make dashboards` and its test
 APT_PKGS := libibverbs1 librdmacm1 libnuma1 prometheus
+# Python caches compiled modules in __pycache__ (in .venv and here) even where the environment
+# asks it not to: the install skips compiling (pip --no-compile; the modules a process imports
+# are compiled once, at their first import), and the suite's many processes reuse the caches.
+unexport PYTHONDONTWRITEBYTECODE
 HOST ?= 127.0.0.1
 PORT ?= 8000
 # Extra flags for `k3serve serve`, e.g. make serve ARGS="--prefill 1 --decode 2 --api-key KEY"
@@ -25,7 +29,7 @@ $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@echo "installing k3serve and its dependencies into $(VENV) (the first time: a few minutes)"
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[cpu,dev,ray,otel]'
+	$(PIP) install -q --no-compile -e '.[cpu,dev,ray,otel]'
 	@touch $@
 
 install: sysdeps $(VENV)/.installed
@@ -52,10 +56,6 @@ plan: install
 # per worker at a time; the `serial` tests (tight latency and fault-handling bounds) in one
 # process. Every phase runs; the target fails if any does.
 test: install
-	@# byte-compile the project once: the suite's server, worker and Ray processes then load
-	@# compiled modules instead of compiling them at every start (an environment that sets
-	@# PYTHONDONTWRITEBYTECODE keeps the interpreter from caching them itself)
-	@$(PY) -m compileall -q -j 0 -x '/\.' .
 	@rc=0; \
 	$(PY) -m pytest -q -ra --durations=15 -n 2 -m "not serial and not stacks" tests || rc=$$?; \
 	$(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadfile -m stacks tests || rc=$$?; \
