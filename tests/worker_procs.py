@@ -167,6 +167,42 @@ def _metric(url: str, name: str, **labels: str) -> float:
 
 
 
+def children(pid: int) -> list[int]:
+    """The live and zombie processes whose parent is ``pid`` (from ``/proc``)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(d.name))
+    return out
+
+
+def components(pid: int) -> list[int]:
+    """The processes launcher ``pid`` started: its children, with its fork server
+    (deploy/forkserver.py, titled ``k3serve forkserver``) replaced by the server's children."""
+    out = []
+    for k in children(pid):
+        try:
+            title = Path(f"/proc/{k}/cmdline").read_text().strip("\0 ")
+        except OSError:
+            continue
+        out += children(k) if title == "k3serve forkserver" else [k]
+    return out
+
+
+def alive(pid: int) -> bool:
+    """``pid`` runs and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def session_left(pid: int) -> list[str]:
     """Pids (as strings) of the processes still in the session ``pid`` leads, zombies aside
     (``/proc/N/stat``: field 6 is the session id, field 3 the state)."""

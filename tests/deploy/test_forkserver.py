@@ -17,19 +17,13 @@ import pytest
 
 from deploy import forkserver
 from deploy.forkserver import ForkServer, server_key
+from tests.worker_procs import alive
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="the fork server runs on Linux only")
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = "tests.deploy.forkserver_child"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _wait_for(path: Path, timeout: float = 30.0) -> dict:
@@ -116,9 +110,9 @@ def test_closing_the_server_ends_its_children(tmp_path):
     s.close()
     assert p.wait(10) == -signal.SIGTERM  # as the reader reports it, and the kernel did
     deadline = time.monotonic() + 10
-    while _alive(p.pid) and time.monotonic() < deadline:
+    while alive(p.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(p.pid) and not _alive(s.pid)
+    assert not alive(p.pid) and not alive(s.pid)
 
 
 LAUNCHER = """
@@ -140,13 +134,13 @@ def test_a_killed_launcher_leaves_neither_server_nor_children(tmp_path):
     try:
         pids = json.loads(launcher.stdout.readline())
         _wait_for(out)
-        assert _alive(pids["server"]) and _alive(pids["child"])
+        assert alive(pids["server"]) and alive(pids["child"])
         launcher.kill()
         launcher.wait()
         deadline = time.monotonic() + 10
-        while (_alive(pids["server"]) or _alive(pids["child"])) and time.monotonic() < deadline:
+        while (alive(pids["server"]) or alive(pids["child"])) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(pids["server"]) and not _alive(pids["child"])
+        assert not alive(pids["server"]) and not alive(pids["child"])
     finally:
         if launcher.poll() is None:
             launcher.kill()

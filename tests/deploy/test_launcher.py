@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from deploy.local import free_port
+from tests.worker_procs import alive, components
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,41 +56,6 @@ def test_a_taken_worker_port_is_one_line(role):
     assert "listening" not in r.stdout
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid:
-            out.append(int(d.name))
-    return out
-
-def _components(pid: int) -> list[int]:
-    """The processes launcher ``pid`` started: its children, with its fork server
-    (deploy/forkserver.py, titled ``k3serve forkserver``) replaced by the server's children."""
-    out = []
-    for k in _children(pid):
-        if Path(f"/proc/{k}/cmdline").read_text().strip("\0 ") == "k3serve forkserver":
-            out += _children(k)
-        else:
-            out.append(k)
-    return out
-
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 def test_children_exit_when_the_launcher_is_killed(tmp_path):
     port = free_port()
@@ -107,21 +73,21 @@ def test_children_exit_when_the_launcher_is_killed(tmp_path):
             assert p.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
             assert time.monotonic() < deadline, "stack did not start"
             time.sleep(0.5)
-        kids = _components(p.pid)
+        kids = components(p.pid)
         assert len(kids) == 3  # router + 1 prefill + 1 decode
         for k in kids:  # the API key travels in the environment, not on the command line
             assert b"secret-key" not in Path(f"/proc/{k}/cmdline").read_bytes()
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
         deadline = time.monotonic() + 30
-        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+        while any(alive(k) for k in kids) and time.monotonic() < deadline:
             time.sleep(0.3)
-        assert not [k for k in kids if _alive(k)], "children outlived a SIGKILLed launcher"
+        assert not [k for k in kids if alive(k)], "children outlived a SIGKILLed launcher"
     finally:
         if p.poll() is None:
             p.kill()
         for k in kids:
-            if _alive(k):
+            if alive(k):
                 os.kill(k, signal.SIGKILL)
         log.close()
 

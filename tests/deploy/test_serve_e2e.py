@@ -31,6 +31,7 @@ import httpx
 import pytest
 
 from k3serve.protocol import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER
+from tests.worker_procs import alive, components
 
 ROOT = Path(__file__).resolve().parents[2]
 B = 16
@@ -282,40 +283,6 @@ def test_dead_prefill_worker_requests_still_served(stack, client):
 
 
 # ============================================================================ k3serve serve
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(d))
-    return out
-
-def _components(pid: int) -> list[int]:
-    """The processes launcher ``pid`` started: its children, with its fork server
-    (deploy/forkserver.py, titled ``k3serve forkserver``) replaced by the server's children."""
-    out = []
-    for k in _children(pid):
-        if Path(f"/proc/{k}/cmdline").read_text().strip("\0 ") == "k3serve forkserver":
-            out += _children(k)
-        else:
-            out.append(k)
-    return out
-
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_k3serve_serve_prints_url_and_sigterm_stops_every_child(tmp_path):
     from deploy.local import free_port
 
@@ -341,7 +308,7 @@ def test_k3serve_serve_prints_url_and_sigterm_stops_every_child(tmp_path):
         # Mooncake's glog lines (the store client's setup prints one E line) stay off the
         # terminal: they go to the kvstore.mooncake logger at DEBUG
         assert not [ln for ln in lines if re.match(r"[IWEF]\d{4} ", ln)], "".join(lines)
-        kids = _components(p.pid)
+        kids = components(p.pid)
         # router + 1 prefill + 1 decode, and the store's master where mooncake is installed
         ours = [k for k in kids if "mooncake_master" not in Path(f"/proc/{k}/cmdline").read_text()]
         assert len(ours) == 3 and len(kids) <= 4, kids
@@ -370,12 +337,12 @@ def test_k3serve_serve_prints_url_and_sigterm_stops_every_child(tmp_path):
         assert p.wait(30) == 0
         stop_s = time.monotonic() - t0
         assert stop_s <= IDLE_STOP_S, f"an idle stack took {stop_s:.1f} s to stop"
-        assert not [k for k in kids if _alive(k)]  # the launcher waited for each child
+        assert not [k for k in kids if alive(k)]  # the launcher waited for each child
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
     t_end = time.monotonic() + 10
-    while any(_alive(k) for k in kids) and time.monotonic() < t_end:
+    while any(alive(k) for k in kids) and time.monotonic() < t_end:
         time.sleep(0.1)
-    assert not [k for k in kids if _alive(k)]
+    assert not [k for k in kids if alive(k)]
