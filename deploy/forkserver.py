@@ -25,7 +25,10 @@ What a child keeps of a fresh ``python -m``:
   (:func:`k3serve.process.set_title`); ``/proc/PID/environ`` shows the environment the server
   started with (setproctitle leaves it alone).
 * numpy's global generator is reseeded from the OS (Python's ``random`` reseeds itself on
-  fork); torch's default generator starts from its fixed seed, as in a fresh process.
+  fork); torch's default generator starts from its fixed seed, as in a fresh process. Unless
+  ``PYTHONHASHSEED`` is set, every component shares the server's string-hash secret.
+* stdin is ``/dev/null``; a working directory that does not exist, or a log file that cannot
+  be opened, makes the spawn raise ``OSError`` and no process is started.
 
 The wire: JSON lines over a Unix socket pair. The launcher sends ``{"op": "spawn", "id",
 "module", "args", "env", "cwd", "log"}`` and ``{"op": "signal", "pid", "sig"}``; the server
@@ -64,8 +67,9 @@ PRELOAD = ("torch", "numpy", "fastapi", "pydantic", "starlette", "uvicorn", "htt
 
 #: Environment variables read when the interpreter starts or when :data:`PRELOAD` is imported,
 #: by prefix: spawns whose values differ need a server of their own (:func:`server_key`).
-START_ENV_PREFIXES = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "NUMPY_",
-                      "TORCH", "PYTORCH_", "LD_", "MALLOC_")
+START_ENV_PREFIXES = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "NUMPY_", "NPY_",
+                      "TORCH", "PYTORCH_", "LD_", "MALLOC_", "GLIBC_TUNABLES", "LC_", "LANG",
+                      "PROMETHEUS_MULTIPROC_DIR")
 
 #: ``K3SERVE_FORKSERVER=0``: the local backend starts components with ``subprocess.Popen``.
 ENABLE_ENV = "K3SERVE_FORKSERVER"
@@ -165,6 +169,7 @@ class ForkServer:
         self._cond = threading.Condition()
         self._answers: dict[int, dict[str, Any]] = {}
         self._children: dict[int, ForkedProcess] = {}
+        self._abandoned: set[int] = set()  # spawns whose caller timed out
         self._next_id = 0
         self.alive = True
         ours.settimeout(READY_TIMEOUT_S)
@@ -210,20 +215,26 @@ class ForkServer:
                         child = self._children.pop(msg["pid"], None)
                         if child is not None:
                             child.mark_exited(int(msg["code"]))
-                    else:
+                        continue
+                    if msg["op"] == "started":
+                        msg["child"] = self._children[msg["pid"]] = ForkedProcess(
+                            self, msg["pid"])
+                    if msg["id"] in self._abandoned:  # its caller gave up waiting
+                        self._abandoned.discard(msg["id"])
                         if msg["op"] == "started":
-                            msg["child"] = self._children[msg["pid"]] = ForkedProcess(
-                                self, msg["pid"])
-                        self._answers[msg["id"]] = msg
-                        self._cond.notify_all()
-        except (OSError, ValueError):
+                            msg["child"].kill()
+                        continue
+                    self._answers[msg["id"]] = msg
+                    self._cond.notify_all()
+        except (OSError, ValueError, KeyError, TypeError):
             pass
-        with self._cond:
-            self.alive = False
-            for child in self._children.values():
-                child.mark_exited(-signal.SIGTERM)
-            self._children.clear()
-            self._cond.notify_all()
+        finally:
+            with self._cond:
+                self.alive = False
+                for child in self._children.values():
+                    child.mark_exited(-signal.SIGTERM)
+                self._children.clear()
+                self._cond.notify_all()
 
     def spawn(self, module: str, args: list[str], env: Mapping[str, str],
               cwd: str | None = None, log: str | None = None) -> ForkedProcess:
@@ -249,6 +260,7 @@ class ForkServer:
         with self._cond:
             if not self._cond.wait_for(lambda: rid in self._answers or not self.alive,
                                        SPAWN_TIMEOUT_S):
+                self._abandoned.add(rid)  # killed if it starts after all
                 raise OSError(f"k3serve fork server: no answer to starting {module}")
             answer = self._answers.pop(rid, None)
             if answer is None:
@@ -268,8 +280,11 @@ class ForkServer:
 
     def close(self, timeout: float = 5.0) -> None:
         """Close the socket: the server exits, and children still running get SIGTERM."""
+        with self._cond:
+            self.alive = False
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
+        self._lines.close()
         self._sock.close()
         try:
             self.proc.wait(timeout)
@@ -321,7 +336,10 @@ def _serve(sock: socket.socket) -> tuple[dict[str, Any], int | None] | None:
                         send({"op": "exited", "pid": pid,
                               "code": os.waitstatus_to_exitcode(status)})
                 continue
-            data = sock.recv(1 << 16)
+            try:
+                data = sock.recv(1 << 16)
+            except OSError:  # ECONNRESET: the launcher is gone as well
+                data = b""
             if not data:  # the launcher is gone
                 return None
             buf += data
@@ -334,12 +352,17 @@ def _serve(sock: socket.socket) -> tuple[dict[str, Any], int | None] | None:
                             os.kill(msg["pid"], msg["sig"])
                     continue
                 log_fd = None
+                if not os.path.isdir(msg["cwd"]):
+                    send({"op": "failed", "id": msg["id"],
+                          "error": f"cwd: no such directory: {msg['cwd']}"})
+                    continue
                 try:
                     if msg["log"]:
                         log_fd = os.open(msg["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND,
                                          0o644)
                     for stream in (sys.stdout, sys.stderr):
-                        stream.flush()
+                        if stream is not None:
+                            stream.flush()
                     pid = os.fork()
                 except OSError as e:
                     if log_fd is not None:
@@ -379,9 +402,10 @@ def _become(msg: dict[str, Any], log_fd: int | None) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(msg["cwd"])
-    sys.path[0] = msg["cwd"]  # ``python -m``'s first entry: its working directory
+    if not sys.flags.safe_path:  # ``python -m``'s first entry: its working directory
+        sys.path[0] = msg["cwd"]
     sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
-    if env.get("PYTHONUNBUFFERED"):
+    if env.get("PYTHONUNBUFFERED") and sys.stdout is not None:
         sys.stdout.reconfigure(line_buffering=True, write_through=True)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
@@ -395,8 +419,13 @@ def _exit_at_eof(sock: socket.socket, stop_r: int) -> None:
     launcher stopped or died during its own start-up); return when ``stop_r`` is readable or
     a request is waiting."""
     ready, _, _ = select.select([sock, stop_r], [], [])
-    if sock in ready and not sock.recv(1, socket.MSG_PEEK):
-        os._exit(0)
+    if sock in ready:
+        try:
+            gone = not sock.recv(1, socket.MSG_PEEK)
+        except OSError:
+            gone = True
+        if gone:
+            os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -422,7 +451,8 @@ def main(argv: list[str] | None = None) -> None:
     child = _serve(sock)
     if child is None:
         for stream in (sys.stdout, sys.stderr):
-            stream.flush()
+            if stream is not None:
+                stream.flush()
         os._exit(0)
     _become(*child)
 

@@ -133,9 +133,11 @@ class Supervisor:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        # Replacements are spawned from ONE long-lived thread: PR_SET_PDEATHSIG (deploy.local)
-        # fires when the thread that forked the child exits, not only the process — a child
-        # spawned from a short-lived restart thread would get SIGTERM as soon as it ends.
+        # Replacements are spawned from ONE long-lived thread: PR_SET_PDEATHSIG fires when the
+        # thread that forked the child exits, not only the process — a child this process
+        # forks itself (the store's master; every component with K3SERVE_FORKSERVER=0, or the
+        # fork server when it has to start again) from a short-lived restart thread would get
+        # SIGTERM as soon as that thread ends.
         self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawner")
 
     # ------------------------------------------------------------------ lifecycle

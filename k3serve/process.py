@@ -75,13 +75,24 @@ def quit_before_serving(signum: int, frame: FrameType | None) -> None:
     exit_now(0)
 
 
+def _load_libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+#: libc, loaded when this module is imported: a ``preexec_fn`` then only calls into it (a
+#: ``dlopen`` in a forked child could wait forever on a loader lock another thread held).
+#: ``None`` where there is no ``libc.so.6`` (not Linux).
+LIBC = _load_libc()
+
+
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Linux: ask the kernel to send ``sig`` to this process when its parent dies (even by
     SIGKILL; ``prctl(PR_SET_PDEATHSIG)``). Elsewhere nothing."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
+    if LIBC is not None:
+        LIBC.prctl(1, int(sig))  # PR_SET_PDEATHSIG = 1
 
 
 def ignore_sigint() -> None:
@@ -89,10 +100,8 @@ def ignore_sigint() -> None:
     from any thread). An ignored signal stays ignored across exec, and Python then installs no
     ``KeyboardInterrupt`` handler: a Ctrl-C that reaches the process while it imports does
     nothing there, and the handler it sets later takes over. Elsewhere than Linux nothing."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).signal(int(signal.SIGINT), ctypes.c_void_p(1))
-    except OSError:  # SIG_IGN = (void (*)(int)) 1
-        pass
+    if LIBC is not None:  # SIG_IGN = (void (*)(int)) 1
+        LIBC.signal(int(signal.SIGINT), ctypes.c_void_p(1))
 
 
 def start_component() -> None:  # pragma: no cover - runs in the child before exec

@@ -149,3 +149,34 @@ def test_a_killed_launcher_leaves_neither_server_nor_children(tmp_path):
 def test_disabled_by_the_environment():
     assert forkserver.enabled({}) == sys.platform.startswith("linux")
     assert not forkserver.enabled({forkserver.ENABLE_ENV: "0"})
+
+
+def test_concurrent_spawns_and_a_missing_working_directory(server, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> int:
+        p = server.spawn(CHILD, [str(tmp_path / f"t{i}.json"), str(i)], dict(os.environ),
+                         cwd=str(ROOT))
+        return p.wait(60)
+
+    with ThreadPoolExecutor(6) as ex:
+        assert list(ex.map(one, range(6))) == list(range(6))
+    with pytest.raises(OSError, match="cwd"):
+        server.spawn(CHILD, [str(tmp_path / "n.json")], dict(os.environ),
+                     cwd=str(tmp_path / "gone"))
+
+
+def test_a_child_gets_sigterm_when_the_server_dies(tmp_path):
+    """A forked component's parent is the server and its parent-death signal SIGTERM: a
+    server killed alone takes its children with it (k3serve.process.ParentWatch then reads
+    the parent as gone)."""
+    s = ForkServer(dict(os.environ))
+    p = s.spawn(CHILD, [str(tmp_path / "w.json"), "--wait"], dict(os.environ), cwd=str(ROOT))
+    seen = _wait_for(tmp_path / "w.json")
+    assert seen["ppid"] == s.pid and seen["death_signal"] == signal.SIGTERM
+    os.kill(s.pid, signal.SIGKILL)  # the server alone: its children get SIGTERM
+    assert p.wait(10) == -signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while alive(p.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(p.pid)
