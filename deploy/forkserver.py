@@ -32,7 +32,7 @@ What a child keeps of a fresh ``python -m``:
 
 The wire: JSON lines over a Unix socket pair. The launcher sends ``{"op": "spawn", "id",
 "module", "args", "env", "cwd", "log"}`` and ``{"op": "signal", "pid", "sig"}``; the server
-sends ``{"op": "ready", "pid"}`` once its imports are done, ``{"op": "started", "id", "pid"}``
+sends ``{"op": "ready"}`` once its imports are done, ``{"op": "started", "id", "pid"}``
 or ``{"op": "failed", "id", "error"}`` per spawn, and ``{"op": "exited", "pid", "code"}``
 (:func:`os.waitstatus_to_exitcode`: negative for a signal) when it reaps a child. Signals go
 through the server, which sends them only to children it has not reaped: a pid the kernel
@@ -181,7 +181,7 @@ class ForkServer:
         if ready is None or ready.get("op") != "ready":
             self.close()
             raise OSError(f"k3serve fork server did not start (exit status {self.proc.poll()})")
-        self.pid = int(ready["pid"])
+        self.pid = self.proc.pid
         threading.Thread(target=self._reader, name="forkserver-reader", daemon=True).start()
 
     @classmethod
@@ -317,7 +317,7 @@ def _serve(sock: socket.socket) -> tuple[dict[str, Any], int | None] | None:
         with contextlib.suppress(OSError):
             sock.sendall(json.dumps(msg).encode() + b"\n")
 
-    send({"op": "ready", "pid": me})
+    send({"op": "ready"})
     buf = b""
     while True:
         for key, _ in sel.select():

@@ -165,8 +165,6 @@ def _metric(url: str, name: str, **labels: str) -> float:
                and all(w in line.split("}", 1)[0] for w in want))
 
 
-
-
 def children(pid: int) -> list[int]:
     """The live and zombie processes whose parent is ``pid`` (from ``/proc``)."""
     out = []
@@ -193,14 +191,6 @@ def components(pid: int) -> list[int]:
             continue
         out += children(k) if title == "k3serve forkserver" else [k]
     return out
-
-
-def alive(pid: int) -> bool:
-    """``pid`` runs and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def session_left(pid: int) -> list[str]:

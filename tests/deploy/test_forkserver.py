@@ -17,7 +17,7 @@ import pytest
 
 from deploy import forkserver
 from deploy.forkserver import ForkServer, server_key
-from tests.worker_procs import alive
+from tests.parallel.ray_cluster import alive
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="the fork server runs on Linux only")

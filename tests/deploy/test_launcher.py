@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from deploy.local import free_port
-from tests.worker_procs import alive, components
+from tests.parallel.ray_cluster import alive
+from tests.worker_procs import components
 
 ROOT = Path(__file__).resolve().parents[2]
 

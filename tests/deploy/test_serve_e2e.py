@@ -31,7 +31,8 @@ import httpx
 import pytest
 
 from k3serve.protocol import CLUSTER_TOKEN_ENV, CLUSTER_TOKEN_HEADER
-from tests.worker_procs import alive, components
+from tests.parallel.ray_cluster import alive
+from tests.worker_procs import components
 
 ROOT = Path(__file__).resolve().parents[2]
 B = 16
