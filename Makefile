@@ -51,16 +51,14 @@ plan: install
 
 # The full suite: every test (CPU-only tests of GPU paths included; `gpu` tests skip on CPU),
 # in three phases (tests/conftest.py lists the files of the last two; each phase imports only
-# its own files): the in-process tests on two pytest-xdist workers; the `stacks` tests (live
-# stacks, Ray clusters, process groups; mostly waiting on processes) on two workers, one file
-# per worker at a time; the `serial` tests (tight latency and fault-handling bounds) in one
-# process. Every phase runs; the target fails if any does.
+# its own files): the `serial` tests (tight latency and fault-handling bounds) in one process,
+# then the `stacks` tests (live stacks, Ray clusters, process groups; mostly waiting on
+# processes) on two workers, one file per worker at a time; beside both, the in-process tests
+# on two pytest-xdist workers at the lowest priority (nice 19), mostly on the CPU time the
+# other two leave idle (tests/run_suite.py; --sequential runs the phases one after another).
+# Every phase runs; the target fails if any does.
 test: install
-	@rc=0; \
-	$(PY) -m pytest -q -ra --durations=15 -n 2 -m "not serial and not stacks" tests || rc=$$?; \
-	$(PY) -m pytest -q -ra --durations=15 -n 2 --dist loadfile -m stacks tests || rc=$$?; \
-	$(PY) -m pytest -q -ra --durations=15 -m serial tests || rc=$$?; \
-	exit $$rc
+	$(PY) -m tests.run_suite
 
 # The inner-loop tier, ≤ 3 minutes on 2 cores: the unit files of the invariants, selected by
 # path — cache (hashing, allocation, prefix hits), sampler, placement, hit-rate metrics,

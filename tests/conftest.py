@@ -33,7 +33,8 @@ if torch is not None:
 #: own speed (a probe's latency within 2 s of the fault-free one, one key's p50 under another's
 #: flood, a stopped worker out of placement within seconds, admission under a 10× overload, a
 #: hung worker's waiting requests ended at the router's deadline). ``make test`` runs them
-#: last, in one process (``-m serial``), so that nothing else of the suite runs beside them.
+#: first, in one process (``-m serial``), with no other normal-priority test process beside
+#: them: only the in-process tests, at the lowest priority (``tests/run_suite.py``).
 SERIAL = (
     "tests/router/test_isolation.py",
     "tests/router/test_reliability.py",
@@ -41,28 +42,43 @@ SERIAL = (
     "tests/worker/test_migration.py",
 )
 
-#: Files that start live stacks, Ray clusters or process groups and check what they serve,
-#: restart or clean up, with bounds far above their timing on a loaded machine. Their time is
+#: Files that start worker, router or CLI processes, fake stacks (``deploy.fake_stack``), live
+#: stacks, Ray clusters or process groups and check what they serve, restart or clean up, with
+#: bounds far above their timing on a loaded machine. A test whose servers and clients talk
+#: under timeouts belongs here, not in the in-process phase, which runs at the lowest priority
+#: beside the other two and may wait a long time for a core. Their time is
 #: mostly waiting (process start-ups, restarts, drains), so ``make test`` runs them on two
-#: pytest-xdist workers after the in-process tests and before :data:`SERIAL`, one file per
-#: worker at a time (``-m stacks --dist loadfile``: a module's shared stack starts once), the
-#: files of :data:`RAY` as one (:func:`pytest_xdist_make_scheduler`).
+#: pytest-xdist workers after :data:`SERIAL`, beside the in-process tests at the lowest
+#: priority (``tests/run_suite.py``), one file per worker at a time (``-m stacks --dist
+#: loadfile``: a module's shared stack starts once), the files of :data:`RAY` as one
+#: (:func:`pytest_xdist_make_scheduler`).
 STACKS = (
+    "tests/bench/test_bench.py",
+    "tests/bench/test_bench_block_size.py",
     "tests/bench/test_router_relay.py",
     "tests/bench/test_served_vs_offline.py",
     "tests/deploy/",
+    "tests/parallel/test_parallel_disagg.py",
     "tests/parallel/test_parallel_failure.py",
+    "tests/spec/test_served.py",
+    "tests/test_cli.py",
     "tests/worker/",
     "tests/kvstore/test_control_isolation.py",
     "tests/kvstore/test_kvstore.py",
+    "tests/kvstore/test_store.py",
+    "tests/router/test_admission_tokens.py",
     "tests/router/test_channels.py",
+    "tests/router/test_fuzz_api.py",
     "tests/router/test_index_kick.py",
+    "tests/router/test_openapi_router.py",
     "tests/router/test_placement_live.py",
     "tests/router/test_prefill_retry.py",
     "tests/router/test_regressions_router.py",
     "tests/router/test_replicas.py",
+    "tests/router/test_router_app.py",
     "tests/router/test_router_memory.py",
     "tests/router/test_store_health.py",
+    "tests/router/test_tools_e2e.py",
     "tests/tracing/test_stack_tracing.py",
 )
 

@@ -45,8 +45,9 @@ USED_WITHOUT_IMPORT = {
     # a pytest plugin: it reads the ``timeout`` option of [tool.pytest.ini_options]
     "pytest-timeout": ("pytest plugin for the suite's timeout", "pyproject.toml",
                        "timeout = "),
-    # a pytest plugin: ``make test`` runs the in-process tier with ``-n 2``
-    "pytest-xdist": ("pytest plugin for the suite's two workers", "Makefile", "-n 2"),
+    # a pytest plugin: ``make test`` (tests/run_suite.py) runs its phases with ``-n 2``
+    "pytest-xdist": ("pytest plugin for the suite's two workers", "tests/run_suite.py",
+                     '"-n", "2"'),
     # the linter, run on the command line; its settings live in pyproject.toml
     "ruff": ("the linter, a command-line tool", "pyproject.toml", "[tool.ruff]"),
 }

@@ -30,11 +30,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def node_ports() -> dict[str, Any]:
-    """Free ports for the per-node servers Ray starts on fixed defaults."""
-    return {"node_manager_port": free_port(), "object_manager_port": free_port(),
-            "dashboard_agent_listen_port": free_port(), "metrics_agent_port": free_port(),
-            "metrics_export_port": free_port(), "runtime_env_agent_port": free_port()}
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports nothing listens on right now (127.0.0.1): the sockets stay bound
+    until all are chosen, so the kernel cannot hand one out twice."""
+    with ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                 for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+NODE_PORTS = ("node_manager_port", "object_manager_port", "dashboard_agent_listen_port",
+              "metrics_agent_port", "metrics_export_port", "runtime_env_agent_port")
+
+
+def node_ports(ports: list[int]) -> dict[str, Any]:
+    """Ports for the per-node servers Ray starts on fixed defaults, taken off the end of
+    ``ports`` (distinct free ports chosen together, :func:`free_ports`)."""
+    return {name: ports.pop() for name in NODE_PORTS}
 
 
 def alive(pid: int) -> bool:
@@ -84,17 +98,20 @@ def local_cluster(nodes: int, gpus_per_node: int = 0, cpus_per_node: float = 0,
     from ray.cluster_utils import Cluster
 
     temp = tempfile.mkdtemp(prefix="k3ray", dir="/tmp")  # Ray's socket paths must stay short
+    # every port of the cluster chosen at once: ports chosen one by one, each socket closed
+    # before the next, can come back twice
+    ports = free_ports(3 + len(NODE_PORTS) * (nodes + 1))
     head = {"num_cpus": 0, "num_gpus": 0, "object_store_memory": SMALL_STORE,
-            "node_ip_address": "127.0.0.1", "temp_dir": temp, "gcs_server_port": free_port(),
+            "node_ip_address": "127.0.0.1", "temp_dir": temp, "gcs_server_port": ports.pop(),
             "include_dashboard": dashboard, "dashboard_host": "127.0.0.1",
-            "dashboard_port": free_port(), "ray_client_server_port": free_port(),
-            **node_ports()}
+            "dashboard_port": ports.pop(), "ray_client_server_port": ports.pop(),
+            **node_ports(ports)}
     cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         for _ in range(nodes):
             cluster.add_node(num_cpus=cpus_per_node, num_gpus=gpus_per_node,
                              object_store_memory=SMALL_STORE, node_ip_address="127.0.0.1",
-                             **node_ports())
+                             **node_ports(ports))
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
         cluster.temp_dir = temp
