@@ -54,8 +54,8 @@ plan: install
 # its own files): the `serial` tests (tight latency and fault-handling bounds) in one process,
 # then the `stacks` tests (live stacks, Ray clusters, process groups; mostly waiting on
 # processes) on two workers, one file per worker at a time; beside both, the in-process tests
-# on two pytest-xdist workers at the lowest priority (nice 19), mostly on the CPU time the
-# other two leave idle (tests/run_suite.py; --sequential runs the phases one after another).
+# on two pytest-xdist workers under SCHED_IDLE, on the CPU time the other two leave idle
+# (tests/run_suite.py; --sequential runs the phases one after another).
 # Every phase runs; the target fails if any does.
 test: install
 	$(PY) -m tests.run_suite

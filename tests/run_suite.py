@@ -4,13 +4,13 @@ the ``serial`` and ``stacks`` phases and why they are apart).
 * ``serial`` — tests that bound a latency or a fault's handling time — in one process, then
   ``stacks`` — worker processes, fake and live stacks, Ray clusters, process groups — on two
   pytest-xdist workers, one file per worker at a time. These two never overlap.
-* Beside them, from the start, the in-process tests on two workers at nice 19 under
-  ``SCHED_BATCH``: they run mostly on CPU time the other phases leave idle (the ``serial``
-  tests are mostly waiting on fake workers' token delays and timeouts, the ``stacks`` tests on
-  process start-ups) and take about 3 % of a busy machine from them, so the suite's wall time
-  comes close to its CPU time over the cores. (``SCHED_IDLE`` would take nothing but can stall
-  a test for a minute while the other phases keep both cores busy; the in-process tests have
-  timeouts of their own.)
+* Beside them, from the start, the in-process tests on two workers under ``SCHED_IDLE`` (nice
+  19 where that is refused): the kernel gives them the CPU time the other phases leave idle
+  (the ``serial`` tests are mostly waiting on fake workers' token delays and timeouts, the
+  ``stacks`` tests on process start-ups), so the suite's wall time comes close to its CPU
+  time over the cores. An in-process test may wait a long time for a core while the other
+  phases keep both busy; tests whose servers and clients talk under timeouts are therefore
+  ``stacks`` tests.
 
 The in-process phase prints as it runs; the other two write to files printed after it (in
 phase order). Every phase runs; the exit status is the first failing phase's, else 0. A Ctrl-C
@@ -39,13 +39,11 @@ SERIAL = ["-m", "serial"]
 
 
 def _low_priority() -> None:
-    """In the forked child: nice 19 and, where the platform has it, ``SCHED_BATCH`` (its
-    wake-ups never preempt a running normal task)."""
-    os.nice(19)
+    """In the forked child: the ``SCHED_IDLE`` policy, else nice 19."""
     try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
-        pass
+        os.nice(19)
 
 
 def _pytest(args: list[str], extra: list[str]) -> list[str]:
