@@ -50,10 +50,11 @@ plan: install
 	$(VENV)/bin/k3serve plan --config $(CONFIG)
 
 # The full suite: every test (CPU-only tests of GPU paths included; `gpu` tests skip on CPU),
-# in three phases (tests/conftest.py lists the files of the last two; each phase imports only
-# its own files): the `serial` tests (tight latency and fault-handling bounds) in one process,
-# then the `stacks` tests (live stacks, Ray clusters, process groups; mostly waiting on
-# processes) on two workers, one file per worker at a time; beside both, the in-process tests
+# in three phases (tests/conftest.py lists the files of the serial and stacks phases; each
+# phase imports only its own files): the `serial` tests (tight latency and fault-handling
+# bounds), then the `stacks` tests (processes, fake and live stacks, Ray clusters; mostly
+# waiting on processes), each on two workers, one file per worker at a time; beside both, the
+# in-process tests
 # on two pytest-xdist workers under SCHED_IDLE, on the CPU time the other two leave idle
 # (tests/run_suite.py; --sequential runs the phases one after another).
 # Every phase runs; the target fails if any does.

@@ -33,8 +33,9 @@ if torch is not None:
 #: own speed (a probe's latency within 2 s of the fault-free one, one key's p50 under another's
 #: flood, a stopped worker out of placement within seconds, admission under a 10× overload, a
 #: hung worker's waiting requests ended at the router's deadline). ``make test`` runs them
-#: first, in one process (``-m serial``), with no other normal-priority test process beside
-#: them: only the in-process tests, at the lowest priority (``tests/run_suite.py``).
+#: first, two files at a time (``-m serial``: mostly waiting, they leave most of the CPU
+#: idle), with no other normal-priority test process beside them: only the in-process tests,
+#: at the lowest priority (``tests/run_suite.py``).
 SERIAL = (
     "tests/router/test_isolation.py",
     "tests/router/test_reliability.py",

@@ -1,9 +1,12 @@
 """``make test``: the whole suite in its three phases (``tests/conftest.py`` lists the files of
 the ``serial`` and ``stacks`` phases and why they are apart).
 
-* ``serial`` — tests that bound a latency or a fault's handling time — in one process, then
-  ``stacks`` — worker processes, fake and live stacks, Ray clusters, process groups — on two
-  pytest-xdist workers, one file per worker at a time. These two never overlap.
+* ``serial`` — tests that bound a latency or a fault's handling time — then ``stacks`` —
+  worker processes, fake and live stacks, Ray clusters, process groups — each on two
+  pytest-xdist workers, one file per worker at a time. These two never overlap. The
+  ``serial`` files spend their time waiting (fake workers' token delays, stopped workers,
+  timeouts; about half of one core for the whole phase), so two of them side by side keep
+  their measurements.
 * Beside them, from the start, the in-process tests on two workers under ``SCHED_IDLE`` (nice
   19 where that is refused): the kernel gives them the CPU time the other phases leave idle
   (the ``serial`` tests are mostly waiting on fake workers' token delays and timeouts, the
@@ -35,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["-q", "-ra", "--durations=15"]
 IN_PROCESS = ["-n", "2", "-m", "not serial and not stacks"]
 STACKS = ["-n", "2", "--dist", "loadfile", "-m", "stacks"]
-SERIAL = ["-m", "serial"]
+SERIAL = ["-n", "2", "--dist", "loadfile", "-m", "serial"]
 
 
 def _low_priority() -> None:
