@@ -54,9 +54,8 @@ plan: install
 # phase imports only its own files): the `serial` tests (tight latency and fault-handling
 # bounds), then the `stacks` tests (processes, fake and live stacks, Ray clusters; mostly
 # waiting on processes), each on two workers, one file per worker at a time; beside both, the
-# in-process tests
-# on two pytest-xdist workers under SCHED_IDLE, on the CPU time the other two leave idle
-# (tests/run_suite.py; --sequential runs the phases one after another).
+# in-process tests on two pytest-xdist workers under SCHED_IDLE, on the CPU time the other two
+# leave idle (tests/run_suite.py; --sequential runs the phases one after another).
 # Every phase runs; the target fails if any does.
 test: install
 	$(PY) -m tests.run_suite

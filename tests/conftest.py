@@ -19,6 +19,14 @@ try:
 except ImportError:  # the torch-free parts of the suite still run
     torch = None
 
+if os.environ.get("K3SERVE_TEST_SCHED_IDLE") == "1":
+    # the in-process phase of ``make test`` (tests/run_suite.py): this pytest process runs on
+    # idle CPU time only; the processes its tests start get the normal priority back
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE | os.SCHED_RESET_ON_FORK, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+
 if torch is not None:
     torch.set_num_threads(1)
     if not torch.cuda.is_available():
@@ -34,8 +42,8 @@ if torch is not None:
 #: flood, a stopped worker out of placement within seconds, admission under a 10× overload, a
 #: hung worker's waiting requests ended at the router's deadline). ``make test`` runs them
 #: first, two files at a time (``-m serial``: mostly waiting, they leave most of the CPU
-#: idle), with no other normal-priority test process beside them: only the in-process tests,
-#: at the lowest priority (``tests/run_suite.py``).
+#: idle), with no other phase's normal-priority process beside them: only the in-process
+#: tests, at the lowest priority (``tests/run_suite.py``).
 SERIAL = (
     "tests/router/test_isolation.py",
     "tests/router/test_reliability.py",
@@ -56,6 +64,7 @@ SERIAL = (
 STACKS = (
     "tests/bench/test_bench.py",
     "tests/bench/test_bench_block_size.py",
+    "tests/bench/test_ignore_eos.py",
     "tests/bench/test_router_relay.py",
     "tests/bench/test_served_vs_offline.py",
     "tests/deploy/",
@@ -66,6 +75,7 @@ STACKS = (
     "tests/worker/",
     "tests/kvstore/test_control_isolation.py",
     "tests/kvstore/test_kvstore.py",
+    "tests/kvstore/test_staging.py",
     "tests/kvstore/test_store.py",
     "tests/router/test_admission_tokens.py",
     "tests/router/test_channels.py",
@@ -75,6 +85,7 @@ STACKS = (
     "tests/router/test_placement_live.py",
     "tests/router/test_prefill_retry.py",
     "tests/router/test_regressions_router.py",
+    "tests/router/test_relay.py",
     "tests/router/test_replicas.py",
     "tests/router/test_router_app.py",
     "tests/router/test_router_memory.py",
