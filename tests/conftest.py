@@ -20,10 +20,10 @@ except ImportError:  # the torch-free parts of the suite still run
     torch = None
 
 if os.environ.get("K3SERVE_TEST_SCHED_IDLE") == "1":
-    # the in-process phase of ``make test`` (tests/run_suite.py): this pytest process runs on
-    # idle CPU time only; the processes its tests start get the normal priority back
+    # the in-process phase of ``make test`` (tests/run_suite.py): this pytest process, and the
+    # processes its tests start, run on idle CPU time only
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE | os.SCHED_RESET_ON_FORK, os.sched_param(0))
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         os.nice(19)
 

@@ -9,7 +9,7 @@ the ``serial`` and ``stacks`` phases and why they are apart).
   their measurements.
 * Beside them, from the start, the in-process tests on two workers under ``SCHED_IDLE`` (nice
   19 where that is refused; tests/conftest.py sets it in each of the phase's pytest processes,
-  and the processes their tests start run at the normal priority): the kernel gives them the
+  and the processes their tests start inherit it): the kernel gives them the
   CPU time the other phases leave idle (the ``serial`` tests are mostly waiting on fake
   workers' token delays and timeouts, the ``stacks`` tests on process start-ups), so the
   suite's wall time comes close to its CPU time over the cores. An in-process test may wait
@@ -45,8 +45,8 @@ IN_PROCESS = ["-n", "2", "-m", "not serial and not stacks"]
 STACKS = ["-n", "2", "--dist", "loadfile", "-m", "stacks"]
 SERIAL = ["-n", "2", "--dist", "loadfile", "-m", "serial"]
 #: set for the in-process phase: tests/conftest.py puts each of its pytest processes under
-#: ``SCHED_IDLE`` with ``SCHED_RESET_ON_FORK``, so the processes its tests start (CLI runs,
-#: loopback peers, gloo ranks) run at the normal priority
+#: ``SCHED_IDLE`` (the processes its tests start inherit it: at the normal priority they took
+#: enough CPU from the stacks phase to make its Ray drain test miss the drain window)
 IDLE_ENV = "K3SERVE_TEST_SCHED_IDLE"
 #: seconds the phases get to stop after the runner forwards an interrupt, then SIGKILL
 STOP_GRACE_S = 120.0
