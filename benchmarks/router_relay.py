@@ -478,9 +478,13 @@ async def interleaved_async(args) -> dict:
         per_tree.append({"src": str(src), "idle_cpu_per_s": idle, "rounds": rounds, **med})
     for t in per_tree:
         for k in ("us_per_token", "nonstream_ms", "stream_ms"):
-            ratios = [a[k] / b[k] for a, b in zip(t["rounds"], per_tree[0]["rounds"])]
-            t[f"ratio_{k}"] = {"median": statistics.median(ratios), "min": min(ratios),
-                               "max": max(ratios), "rounds": ratios}
+            # None: the first tree's round measured no CPU (below the clock's 10 ms tick)
+            ratios = [a[k] / b[k] if b[k] > 0 else None
+                      for a, b in zip(t["rounds"], per_tree[0]["rounds"])]
+            known = [x for x in ratios if x is not None]
+            t[f"ratio_{k}"] = {"median": statistics.median(known) if known else None,
+                               "min": min(known, default=None),
+                               "max": max(known, default=None), "rounds": ratios}
     return {"requests": args.requests, "concurrency": args.concurrency, "tokens": args.tokens,
             "events": args.events, "token_delay_s": args.token_delay, "rounds": args.rounds,
             "interleaved": per_tree}
@@ -497,6 +501,8 @@ def interleaved_table(out: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
 
     def ratio(d: dict) -> str:
+        if d["median"] is None:
+            return "n/a (no CPU measured)"
         return f"{d['median']:.3f} ({d['min']:.3f}–{d['max']:.3f})"
 
     for t in out["interleaved"]:
