@@ -45,8 +45,8 @@ IN_PROCESS = ["-n", "2", "-m", "not serial and not stacks"]
 STACKS = ["-n", "2", "--dist", "loadfile", "-m", "stacks"]
 SERIAL = ["-n", "2", "--dist", "loadfile", "-m", "serial"]
 #: set for the in-process phase: tests/conftest.py puts each of its pytest processes under
-#: ``SCHED_IDLE`` (the processes its tests start inherit it: at the normal priority they took
-#: enough CPU from the stacks phase to make its Ray drain test miss the drain window)
+#: ``SCHED_IDLE``, and the processes its tests start inherit it, so nothing of that phase
+#: takes CPU time the serial and stacks phases could use
 IDLE_ENV = "K3SERVE_TEST_SCHED_IDLE"
 #: seconds the phases get to stop after the runner forwards an interrupt, then SIGKILL
 STOP_GRACE_S = 120.0

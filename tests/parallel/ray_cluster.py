@@ -25,9 +25,7 @@ SMALL_STORE = 80 * 2**20
 
 def free_port() -> int:
     """A port nothing listens on right now (127.0.0.1)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def free_ports(n: int) -> list[int]:
