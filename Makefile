@@ -34,8 +34,11 @@ $(VENV)/.installed: pyproject.toml
 
 install: sysdeps $(VENV)/.installed
 
+# the command is echoed with every --api-key value masked
 serve: install
-	$(VENV)/bin/k3serve serve --host $(HOST) --port $(PORT) $(ARGS)
+	@echo "$(VENV)/bin/k3serve serve --host $(HOST) --port $(PORT) $(ARGS)" \
+		| sed -E ':a; s/(--api-key(=| +)(\*\*\* +)*)[^-* ][^ ]*/\1***/; ta'
+	@$(VENV)/bin/k3serve serve --host $(HOST) --port $(PORT) $(ARGS)
 
 # Prometheus (+ Grafana where grafana-server is installed) against a running stack, e.g. one
 # started by `make serve`: targets from the router's worker list, dashboard deploy/grafana.

@@ -26,7 +26,7 @@ import secrets
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from deploy.supervisor import Spec, Supervisor
 from k3serve.messages import RouterHealth
 from k3serve.process import TITLE_ROLE_ENV
-from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
+from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV, api_keys_env
 
 
 class Component(Protocol):
@@ -172,7 +172,7 @@ def start_stack(
     port: int = 0,
     num_prefill: int = 2,
     num_decode: int = 1,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     policy: str = "prefix_home",
     block_size: int = 64,
     device: str | None = "cpu",
@@ -239,10 +239,11 @@ def start_stack(
     token = secrets.token_hex(16)
     env = {**os.environ, CLUSTER_TOKEN_ENV: token}
     env.setdefault("PYTHONUNBUFFERED", "1")
-    if api_key:  # through the environment, so it does not show in `ps`
-        env[API_KEY_ENV] = api_key
+    keys = api_keys_env(api_key)
+    if keys:  # through the environment, so they do not show in `ps`
+        env[API_KEY_ENV] = keys
     stack = Stack(url=f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}",
-                  api_key=api_key, cluster_token=token)
+                  api_key=keys.split()[0] if keys else None, cluster_token=token)
     def spawn(spec: Spec, first: bool = False) -> None:
         add_component(stack, launch.spawn(spec.name, spec.module, spec.args, spec.env), spec, first)
 

@@ -148,7 +148,8 @@ class Plan:
         """The table ``k3serve plan`` prints."""
         c = self.config.cluster
         lines = [
-            (f"config {self.config.name}: model {self.model} on {c.nodes} nodes × "
+            (f"config {self.config.name}: model {self.model} on {c.nodes} "
+            f"node{'s' if c.nodes != 1 else ''} × "
             f"{c.accelerators_per_node} {c.resource} of {_gb(c.accelerator_memory)} "
             f"({c.memory_utilization:.0%} usable)"),
             (f"weights (one instance) {_gb(self.weights_total)}  (all bf16: "

@@ -66,6 +66,7 @@ import secrets
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,7 @@ from deploy.plan import InstancePlan, Plan, make_plan
 from deploy.ray_actors import ProcessActor, RankActor
 from deploy.service_discovery import ScrapeTarget, TargetWriter
 from k3serve.config import ModelConfig
-from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
+from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV, api_keys_env, api_keys_from_env
 
 log = logging.getLogger("k3serve.ray")
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,7 +248,7 @@ def worker_argv(dc: DeployConfig, inst: InstancePlan, router_url: str) -> list[s
             "--device", dc.device, "--dtype", dc.dtype, *par, *dc.worker_args]
 
 
-def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
+def deploy(config: str | Path | DeployConfig, *, api_key: str | Sequence[str] | None = None,
            router_port: int | None = None, sd_dir: str | Path | None = None,
            placeholders: bool = False, ready_timeout: float = 300.0) -> RayStack:
     """Start a deployment on the Ray cluster this process is connected to (``ray.init`` first).
@@ -258,7 +259,7 @@ def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
 
     Args:
         config: a ``deploy/configs/*.yaml`` path or a :class:`DeployConfig`.
-        api_key: bearer token the router requires on its public API.
+        api_key: bearer token(s) the router requires on its public API.
         router_port: overrides ``router.port`` (0: a free port on the router's node).
         sd_dir: write Prometheus file-SD targets there (``deploy/prometheus/targets``).
         placeholders: place every rank as a :class:`RankActor` and start no programs (a
@@ -297,7 +298,9 @@ def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
     rank_opts = {"num_cpus": c.cpus_per_rank, "num_gpus": 1 if c.resource == "GPU" else 0}
     Proc = ray.remote(ProcessActor)
     Rank = ray.remote(RankActor)
-    stack = RayStack(url="", api_key=api_key, cluster_token=token, plan=plan, router=None,
+    keys = api_keys_env(api_key)
+    stack = RayStack(url="", api_key=keys.split()[0] if keys else None, cluster_token=token,
+                     plan=plan, router=None,
                      workers={}, ranks={}, placement_groups=pgs)
     try:
         router_url = ""
@@ -306,7 +309,7 @@ def deploy(config: str | Path | DeployConfig, *, api_key: str | None = None,
             rargs = ["-m", "router", "--host", dc.router.host,
                      "--port", str(rport) if rport else "{port}", "--policy", dc.router.policy,
                      "--model", dc.model, "--replicas", str(dc.router.replicas)]
-            renv = {**env, **({API_KEY_ENV: api_key} if api_key else {})}
+            renv = {**env, **({API_KEY_ENV: keys} if keys else {})}
             stack.router = Proc.options(
                 name=f"k3serve-{dc.name}-router", num_cpus=0, max_restarts=dc.max_restarts,
             ).remote("router", rargs, renv, ready="health", ready_timeout=ready_timeout)
@@ -420,7 +423,7 @@ def serve_ray(args: Any) -> int:
                        num_gpus=c.accelerators_per_node if c.resource == "GPU" else 0)
     else:
         ray.init(address=args.ray_address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    api_key = args.api_key or os.environ.get(API_KEY_ENV)
+    api_key = args.api_key or api_keys_from_env(os.environ.get(API_KEY_ENV))
     stack = deploy(dc, api_key=api_key, sd_dir=args.sd_dir)
     stopping = False
 

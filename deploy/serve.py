@@ -34,7 +34,8 @@ from deploy.launcher import (
     check_port_free,
     start_stack,
 )
-from k3serve.process import CommandParser, FlagParser, exit_now, set_title
+from k3serve.process import CommandParser, FlagParser, device_name, exit_now, set_title
+from k3serve.protocol import api_keys_env
 
 #: every worker's ``--drain-timeout`` when ``k3serve serve`` is not given one, seconds: long
 #: enough for the streams in flight to end by themselves. A drain ends as soon as nothing is
@@ -108,16 +109,17 @@ def build_parser(prog: str = "k3serve serve") -> argparse.ArgumentParser:
     p.add_argument("--routers", type=int, default=1, metavar="N",
                    help="router processes behind the one address (each keeps its own index "
                         "from the workers' events; router/replicas.py)")
-    p.add_argument("--api-key", default=None,
-                   help="bearer token required on the public API (or set K3SERVE_API_KEY)")
+    p.add_argument("--api-key", default=None, nargs="+", action="extend", metavar="KEY",
+                   help="bearer token(s) required on the public API; repeat or list several "
+                        "(or set K3SERVE_API_KEY, keys separated by spaces)")
     from router.policies.table import DEFAULT_POLICY, POLICIES
 
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                    metavar="POLICY",
                    help="prefill placement policy: " + " | ".join(sorted(POLICIES)))
     p.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
-    p.add_argument("--device", default=None,
-                   help="worker device, cpu or cuda (default: cuda when torch sees a GPU)")
+    p.add_argument("--device", default=None, type=device_name,
+                   help="worker device, cpu or cuda[:N] (default: cuda when torch sees a GPU)")
     p.add_argument("--ray", action="store_true",
                    help="run every instance as a Ray actor (needs --config; `pip install -e .[ray]`)")
     p.add_argument("--config", default=None,
@@ -236,14 +238,16 @@ def passthrough_args(args: argparse.Namespace) -> dict[str, list[str]]:
 
 def check_args(args: argparse.Namespace) -> None:
     """Refuse flags the local stack cannot start with, before anything starts: a ``--model``
-    that is neither a preset nor a model checkout, counts out of range, a router address that
-    cannot be bound.
+    that is neither a preset nor a model checkout, a CUDA ``--device`` this machine lacks, an
+    empty ``--api-key``, counts out of range, a router address that cannot be bound.
 
     Raises:
         ValueError: the flag and the value (one line).
         PortInUseError: ``--host:--port`` is taken or cannot be bound.
     """
     check_model(args.model)
+    check_cuda(args.device)
+    api_keys_env(args.api_key)
     for flag, value, least in (("--prefill", args.prefill, 1), ("--decode", args.decode, 1),
                                ("--monolithic", args.monolithic, 0), ("--routers", args.routers, 1),
                                ("--block-size", args.block_size, 1),
@@ -254,6 +258,27 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port: must be 0-65535 (got {args.port})")
     if args.port:
         check_port_free(args.host, args.port)
+
+
+def check_cuda(device: str | None) -> None:
+    """Refuse ``--device cuda[:N]`` when this machine's torch sees no CUDA device, or fewer
+    than N + 1 (the workers would each fail at their start). Imports torch only for a CUDA
+    device; the components start by exec, so CUDA touched here is not inherited.
+
+    Raises:
+        ValueError: ``--device``, the value and what torch sees (one line).
+    """
+    if device is None or not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ValueError(f"--device: {device!r} asked for, but torch sees no CUDA device")
+    index = device.partition(":")[2]
+    if index and int(index) >= count:
+        raise ValueError(f"--device: {device!r} asked for, but torch sees {count} CUDA "
+                         f"device{'s' if count > 1 else ''} (cuda:0 to cuda:{count - 1})")
 
 
 def check_router_flags(flags: list[str], model: str = "k3-tiny") -> None:

@@ -16,6 +16,8 @@
 * :func:`exit_now` — end a process that has released what it holds without the interpreter's
   finalization (module teardown, the native destructors of torch and Mooncake: seconds of a
   stopping worker on a small machine); logging and stdio are flushed first.
+* :func:`log_level`, :func:`device_name` — argparse types of the ``--log-level`` and
+  ``--device`` flags the launcher, the router and the workers share.
 * :class:`CommandParser` — an ``argparse.ArgumentParser`` whose usage errors are one line.
 * :class:`FlagParser` — an ``argparse.ArgumentParser`` that lists the actions of its arguments
   in ``flags``, so ``k3serve serve`` can pass the router's and the workers' own flags through
@@ -142,6 +144,37 @@ def death_signal() -> int:
     except (OSError, AttributeError):
         return 0
     return sig.value
+
+
+#: the ``--log-level`` values of the router and the workers (uvicorn's and Python logging's
+#: common names, lower case)
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def log_level(value: str) -> str:
+    """``--log-level``'s argparse type: ``value`` lower-cased, one of :data:`LOG_LEVELS`.
+
+    Raises:
+        argparse.ArgumentTypeError: another name (argparse prints it as one usage line).
+    """
+    level = value.strip().lower()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"must be one of {', '.join(LOG_LEVELS)} (got {value!r})")
+    return level
+
+
+def device_name(value: str) -> str:
+    """``--device``'s argparse type: ``cpu``, ``cuda`` or ``cuda:N`` (N ≥ 0).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse prints it as one usage line).
+    """
+    dev = value.strip().lower()
+    kind, sep, index = dev.partition(":")
+    if dev == "cpu" or (kind == "cuda" and (not sep or index.isdigit())):
+        return dev
+    raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N (got {value!r})")
 
 
 class CommandParser(argparse.ArgumentParser):

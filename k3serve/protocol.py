@@ -105,6 +105,7 @@ does the same for every request.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,7 +114,29 @@ CLUSTER_TOKEN_HEADER = "X-K3serve-Cluster-Token"
 CLUSTER_TOKEN_ENV = "K3SERVE_CLUSTER_TOKEN"
 """Environment variable the launcher passes the cluster token in."""
 API_KEY_ENV = "K3SERVE_API_KEY"
-"""Environment variable the router reads its public API key from (when ``--api-key`` is unset)."""
+"""Environment variable the router reads its public API keys from (when ``--api-key`` is
+unset): one key, or several separated by whitespace (:func:`api_keys_env`)."""
+
+
+def api_keys_env(keys: str | Sequence[str] | None) -> str:
+    """The :data:`API_KEY_ENV` value for ``keys`` (one key, or a list of them): the keys
+    separated by spaces ("" for none). A bearer token holds no whitespace, so the router
+    splits it back (:func:`api_keys_from_env`).
+
+    Raises:
+        ValueError: a key that is empty or holds whitespace (``--api-key`` names it).
+    """
+    out = [keys] if isinstance(keys, str) else list(keys or ())
+    for k in out:
+        if not k or k != "".join(k.split()):
+            raise ValueError(f"--api-key: a key must be non-empty and hold no whitespace "
+                             f"(got {len(k)} characters)")
+    return " ".join(out)
+
+
+def api_keys_from_env(value: str | None) -> list[str]:
+    """The keys of an :data:`API_KEY_ENV` value (whitespace-separated; none when unset)."""
+    return (value or "").split()
 
 
 @dataclass(frozen=True)
@@ -256,4 +279,6 @@ __all__ = [
     "CompletionOutput",
     "FirstToken",
     "RequestOutput",
+    "api_keys_env",
+    "api_keys_from_env",
 ]

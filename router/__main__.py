@@ -6,7 +6,8 @@ Flags: :func:`router.config.build_parser`; the app: :func:`router.app.create_app
 Stopping (:class:`StoppingServer`): the first SIGTERM or SIGINT stops accepting connections
 and lets the open ones finish (streams run to their end while the workers drain); more
 SIGTERMs are ignored (a signal to the whole process group and the launcher's own both arrive),
-a second SIGINT stops at once. The process exits 0, without a traceback. Its title is
+a second SIGINT ends the process at once (:func:`k3serve.process.exit_now`: open connections
+are cut, nothing is flushed). The process exits 0, without a traceback. Its title is
 ``k3serve router :PORT`` (setproctitle).
 """
 
@@ -69,8 +70,9 @@ class StoppingServer(uvicorn.Server):
             self.should_exit = True
             if self.on_stop is not None:
                 self.on_stop()
-        elif sig == signal.SIGINT:
-            self.force_exit = True
+        elif sig == signal.SIGINT:  # a second Ctrl-C: stop at once (exit_now: no traceback)
+            log.warning("SIGINT again: stopping now (open streams are cut)")
+            exit_now(0)
         else:
             log.info("%s while stopping: ignored (open streams finish first)",
                      signal.Signals(sig).name)

@@ -62,7 +62,8 @@ class Completions:
         order; ``""`` when the router has no key): admission's fair shares go by it.
 
         Raises:
-            APIError: 401 when API keys are configured and the bearer token is none of them.
+            APIError: 401 when API keys are configured and the request has no bearer token
+                (the message says so) or one that is none of them.
         """
         if not self.config.api_key:
             return ""
@@ -72,7 +73,10 @@ class Completions:
         for i, key in enumerate((self.config.api_key, *self.config.api_keys)):
             if same_secret(token, key) and not found:  # every key compared: constant time
                 found = f"key{i}"
-        if scheme.lower() != "bearer" or not found:
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "No API key provided: send it as 'Authorization: Bearer KEY'.",
+                           code="invalid_api_key")
+        if not found:
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
         return found
 

@@ -15,8 +15,8 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from k3serve.process import FlagParser
-from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV
+from k3serve.process import LOG_LEVELS, FlagParser, log_level
+from k3serve.protocol import API_KEY_ENV, CLUSTER_TOKEN_ENV, api_keys_from_env
 from k3serve.tracing import ENDPOINT_ENV, check_endpoint
 from router.placement import PlacementParams
 from router.policies.home import HomeParams
@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefill placement policy")
     ap.add_argument("--api-key", default=None, nargs="+", action="extend",
                     help=f"bearer token(s) for /v1/*, /metrics, /health?detail=1 and the API "
-                         f"docs; repeat or list several (default: ${API_KEY_ENV}, else open)")
+                         f"docs; repeat or list several (default: ${API_KEY_ENV}, keys separated by "
+                         f"spaces, else open)")
     ap.add_argument("--api-key-file", default=None,
                     help="a file of further API keys, one a line (# comments, blank lines)")
     ap.add_argument("--tokenizer", default=None,
@@ -200,8 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-rate", type=float, default=10_000.0,
                     help="prefill tokens/s assumed for a worker until it reports its measured "
                          "rate with its cache events (then the measured rate prices its queue)")
-    ap.add_argument("--log-level", default="warning",
-                    help="logging level: debug, info, warning, error")
+    ap.add_argument("--log-level", default="warning", type=log_level, metavar="LEVEL",
+                    help="logging level: " + ", ".join(LOG_LEVELS))
     ap.add_argument("--no-decode-channels", action="store_true",
                     help="one decode stream per request, not one channel per decode worker")
     ap.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
@@ -249,8 +250,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         ValueError: a bad value (the field or the flag and the value, one line).
     """
     check_model_len(args.model, args.max_model_len)
-    keys = api_keys_of(args.api_key or [], args.api_key_file) or [
-        k for k in [os.environ.get(API_KEY_ENV)] if k]
+    keys = (api_keys_of(args.api_key or [], args.api_key_file)
+            or api_keys_from_env(os.environ.get(API_KEY_ENV)))
     return RouterConfig(
         model=args.model, policy=args.policy,
         api_key=keys[0] if keys else None, api_keys=tuple(keys[1:]),

@@ -10,6 +10,7 @@ and answered 503). Every 429 and 503 carries ``Retry-After`` (seconds).
 from __future__ import annotations
 
 import logging
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -83,8 +84,15 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found" if e.status_code == 404 else None
-        return APIError(e.status_code, str(e.detail), code=kind).response()
+        # the status's phrase as the code (404 not_found, 405 method_not_allowed); the
+        # exception's headers (a 405's Allow) kept
+        try:
+            kind = HTTPStatus(e.status_code).phrase.lower().replace(" ", "_")
+        except ValueError:
+            kind = None
+        response = APIError(e.status_code, str(e.detail), code=kind).response()
+        response.headers.update(e.headers or {})
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, e: Exception) -> JSONResponse:

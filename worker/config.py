@@ -22,7 +22,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from k3serve.engine.spec.config import SpecConfig
-from k3serve.process import FlagParser
+from k3serve.process import LOG_LEVELS, FlagParser, device_name, log_level
 from k3serve.protocol import CLUSTER_TOKEN_ENV
 from k3serve.tracing import ENDPOINT_ENV, check_endpoint
 from kvstore import KVConfig
@@ -247,7 +247,7 @@ def build_parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
                          "≥ 70 GiB, else 2048; worker/device.py)")
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="do not reuse cached prompt prefixes")
-    ap.add_argument("--device", default=None,
+    ap.add_argument("--device", default=None, type=device_name,
                     help="cpu or cuda[:N] (default: cuda when torch sees a GPU, else cpu)")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                     help="compute / cache dtype (auto: float32 on CPU, bfloat16 on CUDA); "
@@ -255,8 +255,8 @@ def build_parser(role: str, env: WorkerEnv) -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="random-init seed (no checkpoint)")
     ap.add_argument("--threads", type=int, default=env.worker_threads,
                     help=f"torch threads (default ${THREADS_ENV} or 1)")
-    ap.add_argument("--log-level", default="warning",
-                    help="logging level: debug, info, warning, error")
+    ap.add_argument("--log-level", default="warning", type=log_level, metavar="LEVEL",
+                    help="logging level: " + ", ".join(LOG_LEVELS))
     _store_flags(ap)
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel ranks (KDA / MLA heads split; this process is rank 0)")

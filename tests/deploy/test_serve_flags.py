@@ -23,12 +23,15 @@ class Started(Exception):
 
 
 def _no_stack(monkeypatch):
+    """``start_stack`` raises :class:`Started`; the router port counts as free (a stack the
+    user runs on the default port meanwhile changes nothing here)."""
     import deploy.serve
 
     def start_stack(**kw):
         raise Started(kw)
 
     monkeypatch.setattr(deploy.serve, "start_stack", start_stack)
+    monkeypatch.setattr(deploy.serve, "check_port_free", lambda host, port: None)
 
 
 @pytest.mark.parametrize("flags,line", [
@@ -136,3 +139,85 @@ def test_serve_refuses_an_otlp_endpoint_without_a_scheme_in_one_line(how, monkey
     assert capsys.readouterr().err.strip().splitlines() == [
         (f"k3serve serve: error: --otlp-traces-endpoint / ${ENDPOINT_ENV}: expected an "
          "http(s) URL such as http://127.0.0.1:4318, got '127.0.0.1:4318'")]
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--device", "tpu"], "argument --device: must be cpu, cuda or cuda:N (got 'tpu')"),
+    (["--device", "cuda:x"], "argument --device: must be cpu, cuda or cuda:N (got 'cuda:x')"),
+    (["--log-level", "loud"], ("argument --log-level: must be one of critical, error, warning, "
+                               "info, debug (got 'loud')")),
+], ids=["device", "device-index", "log-level"])
+def test_serve_refuses_a_bad_device_or_log_level_before_anything_starts(flags, line,
+                                                                         monkeypatch, capsys):
+    """The workers and the router would each fail at their start with a traceback; the
+    launcher's parser refuses the value in one line."""
+    _no_stack(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--no-store", *flags])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"k3serve serve: error: {line} (k3serve serve --help lists the flags)"]
+
+
+def test_log_level_and_device_are_read_in_any_case(monkeypatch):
+    _no_stack(monkeypatch)
+    with pytest.raises(Started) as e:
+        main(["serve", "--no-store", "--device", "CPU", "--log-level", "DEBUG"])
+    assert e.value.args[0]["device"] == "cpu"
+    assert e.value.args[0]["extra_router_args"] == ["--log-level", "debug"]
+
+
+@pytest.mark.parametrize("device,count,line", [
+    ("cuda", 0, "--device: 'cuda' asked for, but torch sees no CUDA device"),
+    ("cuda:2", 2, ("--device: 'cuda:2' asked for, but torch sees 2 CUDA devices (cuda:0 to "
+                   "cuda:1)")),
+])
+def test_serve_refuses_a_cuda_device_the_machine_lacks(device, count, line, monkeypatch,
+                                                       capsys):
+    import torch
+
+    _no_stack(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert main(["serve", "--no-store", "--device", device]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"k3serve serve: error: {line}"]
+
+
+def test_serve_takes_several_api_keys_and_the_router_accepts_each(monkeypatch):
+    """``--api-key K1 K2 --api-key K3`` reaches the launcher as three keys; they travel to the
+    router in the environment (never in ``ps``) and the router accepts every one."""
+    from k3serve.protocol import API_KEY_ENV, api_keys_env
+    from router.config import build_parser, config_from_args
+
+    _no_stack(monkeypatch)
+    with pytest.raises(Started) as e:
+        main(["serve", "--no-store", "--device", "cpu", "--api-key", "k1", "k2",
+              "--api-key", "k3"])
+    keys = e.value.args[0]["api_key"]
+    assert keys == ["k1", "k2", "k3"]
+    monkeypatch.setenv(API_KEY_ENV, api_keys_env(keys))
+    cfg = config_from_args(build_parser().parse_args([]))
+    assert (cfg.api_key, cfg.api_keys) == ("k1", ("k2", "k3"))
+    with pytest.raises(ValueError, match=r"^--api-key: a key must be non-empty"):
+        api_keys_env(["k1", "two words"])
+
+
+def test_serve_refuses_an_empty_api_key_in_one_line(monkeypatch, capsys):
+    _no_stack(monkeypatch)
+    assert main(["serve", "--no-store", "--device", "cpu", "--api-key", ""]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        ("k3serve serve: error: --api-key: a key must be non-empty and hold no whitespace "
+         "(got 0 characters)")]
+
+
+def test_make_serve_echoes_its_command_with_the_api_keys_masked():
+    """``make serve`` prints the command it runs; the keys in ``ARGS`` show as ``***``
+    (``-o install``: the environment is taken as installed; the bad ``--port`` ends the run
+    at the parser)."""
+    args = "ARGS=--api-key sekrit other --api-key=third --api-key-file k.txt --port"
+    r = subprocess.run(["make", "-s", "-o", "install", "serve", args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode != 0
+    assert "sekrit" not in r.stdout + r.stderr and "third" not in r.stdout + r.stderr
+    assert r.stdout.splitlines()[0].endswith(
+        "--api-key *** *** --api-key=*** --api-key-file k.txt --port"), r.stdout

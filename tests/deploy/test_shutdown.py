@@ -4,8 +4,9 @@ For each way to stop it — SIGTERM to the process group, SIGTERM to the launche
 terminal's Ctrl-C (SIGINT to the group) — 8 streams of :data:`TOKENS` tokens all finish with
 every token, well within the workers' drain timeout; the launcher exits 0; nothing it started
 is left running; no traceback and no restart in the terminal output; ``ps`` names every
-process by its role. The script runs the same check with 1,024 tokens per stream. A Ctrl-C
-during startup (the launcher or its components still importing) stops quietly too.
+process by its role. The script runs the same check with 1,024 tokens per stream. A second
+Ctrl-C stops everything at once, quietly. A Ctrl-C during startup (the launcher or its
+components still importing) stops quietly too.
 """
 
 from __future__ import annotations
@@ -43,6 +44,23 @@ def test_one_signal_drains_every_stream_and_stops_everything_cleanly(mode):
         "k3serve serve"], r["titles"]
     assert [t for t in r["titles"] if not t.startswith("k3serve")] == [
         t for t in r["titles"] if "mooncake_master" in t], r["titles"]
+    assert r["ok"], r
+
+
+def test_a_second_ctrl_c_stops_everything_at_once_without_a_traceback():
+    """Ctrl-C twice, 0.3 s apart, with streams in flight: the router ends at once and the
+    workers cut their streams, so every stream ends within seconds (some before their last
+    token); the launcher exits 0, nothing is left, and no component prints a traceback or an
+    error logged in its place (a forced uvicorn exit used to print the cancelled tasks')."""
+    tokens = 512
+    r = _script().run_mode("group-int-twice", tokens=tokens, streams=4, drain_timeout=DRAIN_S,
+                           prefill=1)
+    tail = "".join(r["output_tail"])
+    assert r["last_stream_end_s"] <= 15.0, r
+    assert min(r["stream_tokens"]) < tokens, r  # stopped, not drained
+    assert r["launcher_exit"] == 0, tail
+    assert r["left_running"] == [], r
+    assert r["tracebacks"] == 0 and r["restarts"] == 0, tail
     assert r["ok"], r
 
 

@@ -40,6 +40,18 @@ def test_keyed_routes_answer_401_without_the_key(client, path):
     assert r.json()["workers"] == []
 
 
+def test_a_missing_key_and_a_wrong_key_get_their_own_401_message(client):
+    missing = "No API key provided: send it as 'Authorization: Bearer KEY'."
+    for headers, message in [
+            ({}, missing), ({"Authorization": "Bearer "}, missing),
+            ({"Authorization": "Basic sk-a"}, missing),
+            ({"Authorization": "Bearer wrong"}, "Incorrect API key provided.")]:
+        r = client.get("/v1/models", headers=headers)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.json()["error"]["message"] == message, headers
+        assert r.json()["error"]["code"] == "invalid_api_key"
+
+
 def test_probes_stay_open_and_readiness_needs_workers(client):
     assert client.get("/livez").status_code == 200
     r = client.get("/readyz")
@@ -103,3 +115,12 @@ def test_a_valid_tool_schema_passes_the_door(client):
     r = client.post("/v1/chat/completions", json=body,
                     headers={"Authorization": "Bearer sk-a"})
     assert r.status_code == 503, r.text  # past the door: no worker to serve it
+
+
+def test_a_wrong_method_is_405_with_a_code_and_the_allowed_methods(client):
+    r = client.get("/v1/completions", headers={"Authorization": "Bearer sk-a"})
+    assert r.status_code == 405, r.text
+    assert r.json()["error"]["code"] == "method_not_allowed"
+    assert r.headers["allow"] == "POST"
+    r = client.get("/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
