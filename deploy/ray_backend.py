@@ -425,11 +425,11 @@ def serve_ray(args: Any) -> int:
         ray.init(address=args.ray_address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     api_key = args.api_key or api_keys_from_env(os.environ.get(API_KEY_ENV))
     stack = deploy(dc, api_key=api_key, sd_dir=args.sd_dir)
-    stopping = False
+    stopping = ""  # the name of the signal that stops the stack
 
     def _stop(signum, frame):
         nonlocal stopping
-        stopping = True
+        stopping = stopping or signal.Signals(signum).name
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
@@ -445,7 +445,8 @@ def serve_ray(args: Any) -> int:
             time.sleep(2.0)
     finally:
         if stopping:
-            print("k3serve: stopping; the workers drain their requests first", flush=True)
+            print(f"k3serve: {stopping}: stopping; the workers drain their requests first",
+                  flush=True)
         stack.stop(drain_s=worker_drain_s(dc))
         if started:
             ray.shutdown()
