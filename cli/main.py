@@ -174,12 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action=VersionAction, help="print the version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    pi = sub.add_parser("info", formatter_class=fmt, help="parameter counts and cache sizes of a model")
+    about = "parameter counts and cache sizes of a model"
+    pi = sub.add_parser("info", formatter_class=fmt, help=about, description=about)
     pi.add_argument("--model", default=DEFAULT_MODEL, help="preset name or checkpoint folder")
     pi.add_argument("--json", action="store_true", help="print JSON")
     pi.set_defaults(fn=cmd_info, prog=pi.prog)
 
-    pg = sub.add_parser("generate", formatter_class=fmt, help="generate a continuation offline (no server)")
+    about = "generate a continuation of a prompt offline (no server) and print it"
+    pg = sub.add_parser("generate", formatter_class=fmt, help=about, description=about)
     pg.add_argument("--model", default=DEFAULT_MODEL, help="preset name or checkpoint folder")
     pg.add_argument("--prompt", required=True, help="the text to continue")
     pg.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
@@ -191,8 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sampling seed (default: none, a fresh draw each run)")
     pg.set_defaults(fn=cmd_generate, prog=pg.prog)
 
-    pb = sub.add_parser("bench", formatter_class=fmt,
-                        help="replay a trace (or a random load) against a running stack")
+    about = "replay a trace (or a random load) against a running stack"
+    pb = sub.add_parser("bench", formatter_class=fmt, help=about,
+                        description=f"{about}: give --trace or --rate; prints TTFT, ITL, "
+                                    "throughput and the prefix-cache hit rate")
     from cli.bench.command import add_arguments
 
     add_arguments(pb)
@@ -203,10 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "(k3serve serve --help lists its flags)")
     ps.add_argument("flags", nargs=argparse.REMAINDER, help="the flags of the launcher")
 
-    pe = sub.add_parser("experts", formatter_class=fmt, help="expert placement tools")
+    about = "expert placement tools"
+    pe = sub.add_parser("experts", formatter_class=fmt, help=about, description=about)
     esub = pe.add_subparsers(dest="experts_cmd", required=True)
-    pp = esub.add_parser("plan", formatter_class=fmt,
-                         help="place experts + redundant copies on ranks (equal slots per rank)")
+    about = "place experts + redundant copies on ranks (equal slots per rank)"
+    pp = esub.add_parser("plan", formatter_class=fmt, help=about,
+                         description=f"{about}; prints each layer's max/mean rank load before "
+                                     "and after")
     pp.add_argument("--counts", required=True,
                     help="JSON: per-expert token counts, or a list of such lists (per layer)")
     pp.add_argument("--ranks", type=int, required=True, help="expert-parallel ranks N")

@@ -180,10 +180,21 @@ def test_help_shows_each_default_once(cmd, capsys):
     assert "default: None" not in text and "(default: False)" not in text, text
 
 
+@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: "-".join(c))
+def test_help_says_what_the_command_does(cmd, capsys):
+    """Every command's ``--help`` has a description line between its usage and its flags."""
+    text = _help(cmd, capsys)
+    paragraphs = [p for p in text.split("\n\n") if p.strip()]
+    assert paragraphs[0].startswith("usage:"), text[:80]
+    assert not paragraphs[1].lstrip().startswith(("options:", "positional arguments:")), text
+
+
 def test_help_still_shows_real_defaults(capsys):
     text = " ".join(_help(["bench"], capsys).split())
     assert "(default: 0.125)" in text and "(default: --length-scale)" in text
     assert "(default: k3-tiny)" in text
+    text = " ".join(_help(["generate"], capsys).split())
+    assert "(0: greedy) (default: 0.0)" in text and "(default: 64)" in text
     text = " ".join(_help(["serve"], capsys).split())
     assert "(default: 8000)" in text and "(default: prefix_home)" in text
 
