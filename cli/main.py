@@ -168,11 +168,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from k3serve.process import CommandParser
+
     fmt = HelpFormatter
     p = argparse.ArgumentParser(prog="k3serve", description=__doc__.splitlines()[0],
                                 formatter_class=fmt)
     p.add_argument("--version", action=VersionAction, help="print the version and exit")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # each command's usage errors are one line (the bare ``k3serve`` still prints its usage)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                           parser_class=CommandParser)
 
     about = "parameter counts and cache sizes of a model"
     pi = sub.add_parser("info", formatter_class=fmt, help=about, description=about)
@@ -209,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     about = "expert placement tools"
     pe = sub.add_parser("experts", formatter_class=fmt, help=about, description=about)
-    esub = pe.add_subparsers(dest="experts_cmd", required=True)
+    esub = pe.add_subparsers(dest="experts_cmd", metavar="COMMAND", required=True)
     about = "place experts + redundant copies on ranks (equal slots per rank)"
     pp = esub.add_parser("plan", formatter_class=fmt, help=about,
                          description=f"{about}; prints each layer's max/mean rank load before "
@@ -293,7 +297,11 @@ def _run(argv: list[str]) -> int:
     try:
         if argv[:1] and argv[0] in OUTER:  # their flags belong to deploy/ and simulate/
             return OUTER[argv[0]](argv[1:])
-        args = build_parser().parse_args(argv)
+        args, extra = build_parser().parse_known_args(argv)
+        if extra:  # argparse would blame the top-level parser: name the command instead
+            print(f"{args.prog}: error: unrecognized arguments: {' '.join(extra)} "
+                  f"({args.prog} --help lists the flags)", file=sys.stderr)
+            return 2
         try:
             return int(args.fn(args) or 0)
         except BrokenPipeError:

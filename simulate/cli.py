@@ -61,9 +61,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def build_parser(prog: str = "k3serve simulate") -> argparse.ArgumentParser:
-    pm = argparse.ArgumentParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                 description="replay a trace through the router's placement "
-                                             "(no model): hit rate, TTFT, load per policy")
+    from k3serve.process import CommandParser
+
+    pm = CommandParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="replay a trace through the router's placement "
+                                   "(no model): hit rate, TTFT, load per policy")
     pm.add_argument("--trace", required=True, help="JSONL trace (Mooncake format)")
     pm.add_argument("--workers", type=_workers, default="32:32", metavar="P:D",
                     help="prefill:decode workers")

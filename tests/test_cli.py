@@ -141,8 +141,34 @@ def test_simulate_workers_must_be_p_colon_d(spec, capsys):
         main(["simulate", *TRACE, "--workers", spec])
     assert e.value.code == 2
     want = ("expected P:D with P ≥ 1, D ≥ 0" if spec == "0:1" else "expected P:D")
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"k3serve simulate: error: argument --workers: {want}, got {spec!r}")
+    assert capsys.readouterr().err.strip().splitlines() == [
+        (f"k3serve simulate: error: argument --workers: {want}, got {spec!r} (k3serve simulate "
+         "--help lists the flags)")]
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["info", "--bogus"], "unrecognized arguments: --bogus"),
+    (["generate"], "the following arguments are required: --prompt"),
+    (["generate", "--prompt", "hi", "--max-tokens", "abc"],
+     "argument --max-tokens: invalid int value: 'abc'"),
+    (["bench", "--url", "http://127.0.0.1:9", "--rate", "abc"],
+     "argument --rate: invalid float value: 'abc'"),
+    (["experts"], "the following arguments are required: COMMAND"),
+    (["experts", "plan", *COUNTS, "--ranks", "x"], "argument --ranks: invalid int value: 'x'"),
+    (["plan"], "the following arguments are required: --config"),
+    (["simulate", *TRACE, "--bogus"], "unrecognized arguments: --bogus"),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else "")
+def test_a_usage_error_is_one_line_naming_the_command(argv, line, capsys):
+    """As ``k3serve serve``'s: ``k3serve COMMAND: error: ... (k3serve COMMAND --help lists the
+    flags)``, exit status 2, no usage block."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors exit; an unknown flag is main()'s answer
+        code = e.code
+    assert code == 2
+    cmd = "k3serve " + " ".join(a for a in argv[:2] if not a.startswith("-"))
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"{cmd}: error: {line} ({cmd} --help lists the flags)"]
 
 
 def test_a_model_folder_whose_config_is_not_json_is_named(tmp_path, capsys):
