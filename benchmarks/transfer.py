@@ -276,18 +276,30 @@ def bench_preset(name: str, reps: int, tokens: int | None = None, step_ms: float
         eng.close()
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The flags of ``python benchmarks/transfer.py``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--presets", default="k3-tiny,k3-mini")
+    ap.add_argument("--presets", default="k3-tiny,k3-mini",
+                    help="comma-separated model presets whose payloads are sent "
+                         "(default: k3-tiny,k3-mini)")
     ap.add_argument("--tokens", type=int, default=None,
                     help="prompt tokens (default: 1024 for k3-tiny, 4096 for k3-mini)")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5,
+                    help="interleaved repetitions per preset; the table shows their median "
+                         "(default: 5)")
     ap.add_argument("--step-ms", type=float, default=20.0,
                     help="simulated engine step: the sender is polled once per step (ms)")
     ap.add_argument("--device", default="cpu", help="where both sides' pools live (cpu, cuda)")
-    ap.add_argument("--staging", default="auto", choices=("auto", "host", "direct"))
+    ap.add_argument("--staging", default="auto", choices=("auto", "host", "direct"),
+                    help="GPU pools: sent through pinned host mirrors (host) or registered "
+                         "with the TE as they are (direct); auto: host for CUDA pools, CPU "
+                         "pools as they are (default: auto)")
     ap.add_argument("--json", default="transfer.json", help="write the result here")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     rows = [bench_preset(p, args.reps, args.tokens, args.step_ms, args.device, args.staging)
             for p in args.presets.split(",")]
     result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]),

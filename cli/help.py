@@ -7,11 +7,13 @@ import argparse
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends ``(default: X)`` once: not when the help text already says what the default is,
-    and not for ``None`` / ``False`` / suppressed defaults (a flag that is off says nothing)."""
+    and not for ``None`` / ``False`` / suppressed defaults (a flag that is off says nothing); a
+    zero (``0``, ``0.0``) is shown like any other default."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+        if "default" in text or any(action.default is v
+                                    for v in (None, False, argparse.SUPPRESS)):
             return action.help
         return super()._get_help_string(action)
 

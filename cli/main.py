@@ -12,8 +12,12 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from cli.help import HelpFormatter, use_formatter
+
+if TYPE_CHECKING:
+    from k3serve.parallel.expert_plan import Plan
 
 DEFAULT_MODEL = "k3-tiny"
 
@@ -61,16 +65,17 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from k3serve.engine.llm import LLM
     from k3serve.sampling import SamplingParams
 
-    llm = LLM(model=args.model, enable_prefix_caching=False)
-    params = SamplingParams(
+    params = SamplingParams(  # a bad flag is refused before the model loads
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
     )
+    from k3serve.engine.llm import LLM
+
+    llm = LLM(model=args.model, enable_prefix_caching=False)
     out = llm.generate([args.prompt], params)[0]
     sys.stdout.write(args.prompt + out.text + "\n")
     return 0
@@ -103,15 +108,14 @@ OUTER = {"serve": cmd_serve, "plan": cmd_plan, "simulate": cmd_simulate}
 
 def cmd_experts_plan(args: argparse.Namespace) -> int:
     from deploy import experts as planner
-    from k3serve.parallel.expert_plan import Plan
+    from k3serve.process import writing
 
     counts = planner.load_counts(args.counts)
     previous = None
     if args.previous is not None:
         if args.max_moves is None:
             raise ValueError("max-moves: required with --previous")
-        with open(args.previous) as f:
-            previous = Plan.from_dict(json.load(f))
+        previous = read_plan(args.previous)
     elif args.max_moves is not None:
         raise ValueError("max-moves: only meaningful with --previous")
     plan = planner.plan(counts, args.ranks, args.redundant, previous, args.max_moves)
@@ -122,9 +126,29 @@ def cmd_experts_plan(args: argparse.Namespace) -> int:
         moved = f"  moves {plan.moves[i]}" if previous is not None else ""
         print(f"layer {i:3d}  before {b:7.4f}  after {a:7.4f}{moved}")
     if args.json:
-        with open(args.json, "w") as f:
+        with writing("--json", args.json), open(args.json, "w") as f:
             json.dump(plan.to_dict(), f)
     return 0
+
+
+def read_plan(path: str) -> Plan:
+    """The plan JSON in ``path`` (``k3serve experts plan --previous``); a file that cannot be
+    read, is not JSON or is not a plan is a ``ValueError`` naming ``--previous`` and ``path``."""
+    from k3serve.parallel.expert_plan import Plan
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--previous: cannot read {path} ({e.strerror or e})") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"--previous: {path} is not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"--previous: {path} is not a plan (not a JSON object)")  # noqa: TRY004
+    try:
+        return Plan.from_dict(doc)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"--previous: {path} is not a plan ({e})") from None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -144,18 +168,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from k3serve.process import CommandParser
+
     fmt = HelpFormatter
     p = argparse.ArgumentParser(prog="k3serve", description=__doc__.splitlines()[0],
                                 formatter_class=fmt)
     p.add_argument("--version", action=VersionAction, help="print the version and exit")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # each command's usage errors are one line (the bare ``k3serve`` still prints its usage)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                           parser_class=CommandParser)
 
-    pi = sub.add_parser("info", formatter_class=fmt, help="parameter counts and cache sizes of a model")
+    about = "parameter counts and cache sizes of a model"
+    pi = sub.add_parser("info", formatter_class=fmt, help=about, description=about)
     pi.add_argument("--model", default=DEFAULT_MODEL, help="preset name or checkpoint folder")
     pi.add_argument("--json", action="store_true", help="print JSON")
-    pi.set_defaults(fn=cmd_info)
+    pi.set_defaults(fn=cmd_info, prog=pi.prog)
 
-    pg = sub.add_parser("generate", formatter_class=fmt, help="generate a continuation offline (no server)")
+    about = "generate a continuation of a prompt offline (no server) and print it"
+    pg = sub.add_parser("generate", formatter_class=fmt, help=about, description=about)
     pg.add_argument("--model", default=DEFAULT_MODEL, help="preset name or checkpoint folder")
     pg.add_argument("--prompt", required=True, help="the text to continue")
     pg.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
@@ -165,24 +195,29 @@ def build_parser() -> argparse.ArgumentParser:
                     help="nucleus sampling: the smallest set of tokens with this probability")
     pg.add_argument("--seed", type=int, default=None,
                     help="sampling seed (default: none, a fresh draw each run)")
-    pg.set_defaults(fn=cmd_generate)
+    pg.set_defaults(fn=cmd_generate, prog=pg.prog)
 
-    pb = sub.add_parser("bench", formatter_class=fmt,
-                        help="replay a trace (or a random load) against a running stack")
+    about = "replay a trace (or a random load) against a running stack"
+    pb = sub.add_parser("bench", formatter_class=fmt, help=about,
+                        description=f"{about}: give --trace or --rate; prints TTFT, ITL, "
+                                    "throughput and the prefix-cache hit rate")
     from cli.bench.command import add_arguments
 
     add_arguments(pb)
-    pb.set_defaults(fn=cmd_bench)
+    pb.set_defaults(fn=cmd_bench, prog=pb.prog)
 
     ps = sub.add_parser("serve", add_help=False,
                         help="start router + prefill and decode workers on this machine "
                              "(k3serve serve --help lists its flags)")
     ps.add_argument("flags", nargs=argparse.REMAINDER, help="the flags of the launcher")
 
-    pe = sub.add_parser("experts", formatter_class=fmt, help="expert placement tools")
-    esub = pe.add_subparsers(dest="experts_cmd", required=True)
-    pp = esub.add_parser("plan", formatter_class=fmt,
-                         help="place experts + redundant copies on ranks (equal slots per rank)")
+    about = "expert placement tools"
+    pe = sub.add_parser("experts", formatter_class=fmt, help=about, description=about)
+    esub = pe.add_subparsers(dest="experts_cmd", metavar="COMMAND", required=True)
+    about = "place experts + redundant copies on ranks (equal slots per rank)"
+    pp = esub.add_parser("plan", formatter_class=fmt, help=about,
+                         description=f"{about}; prints each layer's max/mean rank load before "
+                                     "and after")
     pp.add_argument("--counts", required=True,
                     help="JSON: per-expert token counts, or a list of such lists (per layer)")
     pp.add_argument("--ranks", type=int, required=True, help="expert-parallel ranks N")
@@ -192,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--max-moves", type=int, default=None,
                     help="with --previous: most expert copies moved per layer")
     pp.add_argument("--json", default=None, help="write the plan JSON here")
-    pp.set_defaults(fn=cmd_experts_plan)
+    pp.set_defaults(fn=cmd_experts_plan, prog=pp.prog)
 
     sub.add_parser("plan", add_help=False,
                    help="memory plan of a deployment config; refuses what cannot fit "
@@ -226,9 +261,26 @@ def _version() -> str:
         return "unknown"
 
 
+def error_line(e: ValueError | OSError, args: argparse.Namespace) -> str:
+    """The one line that reports ``e``, naming the flag of ``args`` it is about: a
+    ``ValueError`` whose message starts with a field gets the flag's spelling
+    (:func:`k3serve.process.flag_message`); an ``OSError`` on a file a flag names says
+    ``--FLAG: cannot use PATH (reason)`` (the commands turn the files they read or write into
+    ``cannot read`` / ``cannot write`` errors; this covers the rest)."""
+    from k3serve.process import flag_message
+
+    if isinstance(e, OSError):
+        if e.filename is None:
+            return str(e.strerror or e)
+        flags = [k for k, v in vars(args).items() if isinstance(v, str) and v == e.filename]
+        where = f"--{flags[0].replace('_', '-')}: " if flags else ""
+        return f"{where}cannot use {e.filename} ({e.strerror or e})"
+    return flag_message(str(e), args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``k3serve ARGV``; bad input, a missing file or an unreachable server end in one
-    line on stderr (exit status 2). A reader that stops reading (``k3serve plan ... | head``)
+    line on stderr, ``k3serve COMMAND: error: --FLAG: ...`` (exit status 2). A reader that stops reading (``k3serve plan ... | head``)
     ends the command quietly (exit status 1, as ``python -c ... | head`` recommends). Ctrl-C
     before a command has set its own handler (``serve`` sets one before it starts anything;
     until then it is importing) ends it with one line and exit status 130, no traceback."""
@@ -245,13 +297,17 @@ def _run(argv: list[str]) -> int:
     try:
         if argv[:1] and argv[0] in OUTER:  # their flags belong to deploy/ and simulate/
             return OUTER[argv[0]](argv[1:])
-        args = build_parser().parse_args(argv)
+        args, extra = build_parser().parse_known_args(argv)
+        if extra:  # argparse would blame the top-level parser: name the command instead
+            print(f"{args.prog}: error: unrecognized arguments: {' '.join(extra)} "
+                  f"({args.prog} --help lists the flags)", file=sys.stderr)
+            return 2
         try:
             return int(args.fn(args) or 0)
         except BrokenPipeError:
             raise
         except (ValueError, OSError) as e:  # bad input, a missing or unwritable file
-            print(f"k3serve: error: {e}", file=sys.stderr)
+            print(f"{args.prog}: error: {error_line(e, args)}", file=sys.stderr)
             return 2
     except BrokenPipeError:
         # stdout's reader is gone: later writes (the interpreter's last flush) go nowhere

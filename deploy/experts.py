@@ -374,11 +374,14 @@ def load_counts(path: str) -> list[np.ndarray]:
     """Read a counts file: JSON list of per-expert counts, or a list of such lists (per layer).
 
     Raises:
-        ValueError: not JSON, or not a (list of) list(s) of non-negative numbers of one length.
+        ValueError: a file that cannot be read (``counts: cannot read PATH (reason)``), not
+            JSON, or not a (list of) list(s) of non-negative numbers of one length.
     """
     try:
         with open(path) as f:
             data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"counts: cannot read {path} ({e.strerror or e})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"counts: {path} is not JSON ({e})") from None
     if isinstance(data, dict) and "counts" in data:

@@ -44,6 +44,7 @@ from typing import Any
 from deploy.config import GB, ROLES, DeployConfig, load_deploy_config
 from k3serve.cache.specs import CacheDtypes, KDAStateSpec, MLALatentSpec, dtype_bytes
 from k3serve.config import ModelConfig, load_config
+from k3serve.process import CommandParser, flag_message
 
 MXFP4_BYTES_PER_PARAM = 17 / 32  # 4-bit element + one 8-bit E8M0 scale per 32 elements
 
@@ -255,10 +256,8 @@ def make_plan(dc: DeployConfig, model: ModelConfig | None = None) -> Plan:
 
 def build_parser(prog: str = "k3serve plan") -> argparse.ArgumentParser:
     """The flags of ``k3serve plan`` (= ``python -m deploy.plan``)."""
-    ap = argparse.ArgumentParser(prog=prog,
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                 description="memory plan of a deployment config; refuses what "
-                                             "cannot fit")
+    ap = CommandParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="memory plan of a deployment config; refuses what cannot fit")
     ap.add_argument("--config", required=True, help="deploy/configs/*.yaml")
     ap.add_argument("--json", default=None, metavar="OUT", help="also write the plan as JSON")
     return ap
@@ -274,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"k3serve plan: refused: {e}", file=sys.stderr)
         return 1
     except ValueError as e:
-        print(f"k3serve plan: error: {e}", file=sys.stderr)
+        print(f"k3serve plan: error: {flag_message(str(e), args)}", file=sys.stderr)
         return 2
     print(plan.format())
     if args.json:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -469,21 +470,40 @@ def load_config(name_or_dir: str) -> ModelConfig:
     """A preset name, or a folder with ``k3serve_config.json`` (ours) or ``config.json`` (HF).
 
     Raises:
-        ValueError: unknown preset / folder without a config (the message lists the presets).
+        ValueError: unknown preset / folder without a config (the message lists the presets),
+            or a config file that cannot be read, is not a JSON object or does not describe a
+            model of this family (the message names the file).
     """
     if name_or_dir in PRESETS:
         return PRESETS[name_or_dir]
     if os.path.isdir(name_or_dir):
         ours = os.path.join(name_or_dir, "k3serve_config.json")
         if os.path.exists(ours):
-            with open(ours) as f:
-                return ModelConfig.from_dict(json.load(f))
+            return _read_config(ours, ModelConfig.from_dict)
         hf = os.path.join(name_or_dir, "config.json")
         if os.path.exists(hf):
-            with open(hf) as f:
-                return ModelConfig.from_hf_config(json.load(f), name=os.path.basename(name_or_dir.rstrip("/")))
+            name = os.path.basename(name_or_dir.rstrip("/"))
+            return _read_config(hf, lambda d: ModelConfig.from_hf_config(d, name=name))
         raise ValueError(f"model: folder {name_or_dir!r} has no config.json")
     raise ValueError(f"model: {name_or_dir!r} is neither a preset {sorted(PRESETS)} nor a folder")
+
+
+def _read_config(path: str, build: Callable[[dict[str, Any]], ModelConfig]) -> ModelConfig:
+    """``build`` applied to the JSON object in ``path``; every way the file can be wrong is a
+    ``ValueError`` that starts ``model:`` and names ``path``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise ValueError(f"model: cannot read {path} ({e.strerror or e})") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"model: {path} is not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"model: {path} is not a JSON object")  # noqa: TRY004 (bad input)
+    try:
+        return build(doc)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"model: {path} cannot be used ({e})") from None
 
 
 __all__ = ["PRESETS", "TINY_VOCAB", "ModelConfig", "load_config"]

@@ -18,7 +18,9 @@
   stopping worker on a small machine); logging and stdio are flushed first.
 * :func:`log_level`, :func:`device_name` — argparse types of the ``--log-level`` and
   ``--device`` flags the launcher, the router and the workers share.
-* :class:`CommandParser` — an ``argparse.ArgumentParser`` whose usage errors are one line.
+* :class:`CommandParser` — an ``argparse.ArgumentParser`` whose usage errors are one line;
+  :func:`flag_message` spells the field an error names as the flag that set it, and
+  :func:`writing` names the flag of a file that cannot be written.
 * :class:`FlagParser` — an ``argparse.ArgumentParser`` that lists the actions of its arguments
   in ``flags``, so ``k3serve serve`` can pass the router's and the workers' own flags through
   without reading argparse's private fields.
@@ -31,6 +33,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -184,6 +187,28 @@ class CommandParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+
+
+def flag_message(message: str, args: argparse.Namespace) -> str:
+    """``message`` with the field it starts with spelled as the command-line flag of ``args``
+    that set it: ``rate: must be > 0`` becomes ``--rate: must be > 0`` and
+    ``SamplingParams.max_tokens: ...`` becomes ``--max-tokens: ...`` when ``args`` has a
+    ``rate`` / ``max_tokens``; a message whose field is no flag of ``args`` is returned as is.
+    The flags are taken to be spelled ``--`` + the attribute with ``-`` for ``_``."""
+    m = re.match(r"(?:[A-Za-z]\w*\.)?([a-z][a-z0-9_-]*): ", message)
+    if m and m.group(1).replace("-", "_") in vars(args):
+        return "--" + m.group(1).replace("_", "-") + message[m.end(1):]
+    return message
+
+
+@contextlib.contextmanager
+def writing(flag: str, path: str | os.PathLike[str]) -> Iterator[None]:
+    """An ``OSError`` inside the block (writing ``path``, which ``flag`` named) becomes
+    ``ValueError("FLAG: cannot write PATH (reason)")``."""
+    try:
+        yield
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot write {path} ({e.strerror or e})") from None
 
 
 class FlagParser(argparse.ArgumentParser):

@@ -113,12 +113,14 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
     """Read a calibration file (``None``: the committed CPU default).
 
     Raises:
-        FileNotFoundError: no such file.
-        ValueError: not JSON, wrong ``schema``, an unknown or bad field (named).
+        ValueError: a file that cannot be read (``calibration: cannot read PATH (reason)``),
+            not JSON, wrong ``schema``, an unknown or bad field (named).
     """
     p = Path(path) if path is not None else DEFAULT_CALIBRATION
     try:
         obj = json.loads(p.read_text())
+    except OSError as e:
+        raise ValueError(f"calibration: cannot read {p} ({e.strerror or e})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"calibration: {p} is not JSON: {e.msg}") from None
     if not isinstance(obj, dict):

@@ -3,28 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 
 def _workers(spec: str) -> tuple[int, int]:
-    """``P:D`` (or ``P``) → (prefill, decode) worker counts."""
+    """``P:D`` → (prefill, decode) worker counts; argparse names the flag in its message."""
     parts = spec.split(":")
     try:
-        p = int(parts[0])
-        d = int(parts[1]) if len(parts) > 1 else p
+        p, d = (int(x) for x in parts)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--workers: expected P:D, got {spec!r}") from None
-    if len(parts) > 2 or p < 1 or d < 0:
-        raise argparse.ArgumentTypeError(f"--workers: expected P:D with P ≥ 1, D ≥ 0, got {spec!r}")
+        raise argparse.ArgumentTypeError(f"expected P:D, got {spec!r}") from None
+    if p < 1 or d < 0:
+        raise argparse.ArgumentTypeError(f"expected P:D with P ≥ 1, D ≥ 0, got {spec!r}")
     return p, d
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
+        raise ValueError(f"rate: must be a finite number > 0, got {args.rate}")
     if args.length_scale is not None:  # a live stack's slice (simulate/live.py)
         from simulate.live import cmd_live
 
         return cmd_live(args)
-    from router.policies.table import DEFAULT_POLICY, POLICIES
+    from k3serve.process import writing
     from router.policies.home import HomeParams
     from router.policies.table import DEFAULT_POLICY, POLICIES
     from simulate import SimConfig, load_calibration, run, trace_facts
@@ -50,16 +52,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                                         if args.store_fraction else ""))
     print(table(results, DEFAULT_POLICY))
     if args.json:
-        write_json(to_json(results, DEFAULT_POLICY, cfg, facts, str(args.trace)), args.json)
+        with writing("--json", args.json):
+            write_json(to_json(results, DEFAULT_POLICY, cfg, facts, str(args.trace)), args.json)
     if args.plot:
-        plot(results, reqs, facts, args.plot, default=DEFAULT_POLICY)
+        with writing("--plot", args.plot):
+            plot(results, reqs, facts, args.plot, default=DEFAULT_POLICY)
     return 0
 
 
 def build_parser(prog: str = "k3serve simulate") -> argparse.ArgumentParser:
-    pm = argparse.ArgumentParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                 description="replay a trace through the router's placement "
-                                             "(no model): hit rate, TTFT, load per policy")
+    from k3serve.process import CommandParser
+
+    pm = CommandParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="replay a trace through the router's placement "
+                                   "(no model): hit rate, TTFT, load per policy")
     pm.add_argument("--trace", required=True, help="JSONL trace (Mooncake format)")
     pm.add_argument("--workers", type=_workers, default="32:32", metavar="P:D",
                     help="prefill:decode workers")
@@ -94,11 +100,12 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run the parsed command; bad input ends in one line on stderr (exit status 2)."""
     from k3serve.cache.allocator import CacheFullError
+    from k3serve.process import flag_message
 
     try:
         return int(cmd_simulate(args) or 0)
-    except (ValueError, OSError) as e:  # bad input, a missing or unwritable file
-        print(f"k3serve simulate: error: {e}", file=sys.stderr)
+    except ValueError as e:  # bad input, a missing or unwritable file
+        print(f"k3serve simulate: error: {flag_message(str(e), args)}", file=sys.stderr)
         return 2
     except CacheFullError as e:  # one prompt needs more than a whole worker cache
         print(f"k3serve simulate: error: a trace row does not fit one prefill worker's cache "

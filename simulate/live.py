@@ -195,6 +195,7 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_live(args: argparse.Namespace) -> int:
     """Run the live-stack simulation of ``args`` (:func:`add_live_arguments`): print the table
     (and ``--json`` / ``--plot``), one row per policy."""
+    from k3serve.process import writing
     from simulate.calibration import load_calibration
     from simulate.report import plot, table, to_json, write_json
     from simulate.runner import run
@@ -230,9 +231,11 @@ def cmd_live(args: argparse.Namespace) -> int:
                        "length_scale": args.length_scale, "output_scale": args.output_scale,
                        "limit": args.limit, "max_model_len": args.max_model_len,
                        "stack": asdict(shape)}
-        write_json(doc, args.json)
+        with writing("--json", args.json):
+            write_json(doc, args.json)
     if args.plot:
-        plot(results, reqs, facts, args.plot, default=policies[0])
+        with writing("--plot", args.plot):
+            plot(results, reqs, facts, args.plot, default=policies[0])
     return 0
 
 

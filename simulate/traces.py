@@ -198,13 +198,17 @@ def read_rows(path: str | Path) -> list[TraceRow]:
     """Read a JSONL trace.
 
     Raises:
-        FileNotFoundError: no such file.
-        ValueError: an empty trace, bad JSON, or a bad row (``"<path>:<line>.<field>"``),
-            timestamps going backwards.
+        ValueError: a file that cannot be read (``trace: cannot read PATH (reason)``), an
+            empty trace, bad JSON, or a bad row (``"<path>:<line>.<field>"``), timestamps
+            going backwards.
     """
     p = Path(path)
     rows: list[TraceRow] = []
-    with p.open() as f:
+    try:
+        f = p.open()
+    except OSError as e:
+        raise ValueError(f"trace: cannot read {p} ({e.strerror or e})") from None
+    with f:
         for i, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -40,7 +40,7 @@ def test_plan_with_a_missing_config_is_one_line(tmp_path, capsys):
     assert main(["plan", "--config", str(missing)]) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [
-        f"k3serve plan: error: config: cannot read {missing} (No such file or directory)"]
+        f"k3serve plan: error: --config: cannot read {missing} (No such file or directory)"]
 
 
 def test_plan_with_a_missing_config_from_the_shell(tmp_path):
@@ -48,7 +48,7 @@ def test_plan_with_a_missing_config_from_the_shell(tmp_path):
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert r.stderr.startswith("k3serve plan: error: config: cannot read MISSING")
+    assert r.stderr.startswith("k3serve plan: error: --config: cannot read MISSING")
 
 
 def test_plan_with_an_unwritable_json_is_one_line(tmp_path, capsys):
@@ -57,6 +57,138 @@ def test_plan_with_an_unwritable_json_is_one_line(tmp_path, capsys):
     assert main(["plan", "--config", str(cfg), "--json", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("k3serve plan: error: --json: cannot write"), err
+
+
+MISSING = "/nonexistent/MISSING"
+COUNTS = ["--counts", "tests/data/expert_load_zipf_896x12.json", "--ranks", "64", "--redundant",
+          "64"]
+TRACE = ["--trace", "tests/data/agent_trace.jsonl"]
+NO_FILE = "(No such file or directory)"
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["info", "--model", MISSING], (
+        "k3serve info: error: --model: '/nonexistent/MISSING' is neither a preset ['k3', "
+        "'k3-mini', 'k3-tiny'] nor a folder")),
+    (["generate", "--prompt", "hi", "--max-tokens", "-5"], (
+        "k3serve generate: error: --max-tokens: Input should be greater than or equal to 1, "
+        "got -5")),
+    (["generate", "--prompt", "hi", "--top-p", "2"], (
+        "k3serve generate: error: --top-p: Input should be less than or equal to 1, got 2.0")),
+    (["bench", "--url", "http://127.0.0.1:9", "--trace", MISSING],
+     f"k3serve bench: error: --trace: cannot read {MISSING} {NO_FILE}"),
+    (["bench", "--url", "http://127.0.0.1:9", "--rate", "-1"],
+     "k3serve bench: error: --rate: must be > 0, got -1.0"),
+    (["bench", "--url", "http://127.0.0.1:9", "--rate", "1", "--input-len", "0"],
+     "k3serve bench: error: --input-len: must be > 0, got 0"),
+    (["bench", "--url", "http://127.0.0.1:9", "--trace", MISSING, "--time-scale", "0"],
+     "k3serve bench: error: --time-scale: must be > 0, got 0.0"),
+    (["experts", "plan", "--counts", MISSING, "--ranks", "2", "--redundant", "0"],
+     f"k3serve experts plan: error: --counts: cannot read {MISSING} {NO_FILE}"),
+    (["experts", "plan", *COUNTS, "--ranks", "0"],
+     "k3serve experts plan: error: --ranks: must be ≥ 1, got 0"),
+    (["experts", "plan", *COUNTS, "--max-moves", "2"],
+     "k3serve experts plan: error: --max-moves: only meaningful with --previous"),
+    (["experts", "plan", *COUNTS, "--previous", MISSING, "--max-moves", "2"],
+     f"k3serve experts plan: error: --previous: cannot read {MISSING} {NO_FILE}"),
+    (["experts", "plan", *COUNTS, "--previous", "tests/data/agent_trace.jsonl", "--max-moves",
+      "2"], ("k3serve experts plan: error: --previous: tests/data/agent_trace.jsonl is not valid "
+             "JSON (Extra data: line 2 column 1 (char 252))")),
+    (["experts", "plan", *COUNTS, "--previous", "tests/data/expert_load_zipf_896x12.json",
+      "--max-moves", "2"], ("k3serve experts plan: error: --previous: "
+                            "tests/data/expert_load_zipf_896x12.json is not a plan (layers: a "
+                            "plan needs a non-empty list of layers)")),
+    (["plan", "--config", MISSING],
+     f"k3serve plan: error: --config: cannot read {MISSING} {NO_FILE}"),
+    (["simulate", "--trace", MISSING],
+     f"k3serve simulate: error: --trace: cannot read {MISSING} {NO_FILE}"),
+    (["simulate", *TRACE, "--calibration", MISSING],
+     f"k3serve simulate: error: --calibration: cannot read {MISSING} {NO_FILE}"),
+    (["simulate", *TRACE, "--rate", "-5"],
+     "k3serve simulate: error: --rate: must be a finite number > 0, got -5.0"),
+    (["simulate", *TRACE, "--cache-fraction", "-1"],
+     "k3serve simulate: error: --cache-fraction: must be a finite number > 0, got -1.0"),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else "")
+def test_bad_input_is_one_line_naming_the_command_and_the_flag(argv, line, capsys):
+    """Every command's missing file and bad number: ``k3serve COMMAND: error: --FLAG: ...``
+    (a file's reason in words, not ``[Errno 2]``), exit status 2."""
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [line]
+
+
+def test_an_unwritable_output_names_its_flag(tmp_path, monkeypatch, capsys):
+    from cli.bench import client
+
+    out = tmp_path / "no-such-dir" / "plan.json"
+    assert main(["experts", "plan", *COUNTS, "--json", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"k3serve experts plan: error: --json: cannot write {out} {NO_FILE}"]
+    monkeypatch.setattr(client, "run_load", lambda *a, **k: _run(0))
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    out = blocked / "bench.json"
+    assert main(["bench", "--url", "http://127.0.0.1:9", "--rate", "10", "--num", "3",
+                 "--no-progress", "--json", str(out)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"k3serve bench: error: --json: cannot write {out} (File exists)"]
+
+
+@pytest.mark.parametrize("spec", ["3", "a:b", "1:2:3", "0:1"])
+def test_simulate_workers_must_be_p_colon_d(spec, capsys):
+    """``--workers`` takes ``P:D`` only, as its help says (a bare ``3`` is refused, not read as
+    3:3); the message names the flag once."""
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", *TRACE, "--workers", spec])
+    assert e.value.code == 2
+    want = ("expected P:D with P ≥ 1, D ≥ 0" if spec == "0:1" else "expected P:D")
+    assert capsys.readouterr().err.strip().splitlines() == [
+        (f"k3serve simulate: error: argument --workers: {want}, got {spec!r} (k3serve simulate "
+         "--help lists the flags)")]
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["info", "--bogus"], "unrecognized arguments: --bogus"),
+    (["generate"], "the following arguments are required: --prompt"),
+    (["generate", "--prompt", "hi", "--max-tokens", "abc"],
+     "argument --max-tokens: invalid int value: 'abc'"),
+    (["bench", "--url", "http://127.0.0.1:9", "--rate", "abc"],
+     "argument --rate: invalid float value: 'abc'"),
+    (["experts"], "the following arguments are required: COMMAND"),
+    (["experts", "plan", *COUNTS, "--ranks", "x"], "argument --ranks: invalid int value: 'x'"),
+    (["plan"], "the following arguments are required: --config"),
+    (["simulate", *TRACE, "--bogus"], "unrecognized arguments: --bogus"),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else "")
+def test_a_usage_error_is_one_line_naming_the_command(argv, line, capsys):
+    """As ``k3serve serve``'s: ``k3serve COMMAND: error: ... (k3serve COMMAND --help lists the
+    flags)``, exit status 2, no usage block."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors exit; an unknown flag is main()'s answer
+        code = e.code
+    assert code == 2
+    cmd = "k3serve " + " ".join(a for a in argv[:2] if not a.startswith("-"))
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"{cmd}: error: {line} ({cmd} --help lists the flags)"]
+
+
+def test_a_model_folder_whose_config_is_not_json_is_named(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{not json")
+    file = tmp_path / "config.json"
+    why = "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+    for cmd in (["info"], ["generate", "--prompt", "hi"], ["bench", "--url", "http://x",
+                                                           "--rate", "1"]):
+        assert main([*cmd, "--model", str(tmp_path)]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"k3serve {cmd[0]}: error: --model: {file} is not valid JSON ({why})"]
+
+
+def test_a_model_folder_whose_config_is_not_json_from_the_shell(tmp_path):
+    (tmp_path / "config.json").write_text("nope")
+    r = subprocess.run([sys.executable, "-m", "cli", "info", "--model", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        (f"k3serve info: error: --model: {tmp_path / 'config.json'} is not valid JSON "
+         "(Expecting value: line 1 column 1 (char 0))")], r.stderr
 
 
 def _help(cmd: list[str], capsys) -> str:
@@ -74,10 +206,21 @@ def test_help_shows_each_default_once(cmd, capsys):
     assert "default: None" not in text and "(default: False)" not in text, text
 
 
+@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: "-".join(c))
+def test_help_says_what_the_command_does(cmd, capsys):
+    """Every command's ``--help`` has a description line between its usage and its flags."""
+    text = _help(cmd, capsys)
+    paragraphs = [p for p in text.split("\n\n") if p.strip()]
+    assert paragraphs[0].startswith("usage:"), text[:80]
+    assert not paragraphs[1].lstrip().startswith(("options:", "positional arguments:")), text
+
+
 def test_help_still_shows_real_defaults(capsys):
     text = " ".join(_help(["bench"], capsys).split())
     assert "(default: 0.125)" in text and "(default: --length-scale)" in text
     assert "(default: k3-tiny)" in text
+    text = " ".join(_help(["generate"], capsys).split())
+    assert "(0: greedy) (default: 0.0)" in text and "(default: 64)" in text
     text = " ".join(_help(["serve"], capsys).split())
     assert "(default: 8000)" in text and "(default: prefix_home)" in text
 

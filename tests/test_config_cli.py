@@ -122,6 +122,29 @@ def test_load_config_errors(tmp_path):
         load_config(str(tmp_path))
 
 
+@pytest.mark.parametrize("file,text,want", [
+    ("config.json", "{not json", ("model: {path} is not valid JSON (Expecting property name "
+                                  "enclosed in double quotes: line 1 column 2 (char 1))")),
+    ("config.json", "[1, 2]", "model: {path} is not a JSON object"),
+    ("config.json", "{}",
+     "model: {path} cannot be used (config.json: missing field 'num_hidden_layers')"),
+    ("config.json", '{"text_config": []}', "model: {path} cannot be used ("),
+    ("k3serve_config.json", "{}", "model: {path} cannot be used (ModelConfig.__init__() missing"),
+    ("config.json", None, "model: cannot read {path} (Is a directory)"),
+])
+def test_load_config_names_a_config_file_it_cannot_use(tmp_path, file, text, want):
+    """A model folder whose config file cannot be read, is not JSON or describes no model:
+    one ``ValueError`` naming the field (``model``) and the file, never a raw parser error."""
+    path = tmp_path / file
+    if text is None:
+        path.mkdir()
+    else:
+        path.write_text(text)
+    with pytest.raises(ValueError) as e:
+        load_config(str(tmp_path))
+    assert str(e.value).startswith(want.format(path=path)), str(e.value)
+
+
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, *args], capture_output=True, text=True, timeout=120, check=False

@@ -112,6 +112,7 @@ def main(args: argparse.Namespace) -> int:
     """
     from cli.bench.client import run_load
     from cli.bench.report import format_summary, summarize
+    from k3serve.process import writing
 
     work = build_workload(args)
     if args.trace:
@@ -126,12 +127,15 @@ def main(args: argparse.Namespace) -> int:
     for err in rep["errors"]:
         print(f"k3serve bench: failed request: {err}", file=sys.stderr)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rep, indent=2) + "\n")
+        with writing("--json", args.json):
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(rep, indent=2) + "\n")
     if args.plots:
         from cli.bench.plots import write_plots
 
-        for f in write_plots(run, args.plots, oracle=work.oracle_hit_rate is not None):
+        with writing("--plots", args.plots):
+            written = write_plots(run, args.plots, oracle=work.oracle_hit_rate is not None)
+        for f in written:
             print(f"wrote {f}", file=sys.stderr)
     return 1 if rep["num_failed"] else 0
 
