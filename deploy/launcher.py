@@ -237,11 +237,9 @@ def start_stack(
         check_port_free(host, port)
     port = port or launch.free_port(host)
     token = secrets.token_hex(16)
-    env = {**os.environ, CLUSTER_TOKEN_ENV: token}
+    keys = api_keys_env(api_key)  # through the environment, so they do not show in `ps`
+    env = {**os.environ, CLUSTER_TOKEN_ENV: token, **({API_KEY_ENV: keys} if keys else {})}
     env.setdefault("PYTHONUNBUFFERED", "1")
-    keys = api_keys_env(api_key)
-    if keys:  # through the environment, so they do not show in `ps`
-        env[API_KEY_ENV] = keys
     stack = Stack(url=f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}",
                   api_key=keys.split()[0] if keys else None, cluster_token=token)
     def spawn(spec: Spec, first: bool = False) -> None:
