@@ -24,7 +24,7 @@ to every phase, and what still runs two minutes later is killed.
 
 ``--sequential`` runs the phases one after another in the foreground (in-process, stacks,
 serial). Arguments after ``--`` go to every pytest run (not ``-m``: the phases select by
-marker).
+marker); files or test ids among them replace the ``tests`` folder.
 """
 
 from __future__ import annotations
@@ -128,8 +128,34 @@ class Phases:
                         pass
 
 
+#: pytest's (and pytest-xdist's) short options that take a value: in a cluster such as
+#: ``-qkname`` the rest of the cluster is that value
+SHORT_WITH_VALUE = frozenset("kmcrpnWo")
+
+
 def _pytest(args: list[str], extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "pytest", *COMMON, *args, *extra, "tests"]
+    """The pytest command of a phase: its options, then ``extra``; the whole ``tests`` folder
+    unless ``extra`` names files or test ids of its own."""
+    paths = [] if any(_names_a_path(a) for a in extra) else ["tests"]
+    return [sys.executable, "-m", "pytest", *COMMON, *args, *extra, *paths]
+
+
+def _names_a_path(arg: str) -> bool:
+    """Whether ``arg`` is a file, folder or test id (``FILE::NAME``) under the repository."""
+    return not arg.startswith("-") and (ROOT / arg.split("::")[0]).exists()
+
+
+def _selects_markers(arg: str) -> bool:
+    """Whether ``arg`` is pytest's ``-m`` (alone, with its value, or inside a cluster of short
+    options such as ``-qm``)."""
+    if not arg.startswith("-") or arg.startswith("--"):
+        return False
+    for ch in arg[1:]:
+        if ch == "m":
+            return True
+        if ch in SHORT_WITH_VALUE:  # the rest of the cluster is this option's value
+            return False
+    return False
 
 
 def _status(codes: dict[str, int], order: tuple[str, ...], narrowed: bool) -> int:
@@ -181,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the phases one after another in the foreground")
     ap.add_argument("pytest_args", nargs="*", help="after --: passed to every pytest run")
     args = ap.parse_args(argv)
-    if any(a == "-m" or a.startswith("-m") and not a.startswith("--") for a in args.pytest_args):
+    if any(_selects_markers(a) for a in args.pytest_args):
         ap.error("-m: each phase selects its tests by marker; pass -k or other options")
     phases = Phases()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
