@@ -10,13 +10,15 @@ from typing import Any
 from simulate.config import PolicyResult, SimConfig, TraceFacts
 from simulate.traces import TraceRequest
 
-COLUMNS = ("policy", "hit", "/oracle", "store", "oracle", "ceiling", "TTFT p50 ms",
+COLUMNS = ("policy", "hit", "/oracle", "store", "oracle", "snap rule", "TTFT p50 ms",
            "TTFT p99 ms", "max/mean load", "agreement")
 
 
 def table(results: Sequence[PolicyResult], default: str) -> str:
     """One row per policy: hit rate (share of prompt tokens), its ratio to the token oracle,
-    the store's share, the token oracle, the snapshot-rule ceiling, TTFT p50/p99, max/mean
+    the store's share, the token oracle, the snapshot rule's hit rate (``snap rule``: one
+    infinite pool with KDA snapshots at prompt ends and branch points only; interval
+    snapshots and the store can pass it), TTFT p50/p99, max/mean
     computed tokens over prefill workers, predicted-vs-actual agreement. ``*`` marks the
     default policy."""
     rows = [COLUMNS]
