@@ -34,15 +34,18 @@ def main() -> int:
     from cli.bench.client import run_load
     from cli.bench.workload import BenchRequest
     from deploy.launcher import start_stack
+    from k3serve.process import output_file, positive_int
     from simulate.calibration import SCHEMA, Calibration
     from simulate.live import LIVE_CALIBRATION
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--block-size", type=int, default=4)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[16, 64, 160, 256])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", default=str(LIVE_CALIBRATION))
+    ap.add_argument("--block-size", type=positive_int, default=4)
+    ap.add_argument("--lengths", type=positive_int, nargs="+", default=[16, 64, 160, 256])
+    ap.add_argument("--reps", type=positive_int, default=3)
+    ap.add_argument("--out", type=output_file, default=str(LIVE_CALIBRATION))
     args = ap.parse_args()
+    if len(set(args.lengths)) < 2:  # the fit's slope needs two prompt lengths
+        ap.error(f"--lengths: give two different lengths at least, got {args.lengths}")
 
     rng = random.Random(0)
     st = start_stack(model="k3-tiny", num_prefill=2, num_decode=1, block_size=args.block_size)

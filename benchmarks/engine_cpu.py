@@ -34,6 +34,7 @@ import torch
 
 from k3serve.config import PRESETS, ModelConfig
 from k3serve.engine.llm import LLM
+from k3serve.process import flag_message, input_file, nonnegative_int, output_file, positive_int
 from k3serve.sampling import SamplingParams
 
 TRACE = os.path.join(
@@ -138,20 +139,27 @@ def run(
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", default=TRACE)
+    ap.add_argument("--trace", type=input_file, default=TRACE)
     ap.add_argument("--model", default="micro", help="'micro' (default, fast) or a preset / folder")
-    ap.add_argument("--sessions-mod", type=int, default=80)
-    ap.add_argument("--limit", type=int, default=None, help="at most this many requests")
-    ap.add_argument("--tokens-per-hash", type=int, default=8)
-    ap.add_argument("--max-output", type=int, default=8)
-    ap.add_argument("--block-size", type=int, default=8)
-    ap.add_argument("--num-pages", type=int, default=4096)
-    ap.add_argument("--num-snapshots", type=int, default=256)
-    ap.add_argument("--budget", type=int, default=256, help="max_num_batched_tokens")
-    ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", default=None, help="write the result here")
+    ap.add_argument("--sessions-mod", type=positive_int, default=80)
+    ap.add_argument("--limit", type=positive_int, default=None, help="at most this many requests")
+    ap.add_argument("--tokens-per-hash", type=positive_int, default=8)
+    ap.add_argument("--max-output", type=positive_int, default=8)
+    ap.add_argument("--block-size", type=positive_int, default=8)
+    ap.add_argument("--num-pages", type=positive_int, default=4096)
+    ap.add_argument("--num-snapshots", type=nonnegative_int, default=256)
+    ap.add_argument("--budget", type=positive_int, default=256, help="max_num_batched_tokens")
+    ap.add_argument("--concurrency", type=positive_int, default=8)
+    ap.add_argument("--threads", type=positive_int, default=1)
+    ap.add_argument("--json", type=output_file, default=None, help="write the result here")
     args = ap.parse_args()
+    if args.model != "micro":
+        from k3serve.config import load_config
+
+        try:
+            load_config(args.model)
+        except ValueError as e:
+            ap.error(flag_message(str(e), args))
     torch.set_num_threads(args.threads)
     cfg: ModelConfig | str = MICRO if args.model == "micro" else args.model
     vocab = MICRO.vocab_size if args.model == "micro" else None

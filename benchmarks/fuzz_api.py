@@ -20,13 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # router
 from router_fuzz import fuzz
 
 from deploy.fake_stack import Stack
+from k3serve.process import output_file, positive_int
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", type=int, default=1000)
-    ap.add_argument("--seed", type=int, default=15)
-    ap.add_argument("--json", default=None, help="write the result here")
+    ap.add_argument("--cases", type=positive_int, default=1000, help="requests generated")
+    ap.add_argument("--seed", type=int, default=15, help="hypothesis seed")
+    ap.add_argument("--json", type=output_file, default=None, help="write the result here")
     args = ap.parse_args()
     s = Stack(num_prefill=1, num_decode=1, api_key=None)
     try:

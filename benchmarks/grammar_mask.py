@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from k3serve.process import output_file, positive_int
 from k3serve.structured import GrammarVocab, json_schema_grammar, tool_call_grammar
 from k3serve.structured.mask import apply_mask, grammar_mask, reference_mask
 from k3serve.tokenizer import ByteTokenizer
@@ -105,9 +106,9 @@ def engine_steps(batch: int, steps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=48)
-    ap.add_argument("--json", default=None, help="write the result here")
+    ap.add_argument("--batch", type=positive_int, default=32, help="sequences per step")
+    ap.add_argument("--steps", type=positive_int, default=48, help="decode steps timed")
+    ap.add_argument("--json", type=output_file, default=None, help="write the result here")
     a = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     result = {"mask_alone": mask_alone(a.batch, a.steps), "engine": engine_steps(a.batch, a.steps)}

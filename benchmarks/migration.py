@@ -28,6 +28,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from k3serve.process import nonnegative_int, output_file, positive_int
+
 KEY = "sk-migration-bench"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -88,10 +90,11 @@ def metric(url: str, name: str) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--streams", type=int, default=50)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--warmup", type=int, default=3, help="fault-free runs (first discarded)")
-    ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--streams", type=positive_int, default=50, help="concurrent streams")
+    ap.add_argument("--max-tokens", type=positive_int, default=32, help="tokens per stream")
+    ap.add_argument("--warmup", type=nonnegative_int, default=3,
+                    help="fault-free runs (first discarded)")
+    ap.add_argument("--json", type=output_file, default=None, help="write the figures here")
     a = ap.parse_args()
     from deploy.launcher import start_stack
 

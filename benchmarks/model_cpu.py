@@ -15,8 +15,10 @@ import time
 import torch
 
 from k3serve.cache.pools import KVPools
+from k3serve.config import load_config
 from k3serve.engine.llm import load_model
 from k3serve.model.batch import make_batch
+from k3serve.process import flag_message, nonnegative_int, output_file, positive_int
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -31,11 +33,17 @@ def _median_time(fn, repeats: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="k3-tiny")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--model", default="k3-tiny", help="preset name or checkpoint folder")
+    ap.add_argument("--threads", type=nonnegative_int, default=0,
+                    help="torch threads (0 = torch default)")
+    ap.add_argument("--repeats", type=positive_int, default=3,
+                    help="timed runs per shape (decode: 3 x this); the median is shown")
+    ap.add_argument("--json", type=output_file, default=None, help="write the rows here")
     args = ap.parse_args()
+    try:
+        load_config(args.model)
+    except ValueError as e:
+        ap.error(flag_message(str(e), args))
     if args.threads:
         torch.set_num_threads(args.threads)
     model, cfg, folder = load_model(args.model, dtype=torch.float32)

@@ -32,6 +32,13 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deploy.fake_stack import Stack
 from deploy.fake_workers import MODEL, TOKENIZER, toy_generate
+from k3serve.process import (
+    nonnegative_float,
+    nonnegative_int,
+    output_file,
+    positive_float,
+    positive_int,
+)
 from k3serve.sampling import SamplingParams
 
 
@@ -87,12 +94,16 @@ def pct(xs: list[float], q: float) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default=None, help="write the figures here")
-    ap.add_argument("--seconds", type=float, default=30.0)
-    ap.add_argument("--factor", type=int, default=10)
-    ap.add_argument("--max-queued", type=int, default=8)
-    ap.add_argument("--token-delay", type=float, default=0.5)
-    ap.add_argument("--warm-seconds", type=float, default=10.0,
+    ap.add_argument("--json", type=output_file, default=None, help="write the figures here")
+    ap.add_argument("--seconds", type=positive_float, default=30.0,
+                    help="length of the overload, s")
+    ap.add_argument("--factor", type=positive_int, default=10,
+                    help="offered load as a multiple of what the slots serve")
+    ap.add_argument("--max-queued", type=nonnegative_int, default=8,
+                    help="the router's --max-queued")
+    ap.add_argument("--token-delay", type=positive_float, default=0.5,
+                    help="seconds between two tokens of the fake decode workers")
+    ap.add_argument("--warm-seconds", type=nonnegative_float, default=10.0,
                     help="a burst of the overload's shape before the RSS baseline")
     ap.add_argument("--tracemalloc", action="store_true",
                     help="also print the allocation sites that grew (slower)")

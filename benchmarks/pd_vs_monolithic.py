@@ -25,21 +25,23 @@ from cli.bench.report import summarize
 from cli.bench.workload import trace_load
 from deploy.launcher import start_stack
 from k3serve.config import load_config
+from k3serve.process import input_file, output_file, positive_float, positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", default=str(ROOT / "traces/mooncake_ci_slice_3940_3963.jsonl"))
-    ap.add_argument("--limit", type=int, default=None)
-    ap.add_argument("--time-scale", type=float, default=3.0)
-    ap.add_argument("--block-size", type=int, default=4)
-    ap.add_argument("--output-scale", type=float, default=0.25)
-    ap.add_argument("--max-model-len", type=int, default=512)
-    ap.add_argument("--slo-ttft", type=float, default=5.0)
-    ap.add_argument("--slo-itl", type=float, default=0.3)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--trace", type=input_file,
+                    default=str(ROOT / "traces/mooncake_ci_slice_3940_3963.jsonl"))
+    ap.add_argument("--limit", type=positive_int, default=None)
+    ap.add_argument("--time-scale", type=positive_float, default=3.0)
+    ap.add_argument("--block-size", type=positive_int, default=4)
+    ap.add_argument("--output-scale", type=positive_float, default=0.25)
+    ap.add_argument("--max-model-len", type=positive_int, default=512)
+    ap.add_argument("--slo-ttft", type=positive_float, default=5.0)
+    ap.add_argument("--slo-itl", type=positive_float, default=0.3)
+    ap.add_argument("--out", type=output_file, default=None)
     ap.add_argument("--plots", default=None)
     a = ap.parse_args()
     cfg = load_config("k3-tiny")
@@ -56,7 +58,7 @@ def main() -> int:
         finally:
             st.stop()
         reps[name] = summarize(runs[name], work, slo_ttft=a.slo_ttft, slo_itl=a.slo_itl)
-    f = lambda v, s=1.0: "—" if v is None else f"{v * s:.3g}"  # noqa: E731
+    f = lambda v, s=1.0: "—" if v is None else f"{v * s:.3g}"
     import os
 
     rows = f"rows 1–{a.limit}" if a.limit else "all rows"

@@ -41,6 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from k3serve.process import positive_int
+
 
 # ---------------------------------------------------------------- source (child process)
 def serve_source(port: int, tokens: int) -> None:
@@ -238,10 +240,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--relays", default="raw,fastapi,queue", type=lambda s: s.split(","),
                     help="relays to measure, comma-separated: raw, fastapi, queue")
-    ap.add_argument("--requests", type=int, default=200, help="streams per round")
-    ap.add_argument("--concurrency", type=int, default=32, help="streams open at once")
-    ap.add_argument("--tokens", type=int, default=128, help="one-token events per stream")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds per relay (medians)")
+    ap.add_argument("--requests", type=positive_int, default=200, help="streams per round")
+    ap.add_argument("--concurrency", type=positive_int, default=32, help="streams open at once")
+    ap.add_argument("--tokens", type=positive_int, default=128, help="one-token events per stream")
+    ap.add_argument("--rounds", type=positive_int, default=3, help="rounds per relay (medians)")
     ap.add_argument("--json", default=None, metavar="PATH",
                     help="write the settings and every relay's figures to PATH as JSON")
     args = ap.parse_args()

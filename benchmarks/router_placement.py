@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from k3serve.process import output_file, positive_int
 from router.index import GlobalIndex
 from router.placement import (
     DecodeWorkerState,
@@ -54,13 +55,13 @@ def build(num_blocks: int, num_workers: int, seed: int = 0):
         content[w][1].update((hot[-1], hot[1023]))
     total = len(hot) + sum(len(s) for s in systems)
     chains = []
-    while total < num_blocks:
+    while total < num_blocks or not chains:  # one conversation at least
         sysp = rng.choice(systems)
-        tail = [_h(rng) for _ in range(min(rng.randint(8, 200), num_blocks - total))]
+        tail = [_h(rng) for _ in range(min(rng.randint(8, 200), max(1, num_blocks - total)))]
         total += len(tail)
         chain = sysp + tail
         chains.append((len(sysp), chain))
-        for w in rng.sample(workers, rng.randint(1, 3)):
+        for w in rng.sample(workers, rng.randint(1, min(3, num_workers))):
             blocks, snaps = content[w]
             blocks.update(chain)
             snaps.update((sysp[-1], chain[-1]))
@@ -93,11 +94,16 @@ def _pct(xs: list[float], q: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--blocks", type=int, default=1_000_000)
-    ap.add_argument("--workers", type=int, default=64)
-    ap.add_argument("--iters", type=int, default=2000)
-    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--blocks", type=positive_int, default=1_000_000,
+                    help="index size (at least the system prompts and the hot chain)")
+    ap.add_argument("--workers", type=positive_int, default=64,
+                    help="workers (half prefill, half decode; ≥ 2)")
+    ap.add_argument("--iters", type=positive_int, default=2000,
+                    help="decisions timed per prompt shape")
+    ap.add_argument("--json", type=output_file, default=None, help="write the rows here")
     args = ap.parse_args()
+    if args.workers < 2:
+        ap.error(f"--workers: must be ≥ 2 (half prefill, half decode), got {args.workers}")
 
     t0 = time.perf_counter()
     index, prefill, decode_ids, systems, chains, hot = build(args.blocks, args.workers)

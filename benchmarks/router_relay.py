@@ -592,6 +592,7 @@ def main() -> int:
         out = asyncio.run(main_async(args))
         print(table(out))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 

@@ -17,10 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from k3serve.process import input_file, nonnegative_float, output_file, positive_int
+from router.policies.home import HomeParams
 from simulate.config import SimConfig, trace_facts
 from simulate.engine import replay
 from simulate.traces import load_trace
-from router.policies.home import HomeParams
 
 _T: dict = {}
 
@@ -45,17 +46,24 @@ def _job(args):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", nargs="+", required=True)
-    ap.add_argument("--store", nargs="+", type=float, default=[0.0])
+    ap.add_argument("--traces", nargs="+", type=input_file, required=True,
+                    help="JSONL traces (Mooncake format)")
+    ap.add_argument("--store", nargs="+", type=nonnegative_float, default=[0.0])
     ap.add_argument("--policy", nargs="+", default=["prefix_home"])
     ap.add_argument("--grid", default="", help='"field=v1,v2;field2=v3"')
-    ap.add_argument("--jobs", type=int, default=None)
-    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--jobs", type=positive_int, default=None)
+    ap.add_argument("--json", type=output_file, default=None, help="write the rows here")
     a = ap.parse_args()
-    axes = [(k, [float(x) for x in v.split(",")])
-            for k, v in (g.split("=") for g in a.grid.split(";") if g)]
-    kws = [dict(zip([k for k, _ in axes], vals, strict=True))
-           for vals in itertools.product(*[v for _, v in axes])] or [{}]
+    try:
+        axes = [(k, [float(x) for x in v.split(",")])
+                for k, v in (g.split("=") for g in a.grid.split(";") if g)]
+        kws = [dict(zip([k for k, _ in axes], vals, strict=True))
+               for vals in itertools.product(*[v for _, v in axes])] or [{}]
+        for kw in kws:
+            HomeParams(**kw)
+    except (ValueError, TypeError) as e:
+        ap.error(f"--grid: expected \"field=v1,v2;field2=v3\" of HomeParams fields, got "
+                 f"{a.grid!r} ({e})")
     jobs = []
     for tr, s, p in itertools.product(a.traces, a.store, a.policy):
         for kw in (kws if p == "prefix_home" else [{}]):

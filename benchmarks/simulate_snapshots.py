@@ -20,17 +20,30 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from k3serve.process import (
+    input_file,
+    nonnegative_float,
+    nonnegative_int,
+    output_file,
+    positive_int,
+)
+from router.policies.home import HomeParams
+from router.policies.table import DEFAULT_POLICY
 from simulate.calibration import Calibration
 from simulate.config import SimConfig, auto_store_interval, trace_facts
 from simulate.engine import replay
 from simulate.traces import load_trace, snapshot_rule_ceiling
-from router.policies.table import DEFAULT_POLICY
-from router.policies.home import HomeParams
-from router.policies.table import DEFAULT_POLICY
 
 MODELS = {"k3-tiny": (320, 420_864), "k3-mini": (6_912, 19_537_920),
           "k3": (27_648, 16_000 * 27_648)}
 _T: dict = {}
+
+
+def _interval(value: str) -> str:
+    """``--intervals``' argparse type: ``auto`` or an integer ≥ 0 (kept as given)."""
+    if value != "auto":
+        nonnegative_int(value)
+    return value
 
 
 def _job(a):
@@ -57,12 +70,14 @@ def _job(a):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trace")
-    ap.add_argument("--store", type=float, default=1.0)
-    ap.add_argument("--models", nargs="+", default=list(MODELS))
-    ap.add_argument("--intervals", nargs="+", default=["0", "auto", "4", "16", "64"])
-    ap.add_argument("--jobs", type=int, default=None)
-    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("trace", type=input_file, help="JSONL trace (Mooncake format)")
+    ap.add_argument("--store", type=nonnegative_float, default=1.0)
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    ap.add_argument("--intervals", nargs="+", type=_interval,
+                    default=["0", "auto", "4", "16", "64"],
+                    help="store-only snapshot intervals (blocks; auto: from the bytes)")
+    ap.add_argument("--jobs", type=positive_int, default=None)
+    ap.add_argument("--json", type=output_file, default=None, help="write the rows here")
     a = ap.parse_args()
     print(f"store {a.store:g} × working set, policy {DEFAULT_POLICY}")
     print("| snapshot size | store-only interval (blocks) | hit / oracle | store share | "

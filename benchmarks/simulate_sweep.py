@@ -15,29 +15,41 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from k3serve.process import (
+    input_file,
+    nonnegative_float,
+    nonnegative_int,
+    output_file,
+    positive_float,
+    positive_int,
+)
+from router.policies.home import HomeParams
 from simulate.config import SimConfig, trace_facts
 from simulate.engine import replay
 from simulate.traces import load_trace
-from router.policies.home import HomeParams
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trace")
-    ap.add_argument("--workers", type=int, default=32)
-    ap.add_argument("--store", type=float, default=0.0)
-    ap.add_argument("--fraction", type=float, default=1 / 16)
+    ap.add_argument("trace", type=input_file, help="JSONL trace (Mooncake format)")
+    ap.add_argument("--workers", type=positive_int, default=32)
+    ap.add_argument("--store", type=nonnegative_float, default=0.0)
+    ap.add_argument("--fraction", type=positive_float, default=1 / 16)
     ap.add_argument("--policy", nargs="*", default=["cache_aware", "prefix_home"])
     ap.add_argument("--set", nargs="*", default=[], help="HomeParams field=value")
-    ap.add_argument("--interval", type=int, default=None)
-    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--interval", type=nonnegative_int, default=None)
+    ap.add_argument("--json", type=output_file, default=None, help="write the rows here")
     a = ap.parse_args()
-    kw = {k: float(v) for k, v in (s.split("=") for s in a.set)}
+    try:
+        kw = {k: float(v) for k, v in (s.split("=") for s in a.set)}
+        params = HomeParams(**kw)
+    except (ValueError, TypeError) as e:
+        ap.error(f"--set: expected HomeParams field=number pairs, got {' '.join(a.set)} ({e})")
     reqs = load_trace(a.trace)
     facts = trace_facts(reqs)
     cfg = SimConfig(prefill_workers=a.workers, decode_workers=a.workers,
                     cache_fraction=a.fraction, store_fraction=a.store,
-                    store_snapshot_interval=a.interval, params=HomeParams(**kw))
+                    store_snapshot_interval=a.interval, params=params)
     print(f"oracle {facts.oracle_hit_rate:.4f} ceiling/oracle "
           f"{facts.snapshot_ceiling / facts.oracle_hit_rate:.4f} {kw}")
     out = {"trace": a.trace, "workers": a.workers, "store": a.store, "fraction": a.fraction,

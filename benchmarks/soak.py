@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from deploy.launcher import Stack, start_stack
+from k3serve.process import nonnegative_float, output_file, positive_float, positive_int
 from k3serve.protocol import CLUSTER_TOKEN_HEADER
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards", "quietly", "judge", "boxing", "matches", "in", "distant", "northern", "valleys"]
@@ -207,21 +208,28 @@ def report(run: dict, state: list[dict], warmup_s: float, rate: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--duration", type=float, default=600.0, help="seconds (≤ 600)")
-    ap.add_argument("--rate", type=float, default=4.0, help="requests per second")
-    ap.add_argument("--prefill", type=int, default=1)
-    ap.add_argument("--decode", type=int, default=1)
-    ap.add_argument("--sample", type=float, default=5.0, help="RSS sample interval, seconds")
-    ap.add_argument("--warmup", type=float, default=30.0, help="RSS baseline after this, s")
+    ap.add_argument("--duration", type=positive_float, default=600.0, help="seconds (≤ 600)")
+    ap.add_argument("--rate", type=positive_float, default=4.0, help="requests per second")
+    ap.add_argument("--prefill", type=positive_int, default=1, help="prefill workers")
+    ap.add_argument("--decode", type=positive_int, default=1, help="decode workers")
+    ap.add_argument("--sample", type=positive_float, default=5.0,
+                    help="RSS sample interval, seconds")
+    ap.add_argument("--warmup", type=nonnegative_float, default=30.0,
+                    help="RSS baseline after this, s")
     ap.add_argument("--seed", type=int, default=15)
-    ap.add_argument("--words", type=int, nargs=2, default=(2, 24), metavar=("MIN", "MAX"),
+    ap.add_argument("--words", type=positive_int, nargs=2, default=(2, 24), metavar=("MIN", "MAX"),
                     help="prompt words per request (uniform)")
-    ap.add_argument("--tokens", type=int, nargs=2, default=(1, 6), metavar=("MIN", "MAX"),
+    ap.add_argument("--tokens", type=positive_int, nargs=2, default=(1, 6), metavar=("MIN", "MAX"),
                     help="output tokens per request (uniform; ignore_eos)")
     ap.add_argument("--log-dir", default=None)
     ap.add_argument("--log-level", default=None, help="workers' --log-level (e.g. info)")
-    ap.add_argument("--out", default=None, help="also write the raw figures as JSON here")
+    ap.add_argument("--out", type=output_file, default=None,
+                    help="also write the raw figures as JSON here")
     a = ap.parse_args(argv)
+    for name in ("words", "tokens"):
+        lo, hi = getattr(a, name)
+        if lo > hi:
+            ap.error(f"--{name}: MIN must be ≤ MAX, got {lo} {hi}")
     key = "sk-soak"
     stack = start_stack(model="k3-tiny", num_prefill=a.prefill, num_decode=a.decode,
                         api_key=key, block_size=16, log_dir=a.log_dir, supervise=True,

@@ -35,6 +35,7 @@ import numpy as np
 from deploy.local import start_store_master
 from k3serve.cache.pools import KVPools
 from k3serve.config import PRESETS
+from k3serve.process import output_file, positive_int
 from kvstore import KVEngine
 from kvstore.store.client import KVStore, StoreConfig, StoreStats
 
@@ -74,10 +75,11 @@ def stats_line(name: str, s: StoreStats) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The flags of ``python benchmarks/store.py``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=5,
+    ap.add_argument("--reps", type=positive_int, default=5,
                     help="timed repetitions per payload; the table shows their median "
                          "(default: 5)")
-    ap.add_argument("--json", default=None, help="also write the table's rows as JSON here")
+    ap.add_argument("--json", type=output_file, default=None,
+                    help="also write the table's rows as JSON here")
     return ap
 
 

@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from k3serve.config import PRESETS
 from k3serve.messages import PairRequest, TransferMetadata
+from k3serve.process import device_name, nonnegative_float, output_file, positive_int
 from k3serve.sampling import SamplingParams
 from kvstore import BootstrapClient, CacheRef, KVEngine, KVPoll, KVSender, PoolLayout
 from kvstore.descriptors import plan_runs
@@ -282,24 +283,30 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--presets", default="k3-tiny,k3-mini",
                     help="comma-separated model presets whose payloads are sent "
                          "(default: k3-tiny,k3-mini)")
-    ap.add_argument("--tokens", type=int, default=None,
+    ap.add_argument("--tokens", type=positive_int, default=None,
                     help="prompt tokens (default: 1024 for k3-tiny, 4096 for k3-mini)")
-    ap.add_argument("--reps", type=int, default=5,
+    ap.add_argument("--reps", type=positive_int, default=5,
                     help="interleaved repetitions per preset; the table shows their median "
                          "(default: 5)")
-    ap.add_argument("--step-ms", type=float, default=20.0,
+    ap.add_argument("--step-ms", type=nonnegative_float, default=20.0,
                     help="simulated engine step: the sender is polled once per step (ms)")
-    ap.add_argument("--device", default="cpu", help="where both sides' pools live (cpu, cuda)")
+    ap.add_argument("--device", type=device_name, default="cpu",
+                    help="where both sides' pools live (cpu, cuda)")
     ap.add_argument("--staging", default="auto", choices=("auto", "host", "direct"),
                     help="GPU pools: sent through pinned host mirrors (host) or registered "
                          "with the TE as they are (direct); auto: host for CUDA pools, CPU "
                          "pools as they are (default: auto)")
-    ap.add_argument("--json", default="transfer.json", help="write the result here")
+    ap.add_argument("--json", type=output_file, default="transfer.json",
+                    help="write the result here")
     return ap
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    ap = build_parser()
+    args = ap.parse_args()
+    unknown = [p for p in args.presets.split(",") if p not in PRESETS]
+    if unknown:
+        ap.error(f"--presets: {','.join(unknown)} not among {','.join(PRESETS)}")
     rows = [bench_preset(p, args.reps, args.tokens, args.step_ms, args.device, args.staging)
             for p in args.presets.split(",")]
     result = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]),

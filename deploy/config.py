@@ -228,8 +228,20 @@ def load_deploy_config(path: str | Path) -> DeployConfig:
     except OSError as e:
         raise ValueError(f"config: cannot read {path} ({e.strerror or e})") from None
     except yaml.YAMLError as e:
-        raise ValueError(f"config: {path} is not valid YAML: {e}") from None
+        raise ValueError(f"config: {path} is not valid YAML: {yaml_error_line(e)}") from None
     return parse_deploy_config(doc, name=path.stem)
+
+
+def yaml_error_line(e: Exception) -> str:
+    """PyYAML's error ``e`` in one line: its context and problem, and where the problem is
+    (``line L, column C``, counted from 1) instead of its excerpt with a caret."""
+    problem = getattr(e, "problem", None)
+    if not problem:
+        return " ".join(str(e).split())
+    context = getattr(e, "context", None)
+    mark = getattr(e, "problem_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return f"{context}: {problem}{where}" if context else f"{problem}{where}"
 
 
 __all__ = [
@@ -243,4 +255,5 @@ __all__ = [
     "RouterSpec",
     "load_deploy_config",
     "parse_deploy_config",
+    "yaml_error_line",
 ]

@@ -17,7 +17,10 @@
   finalization (module teardown, the native destructors of torch and Mooncake: seconds of a
   stopping worker on a small machine); logging and stdio are flushed first.
 * :func:`log_level`, :func:`device_name` — argparse types of the ``--log-level`` and
-  ``--device`` flags the launcher, the router and the workers share.
+  ``--device`` flags the launcher, the router and the workers share; :func:`positive_int`,
+  :func:`nonnegative_int`, :func:`positive_float`, :func:`nonnegative_float`,
+  :func:`input_file` and :func:`output_file` — argparse types of counts, durations and files
+  the commands and the benchmarks share.
 * :class:`CommandParser` — an ``argparse.ArgumentParser`` whose usage errors are one line;
   :func:`flag_message` spells the field an error names as the flag that set it, and
   :func:`writing` names the flag of a file that cannot be written.
@@ -32,6 +35,7 @@ import argparse
 import contextlib
 import ctypes
 import logging
+import math
 import os
 import re
 import signal
@@ -178,6 +182,96 @@ def device_name(value: str) -> str:
     if dev == "cpu" or (kind == "cuda" and (not sep or index.isdigit())):
         return dev
     raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N (got {value!r})")
+
+
+def positive_int(value: str) -> int:
+    """argparse type of a count: an integer ≥ 1.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse names the flag).
+    """
+    return _int_at_least(value, 1)
+
+
+def nonnegative_int(value: str) -> int:
+    """argparse type of a count that may be 0: an integer ≥ 0.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse names the flag).
+    """
+    return _int_at_least(value, 0)
+
+
+def _int_at_least(value: str, lo: int) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = None
+    if n is None or n < lo:
+        raise argparse.ArgumentTypeError(f"must be an integer ≥ {lo}, got {value!r}")
+    return n
+
+
+def positive_float(value: str) -> float:
+    """argparse type of a duration, rate or scale: a finite number > 0 (not nan, not inf).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse names the flag).
+    """
+    return _finite_float(value, positive=True)
+
+
+def nonnegative_float(value: str) -> float:
+    """argparse type of a duration that may be 0: a finite number ≥ 0.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (argparse names the flag).
+    """
+    return _finite_float(value, positive=False)
+
+
+def _finite_float(value: str, *, positive: bool) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and (x > 0 if positive else x >= 0)):
+        bound = "> 0" if positive else "≥ 0"
+        raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {value!r}")
+    return x
+
+
+def input_file(value: str) -> str:
+    """argparse type of a file the command reads: ``value`` when it opens for reading.
+
+    Raises:
+        argparse.ArgumentTypeError: ``cannot read PATH (reason)``, e.g. no such file, a folder.
+    """
+    try:
+        with open(value, "rb"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {value} ({e.strerror or e})") from None
+    return value
+
+
+def output_file(value: str) -> str:
+    """argparse type of a file the command writes at its end: ``value`` when its folder
+    exists and is writable, so that a typo is refused before the run rather than after it.
+
+    Raises:
+        argparse.ArgumentTypeError: ``cannot write PATH (reason)``.
+    """
+    folder = os.path.dirname(value) or "."
+    if not os.path.isdir(folder):
+        reason = "Not a directory" if os.path.exists(folder) else "No such file or directory"
+    elif os.path.isdir(value):
+        reason = "Is a directory"
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        reason = "Permission denied"
+    else:
+        return value
+    raise argparse.ArgumentTypeError(f"cannot write {value} ({reason})")
 
 
 class CommandParser(argparse.ArgumentParser):

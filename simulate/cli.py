@@ -61,7 +61,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def build_parser(prog: str = "k3serve simulate") -> argparse.ArgumentParser:
-    from k3serve.process import CommandParser
+    from k3serve.process import CommandParser, nonnegative_int, positive_int
 
     pm = CommandParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        description="replay a trace through the router's placement "
@@ -77,7 +77,7 @@ def build_parser(prog: str = "k3serve simulate") -> argparse.ArgumentParser:
                     help="pool busy fraction without caching (rescales arrivals)")
     pm.add_argument("--store-fraction", type=float, default=0.0,
                     help="shared store size as a fraction of the working set (0: none)")
-    pm.add_argument("--store-snapshot-interval", type=int, default=None,
+    pm.add_argument("--store-snapshot-interval", type=nonnegative_int, default=None,
                     help="store-only KDA snapshots every N blocks (default: from the bytes)")
     pm.add_argument("--policy", nargs="+", default=None,
                     help="policies to compare (default: every registered one)")
@@ -85,7 +85,8 @@ def build_parser(prog: str = "k3serve simulate") -> argparse.ArgumentParser:
     pm.add_argument("--plot", default=None, metavar="PNG", help="plot hit rate over time")
     pm.add_argument("--calibration", default=None, metavar="FILE",
                     help="cost-model file (docs/calibration.md; default: CPU k3-tiny)")
-    pm.add_argument("--jobs", type=int, default=None, help="parallel processes")
+    pm.add_argument("--jobs", type=positive_int, default=None,
+                    help="parallel processes (default: one per policy, at most one per CPU)")
     pm.add_argument("--no-progress", action="store_true", help="no progress bar")
     from simulate.live import add_live_arguments
 

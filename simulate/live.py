@@ -34,6 +34,7 @@ from k3serve.cache.specs import (
     MLALatentSpec,
     auto_dense_snapshot_blocks,
 )
+from k3serve.process import nonnegative_int, positive_float, positive_int
 from router.config import RouterConfig
 from simulate.calibration import Calibration
 from simulate.config import PolicyResult, SimConfig, trace_facts
@@ -171,24 +172,24 @@ def add_live_arguments(p: argparse.ArgumentParser) -> None:
         "--length-scale (and the same --limit/--max-model-len/--time-scale/--output-scale "
         "as the bench); --workers P:D is the stack (N:0 = --monolithic N); the cache flags "
         "are the workers'. --cache-fraction, --load and --rate are then ignored")
-    g.add_argument("--length-scale", type=float, default=None,
+    g.add_argument("--length-scale", type=positive_float, default=None,
                    help="tokens per trace token (512 x this = the stack's --block-size)")
-    g.add_argument("--limit", type=int, default=None, help="first N trace rows only")
-    g.add_argument("--max-model-len", type=int, default=None,
+    g.add_argument("--limit", type=positive_int, default=None, help="first N trace rows only")
+    g.add_argument("--max-model-len", type=positive_int, default=None,
                    help="skip rows whose prompt + answer exceed this, as the bench does")
-    g.add_argument("--time-scale", type=float, default=1.0,
+    g.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="multiply arrival times by this, as the bench does")
-    g.add_argument("--output-scale", type=float, default=None,
+    g.add_argument("--output-scale", type=positive_float, default=None,
                    help="answer tokens per trace answer token (default: --length-scale)")
     d = StackShape()
     g.add_argument("--model", default=d.model, help="served model (snapshot rule)")
-    g.add_argument("--num-pages", type=int, default=d.num_pages, help="pages per worker")
-    g.add_argument("--num-slots", type=int, default=d.num_slots, help="state slots per worker")
-    g.add_argument("--num-snapshots", type=int, default=d.num_snapshots,
+    g.add_argument("--num-pages", type=positive_int, default=d.num_pages, help="pages per worker")
+    g.add_argument("--num-slots", type=positive_int, default=d.num_slots, help="state slots per worker")
+    g.add_argument("--num-snapshots", type=nonnegative_int, default=d.num_snapshots,
                    help="KDA snapshot budget per worker")
     g.add_argument("--dense-snapshot-blocks", type=int, default=d.dense_snapshot_blocks,
                    help="the workers' flag (-1: the engine's automatic rule)")
-    g.add_argument("--router-prefill-rate", type=float, default=d.router_prefill_rate,
+    g.add_argument("--router-prefill-rate", type=positive_float, default=d.router_prefill_rate,
                    help="the router's --prefill-rate (tokens/s it assumes per worker)")
 
 

@@ -79,10 +79,8 @@ NO_FILE = "(No such file or directory)"
      f"k3serve bench: error: --trace: cannot read {MISSING} {NO_FILE}"),
     (["bench", "--url", "http://127.0.0.1:9", "--rate", "-1"],
      "k3serve bench: error: --rate: must be > 0, got -1.0"),
-    (["bench", "--url", "http://127.0.0.1:9", "--rate", "1", "--input-len", "0"],
-     "k3serve bench: error: --input-len: must be > 0, got 0"),
-    (["bench", "--url", "http://127.0.0.1:9", "--trace", MISSING, "--time-scale", "0"],
-     "k3serve bench: error: --time-scale: must be > 0, got 0.0"),
+    (["bench", "--url", "http://127.0.0.1:9", "--rate", "nan"],
+     "k3serve bench: error: --rate: must be > 0, got nan"),
     (["experts", "plan", "--counts", MISSING, "--ranks", "2", "--redundant", "0"],
      f"k3serve experts plan: error: --counts: cannot read {MISSING} {NO_FILE}"),
     (["experts", "plan", *COUNTS, "--ranks", "0"],
@@ -100,6 +98,9 @@ NO_FILE = "(No such file or directory)"
                             "plan needs a non-empty list of layers)")),
     (["plan", "--config", MISSING],
      f"k3serve plan: error: --config: cannot read {MISSING} {NO_FILE}"),
+    (["plan", "--config", "tests/data/agent_trace.jsonl"],
+     ("k3serve plan: error: --config: tests/data/agent_trace.jsonl is not valid YAML: expected "
+      "'<document start>', but found '{' (line 2, column 1)")),
     (["simulate", "--trace", MISSING],
      f"k3serve simulate: error: --trace: cannot read {MISSING} {NO_FILE}"),
     (["simulate", *TRACE, "--calibration", MISSING],
@@ -144,6 +145,67 @@ def test_simulate_workers_must_be_p_colon_d(spec, capsys):
     assert capsys.readouterr().err.strip().splitlines() == [
         (f"k3serve simulate: error: argument --workers: {want}, got {spec!r} (k3serve simulate "
          "--help lists the flags)")]
+
+
+BENCH = ["bench", "--url", "http://127.0.0.1:1"]
+SLICE = ["--trace", "traces/mooncake_ci_slice_3940_3963.jsonl"]
+SIM = ["simulate", *SLICE, "--workers", "2:2", "--cache-fraction", "1", "--no-progress",
+       "--policy", "random"]
+
+
+@pytest.mark.parametrize("argv,line", [
+    ([*BENCH, *SLICE, "--time-scale", "nan"],
+     "argument --time-scale: must be a finite number > 0, got 'nan'"),
+    ([*BENCH, *SLICE, "--time-scale", "inf"],
+     "argument --time-scale: must be a finite number > 0, got 'inf'"),
+    ([*BENCH, "--trace", MISSING, "--time-scale", "0"],
+     "argument --time-scale: must be a finite number > 0, got '0'"),
+    ([*BENCH, "--rate", "4", "--num", "0"], "argument --num: must be an integer ≥ 1, got '0'"),
+    ([*BENCH, "--rate", "4", "--input-len", "0"],
+     "argument --input-len: must be an integer ≥ 1, got '0'"),
+    ([*BENCH, "--rate", "4", "--output-len", "-5"],
+     "argument --output-len: must be an integer ≥ 1, got '-5'"),
+    ([*BENCH, "--rate", "4", "--slo-ttft", "-1"],
+     "argument --slo-ttft: must be a finite number > 0, got '-1'"),
+    ([*BENCH, *SLICE, "--limit", "0"], "argument --limit: must be an integer ≥ 1, got '0'"),
+    ([*SIM, "--jobs", "0"], "argument --jobs: must be an integer ≥ 1, got '0'"),
+    ([*SIM, "--jobs", "-2"], "argument --jobs: must be an integer ≥ 1, got '-2'"),
+    ([*SIM, "--time-scale", "inf"],
+     "argument --time-scale: must be a finite number > 0, got 'inf'"),
+    ([*SIM, "--limit", "0"], "argument --limit: must be an integer ≥ 1, got '0'"),
+    ([*SIM, "--length-scale", "0.125", "--num-pages", "0"],
+     "argument --num-pages: must be an integer ≥ 1, got '0'"),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else "")
+def test_a_degenerate_number_is_refused_while_parsing(argv, line, capsys):
+    """A count below 1, or a time scale, length scale or SLO that is no finite number > 0, is
+    refused by bench's and simulate's parsers before anything runs: one line naming the flag
+    and the value, exit status 2."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    cmd = f"k3serve {argv[0]}"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"{cmd}: error: {line} ({cmd} --help lists the flags)"]
+
+
+def test_simulate_keeps_minus_one_dense_snapshot_blocks_as_the_automatic_rule():
+    """``--dense-snapshot-blocks -1`` is the workers' automatic rule (its help says so), not a
+    bad value; below it is refused."""
+    from simulate.cli import build_parser
+
+    args = build_parser().parse_args([*SIM[1:], "--dense-snapshot-blocks", "-1"])
+    assert args.dense_snapshot_blocks == -1
+
+
+def test_plan_with_a_config_that_is_not_yaml_is_one_line(tmp_path, capsys):
+    """PyYAML's error (its excerpt and caret over four lines) becomes one line that keeps the
+    line and column."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pools:\n  prefill: [1, 2\n  decode: 3\n")
+    assert main(["plan", "--config", str(bad)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        (f"k3serve plan: error: --config: {bad} is not valid YAML: while parsing a flow "
+         "sequence: expected ',' or ']', but got ':' (line 3, column 9)")]
 
 
 @pytest.mark.parametrize("argv,line", [

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from k3serve.process import positive_float, positive_int
 from k3serve.protocol import API_KEY_ENV
 
 
@@ -19,24 +20,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help=f"bearer token of the public API (default: ${API_KEY_ENV} when set)")
     p.add_argument("--trace", default=None, help="Mooncake-style JSONL trace to replay")
-    p.add_argument("--limit", type=int, default=None, help="first N trace rows only")
-    p.add_argument("--time-scale", type=float, default=1.0,
+    p.add_argument("--limit", type=positive_int, default=None, help="first N trace rows only")
+    p.add_argument("--time-scale", type=positive_float, default=1.0,
                    help="multiply trace arrival times by this (0.1 = 10x faster)")
-    p.add_argument("--length-scale", type=float, default=0.125,
+    p.add_argument("--length-scale", type=positive_float, default=0.125,
                    help="tokens per trace token; 512 x this = tokens per trace block "
                         "(match the server's --block-size)")
-    p.add_argument("--output-scale", type=float, default=None,
+    p.add_argument("--output-scale", type=positive_float, default=None,
                    help="answer tokens per trace answer token (default: --length-scale)")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="skip rows longer than this (default: the model's context)")
     p.add_argument("--rate", type=float, default=None,
                    help="random load: Poisson arrivals at R req/s (inf: all at once)")
-    p.add_argument("--input-len", type=int, default=256, help="random load: prompt tokens")
-    p.add_argument("--output-len", type=int, default=32, help="random load: output tokens")
-    p.add_argument("--num", type=int, default=32, help="random load: number of requests")
+    p.add_argument("--input-len", type=positive_int, default=256, help="random load: prompt tokens")
+    p.add_argument("--output-len", type=positive_int, default=32, help="random load: output tokens")
+    p.add_argument("--num", type=positive_int, default=32, help="random load: number of requests")
     p.add_argument("--seed", type=int, default=0, help="random load: seed")
-    p.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO for goodput (s)")
-    p.add_argument("--slo-itl", type=float, default=None,
+    p.add_argument("--slo-ttft", type=positive_float, default=None, help="TTFT SLO for goodput (s)")
+    p.add_argument("--slo-itl", type=positive_float, default=None,
                    help="per-request TPOT SLO for goodput (s)")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--plots", default=None, help="write the PNGs into this folder")

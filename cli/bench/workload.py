@@ -9,6 +9,7 @@ ids give equal token blocks and the trace's prefix sharing becomes real prefix s
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,10 +67,11 @@ def trace_load(path: str | Path, *, limit: int | None = None, time_scale: float 
         max_model_len: rows whose prompt + output exceed it are skipped and counted.
 
     Raises:
-        ValueError: a bad argument (named) or a bad trace row (see ``read_rows``).
+        ValueError: a bad argument (named; ``time_scale`` must be finite and > 0) or a bad
+            trace row (see ``read_rows``).
     """
-    if time_scale <= 0:
-        raise ValueError(f"time_scale: must be > 0, got {time_scale}")
+    if not (math.isfinite(time_scale) and time_scale > 0):
+        raise ValueError(f"time_scale: must be a finite number > 0, got {time_scale}")
     kept, skipped = traces.replay_slice(path, limit=limit, length_scale=length_scale,
                                         max_model_len=max_model_len, output_scale=output_scale)
     if not kept:
