@@ -21,13 +21,12 @@ field                       Kimi Linear             K3
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from k3serve.hf_config import hf_fields
+from k3serve.hf_config import hf_fields, read_config_json
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
@@ -489,17 +488,9 @@ def load_config(name_or_dir: str) -> ModelConfig:
 
 
 def _read_config(path: str, build: Callable[[dict[str, Any]], ModelConfig]) -> ModelConfig:
-    """``build`` applied to the JSON object in ``path``; every way the file can be wrong is a
-    ``ValueError`` that starts ``model:`` and names ``path``."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except OSError as e:
-        raise ValueError(f"model: cannot read {path} ({e.strerror or e})") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"model: {path} is not valid JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"model: {path} is not a JSON object")  # noqa: TRY004 (bad input)
+    """``build`` applied to the JSON object in ``path`` (:func:`read_config_json`); every way
+    the file can be wrong is a ``ValueError`` that starts ``model:`` and names ``path``."""
+    doc = read_config_json(path)
     try:
         return build(doc)
     except (ValueError, KeyError, TypeError, AttributeError) as e:

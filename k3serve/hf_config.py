@@ -1,4 +1,5 @@
-"""Hugging Face ``config.json`` → the fields of :class:`k3serve.config.ModelConfig`.
+"""Hugging Face ``config.json`` → the fields of :class:`k3serve.config.ModelConfig`, and the
+reading of a model folder's config file (:func:`read_config_json`).
 
 Two layouts: ``model_type`` ``kimi_linear`` (Kimi Linear), and K3's (a top-level dict with
 ``text_config`` holding the language model's fields). 1-based ``full_attn_layers`` become
@@ -8,6 +9,7 @@ Python (no torch).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -104,4 +106,24 @@ def hf_fields(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-__all__ = ["hf_fields"]
+def read_config_json(path: str) -> dict[str, Any]:
+    """The JSON object in the model config file ``path`` (``config.json`` or
+    ``k3serve_config.json``).
+
+    Raises:
+        ValueError: ``model:`` and ``path``: the file cannot be read, is not JSON, or holds
+            something other than an object.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise ValueError(f"model: cannot read {path} ({e.strerror or e})") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"model: {path} is not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"model: {path} is not a JSON object")  # noqa: TRY004 (bad input)
+    return doc
+
+
+__all__ = ["hf_fields", "read_config_json"]
