@@ -135,16 +135,9 @@ def read_plan(path: str) -> Plan:
     """The plan JSON in ``path`` (``k3serve experts plan --previous``); a file that cannot be
     read, is not JSON or is not a plan is a ``ValueError`` naming ``--previous`` and ``path``."""
     from k3serve.parallel.expert_plan import Plan
+    from k3serve.process import read_json_object
 
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except OSError as e:
-        raise ValueError(f"--previous: cannot read {path} ({e.strerror or e})") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"--previous: {path} is not valid JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"--previous: {path} is not a plan (not a JSON object)")  # noqa: TRY004
+    doc = read_json_object(path, "--previous")
     try:
         return Plan.from_dict(doc)
     except (ValueError, KeyError, TypeError, AttributeError) as e:

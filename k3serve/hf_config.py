@@ -9,8 +9,9 @@ Python (no torch).
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from k3serve.process import read_json_object
 
 
 def hf_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -114,16 +115,7 @@ def read_config_json(path: str) -> dict[str, Any]:
         ValueError: ``model:`` and ``path``: the file cannot be read, is not JSON, or holds
             something other than an object.
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except OSError as e:
-        raise ValueError(f"model: cannot read {path} ({e.strerror or e})") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"model: {path} is not valid JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"model: {path} is not a JSON object")  # noqa: TRY004 (bad input)
-    return doc
+    return read_json_object(path, "model")
 
 
 __all__ = ["hf_fields", "read_config_json"]

@@ -20,7 +20,8 @@
   ``--device`` flags the launcher, the router and the workers share; :func:`positive_int`,
   :func:`nonnegative_int`, :func:`positive_float`, :func:`nonnegative_float`,
   :func:`input_file` and :func:`output_file` — argparse types of counts, durations and files
-  the commands and the benchmarks share.
+  the commands and the benchmarks share; :func:`read_json_object` reads a JSON file a flag
+  named, every failure one ``ValueError`` naming the flag and the file.
 * :class:`CommandParser` — an ``argparse.ArgumentParser`` whose usage errors are one line;
   :func:`flag_message` spells the field an error names as the flag that set it, and
   :func:`writing` names the flag of a file that cannot be written.
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import json
 import logging
 import math
 import os
@@ -43,7 +45,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 #: The launcher sets this in the environment of a worker whose role is not its module's:
 #: ``monolithic`` for a decode worker that also prefills (``k3serve serve --monolithic N``).
@@ -253,6 +255,25 @@ def input_file(value: str) -> str:
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot read {value} ({e.strerror or e})") from None
     return value
+
+
+def read_json_object(path: str, field: str) -> dict[str, Any]:
+    """The JSON object in the file ``path``, which ``field`` (a flag or a config field) named.
+
+    Raises:
+        ValueError: ``FIELD: ...`` naming ``path``: the file cannot be read, is not JSON, or
+            holds something other than an object.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except OSError as e:
+        raise ValueError(f"{field}: cannot read {path} ({e.strerror or e})") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{field}: {path} is not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{field}: {path} is not a JSON object")  # noqa: TRY004 (bad input)
+    return doc
 
 
 def output_file(value: str) -> str:
