@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"k3serve simulate: error: {flag_message(str(e), args)}", file=sys.stderr)
         return 2
     except CacheFullError as e:  # one prompt needs more than a whole worker cache
-        print(f"k3serve simulate: error: a trace row does not fit one prefill worker's cache "
-              f"({e}); raise --cache-fraction, or scale the trace down (--length-scale)",
-              file=sys.stderr)
+        print(f"k3serve simulate: error: --cache-fraction: a trace row does not fit one prefill "
+              f"worker's cache ({e}); raise --cache-fraction ({args.cache_fraction:g} now), or "
+              f"scale the trace down (--length-scale)", file=sys.stderr)
         return 2

@@ -271,6 +271,22 @@ def test_cli_writes_the_json_schema_and_plot(tmp_path, capsys):
     assert main(["--trace", str(SLICE), "--policy", "nope", "--no-progress"]) == 2
 
 
+def test_a_row_larger_than_a_worker_cache_is_one_line_naming_cache_fraction(capsys):
+    """The shipped CI slice's longest rows need more pages than 1/16 of the working set (the
+    default ``--cache-fraction``) gives one of 32 prefill workers."""
+    from simulate.cli import main
+
+    ci_slice = Path(__file__).parents[2] / "traces" / "mooncake_ci_slice_3940_3963.jsonl"
+    assert main(["--trace", str(ci_slice), "--no-progress", "--jobs", "1",
+                 "--policy", "round_robin"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("k3serve simulate: error: --cache-fraction: a trace row does not "
+                             "fit one prefill worker's cache (need "), err
+    assert err[0].endswith("raise --cache-fraction (0.0625 now), or scale the trace down "
+                           "(--length-scale)"), err
+
+
 def test_k3serve_simulate_is_the_simulator_cli():
     import subprocess
     import sys
