@@ -273,10 +273,11 @@ def error_line(e: ValueError | OSError, args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``k3serve ARGV``; bad input, a missing file or an unreachable server end in one
-    line on stderr, ``k3serve COMMAND: error: --FLAG: ...`` (exit status 2). A reader that stops reading (``k3serve plan ... | head``)
-    ends the command quietly (exit status 1, as ``python -c ... | head`` recommends). Ctrl-C
-    before a command has set its own handler (``serve`` sets one before it starts anything;
-    until then it is importing) ends it with one line and exit status 130, no traceback."""
+    line on stderr, ``k3serve COMMAND: error: --FLAG: ...`` (exit status 2). A reader that
+    stops reading (``k3serve plan ... | head``) ends the command quietly (exit status 1, as
+    ``python -c ... | head`` recommends). Ctrl-C before a command has set its own handler
+    (``serve`` sets one before it starts anything; until then it is importing) ends it with
+    one line and exit status 130, no traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         return _run(argv)
